@@ -1,0 +1,50 @@
+# nanscan: `make demo` and `make test` set everything up on a fresh machine (.venv, dependencies, native build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch that dev machines and CI have on disk; a plain `torch` would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+
+.PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean
+
+all: install
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+
+# Dependencies first (torch pinned), then nanscan itself without build isolation so it builds against them.
+$(VENV)/.deps: $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install -q $(TORCH_PIN) "pybind11>=2.12" "numpy>=1.24"
+	$(PY) -m pip install -q "numba>=0.59" "matplotlib>=3.7" "Pillow>=10" "pyarrow>=14" "tokenizers>=0.15" \
+		"safetensors>=0.4" "rich>=13" "click>=8.1" "pytest>=8" "pytest-timeout>=2" "hypothesis>=6"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps $(NATIVE_SOURCES)
+	NANSCAN_REQUIRE_NATIVE=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m nanscan info
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/nanscan demo
+
+# The whole suite twice: native backends, then the numba fallback (NANSCAN_BACKEND=numba).
+test: install
+	$(PY) -m pytest -q
+	NANSCAN_BACKEND=numba $(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json
+
+bench-all: bench
+	$(PY) benchmarks/bench_overhead.py --json benchmarks/results/bench_overhead.json
+	$(PY) benchmarks/bench_data.py --json benchmarks/results/bench_data.json
+
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info nanscan/_C*.so .pytest_cache .hypothesis

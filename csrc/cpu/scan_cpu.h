@@ -1,0 +1,20 @@
+// scan_cpu.h: the CPU scan's entry point. Plain pointers and sizes only: the kernel knows nothing of torch or Python.
+#pragma once
+
+#include <cstdint>
+
+namespace nanscan {
+
+// One tensor to scan: a dense run of `numel` elements of format `dtype` (classify.h, enum DType).
+struct ScanTask {
+  const void* data;
+  int64_t numel;
+  int32_t dtype;
+};
+
+// Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), which the
+// caller initialises to the identity record. `chunk_elems` is the work unit (NOTE: [chunking]); `num_threads` 0
+// means OpenMP's default.
+void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads);
+
+}  // namespace nanscan

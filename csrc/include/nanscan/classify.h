@@ -1,0 +1,140 @@
+// classify.h: per-element classification of IEEE-754 values from their raw bits, shared by the CPU and CUDA kernels.
+//
+// Everything here is decided from the integer bit pattern (never isnan/isinf/log2 on a float), so -ffast-math,
+// --use_fast_math and half-precision host types cannot change an answer, and the CPU build runs exactly the
+// code the GPU runs (tests call it through nanscan._C.classify_bits).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define NANSCAN_HD __host__ __device__ __forceinline__
+#else
+#define NANSCAN_HD inline
+#endif
+
+namespace nanscan {
+
+// Dtype codes shared with Python (nanscan/_layout.py). Stable: they travel in metadata tables and bundles.
+enum DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+// A binary interchange format: storage width, exponent and mantissa field widths, exponent bias.
+template <typename BitsT, int kExpBitsV, int kMantBitsV, DType kDTypeV>
+struct FloatFormat {
+  using Bits = BitsT;
+  static constexpr int kExpBits = kExpBitsV;
+  static constexpr int kMantBits = kMantBitsV;
+  static constexpr int kBias = (1 << (kExpBitsV - 1)) - 1;
+  static constexpr int kExpMax = (1 << kExpBitsV) - 1;  // exponent field of inf and NaN
+  static constexpr DType kDType = kDTypeV;
+  static constexpr Bits kSignMask = Bits(1) << (kExpBitsV + kMantBitsV);
+  static constexpr Bits kAbsMask = Bits(kSignMask - 1);
+  static constexpr Bits kMantMask = Bits((Bits(1) << kMantBitsV) - 1);
+};
+
+using Float16 = FloatFormat<uint16_t, 5, 10, kFloat16>;
+using BFloat16 = FloatFormat<uint16_t, 8, 7, kBFloat16>;
+using Float32 = FloatFormat<uint32_t, 8, 23, kFloat32>;
+using Float64 = FloatFormat<uint64_t, 11, 52, kFloat64>;
+
+enum ValueClass : int32_t { kNormal = 0, kZero = 1, kSubnormal = 2, kPosInf = 3, kNegInf = 4, kNaN = 5 };
+
+// The exponent histogram has 256 bins: bin = clamp(floor(log2|x|), kMinBinExponent, kMaxBinExponent) - kMinBinExponent.
+constexpr int kHistBins = 256;
+constexpr int kMinBinExponent = -128;
+constexpr int kMaxBinExponent = 127;
+
+template <typename F>
+NANSCAN_HD int exponent_field(typename F::Bits bits) {
+  return static_cast<int>((bits >> F::kMantBits) & typename F::Bits(F::kExpMax));
+}
+
+template <typename F>
+NANSCAN_HD typename F::Bits abs_bits(typename F::Bits bits) {
+  return bits & F::kAbsMask;
+}
+
+template <typename F>
+NANSCAN_HD ValueClass classify(typename F::Bits bits) {
+  const int field = exponent_field<F>(bits);
+  const typename F::Bits mant = bits & F::kMantMask;
+  if (field == F::kExpMax) {
+    if (mant != 0) return kNaN;
+    return (bits & F::kSignMask) ? kNegInf : kPosInf;
+  }
+  if (field == 0) return mant == 0 ? kZero : kSubnormal;
+  return kNormal;
+}
+
+// Index of the highest set bit of a non-zero value.
+NANSCAN_HD int highest_bit(uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  return 63 - __clzll(static_cast<long long>(v));
+#elif defined(__GNUC__) || defined(__clang__)
+  return 63 - __builtin_clzll(v);
+#else
+  int i = -1;
+  while (v) { v >>= 1; ++i; }
+  return i;
+#endif
+}
+
+NANSCAN_HD int clamp_to_bin(int e) {
+  e = e < kMinBinExponent ? kMinBinExponent : e;
+  e = e > kMaxBinExponent ? kMaxBinExponent : e;
+  return e - kMinBinExponent;
+}
+
+// floor(log2|x|) of a normal value from its exponent field alone. Kernels histogram the raw field and fold it
+// through this afterwards (NOTE: [field histogram]): every normal value with the same field lands in one bin.
+template <typename F>
+NANSCAN_HD int bin_of_normal_field(int field) {
+  return clamp_to_bin(field - F::kBias);
+}
+
+// floor(log2|x|) of a subnormal: the exponent is 1 - bias, the mantissa has no hidden bit, so the leading
+// mantissa bit sets the binade.
+template <typename F>
+NANSCAN_HD int bin_of_subnormal(typename F::Bits bits) {
+  const uint64_t mant = static_cast<uint64_t>(bits & F::kMantMask);
+  return clamp_to_bin(1 - F::kBias - F::kMantBits + highest_bit(mant));
+}
+
+// Exponent-histogram bin of a finite, non-zero value; -1 for zero, inf and NaN (they are counted, not binned).
+template <typename F>
+NANSCAN_HD int exponent_bin(typename F::Bits bits) {
+  switch (classify<F>(bits)) {
+    case kNormal: return bin_of_normal_field<F>(exponent_field<F>(bits));
+    case kSubnormal: return bin_of_subnormal<F>(bits);
+    default: return -1;
+  }
+}
+
+// |x| of a finite value as a double, exactly (every format here is a subset of double). Used once per tensor on
+// the absmax/absmin bit patterns, and by the sum of squares.
+template <typename F>
+NANSCAN_HD double abs_to_double(typename F::Bits bits) {
+  const uint64_t a = static_cast<uint64_t>(abs_bits<F>(bits));
+  const int field = static_cast<int>(a >> F::kMantBits);
+  const uint64_t mant = a & static_cast<uint64_t>(F::kMantMask);
+  if (F::kDType == kFloat64) {
+    union { uint64_t u; double d; } pun;  // exact reinterpretation, valid in host and device code
+    pun.u = a;
+    return pun.d;
+  }
+  // Rebuild as a double: same value, wider fields. Subnormals of the narrow format are normal in double.
+  if (field == 0) {
+    if (mant == 0) return 0.0;
+    const int top = highest_bit(mant);
+    const int e = 1 - F::kBias - F::kMantBits + top;            // floor(log2 |x|)
+    const uint64_t frac = (mant << (52 - top)) & ((uint64_t(1) << 52) - 1);
+    union { uint64_t u; double d; } pun;
+    pun.u = (static_cast<uint64_t>(e + 1023) << 52) | frac;
+    return pun.d;
+  }
+  union { uint64_t u; double d; } pun;
+  pun.u = (static_cast<uint64_t>(field - F::kBias + 1023) << 52) | (mant << (52 - F::kMantBits));
+  return pun.d;
+}
+
+}  // namespace nanscan

@@ -1,0 +1,81 @@
+"""The reference scan: plain torch code that states each definition directly. It is the test oracle for every
+other backend and the last-resort fallback on any device (it runs wherever torch runs).
+
+It deliberately shares nothing with the kernels: it classifies with torch.isnan/isinf and floating comparisons
+and takes floor(log2|x|) from torch.frexp, where the kernels work on raw bits (classify.h).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan.inputs import ScanInput
+
+# Smallest positive normal value of each scanned format.
+_SMALLEST_NORMAL = {
+    L.FLOAT16: torch.finfo(torch.float16).tiny,
+    L.BFLOAT16: torch.finfo(torch.bfloat16).tiny,
+    L.FLOAT32: torch.finfo(torch.float32).tiny,
+    L.FLOAT64: torch.finfo(torch.float64).tiny,
+}
+
+
+def _abs_bits(value: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bit pattern of a non-negative 0-d value in its own format, as the stats record stores it."""
+    bits_type = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+                 torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    raw = int(value.to(dtype).reshape(1).view(bits_type).item())
+    return raw & ((1 << (8 * value.to(dtype).element_size())) - 1)
+
+
+def scan_one(flat: torch.Tensor, dtype_code: int) -> np.ndarray:
+    """One stats record (NOTE: [stats record]) for a 1-D tensor of a supported floating dtype."""
+    record = L.empty_records(1)[0]
+    # float64 is exact for every supported format, so classification and frexp see the true values.
+    x = flat.to(torch.float64)
+    nan = torch.isnan(x)
+    posinf = torch.isposinf(x)
+    neginf = torch.isneginf(x)
+    finite = torch.isfinite(x)
+    a = x.abs()
+    zero = a == 0
+    nonzero_finite = finite & ~zero
+    subnormal = nonzero_finite & (a < _SMALLEST_NORMAL[dtype_code])
+    record[L.REC_NAN] = int(nan.sum())
+    record[L.REC_POSINF] = int(posinf.sum())
+    record[L.REC_NEGINF] = int(neginf.sum())
+    record[L.REC_ZERO] = int(zero.sum())
+    record[L.REC_SUBNORMAL] = int(subnormal.sum())
+    finite_abs = a[finite]
+    if finite_abs.numel():
+        record[L.REC_ABSMAX_BITS] = _abs_bits(finite_abs.max(), flat.dtype)
+    values = a[nonzero_finite]
+    if values.numel():
+        record[L.REC_ABSMIN_BITS] = _abs_bits(values.min(), flat.dtype)
+        # frexp: |x| = m * 2**e with m in [0.5, 1), so floor(log2|x|) = e - 1, exactly.
+        _, e = torch.frexp(values)
+        bins = (e.to(torch.int64) - 1).clamp(L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT) - L.MIN_BIN_EXPONENT
+        record[L.REC_HIST:] = torch.bincount(bins, minlength=L.HIST_BINS).cpu().numpy()
+    sumsq = float((x[finite] * x[finite]).sum()) if finite.any() else 0.0
+    record[L.REC_SUMSQ : L.REC_SUMSQ + 1] = np.array([sumsq], dtype=np.float64).view(np.int64)
+    return record
+
+
+class ReferenceBackend:
+    """Slow and obvious; runs on any torch device."""
+
+    name = "reference"
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+    def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
+        records = L.empty_records(len(inputs))
+        for i, item in enumerate(inputs):
+            if item.numel:
+                records[i] = scan_one(item.flat, item.scanned_code)
+        return records

@@ -1,0 +1,167 @@
+"""Backend selection: which implementation scans a group of tensors, and why.
+
+Policy (one place): the `backend=` argument, else the NANSCAN_BACKEND environment variable, else auto.
+Auto picks the best available backend for each device (CPU: cpu > numba > reference; CUDA: cuda > reference)
+and says once, through the `nanscan` logger, which one it chose and why a better one is missing. A backend asked
+for by name that cannot run raises BackendUnavailable chained to the original error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan.inputs import ScanInput
+
+log = logging.getLogger("nanscan")
+
+ENV_VAR = "NANSCAN_BACKEND"
+AUTO_ORDER = {"cpu": ("cpu", "numba", "reference"), "cuda": ("cuda", "reference")}
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend asked for by name cannot run here; `__cause__` holds the original error."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray: ...
+
+
+def _native_module():
+    from nanscan import _C  # noqa: PLC0415 - optional compiled extension
+    return _C
+
+
+class CpuBackend:
+    """The C++/OpenMP kernel (csrc/cpu/scan_cpu.cpp) through the pybind11 extension nanscan._C."""
+
+    name = "cpu"
+
+    def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS, num_threads: int = 0):
+        self._C = _native_module()
+        self.chunk_elems = chunk_elems
+        self.num_threads = num_threads
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
+        n = len(inputs)
+        ptrs = np.fromiter((item.flat.data_ptr() for item in inputs), dtype=np.int64, count=n)
+        numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=n)
+        codes = np.fromiter((item.scanned_code for item in inputs), dtype=np.int32, count=n)
+        records = L.empty_records(n)
+        self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
+        return records
+
+
+def _load_numba():
+    from nanscan._numba_backend import NumbaBackend  # noqa: PLC0415 - numba is optional
+    return NumbaBackend()
+
+
+def _load_cuda():
+    from nanscan._cuda_backend import CudaBackend  # noqa: PLC0415 - needs the CUDA build and a GPU
+    return CudaBackend()
+
+
+def _load_reference():
+    from nanscan._reference import ReferenceBackend  # noqa: PLC0415
+    return ReferenceBackend()
+
+
+_LOADERS = {"cpu": CpuBackend, "numba": _load_numba, "cuda": _load_cuda, "reference": _load_reference}
+BACKEND_NAMES = tuple(_LOADERS)
+
+_loaded: dict[str, Backend] = {}
+_load_errors: dict[str, BaseException] = {}
+_announced: set[str] = set()
+
+
+def load(name: str) -> Backend:
+    """The backend called `name`, loaded once; raises BackendUnavailable with the original error as cause."""
+    if name not in _LOADERS:
+        raise BackendUnavailable(f"unknown nanscan backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name in _loaded:
+        return _loaded[name]
+    if name not in _load_errors:
+        try:
+            _loaded[name] = _LOADERS[name]()
+            return _loaded[name]
+        except Exception as exc:  # noqa: BLE001 - any import/build failure makes the backend unavailable
+            _load_errors[name] = exc
+    exc = _load_errors[name]
+    raise BackendUnavailable(f"nanscan backend {name!r} is unavailable: {type(exc).__name__}: {exc}") from exc
+
+
+def requested_name(backend: str | None) -> str | None:
+    """The explicitly requested backend name (argument, then environment), or None for auto."""
+    name = backend if backend is not None else os.environ.get(ENV_VAR, "").strip() or None
+    return None if name == "auto" else name
+
+
+def select(device: torch.device, backend: "str | Backend | None" = None) -> Backend:
+    """The backend that will scan tensors on `device`."""
+    if backend is not None and not isinstance(backend, str):
+        return backend  # a Backend instance (tests use this to force small chunks)
+    name = requested_name(backend)
+    if name is not None:
+        chosen = load(name)
+        if not chosen.supports(device):
+            raise BackendUnavailable(f"nanscan backend {name!r} cannot scan tensors on {device}")
+        return chosen
+    order = AUTO_ORDER.get(device.type, ("reference",))
+    for candidate in order:
+        try:
+            chosen = load(candidate)
+        except BackendUnavailable:
+            continue
+        if chosen.supports(device):
+            _announce(device, candidate, order)
+            return chosen
+    raise BackendUnavailable(f"no nanscan backend can scan tensors on {device}")  # reference always loads
+
+
+def _announce(device: torch.device, chosen: str, order: Sequence[str]) -> None:
+    if device.type in _announced:
+        return
+    _announced.add(device.type)
+    missing = [f"{name} ({type(err).__name__}: {err})" for name in order[: order.index(chosen)]
+               if (err := _load_errors.get(name)) is not None]
+    if missing:
+        log.warning("nanscan: scanning %s tensors with the %r backend; unavailable: %s",
+                    device.type, chosen, "; ".join(missing))
+    else:
+        log.info("nanscan: scanning %s tensors with the %r backend", device.type, chosen)
+
+
+def backend_info() -> dict:
+    """What is built, what can run, and what auto would choose, per backend and device."""
+    info: dict = {"backends": {}, "active": {}, "env": {ENV_VAR: os.environ.get(ENV_VAR)}}
+    for name in BACKEND_NAMES:
+        try:
+            load(name)
+            info["backends"][name] = {"available": True}
+        except BackendUnavailable as exc:
+            info["backends"][name] = {"available": False, "error": str(exc.__cause__ or exc)}
+    try:
+        info["build"] = dict(_native_module().build_info())
+    except Exception as exc:  # noqa: BLE001
+        info["build"] = {"error": f"{type(exc).__name__}: {exc}"}
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        try:
+            info["active"][device.type] = select(device).name
+        except BackendUnavailable as exc:
+            info["active"][device.type] = f"error: {exc}"
+    return info

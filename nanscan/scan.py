@@ -1,0 +1,100 @@
+"""The scan entry points: `scan(tensors)` for any set of tensors and `check(model)` for the every-step call."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan import backends
+from nanscan.inputs import ScanInput, prepare, prepare_all
+from nanscan.stats import ScannedTensor, ScanReport
+
+
+def scan_inputs(inputs: list[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
+    """Scan prepared inputs; tensors on different devices go to each device's backend in one call per device."""
+    records = L.empty_records(len(inputs))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, item in enumerate(inputs):
+        by_device.setdefault(item.device, []).append(i)
+    used = []
+    for device, idx in by_device.items():
+        chosen = backends.select(device, backend)
+        used.append(chosen.name)
+        records[idx] = chosen.scan_records([inputs[i] for i in idx])
+    tensors = [ScannedTensor(i.name, i.dtype, str(i.device), i.numel, i.scanned_code) for i in inputs]
+    name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
+    return ScanReport(tensors, records, skipped=skipped, backend=name, step=step)
+
+
+def scan(tensors: Any, *, backend=None) -> ScanReport:
+    """Scan tensors for NaN/inf/zero/subnormal counts, abs min/max, sum of squares and exponent histograms.
+
+    `tensors`: a tensor, a list of tensors, a dict name -> tensor, (name, tensor) pairs, or a module (its
+    parameters and buffers). Integer and bool tensors are listed in `report.skipped`. Tensors are read in place.
+    `backend`: "cpu", "numba", "cuda", "reference", a backend object, or None (NANSCAN_BACKEND, then auto).
+    """
+    inputs, skipped = prepare_all(tensors)
+    return scan_inputs(inputs, skipped=skipped, backend=backend)
+
+
+def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ScanInput]:
+    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer)."""
+    inputs: list[ScanInput] = []
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        item = prepare(f"param:{name}", p)
+        if item is not None:
+            inputs.append(item)
+        if p.grad is not None:
+            item = prepare(f"grad:{name}", p.grad)
+            if item is not None:
+                inputs.append(item)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                        item = prepare(f"optim:{pname}.{key}", value)
+                        if item is not None:
+                            inputs.append(item)
+    return inputs
+
+
+class _StepState:
+    __slots__ = ("steps", "first_invalid")
+
+    def __init__(self):
+        self.steps = 0
+        self.first_invalid: int | None = None
+
+
+_model_state: "weakref.WeakKeyDictionary[torch.nn.Module, _StepState]" = weakref.WeakKeyDictionary()
+
+
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+          backend=None) -> ScanReport:
+    """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state.
+
+    Steps are counted per model when `step` is not given; the first step with a non-finite value is remembered
+    and returned by `first_invalid(model)`.
+    """
+    state = _model_state.setdefault(model, _StepState())
+    if step is None:
+        step = state.steps
+    state.steps = step + 1
+    report = scan_inputs(model_inputs(model, optimizer), backend=backend, step=step)
+    if state.first_invalid is None and not report.ok:
+        state.first_invalid = step
+    return report
+
+
+def first_invalid(model: torch.nn.Module) -> int | None:
+    """The first step at which `check(model)` saw a NaN or infinity, or None."""
+    state = _model_state.get(model)
+    return None if state is None else state.first_invalid

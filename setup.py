@@ -1,0 +1,135 @@
+"""Build of nanscan's native extension nanscan._C: C++/OpenMP always, CUDA when nvcc is found.
+
+The extension is optional: when it cannot be compiled (no C++ compiler), nanscan still installs and runs on its
+numba and reference backends, and `nanscan info` says why the native one is missing.
+Environment:
+  NANSCAN_CUDA=1/0        force the CUDA part on (a failure is then an error) or off; default: on if nvcc is found
+  NANSCAN_CUDA_ARCH       semicolon-separated SM list, e.g. "90" or "80;90"; default "80;90" plus PTX for the last
+  NANSCAN_NATIVE_ARCH=0   do not compile the CPU kernel with -march=native (for wheels that travel)
+  NANSCAN_REQUIRE_NATIVE=1  fail the install when the C++ extension does not build
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+CSRC = ROOT / "csrc"
+
+
+def _flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
+
+
+def _nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cuda_arch_flags() -> tuple[list[str], str]:
+    archs = [a.strip().replace("sm_", "") for a in os.environ.get("NANSCAN_CUDA_ARCH", "80;90").split(";") if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
+    return flags, ";".join(archs)
+
+
+class NativeBuild(build_ext):
+    """Compiles the .cu sources with nvcc into objects linked into nanscan._C, and tolerates a missing compiler."""
+
+    def build_extensions(self):
+        for ext in self.extensions:
+            self._add_cuda(ext)
+        super().build_extensions()
+
+    def _add_cuda(self, ext):
+        want = _flag("NANSCAN_CUDA")
+        nvcc = _nvcc()
+        if want is False or (want is None and nvcc is None):
+            return
+        if nvcc is None:
+            raise RuntimeError("NANSCAN_CUDA=1 but nvcc was not found; set CUDA_HOME or put nvcc on PATH")
+        if not any((CSRC / "cuda").glob("*.cu")):
+            return
+        try:
+            objects = self._compile_cuda(nvcc, ext)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            if want:
+                raise
+            print(f"nanscan: CUDA part not built ({exc}); set NANSCAN_CUDA=1 to make this an error", file=sys.stderr)
+            return
+        cuda_home = Path(nvcc).resolve().parent.parent
+        ext.extra_objects += objects
+        ext.define_macros += [("NANSCAN_WITH_CUDA", "1"), ("NANSCAN_CUDA_ARCH_LIST", f'"{_cuda_arch_flags()[1]}"')]
+        ext.library_dirs += [str(cuda_home / "lib64"), str(cuda_home / "lib")]
+        # Static cudart: the module imports on machines without a CUDA runtime installed (the driver is loaded lazily).
+        ext.libraries += ["cudart_static", "rt", "pthread", "dl"]
+
+    def _compile_cuda(self, nvcc: str, ext) -> list[str]:
+        arch_flags, _ = _cuda_arch_flags()
+        out_dir = Path(self.build_temp) / "cuda"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        objects = []
+        for source in sorted((CSRC / "cuda").glob("*.cu")):
+            obj = out_dir / (source.stem + ".o")
+            cmd = [nvcc, "-c", str(source), "-o", str(obj), "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                   "-Xcompiler", "-fPIC", f"-I{CSRC / 'include'}", f"-I{CSRC}", *arch_flags]
+            print(" ".join(cmd), file=sys.stderr)
+            subprocess.check_call(cmd)
+            objects.append(str(obj))
+        return objects
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - compiler missing or failing: fall back to numba at run time
+            if _flag("NANSCAN_REQUIRE_NATIVE") or _flag("NANSCAN_CUDA"):
+                raise
+            self._failed.add(self.get_ext_fullpath(ext.name))
+            print(f"nanscan: native extension not built ({exc}); nanscan will use its numba backend",
+                  file=sys.stderr)
+
+    # An extension that failed to build has no file to copy into the wheel or the source tree.
+    def run(self):
+        self._failed = set()
+        super().run()
+
+    def get_outputs(self):
+        return [o for o in super().get_outputs() if o not in getattr(self, "_failed", ())]
+
+    def get_output_mapping(self):
+        failed = getattr(self, "_failed", ())
+        return {k: v for k, v in super().get_output_mapping().items() if k not in failed and v not in failed}
+
+
+def _extensions():
+    from pybind11.setup_helpers import Pybind11Extension
+
+    cxx_flags = ["-O3", "-fopenmp"]
+    if _flag("NANSCAN_NATIVE_ARCH") is not False and sysconfig.get_platform().endswith(("x86_64", "amd64")):
+        cxx_flags.append("-march=native")
+    return [
+        Pybind11Extension(
+            "nanscan._C",
+            sources=["csrc/bindings.cpp", "csrc/cpu/scan_cpu.cpp"],
+            include_dirs=["csrc/include", "csrc"],
+            extra_compile_args=cxx_flags,
+            extra_link_args=["-fopenmp"],
+            cxx_std=17,
+        )
+    ]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": NativeBuild})
