@@ -64,30 +64,70 @@ class NativeBuild(build_ext):
         if not any((CSRC / "cuda").glob("*.cu")):
             return
         try:
+            # Ask nvcc where its libraries are: nvcc may be a wrapper script (/usr/local/bin/nvcc), so the toolkit
+            # is not always two directories above it.
+            dryrun = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                                    capture_output=True, text=True, check=True)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            if want:
+                raise
+            print(f"nanscan: CUDA part not built ({exc}); set NANSCAN_CUDA=1 to make this an error", file=sys.stderr)
+            return
+        flags = [flag.strip('"') for line in (dryrun.stdout + dryrun.stderr).splitlines() if "LIBRARIES=" in line
+                 for flag in line.split("LIBRARIES=", 1)[1].split()]
+        cuda_home = Path(nvcc).resolve().parent.parent
+        lib_dirs = [f[2:] for f in flags if f.startswith("-L") and Path(f[2:]).name != "stubs"]
+        lib_dirs = [d for d in dict.fromkeys([*lib_dirs, str(cuda_home / "lib64"), str(cuda_home / "lib")])
+                    if (Path(d) / "libcudart_static.a").exists()]
+        if not lib_dirs:
+            message = f"libcudart_static.a not found next to {nvcc} (set CUDA_HOME to the CUDA toolkit)"
+            if want:
+                raise RuntimeError(message)
+            print(f"nanscan: CUDA part not built ({message}); set NANSCAN_CUDA=1 to make this an error",
+                  file=sys.stderr)
+            return
+        try:
             objects = self._compile_cuda(nvcc, ext)
         except (subprocess.CalledProcessError, OSError) as exc:
             if want:
                 raise
             print(f"nanscan: CUDA part not built ({exc}); set NANSCAN_CUDA=1 to make this an error", file=sys.stderr)
             return
-        cuda_home = Path(nvcc).resolve().parent.parent
         ext.extra_objects += objects
         ext.define_macros += [("NANSCAN_WITH_CUDA", "1"), ("NANSCAN_CUDA_ARCH_LIST", f'"{_cuda_arch_flags()[1]}"')]
-        ext.library_dirs += [str(cuda_home / "lib64"), str(cuda_home / "lib")]
+        ext.library_dirs += lib_dirs[:1]
         # Static cudart: the module imports on machines without a CUDA runtime installed (the driver is loaded lazily).
         ext.libraries += ["cudart_static", "rt", "pthread", "dl"]
 
     def _compile_cuda(self, nvcc: str, ext) -> list[str]:
+        """nvcc objects for csrc/cuda/*.cu, reused from build/nanscan-cuda when sources and flags are unchanged.
+
+        pip builds editable installs in a fresh temporary directory each time, so without this cache every
+        rebuild of the C++ part would recompile the kernels for every architecture (the slow part of a build).
+        """
+        import hashlib
+
         arch_flags, _ = _cuda_arch_flags()
-        out_dir = Path(self.build_temp) / "cuda"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        # -t: nvcc compiles the architectures in parallel.
+        flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-t", "0", "-Xcompiler", "-fPIC",
+                 f"-I{CSRC / 'include'}", f"-I{CSRC}", *arch_flags]
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+        inputs = sorted([*(CSRC / "cuda").glob("*"), *(CSRC / "include").rglob("*")])
+        digest = hashlib.sha256("\0".join([version, *flags]).encode())
+        for path in inputs:
+            if path.is_file():
+                digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes())
+        out_dir = ROOT / "build" / "nanscan-cuda" / digest.hexdigest()[:16]
         objects = []
         for source in sorted((CSRC / "cuda").glob("*.cu")):
             obj = out_dir / (source.stem + ".o")
-            cmd = [nvcc, "-c", str(source), "-o", str(obj), "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                   "-Xcompiler", "-fPIC", f"-I{CSRC / 'include'}", f"-I{CSRC}", *arch_flags]
-            print(" ".join(cmd), file=sys.stderr)
-            subprocess.check_call(cmd)
+            if not obj.exists():
+                out_dir.mkdir(parents=True, exist_ok=True)
+                partial = obj.with_suffix(f".{os.getpid()}.tmp.o")  # renamed into place only when complete
+                cmd = [nvcc, "-c", str(source), "-o", str(partial), *flags]
+                print(" ".join(cmd), file=sys.stderr)
+                subprocess.check_call(cmd)
+                os.replace(partial, obj)
             objects.append(str(obj))
         return objects
 

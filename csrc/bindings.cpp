@@ -15,6 +15,10 @@
 #endif
 
 #ifdef NANSCAN_WITH_CUDA
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+
 #include "cuda/scan_cuda.h"
 #endif
 
@@ -31,21 +35,39 @@ void check_dtype_code(int32_t code, const char* where) {
     throw py::value_error(std::string(where) + ": unknown dtype code " + std::to_string(code));
 }
 
-void scan_cpu_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t> dtypes,
-                 py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems, int num_threads) {
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
+                                const CArray<int32_t>& dtypes, const char* where) {
   const py::ssize_t n = ptrs.size();
   if (numels.size() != n || dtypes.size() != n)
-    throw py::value_error("scan_cpu: ptrs, numels and dtypes must have the same length");
-  if (records.ndim() != 2 || records.shape(0) != n || records.shape(1) != record::kWidth)
-    throw py::value_error("scan_cpu: records must have shape (len(ptrs), " + std::to_string(record::kWidth) + ")");
+    throw py::value_error(std::string(where) + ": ptrs, numels and dtypes must have the same length");
   std::vector<ScanTask> tasks(n);
   for (py::ssize_t i = 0; i < n; ++i) {
-    check_dtype_code(dtypes.at(i), "scan_cpu");
+    check_dtype_code(dtypes.at(i), where);
+    if (numels.at(i) < 0)
+      throw py::value_error(std::string(where) + ": numels[" + std::to_string(i) + "] is negative");
+    if (numels.at(i) > 0 && ptrs.at(i) == 0)
+      throw py::value_error(std::string(where) + ": ptrs[" + std::to_string(i) + "] is null for a non-empty tensor");
     tasks[i] = {reinterpret_cast<const void*>(ptrs.at(i)), numels.at(i), dtypes.at(i)};
   }
+  return tasks;
+}
+
+void scan_cpu_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t> dtypes,
+                 py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems, int num_threads) {
+  std::vector<ScanTask> tasks = make_tasks(ptrs, numels, dtypes, "scan_cpu");
+  const py::ssize_t n = static_cast<py::ssize_t>(tasks.size());
+  if (records.ndim() != 2 || records.shape(0) != n || records.shape(1) != record::kWidth)
+    throw py::value_error("scan_cpu: records must have shape (len(ptrs), " + std::to_string(record::kWidth) + ")");
   int64_t* out = records.mutable_data();
   py::gil_scoped_release release;  // the scan touches no Python object
   scan_cpu(tasks.data(), static_cast<int64_t>(n), out, chunk_elems, num_threads);
+}
+
+uint64_t read_bandwidth_probe_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t> dtypes,
+                                 int64_t chunk_elems, int num_threads) {
+  std::vector<ScanTask> tasks = make_tasks(ptrs, numels, dtypes, "read_bandwidth_probe");
+  py::gil_scoped_release release;
+  return read_bandwidth_probe(tasks.data(), static_cast<int64_t>(tasks.size()), chunk_elems, num_threads);
 }
 
 template <typename F>
@@ -92,13 +114,114 @@ py::dict build_info_py() {
   info["record_width"] = record::kWidth;
   info["hist_bins"] = kHistBins;
   info["min_bin_exponent"] = kMinBinExponent;
+  info["max_bin_exponent"] = kMaxBinExponent;
+  info["abs_min_none"] = record::kAbsMinNone;
+  py::dict slots;
+  slots["nan"] = record::kNaN;
+  slots["posinf"] = record::kPosInf;
+  slots["neginf"] = record::kNegInf;
+  slots["zero"] = record::kZero;
+  slots["subnormal"] = record::kSubnormal;
+  slots["absmax_bits"] = record::kAbsMaxBits;
+  slots["absmin_bits"] = record::kAbsMinBits;
+  slots["sumsq"] = record::kSumSq;
+  slots["hist"] = record::kHist;
+  info["record_slots"] = slots;
+  py::dict codes;
+  codes["float16"] = static_cast<int>(kFloat16);
+  codes["bfloat16"] = static_cast<int>(kBFloat16);
+  codes["float32"] = static_cast<int>(kFloat32);
+  codes["float64"] = static_cast<int>(kFloat64);
+  info["dtype_codes"] = codes;
+  // The widest vector instructions the CPU kernel was compiled for (setup.py: NANSCAN_NATIVE_ARCH).
+#if defined(__AVX512BW__)
+  info["cpu_simd"] = "avx512";
+#elif defined(__AVX2__)
+  info["cpu_simd"] = "avx2";
+#elif defined(__SSE2__) || defined(__aarch64__)
+  info["cpu_simd"] = "baseline";
+#else
+  info["cpu_simd"] = "none";
+#endif
   return info;
 }
 
 #ifdef NANSCAN_WITH_CUDA
 // CUDA entry points (csrc/cuda/scan_cuda.h): pointers and a stream handle in, nothing of torch.
+void check_cuda(int code, const char* where) {
+  if (code != 0)
+    throw std::runtime_error(std::string(where) + ": CUDA error " + std::to_string(code) + ": " +
+                             cuda::cuda_error_string(code));
+}
+
+void scan_cuda_py(uint64_t chunks, int64_t num_chunks, uint64_t records, int64_t num_tensors, uint64_t found_inf,
+                  uint64_t stream, int device) {
+  if (num_chunks < 0 || num_tensors < 0) throw py::value_error("scan_cuda: num_chunks and num_tensors must be >= 0");
+  if ((num_chunks > 0 && chunks == 0) || (num_tensors > 0 && records == 0))
+    throw py::value_error("scan_cuda: a null chunk table or record pointer with a non-zero count");
+  if (num_chunks > 0 && num_tensors == 0) throw py::value_error("scan_cuda: chunks given but no records for them");
+  cuda::ScanParams params;
+  params.chunks = reinterpret_cast<const cuda::ChunkMeta*>(chunks);
+  params.num_chunks = num_chunks;
+  params.records = reinterpret_cast<int64_t*>(records);
+  params.num_tensors = num_tensors;
+  params.found_inf = reinterpret_cast<float*>(found_inf);
+  params.stream = reinterpret_cast<void*>(stream);
+  params.device = device;
+  int code;
+  {
+    py::gil_scoped_release release;  // launches only; nothing waits for the GPU
+    code = cuda::scan_cuda(params);
+  }
+  check_cuda(code, "scan_cuda");
+}
+
+// The constants and the chunk-table layout the Python side must agree with (nanscan/_cuda_backend.py checks them).
+py::dict cuda_layout_py() {
+  py::dict layout;
+  layout["threads"] = cuda::kThreads;
+  layout["max_chunk_elems"] = cuda::kMaxChunkElems;
+  layout["chunk_meta_itemsize"] = sizeof(cuda::ChunkMeta);
+  py::dict offsets;
+  offsets["data"] = offsetof(cuda::ChunkMeta, data);
+  offsets["begin"] = offsetof(cuda::ChunkMeta, begin);
+  offsets["end"] = offsetof(cuda::ChunkMeta, end);
+  offsets["tensor"] = offsetof(cuda::ChunkMeta, tensor);
+  offsets["dtype"] = offsetof(cuda::ChunkMeta, dtype);
+  layout["chunk_meta_offsets"] = offsets;
+  layout["runtime_version"] = cuda::cuda_runtime_version();
+  return layout;
+}
+
+void scan_cuda_on_host_py(py::array_t<uint8_t, py::array::c_style> chunk_table,
+                          py::array_t<int64_t, py::array::c_style> records) {
+  if (chunk_table.ndim() != 1 || chunk_table.size() % sizeof(cuda::ChunkMeta) != 0)
+    throw py::value_error("scan_cuda_on_host: chunk_table must be the raw bytes of whole ChunkMeta rows");
+  if (records.ndim() != 2 || records.shape(1) != record::kWidth)
+    throw py::value_error("scan_cuda_on_host: records must have shape (n, " + std::to_string(record::kWidth) + ")");
+  const int64_t num_chunks = chunk_table.size() / static_cast<py::ssize_t>(sizeof(cuda::ChunkMeta));
+  std::vector<cuda::ChunkMeta> chunks(num_chunks);  // a copy: the numpy buffer need not be 8-byte aligned
+  if (num_chunks > 0) std::memcpy(chunks.data(), chunk_table.data(), chunks.size() * sizeof(cuda::ChunkMeta));
+  for (const cuda::ChunkMeta& c : chunks) {
+    if (c.tensor < 0 || c.tensor >= records.shape(0) || c.begin < 0 || c.end < c.begin)
+      throw py::value_error("scan_cuda_on_host: chunk out of range of the records or with end < begin");
+    check_dtype_code(c.dtype, "scan_cuda_on_host");
+  }
+  int64_t* out = records.mutable_data();
+  const int64_t num_tensors = records.shape(0);
+  py::gil_scoped_release release;
+  cuda::scan_on_host(chunks.data(), num_chunks, out, num_tensors);
+}
+
 void register_cuda(py::module_& m) {
-  (void)m;
+  m.def("scan_cuda", &scan_cuda_py, py::arg("chunks"), py::arg("num_chunks"), py::arg("records"),
+        py::arg("num_tensors"), py::arg("found_inf"), py::arg("stream"), py::arg("device"),
+        "Enqueue the CUDA scan on `stream` (device pointers and the stream handle as ints); returns at once.");
+  m.def("cuda_probe", [](int device) { check_cuda(cuda::cuda_probe(device), "cuda_probe"); }, py::arg("device"),
+        "Raise RuntimeError when this build's kernels cannot run on CUDA device `device`.");
+  m.def("cuda_layout", &cuda_layout_py, "Kernel constants and the ChunkMeta layout of the CUDA scan.");
+  m.def("scan_cuda_on_host", &scan_cuda_on_host_py, py::arg("chunk_table"), py::arg("records"),
+        "Run the CUDA kernel's per-thread code on the CPU over a chunk table of host addresses (for tests).");
 }
 #endif
 
@@ -109,6 +232,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("scan_cpu", &scan_cpu_py, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("records"),
         py::arg("chunk_elems"), py::arg("num_threads") = 0,
         "Scan tensors given as raw pointers into a (n, record width) int64 record array.");
+  m.def("read_bandwidth_probe", &read_bandwidth_probe_py, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"),
+        py::arg("chunk_elems"), py::arg("num_threads") = 0,
+        "Read the same tensors as scan_cpu with the same chunks and threads, doing nothing else (a speed ceiling).");
   m.def("classify_bits", &classify_bits_py, py::arg("bits"), py::arg("dtype"),
         "Classify bit patterns with classify.h: returns (value classes, exponent bins or -1).");
   m.def("build_info", &build_info_py, "How the extension was built.");

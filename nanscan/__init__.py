@@ -1,14 +1,17 @@
 """nanscan: catch the first non-finite training step cheaply, preserve the evidence, and find its cause."""
 
 from nanscan.backends import BackendUnavailable, backend_info
+from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
 from nanscan.headroom import headroom
 from nanscan.inputs import UnsupportedTensorError
+from nanscan.monitor import Monitor, NonFiniteError, NonFiniteWarning
 from nanscan.scan import check, first_invalid, scan
 from nanscan.stats import ScanReport, TensorStats
 
 __all__ = [
     "BackendUnavailable", "ScanReport", "TensorStats", "UnsupportedTensorError",
     "backend_info", "check", "first_invalid", "headroom", "scan",
+    "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
 ]
 
 try:

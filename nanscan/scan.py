@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
@@ -66,35 +65,27 @@ def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return inputs
 
 
-class _StepState:
-    __slots__ = ("steps", "first_invalid")
-
-    def __init__(self):
-        self.steps = 0
-        self.first_invalid: int | None = None
-
-
-_model_state: "weakref.WeakKeyDictionary[torch.nn.Module, _StepState]" = weakref.WeakKeyDictionary()
-
-
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
           backend=None) -> ScanReport:
     """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state.
 
     Steps are counted per model when `step` is not given; the first step with a non-finite value is remembered
-    and returned by `first_invalid(model)`.
+    and returned by `first_invalid(model)`. Behind it is a default nanscan.Monitor per model (see
+    nanscan.monitor.default_monitor): the first non-finite step also writes an evidence bundle to
+    $NANSCAN_BUNDLE_DIR (default "nanscan-bundles") and issues a NonFiniteWarning; use a Monitor directly to
+    include the batch and loss, raise instead, or choose the bundle directory.
     """
-    state = _model_state.setdefault(model, _StepState())
-    if step is None:
-        step = state.steps
-    state.steps = step + 1
-    report = scan_inputs(model_inputs(model, optimizer), backend=backend, step=step)
-    if state.first_invalid is None and not report.ok:
-        state.first_invalid = step
-    return report
+    from nanscan.monitor import default_monitor  # noqa: PLC0415 - nanscan.monitor imports this module
+
+    monitor = default_monitor(model)
+    monitor.optimizer = optimizer
+    monitor.backend = backend
+    return monitor.check(step=step)
 
 
 def first_invalid(model: torch.nn.Module) -> int | None:
     """The first step at which `check(model)` saw a NaN or infinity, or None."""
-    state = _model_state.get(model)
-    return None if state is None else state.first_invalid
+    from nanscan.monitor import default_monitor  # noqa: PLC0415
+
+    monitor = default_monitor(model, create=False)
+    return None if monitor is None else monitor.first_invalid_step

@@ -17,4 +17,8 @@ struct ScanTask {
 // means OpenMP's default.
 void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads);
 
+// Reads every byte of the tasks once with the same chunking and threads as scan_cpu and does nothing else of note:
+// the read speed a scan could reach at best (benchmarks compare against it). Returns a checksum so the reads stay.
+uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t chunk_elems, int num_threads);
+
 }  // namespace nanscan

@@ -92,6 +92,21 @@ NANSCAN_HD int bin_of_normal_field(int field) {
   return clamp_to_bin(field - F::kBias);
 }
 
+// NOTE: [field histogram]
+// Binning an element needs a subnormal test and a clamp; counting its raw exponent field needs one shift and mask.
+// So kernels count normal values per exponent field (1 << kExpBits counters: 32 for float16, 256 for bfloat16 and
+// float32, 2048 for float64) and fold those counters into the kHistBins bins once per chunk with fold_fields.
+// Field 0 (zero, subnormal) and kExpMax (inf, NaN) are never folded: zeros, infinities and NaNs are only counted,
+// and subnormals are binned one by one with bin_of_subnormal. float64 has more fields than bins; the fold clamps
+// them exactly as exponent_bin does, so a folded histogram equals the per-element one.
+template <typename F, typename FieldCount, typename BinCount>
+NANSCAN_HD void fold_fields(const FieldCount* field_counts, int first_field, int last_field, BinCount* hist) {
+  first_field = first_field < 1 ? 1 : first_field;
+  last_field = last_field > F::kExpMax - 1 ? F::kExpMax - 1 : last_field;
+  for (int field = first_field; field <= last_field; ++field)
+    hist[bin_of_normal_field<F>(field)] += static_cast<BinCount>(field_counts[field]);
+}
+
 // floor(log2|x|) of a subnormal: the exponent is 1 - bias, the mantissa has no hidden bit, so the leading
 // mantissa bit sets the binade.
 template <typename F>

@@ -1,0 +1,198 @@
+"""How much does `Monitor.check` add to a training step? The demo model's step (nanscan.demo) timed with and
+without the check, interleaved in one run, reported as median step times and one ratio line:
+
+    monitor_overhead = 1.8% of step
+
+Run it alone: `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_overhead.py --json
+benchmarks/results/bench_overhead.json`. Steps run in blocks whose order alternates (plain, checked, checked,
+plain, ...) so drift in machine load falls on both sides alike. The check is validated (finite, every parameter,
+gradient and optimizer state tensor scanned) before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nanscan import backend_info
+from nanscan import demo as D
+from nanscan.monitor import Monitor
+
+MODES = ("plain", "check")
+
+
+def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
+    """Batches of the demo's data without the corrupted record, built in memory."""
+    records = D.make_records(config)
+    tokens = torch.tensor([r["tokens"] for r in records], dtype=torch.int64)
+    weights = torch.tensor([r["weights"] for r in records], dtype=torch.float32)
+    size = config["batch_size"]
+    out = []
+    for i in range(count):
+        rows = torch.arange(i * size, (i + 1) * size) % len(records)
+        out.append({"tokens": tokens[rows], "weights": weights[rows], "index": rows})
+    return out
+
+
+class Trainer:
+    """The demo's training step; `monitor` is None for the plain variant."""
+
+    def __init__(self, config: dict, monitor_kwargs: dict, bundle_dir: Path):
+        self.config = config
+        with D.seeded_rngs(config["seed"]):
+            self.model = D.build_model(config)
+        self.optimizer = D.build_optimizer(self.model, config)
+        self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
+                               run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
+        self.step = 0
+        self.check_seconds: list[float] = []
+
+    def train_step(self, batch: dict, checked: bool):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = D.step_fn(self.model, batch)
+        loss.backward()
+        report = None
+        if checked:
+            start = time.perf_counter()
+            report = self.monitor.check(batch=batch, loss=loss, lr=self.config["lr"], step=self.step)
+            self.check_seconds.append(time.perf_counter() - start)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
+        self.optimizer.step()
+        self.step += 1
+        return loss, report
+
+
+def validate(trainer: Trainer, batch: dict) -> int:
+    """One checked step must scan every parameter, gradient and optimizer state tensor and find them finite."""
+    trainer.train_step(batch, checked=False)  # creates the optimizer state, so the next check sees it
+    loss, report = trainer.train_step(batch, checked=True)
+    params = list(trainer.model.parameters())
+    state = sum(1 for p in params for v in trainer.optimizer.state[p].values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point())
+    names = report.names
+    counts = {prefix: sum(n.startswith(prefix) for n in names) for prefix in ("param:", "grad:", "optim:")}
+    if counts != {"param:": len(params), "grad:": len(params), "optim:": state}:
+        raise SystemExit(f"validation failed: the check scanned {counts}, expected {len(params)} parameters and "
+                         f"gradients and {state} optimizer state tensors")
+    if not report.ok or not torch.isfinite(loss):
+        raise SystemExit(f"validation failed: a healthy step reported non-finite values: {report.nonfinite}")
+    if "loss" not in names or not any(n.startswith("input:") for n in names):
+        raise SystemExit(f"validation failed: the check did not scan the loss and the batch ({names[:5]}...)")
+    return len(names)
+
+
+def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int) -> dict:
+    config = dict(D.DEFAULT_CONFIG)
+    batches = healthy_batches(config, 64)
+    with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
+        trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp))
+        scanned = validate(trainer, batches[0])
+        for i in range(warmup):
+            trainer.train_step(batches[i % len(batches)], checked=bool(i % 2))
+        trainer.check_seconds.clear()
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        n = 0
+        for rep in range(reps):
+            order = MODES if rep % 2 == 0 else MODES[::-1]
+            for mode in order:
+                for _ in range(block):
+                    batch = batches[n % len(batches)]
+                    n += 1
+                    start = time.perf_counter()
+                    trainer.train_step(batch, checked=mode == "check")
+                    times[mode].append(time.perf_counter() - start)
+        profile_text = _profile(trainer, batches, profile) if profile else None
+    plain, checked = statistics.median(times["plain"]), statistics.median(times["check"])
+    check_alone = statistics.median(trainer.check_seconds)
+    return {
+        "question": "Monitor.check overhead on the nanscan demo model's training step",
+        "config": {k: config[k] for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "batch_size")},
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "tensors_scanned_per_check": scanned,
+        "monitor": {"history": history, "snapshot": snapshot},
+        "reps": reps, "block": block, "warmup": warmup,
+        "median_step_ms": {"plain": plain * 1e3, "check": checked * 1e3},
+        "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in MODES},
+        "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in MODES},
+        "median_check_ms": check_alone * 1e3,
+        "monitor_overhead_pct": 100.0 * (checked - plain) / plain,
+        "check_share_pct": 100.0 * check_alone / plain,
+        "torch_threads": torch.get_num_threads(),
+        "backend": backend_info()["active"].get("cpu"),
+        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+        "profile": profile_text,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _profile(trainer: Trainer, batches: list, checks: int) -> str:
+    """Where the time of `checks` Monitor.check calls goes (cProfile, cumulative, top entries)."""
+    batch = batches[0]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss = D.step_fn(trainer.model, batch)
+    loss.backward()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(checks):
+        trainer.monitor.check(batch=batch, loss=loss, lr=trainer.config["lr"], step=trainer.step + i)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=20, help="alternating block pairs (default 20)")
+    parser.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
+    parser.add_argument("--snapshot", choices=("none", "cpu"), default="none",
+                        help="Monitor snapshot mode (the demo uses cpu; default none)")
+    parser.add_argument("--history", type=int, default=64, help="Monitor history length (default 64)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N checks with cProfile and print where the time goes")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1, as `nanscan demo` runs this model; 0 keeps torch's default)")
+    parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile)
+    med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
+    print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
+          f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
+    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps")
+    print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
+    for mode in MODES:
+        print(f"{mode:<10}{med[mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
+    print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
+    print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step")
+    if result["profile"]:
+        print(result["profile"])
+    if args.json:
+        from nanscan._atomic import atomic_write_json
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the one prepared check for the GPU machine (no network there; its python3 has torch, numba,
+# pybind11, pytest and nvcc). Builds nanscan with its CUDA part for sm_90, runs the `cuda`-marked tests, then
+# benchmarks/bench_gpu.py, and leaves everything under $OUT (at most 8 files):
+#   summary.txt      one line per step: its exit code and seconds (a failed step does not stop the next)
+#   env.txt          nvidia-smi, python, torch, nvcc versions
+#   build.log        pip install output; ptxas.txt: registers, shared memory and spills of each kernel
+#   pytest.log       pytest -m cuda
+#   bench.log        the benchmark's table and ratio lines; bench_gpu.json: its results
+#   sass_sm90.txt    the scan kernel's machine code, for reading its inner loop offline
+# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh   (about 3 minutes; every step has its own time limit)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1 NANSCAN_CUDA=1 NANSCAN_CUDA_ARCH=90
+# The build tree nvcc writes its objects to (setup.py, NativeBuild._compile_cuda).
+CUDA_BUILD_DIR=build/nanscan-cuda
+
+# step NAME SECONDS LOG COMMAND...: runs COMMAND under a time limit with its output in LOG, records its exit code.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - start))$([ "$rc" = 124 ] && echo " (time limit ${limit}s)")" | tee -a "$SUMMARY"
+  return 0
+}
+
+env_report() {
+  nvidia-smi
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda,
+"gpu", torch.cuda.is_available() and torch.cuda.get_device_name())'
+  nvcc --version
+}
+
+register_report() {
+  nvcc -c csrc/cuda/scan_cuda.cu -o /tmp/nanscan_ptxas.o -O3 -std=c++17 --expt-relaxed-constexpr -Icsrc/include \
+    -Icsrc -gencode=arch=compute_90,code=sm_90 -Xptxas -v
+}
+
+sass_report() {
+  local obj
+  obj=$(ls -t "$CUDA_BUILD_DIR"/*/scan_cuda.o | head -n 1)
+  echo "# $obj"
+  cuobjdump --dump-sass "$obj"
+}
+
+export -f env_report register_report sass_report
+export PY CUDA_BUILD_DIR
+step env 30 "$OUT/env.txt" bash -c env_report
+step build 180 "$OUT/build.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
+step import 60 "$OUT/build.log" "$PY" -c 'import nanscan._C as C, torch
+info = C.build_info(); print(info); assert info["cuda"], "built without CUDA"
+C.cuda_probe(torch.cuda.current_device()); print("cuda_probe ok", C.cuda_layout())'
+step ptxas 60 "$OUT/ptxas.txt" bash -c register_report
+step pytest 150 "$OUT/pytest.log" "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider tests
+step bench 150 "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json"
+step sass 30 "$OUT/sass_sm90.txt" bash -c sass_report
+
+echo "--- summary"
+cat "$SUMMARY"
+echo "--- pytest (tail)"
+tail -n 15 "$OUT/pytest.log"
+echo "--- bench"
+cat "$OUT/bench.log"

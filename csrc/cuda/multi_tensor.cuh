@@ -1,0 +1,249 @@
+// multi_tensor.cuh: the per-thread work of the CUDA scan (chunk splitting, loads, classification, counting), written
+// as host+device code so that scan_on_host can run exactly these functions on a machine without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
+#include "cuda/scan_cuda.h"
+#include "nanscan/classify.h"
+#include "nanscan/stats_record.h"
+
+namespace nanscan {
+namespace cuda {
+
+// NOTE: [cuda scan]
+// One launch scans every tensor (PyTorch's _foreach_norm and MultiTensorApply are the model):
+//  1. Chunks. The host cuts each tensor into chunks of at most kMaxChunkElems elements and lists them all in one
+//     ChunkMeta table in device memory. Blocks walk the table with a grid stride; a block scans one chunk at a time,
+//     so one large tensor and many small ones share the GPU evenly, whatever their dtypes (one switch per chunk).
+//  2. Alignment. Only element alignment is assumed of a tensor (torch guarantees it; views may start anywhere).
+//     split_for_vectors cuts a chunk into a scalar head up to the first 16-byte boundary, whole 16-byte vectors
+//     (one 128-bit load each, streamed past the caches), and a scalar tail; head and tail hold < 16 bytes each.
+//  3. Fast path. A vector's largest abs bit pattern and its smallest non-zero one (needed for absmax/absmin anyway)
+//     tell whether it holds an inf/NaN or a subnormal: abs bit patterns order like the values. A vector of zeros
+//     and normal values only is counted without classify(); any other vector, and every head and tail element,
+//     goes element by element through classify<F>() (classify.h), the same code the CPU kernel runs.
+//  4. Field table. Normal values are counted per exponent field (NOTE: [field histogram] in classify.h; float64,
+//     with 2048 fields, per clamped bin instead) in a shared-memory table of 16-bit counters: kTableRows rows of
+//     32 words, slot s in row s % kTableRows, half s / kTableRows, column = the thread's lane. The 32 lanes of a
+//     warp therefore always hit 32 different banks, so the shared atomicAdd never conflicts inside an instruction,
+//     whatever the data (a per-element shared histogram would serialise on the few popular bins of real tensors).
+//     The warps of a block share the table; their atomics are separate instructions. One counter counts the
+//     elements of one lane index in one pass, at most kMaxChunkElems / 32 + 16 < 65536 (static_assert below), so
+//     a half never carries into its neighbour. Subnormals are rare and binned one by one into a plain shared
+//     histogram of kHistBins words. Zeros of 8-bit-or-narrower exponent formats land in slot 0 (field 0).
+//  5. Merge. At the end of a pass the block sums the table column-wise, folds slots to bins and adds them, its
+//     counts, and its abs bit extremes into the tensor's record with 64-bit integer atomics (atomicAdd, atomicMax,
+//     atomicMin on the abs bit patterns, NOTE: [stats record]); the sum of squares takes a float64 atomicAdd,
+//     the one slot whose last bits may vary with the order blocks finish. Every count is exact and the same on
+//     every run. A last one-block kernel ORs the NaN/inf counts of all records into a float found_inf flag (1.0 or
+//     0.0), the form torch's fused optimizers take, so a step can be skipped without the host reading anything.
+
+constexpr int kWarpSize = 32;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kVectorBytes = 16;
+constexpr int kUnroll = 4;  // vectors in flight per thread: 64 bytes, enough to cover HBM latency at full occupancy
+constexpr int kTableRows = 128;
+constexpr int kTableSlots = 2 * kTableRows;  // the fields of an 8-bit exponent, or float64's kHistBins bins
+constexpr int kTableWords = kTableRows * kWarpSize;
+constexpr uint32_t kHalfMask = 0xFFFFu;
+
+static_assert(kThreads % kWarpSize == 0, "whole warps");
+static_assert(kThreads == 4 * kTableRows, "the table flush gives every row four threads");
+static_assert(kTableSlots == kHistBins, "float64 counts its clamped bins in the slots");
+static_assert(kMaxChunkElems / kWarpSize + 2 * (kVectorBytes / 2) < 65536, "16-bit counters must not overflow");
+static_assert(kThreads >= kVectorBytes, "one thread per head or tail element");
+
+// A chunk [begin, end) cut for 16-byte loads: [begin, head_end) and [body_end, end) are read element by element,
+// [head_end, body_end) as whole vectors starting at a 16-byte-aligned address. `base` must be element-aligned.
+struct VectorSplit {
+  int64_t head_end;
+  int64_t body_end;
+};
+
+NANSCAN_HD VectorSplit split_for_vectors(uint64_t base, int64_t begin, int64_t end, int elem_size) {
+  const uint64_t first = base + static_cast<uint64_t>(begin) * elem_size;
+  const int64_t to_boundary = static_cast<int64_t>((kVectorBytes - first % kVectorBytes) % kVectorBytes) / elem_size;
+  const int64_t head_end = begin + to_boundary < end ? begin + to_boundary : end;
+  const int per_vector = kVectorBytes / elem_size;
+  const int64_t body_end = head_end + (end - head_end) / per_vector * per_vector;
+  return {head_end, body_end};
+}
+
+// Where slot `slot` lives in the field table, relative to the thread's column, and what adds one to it.
+NANSCAN_HD int slot_word(int slot) { return (slot % kTableRows) * kWarpSize; }
+NANSCAN_HD uint32_t slot_increment(int slot) { return slot < kTableRows ? 1u : 1u << 16; }
+
+// Formats whose exponent field has at most 8 bits are counted per raw field; float64 per clamped bin.
+template <typename F>
+struct SlotPolicy {
+  static constexpr bool kByField = F::kExpBits <= 8;
+};
+
+// The record slot a table slot's count goes to, or -1 for a slot no element can reach (inf/NaN fields).
+template <typename F>
+NANSCAN_HD int slot_record_index(int slot) {
+  if (!SlotPolicy<F>::kByField) return record::kHist + slot;
+  if (slot == 0) return record::kZero;
+  if (slot >= F::kExpMax) return -1;
+  return record::kHist + bin_of_normal_field<F>(slot);
+}
+
+// |x| (the bit pattern without its sign) as the value, exactly; the fast path squares it.
+template <typename F>
+NANSCAN_HD double to_double(typename F::Bits bits) {
+#if defined(__CUDA_ARCH__)
+  // Hardware conversions are exact for every finite value of these formats and cost one instruction.
+  if constexpr (F::kDType == kBFloat16) {
+    return static_cast<double>(__uint_as_float(static_cast<uint32_t>(bits) << 16));
+  } else if constexpr (F::kDType == kFloat16) {
+    return static_cast<double>(__half2float(__ushort_as_half(bits)));
+  } else if constexpr (F::kDType == kFloat32) {
+    return static_cast<double>(__uint_as_float(bits));
+  } else {
+    return __longlong_as_double(static_cast<long long>(bits));
+  }
+#else
+  return abs_to_double<F>(bits);
+#endif
+}
+
+// 16 bytes as four 32-bit words: what one 128-bit load fills, kept in registers (an array of elements indexed
+// through memcpy would live in local memory).
+struct Vector {
+  uint32_t w[4];
+};
+
+NANSCAN_HD Vector load_vector(const void* p) {
+  Vector v;
+#if defined(__CUDA_ARCH__)
+  const uint4 raw = __ldcs(static_cast<const uint4*>(p));  // read once: stream past L1/L2
+  v.w[0] = raw.x;
+  v.w[1] = raw.y;
+  v.w[2] = raw.z;
+  v.w[3] = raw.w;
+#else
+  memcpy(v.w, p, kVectorBytes);
+#endif
+  return v;
+}
+
+// One thread's partial statistics. 16-bit formats keep their abs bits in 32-bit registers (no 16-bit registers
+// on the GPU). absmin is tracked as min(|x| - 1) in that width: a zero wraps to all ones and can never win.
+template <typename F>
+struct LaneScan {
+  using Bits = typename F::Bits;
+  using Wide = typename std::conditional<sizeof(Bits) == 8, uint64_t, uint32_t>::type;
+  static constexpr int kPerVector = kVectorBytes / static_cast<int>(sizeof(Bits));
+  static constexpr Wide kNone = ~Wide(0);
+  static constexpr Wide kInfAbs = Wide(F::kExpMax) << F::kMantBits;  // smallest abs pattern of an inf or NaN
+  static constexpr Wide kMinNormalAbs = Wide(1) << F::kMantBits;
+
+  uint32_t nan = 0, posinf = 0, neginf = 0, zero = 0, subnormal = 0;
+  Wide absmax = 0;
+  Wide absmin_minus_one = kNone;
+  double sumsq = 0.0;
+
+  // Any element: classify.h decides. Head and tail elements and vectors that hold special values come here.
+  template <typename Hist>
+  NANSCAN_HD void add_element(Bits bits, Hist& hist) {
+    switch (classify<F>(bits)) {
+      case kNaN: ++nan; return;
+      case kPosInf: ++posinf; return;
+      case kNegInf: ++neginf; return;
+      case kZero: ++zero; return;
+      case kSubnormal:
+        ++subnormal;
+        hist.add_bin(bin_of_subnormal<F>(bits));
+        break;
+      case kNormal:
+        hist.add_slot(normal_slot(abs_bits<F>(bits)));
+        break;
+    }
+    const Wide a = abs_bits<F>(bits);
+    absmax = a > absmax ? a : absmax;
+    absmin_minus_one = a - 1 < absmin_minus_one ? a - 1 : absmin_minus_one;
+    const double v = to_double<F>(bits);
+    sumsq += v * v;
+  }
+
+  // Element j of a 16-byte vector held as four little-endian 32-bit words.
+  NANSCAN_HD static Bits element(const Vector& v, int j) {
+    if constexpr (sizeof(Bits) == 2) {
+      return static_cast<Bits>(v.w[j / 2] >> (16 * (j % 2)));
+    } else if constexpr (sizeof(Bits) == 4) {
+      return static_cast<Bits>(v.w[j]);
+    } else {
+      return static_cast<Bits>(v.w[2 * j]) | (static_cast<Bits>(v.w[2 * j + 1]) << 32);
+    }
+  }
+
+  // A whole 16-byte vector (NOTE: [cuda scan], 3).
+  template <typename Hist>
+  NANSCAN_HD void add_vector(const Vector& v, Hist& hist) {
+    Wide a[kPerVector];
+    Wide vmax = 0, vmin_minus_one = kNone;
+#pragma unroll
+    for (int j = 0; j < kPerVector; ++j) {
+      a[j] = abs_bits<F>(element(v, j));
+      vmax = a[j] > vmax ? a[j] : vmax;
+      vmin_minus_one = a[j] - 1 < vmin_minus_one ? a[j] - 1 : vmin_minus_one;
+    }
+    if (vmax >= kInfAbs || vmin_minus_one < kMinNormalAbs - 1) {
+#pragma unroll
+      for (int j = 0; j < kPerVector; ++j) add_element(element(v, j), hist);
+      return;
+    }
+    absmax = vmax > absmax ? vmax : absmax;
+    absmin_minus_one = vmin_minus_one < absmin_minus_one ? vmin_minus_one : absmin_minus_one;
+#pragma unroll
+    for (int j = 0; j < kPerVector; ++j) {
+      if constexpr (SlotPolicy<F>::kByField) {
+        hist.add_slot(static_cast<int>(a[j] >> F::kMantBits));  // a zero counts in slot 0
+      } else if (a[j] == 0) {
+        ++zero;
+      } else {
+        hist.add_slot(normal_slot(a[j]));
+      }
+      const double x = to_double<F>(element(v, j));
+      sumsq += x * x;
+    }
+  }
+
+  NANSCAN_HD static int normal_slot(Wide a) {
+    const int field = static_cast<int>(a >> F::kMantBits);
+    return SlotPolicy<F>::kByField ? field : bin_of_normal_field<F>(field);
+  }
+};
+
+// Thread `tid` of kThreads scans its share of [begin, end) of `data` (NOTE: [cuda scan], 2): head element
+// begin + tid, vectors tid, tid + kThreads, ..., tail element body_end + tid.
+template <typename F, typename Hist>
+NANSCAN_HD void scan_range(const typename F::Bits* data, int64_t begin, int64_t end, int tid, LaneScan<F>& lane,
+                           Hist& hist) {
+  using Bits = typename F::Bits;
+  constexpr int kPerVector = LaneScan<F>::kPerVector;
+  const VectorSplit split = split_for_vectors(reinterpret_cast<uint64_t>(data), begin, end, sizeof(Bits));
+  if (begin + tid < split.head_end) lane.add_element(data[begin + tid], hist);
+  const Bits* body = data + split.head_end;
+  const int64_t num_vectors = (split.body_end - split.head_end) / kPerVector;
+  int64_t v = tid;
+  for (; v + (kUnroll - 1) * kThreads < num_vectors; v += kUnroll * kThreads) {
+    Vector x[kUnroll];  // all loads first, so kUnroll of them are in flight together
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) x[u] = load_vector(body + (v + u * kThreads) * kPerVector);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) lane.add_vector(x[u], hist);
+  }
+  for (; v < num_vectors; v += kThreads) lane.add_vector(load_vector(body + v * kPerVector), hist);
+  if (split.body_end + tid < end) lane.add_element(data[split.body_end + tid], hist);
+}
+
+}  // namespace cuda
+}  // namespace nanscan

@@ -1,0 +1,144 @@
+"""Atomic, durable file and directory writes: a reader (or a process killed with -9 half way) never sees a
+partly written file or directory under its final name.
+
+Every write goes to a temporary name in the same directory (same file system, so the final rename is atomic),
+is flushed to disk with fsync, and is then renamed into place; the parent directory is fsynced so the rename
+itself survives a power loss. Temporary names start with ".tmp-" so listings can skip them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+TEMP_PREFIX = ".tmp-"
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# tempfile creates private files (0600) and directories (0700); finished files get the permissions an ordinary
+# write would give them, so a bundle can be shared. Read once, at import: os.umask is process-wide and racy.
+_UMASK = _current_umask()
+FILE_MODE = 0o666 & ~_UMASK
+DIR_MODE = 0o777 & ~_UMASK
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the directory's entries (created or renamed files) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # platforms that cannot open directories (Windows) have no directory fsync either
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems (e.g. certain network mounts) refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(temp_path)` to produce the file, then move it onto `path` atomically.
+
+    For writers that want a file name rather than a file object (e.g. safetensors.torch.save_file).
+    """
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(temp))
+        os.chmod(temp, FILE_MODE)
+        fsync_file(temp)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` so that `path` holds either its old content or all of `data`, never a mix."""
+
+    def write(temp: Path) -> None:
+        with open(temp, "wb") as f:
+            f.write(data)
+
+    return atomic_write_with(path, write)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def json_bytes(obj: Any) -> bytes:
+    """The one JSON formatting nanscan writes: stable key order as given, two-space indent, final newline.
+
+    Strict JSON (no NaN/Infinity tokens), so files stay readable by any JSON parser; callers encode
+    non-finite floats themselves.
+    """
+    return (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_bytes(path, json_bytes(obj))
+
+
+def sha256_file(path: str | os.PathLike, *, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(TEMP_PREFIX)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name and rename it to `final` when the block succeeds.
+
+    The temporary directory sits beside `final` (`.tmp-<name>-XXXX`). If the block raises, it is removed; if the
+    process dies, it stays behind under its temporary name, which readers ignore. If `final` already exists and is
+    not empty when the block ends (another process got there first), the temporary directory is removed and
+    FileExistsError is raised: the caller decides whether the existing one is acceptable.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        os.chmod(temp, DIR_MODE)
+        yield temp
+        for root, _dirs, files in os.walk(temp):
+            for name in files:
+                fsync_file(os.path.join(root, name))
+            fsync_dir(root)
+        try:
+            os.rename(temp, final)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise FileExistsError(errno.EEXIST, f"{final} already exists", str(final)) from None
+            raise
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    fsync_dir(final.parent)

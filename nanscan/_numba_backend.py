@@ -1,0 +1,404 @@
+"""The numba backend: the multi-tensor scan of csrc/cpu/scan_cpu.cpp for machines without the C++ extension.
+
+It states the definitions of classify.h again on raw bits (exponent field, subnormals binned by their leading
+mantissa bit, bins clamped to [-128, 127]; never isnan or log2) and chunks like the C++ kernel (NOTE: [chunking] in
+scan_cpu.cpp): one partial record per chunk, merged per tensor in chunk order, so the counts are exact and the
+float64 sum of squares is the same on every run and for every thread count.
+
+NOTE: [numba blocks]
+A chunk is read in blocks of _BLOCK_ELEMS elements. A vectorised pass finds the block's largest |x| bits and its
+smallest |x| bits, with and without zeros. When these show that the block holds no inf, NaN or subnormal, every
+element is a zero or a normal value whose bin depends on its exponent field alone, so the block is summed (squares,
+vectorised) and its exponent fields are counted; only other blocks are classified element by element, mirroring
+classify.h. Counting, not memory, bounds the speed, so it has two ways:
+  - pairs: when all fields of the block lie in the chunk's window of _PAIR_SPAN fields (placed by the first such
+    block), a vectorised pass packs each pair of elements' window offsets into one index and a scalar pass counts the
+    indices: one table update per two elements. The pair table is folded into fields once per chunk.
+  - top bits: otherwise each element's sign and exponent field (bits >> mant_bits) is counted into four tables,
+    filled in turn so that runs of equal exponents do not wait on each other's stores.
+Both kinds of table are folded into bins once per chunk.
+
+Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
+nanscan/_layout.py change: after such a change, delete the cache (nanscan/__pycache__/_numba_backend*.nbi/.nbc).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from nanscan import _layout as L
+from nanscan.inputs import ScanInput
+
+_BLOCK_ELEMS = 2048  # a block of float32 is 8 KiB: it stays in L1 between the passes over it
+_NUM_TABLES = 4
+# Fields covered by the pair window: 5 bits of each element's offset, so a pair index has 10 bits.
+_PAIR_BITS = 5
+_PAIR_SPAN = 1 << _PAIR_BITS
+_PAIR_ENTRIES = 1 << (2 * _PAIR_BITS)
+# Room left above the first block's largest field when the window is placed, for larger values in later blocks.
+_PAIR_HEADROOM = 4
+
+# Record slots and histogram geometry as plain globals: numba freezes them into the compiled code.
+_REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
+_REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
+_REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
+_MIN_BIN, _MAX_BIN = L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT
+_ABSMIN_NONE = L.ABSMIN_NONE
+
+
+@dataclass(frozen=True)
+class _Format:
+    """The fields of one binary format (classify.h, FloatFormat) and the constants the kernels derive from them."""
+
+    code: int
+    exp_bits: int
+    mant_bits: int
+    # How a zero or normal 16-bit value becomes the float32 with the same magnitude: (|bits| << shift) + offset.
+    widen_shift: int = 0
+    widen_offset: int = 0
+
+    @property
+    def bits_dtype(self):
+        return L.BITS_DTYPES[self.code]
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.exp_bits - 1)) - 1
+
+    @property
+    def masks(self) -> np.ndarray:
+        """abs mask, smallest normal, +inf: in the format's own unsigned type, so bit operations keep its width."""
+        return np.array([(1 << (self.exp_bits + self.mant_bits)) - 1, 1 << self.mant_bits,
+                         ((1 << self.exp_bits) - 1) << self.mant_bits], dtype=self.bits_dtype)
+
+    @property
+    def scale(self) -> np.ndarray:
+        """scale[field] = 2**(field - bias - mant_bits), scale[0] that of field 1: |x| = significand * scale[field]."""
+        fields = np.maximum(np.arange(1 << self.exp_bits), 1)
+        return np.ldexp(1.0, fields - self.bias - self.mant_bits)
+
+    @property
+    def table_stride(self) -> int:
+        """Entries of one top-bits table: every value of bits >> mant_bits (sign and exponent field)."""
+        return 1 << (8 * np.dtype(self.bits_dtype).itemsize - self.mant_bits)
+
+
+_FORMATS = {
+    L.FLOAT16: _Format(L.FLOAT16, 5, 10, widen_shift=13, widen_offset=(127 - 15) << 23),
+    L.BFLOAT16: _Format(L.BFLOAT16, 8, 7, widen_shift=16),
+    L.FLOAT32: _Format(L.FLOAT32, 8, 23),
+    L.FLOAT64: _Format(L.FLOAT64, 11, 52),
+}
+
+
+# -- numba building blocks ---------------------------------------------------------------------------------------
+
+@intrinsic
+def _pointer_at(typingctx, address, like):
+    """A typed pointer to `address` (an int64), of the element type of the array `like`."""
+    pointer_type = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer_type))
+
+    return pointer_type(types.int64, like), codegen
+
+
+def _narrow(value, like):
+    """`value` converted to the element type of the array `like` (jitted code only)."""
+
+
+@overload(_narrow)
+def _narrow_impl(value, like):
+    # Numba widens integer arithmetic to 64 bits; converting back keeps 16- and 32-bit data in narrow vector lanes.
+    target = like.dtype
+    return lambda value, like: target(value)
+
+
+def _block_sumsq(block, widened, shift, offset):
+    """Sum of squares of a block of zeros and normal values, in float64 (jitted code only)."""
+
+
+@overload(_block_sumsq, jit_options={"fastmath": {"reassoc", "contract"}})
+def _block_sumsq_impl(block, widened, shift, offset):
+    # Reassociation lets the sum vectorise. It changes which rounding the sum sees, not whether it is
+    # deterministic: the same compiled loop always adds in the same order. Only finite values reach it.
+    if block.dtype.bitwidth == 16:
+        def widen_then_sum(block, widened, shift, offset):
+            n = block.size
+            for i in range(n):
+                a = np.uint32(block[i] & np.uint16(0x7FFF))
+                widened[i] = (a << shift) + (offset if a != 0 else np.uint32(0))
+            values = widened[:n].view(np.float32)
+            s = 0.0
+            for i in range(n):
+                v = np.float64(values[i])
+                s += v * v
+            return s
+        return widen_then_sum
+    float_type = numba.float32 if block.dtype.bitwidth == 32 else numba.float64
+
+    def view_then_sum(block, widened, shift, offset):
+        values = block.view(float_type)
+        s = 0.0
+        for i in range(values.size):
+            v = np.float64(values[i])
+            s += v * v
+        return s
+    return view_then_sum
+
+
+@njit(cache=True)
+def _bin(exponent):
+    """Histogram bin of floor(log2|x|) (classify.h, clamp_to_bin)."""
+    return min(max(exponent, _MIN_BIN), _MAX_BIN) - _MIN_BIN
+
+
+@njit(cache=True)
+def _highest_bit(v):
+    """Index of the highest set bit of a non-zero uint64 (classify.h, highest_bit)."""
+    top = 0
+    for shift in (32, 16, 8, 4, 2, 1):
+        if v >> np.uint64(shift):
+            v >>= np.uint64(shift)
+            top += shift
+    return top
+
+
+@njit(cache=True)
+def _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin):
+    """Classify each element as classify.h does; returns the updated (absmax, absmin) and the block's sum of squares."""
+    bias = (1 << (exp_bits - 1)) - 1
+    exp_max = (1 << exp_bits) - 1
+    shift = np.uint64(mant_bits)
+    mant_mask = (np.uint64(1) << shift) - np.uint64(1)
+    hidden = np.uint64(1) << shift
+    sign_mask = np.uint64(1) << np.uint64(exp_bits + mant_bits)
+    abs_mask = sign_mask - np.uint64(1)
+    s = 0.0
+    for i in range(block.size):
+        bits = np.uint64(block[i])
+        field = np.int64((bits >> shift) & np.uint64(exp_max))
+        mant = bits & mant_mask
+        if field == exp_max:
+            if mant != 0:
+                counts[_REC_NAN] += 1
+            elif bits & sign_mask:
+                counts[_REC_NEGINF] += 1
+            else:
+                counts[_REC_POSINF] += 1
+            continue
+        if field == 0:
+            if mant == 0:
+                counts[_REC_ZERO] += 1
+                continue
+            counts[_REC_SUBNORMAL] += 1
+            counts[_REC_HIST + _bin(1 - bias - mant_bits + _highest_bit(mant))] += 1
+            value = np.float64(mant) * scale[0]
+        else:
+            counts[_REC_HIST + _bin(field - bias)] += 1
+            value = np.float64(mant | hidden) * scale[field]
+        a = np.int64(bits & abs_mask)
+        absmax = max(absmax, a)
+        absmin = min(absmin, a)
+        s += value * value
+    return absmax, absmin, s
+
+
+@njit(cache=True)
+def _block_bounds(block, abs_mask):
+    """Smallest |x| bits, smallest non-zero |x| bits (abs_mask when none) and largest |x| bits of a block."""
+    lo = abs_mask
+    lo_nonzero = abs_mask
+    hi = _narrow(0, block)
+    for i in range(block.size):
+        a = _narrow(block[i] & abs_mask, block)
+        lo = min(lo, a)
+        lo_nonzero = min(lo_nonzero, a if a != 0 else abs_mask)
+        hi = max(hi, a)
+    return lo, lo_nonzero, hi
+
+
+@njit(cache=True)
+def _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tables):
+    """Count the window offsets of element pairs (NOTE: [numba blocks]); the block's fields lie in the window."""
+    shift = _narrow(mant_bits, block)
+    field_mask = _narrow((1 << exp_bits) - 1, block)
+    base = _narrow(window_base, block)
+    half = block.size // 2
+    for k in range(half):
+        low = _narrow(((block[2 * k] >> shift) & field_mask) - base, block)
+        high = _narrow(((block[2 * k + 1] >> shift) & field_mask) - base, block)
+        pair_indices[k] = np.uint16(low | (high << _PAIR_BITS))
+    m = half - half % 2
+    for k in range(0, m, 2):
+        pair_tables[np.uint64(pair_indices[k])] += 1
+        pair_tables[_PAIR_ENTRIES + np.uint64(pair_indices[k + 1])] += 1
+    for k in range(m, half):
+        pair_tables[np.uint64(pair_indices[k])] += 1
+
+
+@njit(cache=True)
+def _fold_pairs(pair_tables, window_base, tables):
+    """Add each pair's two fields to the top-bits table (positive sign half: fields are unsigned there)."""
+    for t in range(2):
+        for high in range(_PAIR_SPAN):
+            for low in range(_PAIR_SPAN):
+                c = pair_tables[t * _PAIR_ENTRIES + (high << _PAIR_BITS) + low]
+                if c == 0:
+                    continue
+                tables[window_base + low] += c
+                tables[window_base + low] += c
+
+
+@njit(cache=True)
+def _count_top_bits(block, mant_bits, tables, stride):
+    """Count each element's sign and exponent field (bits >> mant_bits) into four interleaved tables."""
+    shift = _narrow(mant_bits, block)
+    n = block.size
+    m = n - n % 4
+    for i in range(0, m, 4):
+        tables[np.int64(block[i] >> shift)] += 1
+        tables[stride + np.int64(block[i + 1] >> shift)] += 1
+        tables[2 * stride + np.int64(block[i + 2] >> shift)] += 1
+        tables[3 * stride + np.int64(block[i + 3] >> shift)] += 1
+    for i in range(m, n):
+        tables[np.int64(block[i] >> shift)] += 1
+
+
+@njit(cache=True)
+def _fold_tables(tables, stride, exp_bits, counts):
+    """Turn top-bits counts of zeros and normal values into zero counts and histogram bins."""
+    bias = (1 << (exp_bits - 1)) - 1
+    exp_max = (1 << exp_bits) - 1
+    for t in range(_NUM_TABLES):
+        for index in range(stride):
+            c = tables[t * stride + index]
+            if c == 0:
+                continue
+            field = index & exp_max  # tables hold no inf or NaN (NOTE: [numba blocks])
+            if field == 0:
+                counts[_REC_ZERO] += c
+            else:
+                counts[_REC_HIST + _bin(field - bias)] += c
+
+
+@njit(parallel=True, cache=True)
+def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale, widen_shift, widen_offset,
+                 stride, partial_counts, partial_sumsq):
+    """One partial record per chunk (NOTE: [chunking], NOTE: [numba blocks]); chunks are scanned in parallel."""
+    abs_mask, min_normal, inf_bits = masks[0], masks[1], masks[2]
+    shift = np.uint32(widen_shift)
+    offset = np.uint32(widen_offset)
+    mant_shift = np.uint64(mant_bits)
+    for c in prange(addresses.size):
+        data = numba.carray(_pointer_at(addresses[c], bits_like), numels[c])
+        counts = partial_counts[c]
+        absmax = np.int64(0)
+        absmin = np.int64(_ABSMIN_NONE)
+        s = 0.0
+        # Small chunks go element by element: zeroing and folding the tables would cost more than they save.
+        use_tables = data.size >= _NUM_TABLES * stride
+        tables = np.zeros(_NUM_TABLES * stride if use_tables else 0, np.int64)
+        pair_tables = np.zeros(2 * _PAIR_ENTRIES if use_tables else 0, np.int64)
+        pair_indices = np.empty(_BLOCK_ELEMS // 2 if use_tables else 0, np.uint16)
+        widened = np.empty(_BLOCK_ELEMS if use_tables and data.itemsize == 2 else 0, np.uint32)
+        window_base = -1
+        for begin in range(0, data.size, _BLOCK_ELEMS):
+            block = data[begin:begin + _BLOCK_ELEMS]
+            if use_tables:
+                lo, lo_nonzero, hi = _block_bounds(block, abs_mask)
+                if hi < inf_bits and lo_nonzero >= min_normal:
+                    absmax = max(absmax, np.int64(hi))
+                    if lo_nonzero != abs_mask:
+                        absmin = min(absmin, np.int64(lo_nonzero))
+                    s += _block_sumsq(block, widened, shift, offset)
+                    field_lo = np.int64(lo >> mant_shift)
+                    field_hi = np.int64(hi >> mant_shift)
+                    if window_base < 0:
+                        window_base = max(0, min(field_lo, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
+                    if field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
+                        _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tables)
+                        if block.size % 2:
+                            _count_top_bits(block[block.size - 1:], mant_bits, tables, stride)
+                    else:
+                        _count_top_bits(block, mant_bits, tables, stride)
+                    continue
+            absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
+            s += block_sumsq
+        if use_tables:
+            if window_base >= 0:
+                _fold_pairs(pair_tables, window_base, tables)
+            _fold_tables(tables, stride, exp_bits, counts)
+        counts[_REC_ABSMAX] = absmax
+        counts[_REC_ABSMIN] = absmin
+        partial_sumsq[c] = s
+
+
+@njit(cache=True)
+def _merge(chunk_task, partial_counts, partial_sumsq, records, sumsq):
+    """Merge partial records into their tensors' records in chunk order (NOTE: [chunking])."""
+    for c in range(chunk_task.size):
+        t = chunk_task[c]
+        for k in range(records.shape[1]):
+            if k == _REC_ABSMAX:
+                records[t, k] = max(records[t, k], partial_counts[c, k])
+            elif k == _REC_ABSMIN:
+                records[t, k] = min(records[t, k], partial_counts[c, k])
+            else:
+                records[t, k] += partial_counts[c, k]
+        sumsq[t] += partial_sumsq[c]
+
+
+# -- the backend ---------------------------------------------------------------------------------------------------
+
+class NumbaBackend:
+    """The scan compiled by numba, for CPUs without the C++ extension (NOTE: [numba blocks])."""
+
+    name = "numba"
+
+    def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS):
+        if chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be a positive number of elements, got {chunk_elems}")
+        self.chunk_elems = int(chunk_elems)
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
+        records = L.empty_records(len(inputs))
+        sumsq = np.zeros(len(inputs), dtype=np.float64)
+        by_format: dict[int, list[int]] = {}
+        for i, item in enumerate(inputs):
+            if item.device.type != "cpu":
+                raise ValueError(f"the numba backend scans CPU tensors only; {item.name!r} is on {item.device}")
+            if item.numel:
+                by_format.setdefault(item.scanned_code, []).append(i)
+        for code, tasks in by_format.items():
+            self._scan_format(_FORMATS[code], [inputs[i] for i in tasks], np.asarray(tasks, np.int64), records, sumsq)
+        records[:, L.REC_SUMSQ] = sumsq.view(np.int64)
+        return records
+
+    def _scan_format(self, fmt: _Format, inputs: list[ScanInput], tasks: np.ndarray, records: np.ndarray,
+                     sumsq: np.ndarray) -> None:
+        numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=len(inputs))
+        bases = np.fromiter((item.flat.data_ptr() for item in inputs), dtype=np.int64, count=len(inputs))
+        chunks_per_task = -(-numels // self.chunk_elems)
+        chunk_task = np.repeat(np.arange(len(inputs)), chunks_per_task)
+        first_chunk = np.cumsum(chunks_per_task) - chunks_per_task
+        begins = (np.arange(chunk_task.size) - first_chunk[chunk_task]) * self.chunk_elems
+        chunk_numels = np.minimum(numels[chunk_task] - begins, self.chunk_elems)
+        itemsize = np.dtype(fmt.bits_dtype).itemsize
+        addresses = bases[chunk_task] + begins * itemsize
+        partial_counts = L.empty_records(chunk_task.size)
+        partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
+        _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits, fmt.mant_bits,
+                     fmt.scale, fmt.widen_shift, fmt.widen_offset, fmt.table_stride, partial_counts, partial_sumsq)
+        _merge(tasks[chunk_task], partial_counts, partial_sumsq, records, sumsq)

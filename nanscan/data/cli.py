@@ -1,0 +1,207 @@
+"""`nanscan data` and `nanscan runs`: the dataset and run-record checks on the command line.
+
+Exit codes: 0 clean, 1 findings in a --fail-on category (runs: any problem), 2 usage errors (a missing path, a bad
+option value), as click reports them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+import click
+
+from nanscan.data.findings import CATEGORIES, DEFAULT_FAIL_ON
+
+
+def parse_fail_on(values: Iterable[str]) -> tuple[str, ...]:
+    """--fail-on values: categories, comma-separated or repeated; "all" or "none". Default: all but too_long."""
+    chosen: list[str] = []
+    given = False
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            given = True
+            if part == "all":
+                chosen.extend(CATEGORIES)
+            elif part == "none":
+                continue
+            elif part in CATEGORIES:
+                chosen.append(part)
+            else:
+                raise click.BadParameter(f"unknown category {part!r}; choose from {', '.join(CATEGORIES)}, all, none",
+                                         param_hint="--fail-on")
+    return tuple(dict.fromkeys(chosen)) if given else DEFAULT_FAIL_ON
+
+
+class RichProgress:
+    """Bytes-based progress bar for long checks; silent unless stderr is a terminal."""
+
+    def __init__(self, enabled: bool):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+        )
+
+        console = Console(stderr=True)
+        self.progress = Progress(TextColumn("{task.description}", style="dim"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                                 disable=not (enabled and console.is_terminal))
+        self.task = self.progress.add_task("checking", total=0)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def add_total(self, nbytes: int) -> None:
+        total = self.progress.tasks[0].total or 0
+        self.progress.update(self.task, total=total + nbytes)
+
+    def advance(self, nbytes: int) -> None:
+        self.progress.advance(self.task, nbytes)
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.task, description=text[-40:])
+
+
+def _render(report, fail_on: tuple[str, ...], console) -> None:
+    from rich.table import Table
+
+    failing = report.failing(fail_on)
+    summary = Table(title=f"nanscan data: {report.records} records in {report.files} files "
+                          f"({report.bytes / 1e6:.1f} MB)")
+    summary.add_column("category")
+    summary.add_column("findings", justify="right")
+    summary.add_column("fails the check")
+    for category in CATEGORIES:
+        count = report.counts.get(category, 0)
+        style = "bold red" if category in failing else ("yellow" if count else "")
+        summary.add_row(category, str(count), "yes" if category in fail_on else "no", style=style)
+    console.print(summary)
+    if report.findings:
+        listing = Table(title="findings", show_lines=False)
+        for column in ("category", "record", "field", "detail", "sha256"):
+            listing.add_column(column, overflow="fold")
+        for f in report.findings:
+            listing.add_row(f.category, str(f.record), f.field or "", f.detail, (f.record.sha256 or "")[:16])
+        console.print(listing)
+        omitted = {c: report.counts.get(c, 0) - sum(f.category == c for f in report.findings) for c in CATEGORIES}
+        omitted = {c: n for c, n in omitted.items() if n > 0}
+        if omitted:
+            console.print(f"[dim]listing capped at {report.listed_per_category} per category; not listed: "
+                          + ", ".join(f"{n} {c}" for c, n in omitted.items()) + " (raise --max-findings)[/dim]")
+    t = report.tokens
+    if t["records"]:
+        console.print(f"token lengths ({report.tokenizer}): p50 {t['p50']}, p99 {t['p99']}, max {t['max']} "
+                      f"over {t['records']} records" + (f"; --max-tokens {report.max_tokens}"
+                                                        if report.max_tokens is not None else ""))
+    if report.longest is not None:
+        console.print(f"longest record: {report.longest.record} ({report.longest.value} tokens)")
+    if report.largest_magnitude is not None:
+        b = report.largest_magnitude
+        console.print(f"largest finite magnitude: {b.value:.6g} in {b.record}" + (f" field {b.field}" if b.field
+                                                                                   else ""))
+    if report.skipped:
+        shown = ", ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else "")
+        console.print(f"[dim]skipped {len(report.skipped)} file(s) of unknown format: {shown}[/dim]")
+    if failing:
+        console.print("[bold red]FAIL[/bold red]: " + ", ".join(f"{n} {c}" for c, n in failing.items()))
+    else:
+        console.print("[bold green]OK[/bold green]: no findings in the --fail-on categories "
+                      f"({', '.join(fail_on) or 'none'})")
+
+
+def data_options(func):
+    """The options `nanscan data` shares with `nanscan preflight`."""
+    options = [
+        click.option("--max-tokens", type=click.IntRange(min=0), default=None,
+                     help="Report records with more tokens than this (too_long)."),
+        click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="A HuggingFace tokenizer.json to count tokens with (default: whitespace tokens)."),
+        click.option("--text-field", "text_fields", multiple=True,
+                     help="A field whose text is counted (repeatable; default: every top-level string field)."),
+        click.option("--fail-on", "fail_on", multiple=True,
+                     help="Categories that fail the check (repeatable or comma-separated; 'all', 'none'). "
+                          f"Default: {', '.join(DEFAULT_FAIL_ON)}."),
+        click.option("--max-findings", type=click.IntRange(min=0), default=1000, show_default=True,
+                     help="Findings listed per category (counts are always exact)."),
+        click.option("--max-record-bytes", type=click.IntRange(min=1), default=64 << 20, show_default=True,
+                     help="Longer records (lines) are reported unreadable instead of loaded."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, max_record_bytes, show_progress):
+    """check_paths with CLI error handling: a bad tokenizer is a usage error (exit 2)."""
+    from nanscan.data.check import check_paths
+    from nanscan.data.tokens import TokenizerError
+
+    try:
+        with RichProgress(show_progress) as progress:
+            return check_paths(paths, max_tokens=max_tokens, tokenizer=tokenizer,
+                               text_fields=text_fields or None, max_findings=max_findings,
+                               max_record_bytes=max_record_bytes, progress=progress)
+    except TokenizerError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
+
+
+@click.command("data")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@data_options
+def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, max_findings, max_record_bytes):
+    """Check data files and folders for records that will break training.
+
+    Formats: JSON Lines (.jsonl/.ndjson/.json, optionally .gz), CSV/TSV (optionally .gz), Parquet, .npy, .npz,
+    safetensors, and folders of images (png, jpeg, webp, bmp, tiff, gif). Every finding names its record by
+    file, line or index and the sha256 of the record's bytes.
+    """
+    fail_on = parse_fail_on(fail_on)
+    report = run_data_check(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
+                            max_findings=max_findings, max_record_bytes=max_record_bytes, show_progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(fail_on), indent=2))
+    else:
+        from rich.console import Console
+
+        _render(report, fail_on, Console())
+    raise SystemExit(1 if report.failing(fail_on) else 0)
+
+
+@click.command("runs")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--require", "required", multiple=True,
+              help="A key every record must have (repeatable; dotted paths like metrics.loss reach into objects).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def runs_command(directory, required, as_json):
+    """Check a folder of run records (*.json): empty files, invalid JSON, missing required keys."""
+    from nanscan.data.runs import check_runs
+
+    report = check_runs(directory, required)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        if report.problems:
+            table = Table(title=f"nanscan runs: {len(report.problems)} problem(s) in {report.files} run records")
+            for column in ("problem", "path", "detail"):
+                table.add_column(column, overflow="fold")
+            for p in report.problems:
+                table.add_row(p.category, p.path, p.detail)
+            console.print(table)
+            console.print("[bold red]FAIL[/bold red]: " + ", ".join(
+                f"{n} {c}" for c, n in report.counts().items() if n))
+        else:
+            console.print(f"[bold green]OK[/bold green]: {report.files} run records, no problems"
+                          + (f" (required keys: {', '.join(report.required)})" if report.required else ""))
+    raise SystemExit(0 if report.ok else 1)

@@ -1,0 +1,334 @@
+"""What a dataset check reports: findings with stable record identifiers, the token-length distribution, the
+boundary records, and the per-field type/shape tallies that decide which records are inconsistent.
+
+Everything here is bounded in memory whatever the input size: counts are exact, but only the first
+`max_findings` findings of each category are kept for listing, token lengths are kept as a histogram, and each
+field keeps a capped sample of record identifiers per distinct type/shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+NONFINITE = "nonfinite"
+EMPTY = "empty"
+TOO_LONG = "too_long"
+CORRUPT_IMAGE = "corrupt_image"
+UNREADABLE = "unreadable"
+INCONSISTENT = "inconsistent"
+CATEGORIES = (NONFINITE, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, INCONSISTENT)
+# A long record is worth knowing about but is often truncated on purpose by the loader, so by default it does not
+# fail a check.
+DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
+
+# A type that differs from the most common one is reported when the most common covers more than half of the
+# records. Shapes and presence vary legitimately (token lists, optional keys), so a shape or a missing key is
+# reported only when the field is nearly uniform: at least this share of its records agree.
+UNIFORM_SHARE = 0.9
+# Record identifiers kept per distinct (type, shape) of a field, and per field in all: enough to name every
+# record of a rare variant, bounded when a field takes thousands of distinct shapes.
+SAMPLES_PER_SIGNATURE = 100
+SAMPLES_PER_FIELD = 20_000
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class RecordId:
+    """A stable name for one record: where it is, and the sha256 of its bytes.
+
+    `line` is 1-based (text formats); `index` is 0-based (rows of columnar files and arrays, positions in a
+    Python dataset); `member` names the array inside an .npz or safetensors file. The digest covers the record's
+    bytes as stored (a JSON line without its newline, a CSV record's lines, an image file, an array row in C
+    order); for Parquet rows and Python objects, which have no byte form of their own, it covers a canonical
+    encoding (see `nanscan.data.records.digest_object`).
+    """
+
+    file: str
+    line: int | None = None
+    index: int | None = None
+    member: str | None = None
+    sha256: str | None = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+        if self.member is not None:
+            where += f":{self.member}"
+        if self.index is not None:
+            where += f"[{self.index}]"
+        return where
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "line": self.line, "index": self.index, "member": self.member,
+                "sha256": self.sha256}
+
+
+class RecordRef:
+    """A record's location with its digest computed only when asked (most records never need one)."""
+
+    __slots__ = ("file", "line", "index", "member", "lazy", "_digest", "_id")
+
+    def __init__(self, file: str, *, line: int | None = None, index: int | None = None, member: str | None = None,
+                 digest: "str | Callable[[], str | None] | None" = None, lazy: bool = False):
+        """`lazy=True` says the digest function holds nothing large (e.g. it re-reads a file by name), so the
+        reference may be kept unresolved until a finding needs it."""
+        self.file, self.line, self.index, self.member = file, line, index, member
+        self.lazy = lazy
+        self._digest = digest
+        self._id: RecordId | None = None
+
+    def id(self) -> RecordId:
+        if self._id is None:
+            digest = self._digest() if callable(self._digest) else self._digest
+            self._id = RecordId(self.file, self.line, self.index, self.member, digest)
+            self._digest = None  # drop what the digest was computed from (it may be a large record)
+        return self._id
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem in one record (or in one field of it)."""
+
+    category: str
+    record: RecordId
+    detail: str
+    field: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"category": self.category, "record": str(self.record), **self.record.to_dict(),
+                "field": self.field, "detail": self.detail}
+
+
+class FindingSink:
+    """Exact counts per category; the first `max_findings` findings of each category kept for listing."""
+
+    def __init__(self, max_findings: int):
+        if max_findings < 0:
+            raise ValueError(f"max_findings must be >= 0, got {max_findings}")
+        self.max_findings = max_findings
+        self.counts: Counter[str] = Counter()
+        self.listed: dict[str, list[Finding]] = {c: [] for c in CATEGORIES}
+
+    def add(self, category: str, ref: "RecordRef | RecordId", detail: str, field: str | None = None) -> None:
+        self.counts[category] += 1
+        kept = self.listed.setdefault(category, [])
+        if len(kept) < self.max_findings:
+            record = ref.id() if isinstance(ref, RecordRef) else ref
+            kept.append(Finding(category, record, detail, field))
+
+    def add_uncounted_listing(self, category: str, count: int) -> None:
+        """Count findings that were tallied elsewhere and cannot be listed (beyond a sample cap)."""
+        self.counts[category] += count
+
+    def findings(self) -> list[Finding]:
+        return [f for c in CATEGORIES for f in self.listed.get(c, [])]
+
+
+class TokenLengths:
+    """Token counts per record as an exact histogram (memory grows with the longest record, not the count)."""
+
+    def __init__(self):
+        self._counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, lengths: np.ndarray) -> None:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.size == 0:
+            return
+        binned = np.bincount(lengths)
+        if len(binned) > len(self._counts):
+            self._counts = np.concatenate([self._counts, np.zeros(len(binned) - len(self._counts), np.int64)])
+        self._counts[: len(binned)] += binned
+
+    @property
+    def records(self) -> int:
+        return int(self._counts.sum())
+
+    def quantile(self, q: float) -> int | None:
+        """Nearest-rank quantile: the smallest length L with at least q of the records at or below L."""
+        total = self.records
+        if total == 0:
+            return None
+        rank = max(1, int(np.ceil(q * total)))
+        return int(np.searchsorted(np.cumsum(self._counts), rank))
+
+    def summary(self) -> dict:
+        return {"records": self.records, "p50": self.quantile(0.5), "p99": self.quantile(0.99),
+                "max": (int(np.flatnonzero(self._counts)[-1]) if self.records else None)}
+
+
+@dataclass
+class _Variant:
+    count: int = 0
+    samples: list = field(default_factory=list)  # RecordId or lazy RecordRef, at most SAMPLES_PER_SIGNATURE
+
+
+class FieldTracker:
+    """Tallies, per field, how many records hold each (kind, shape), and which keys each record has.
+
+    `kind` is a type name ("number", "string", "list[number]", "array[float32]", "image[RGB]", ...); `shape` is a
+    tuple for sequences and arrays, None for scalars. Empty values are not tallied (they are `empty` findings).
+    """
+
+    def __init__(self, samples_per_signature: int = SAMPLES_PER_SIGNATURE):
+        self.samples_per_signature = samples_per_signature
+        self._fields: dict[str, dict[tuple, _Variant]] = {}
+        self._field_samples: Counter[str] = Counter()
+        self._keysets: dict[frozenset, _Variant] = {}
+        self._keyset_samples = 0
+
+    def _take(self, variant: _Variant, budget_key: str | None, refs: "Callable[[int], Iterable[RecordRef]]",
+              count: int) -> None:
+        room = self.samples_per_signature - len(variant.samples)
+        if budget_key is None:
+            room = min(room, SAMPLES_PER_FIELD - self._keyset_samples)
+        else:
+            room = min(room, SAMPLES_PER_FIELD - self._field_samples[budget_key])
+        take = min(room, count)
+        if take <= 0:
+            return
+        # Keep a reference unresolved only when that is cheap; others are resolved now so that the record they
+        # were computed from is not kept alive.
+        taken = [r if r.lazy else r.id() for r in refs(take)]
+        variant.samples.extend(taken)
+        if budget_key is None:
+            self._keyset_samples += len(taken)
+        else:
+            self._field_samples[budget_key] += len(taken)
+
+    def add(self, name: str, kind: str, shape: tuple | None, ref: RecordRef) -> None:
+        self.add_many(name, kind, shape, 1, lambda k: [ref])
+
+    def add_many(self, name: str, kind: str, shape: tuple | None, count: int,
+                 refs: "Callable[[int], Iterable[RecordRef]]") -> None:
+        """`count` records whose field `name` has this kind and shape; `refs(k)` yields the first k of them."""
+        variant = self._fields.setdefault(name, {}).setdefault((kind, shape), _Variant())
+        variant.count += count
+        self._take(variant, name, refs, count)
+
+    def add_keys(self, keys: Iterable[str], count: int, refs: "Callable[[int], Iterable[RecordRef]]") -> None:
+        variant = self._keysets.setdefault(frozenset(keys), _Variant())
+        variant.count += count
+        self._take(variant, None, refs, count)
+
+    def report(self, sink: FindingSink) -> None:
+        """Add an `inconsistent` finding for every record whose field differs from the field's majority."""
+        for name, variants in self._fields.items():
+            self._report_field(name, variants, sink)
+        self._report_missing_keys(sink)
+
+    def _report_field(self, name: str, variants: dict[tuple, _Variant], sink: FindingSink) -> None:
+        kinds: Counter[str] = Counter()
+        for (kind, _shape), v in variants.items():
+            kinds[kind] += v.count
+        total = sum(kinds.values())
+        major_kind, major_count = kinds.most_common(1)[0]
+        if major_count * 2 > total:
+            for (kind, shape), v in variants.items():
+                if kind != major_kind:
+                    detail = (f"field {name!r} is {_describe(kind, shape)} here, {major_kind} in "
+                              f"{major_count} of {total} records")
+                    _emit(sink, v, name, detail)
+        shapes: Counter = Counter()
+        for (kind, shape), v in variants.items():
+            if kind == major_kind and shape is not None:
+                shapes[shape] += v.count
+        if not shapes:
+            return
+        shaped = sum(shapes.values())
+        major_shape, shape_count = shapes.most_common(1)[0]
+        if shape_count < UNIFORM_SHARE * shaped or shape_count == shaped:
+            return
+        for (kind, shape), v in variants.items():
+            if kind == major_kind and shape is not None and shape != major_shape:
+                detail = (f"field {name!r} has shape {list(shape)} here, {list(major_shape)} in {shape_count} of "
+                          f"{shaped} records")
+                _emit(sink, v, name, detail)
+
+    def _report_missing_keys(self, sink: FindingSink) -> None:
+        total = sum(v.count for v in self._keysets.values())
+        if total == 0:
+            return
+        present: Counter[str] = Counter()
+        for keys, v in self._keysets.items():
+            for key in keys:
+                present[key] += v.count
+        usual = {k for k, n in present.items() if n >= UNIFORM_SHARE * total}
+        for keys, v in self._keysets.items():
+            missing = sorted(usual - keys)
+            if missing:
+                shown = ", ".join(repr(k) for k in missing[:8]) + (" ..." if len(missing) > 8 else "")
+                detail = f"missing field(s) {shown} present in at least {UNIFORM_SHARE:.0%} of records"
+                _emit(sink, v, missing[0], detail)
+
+
+def _describe(kind: str, shape: tuple | None) -> str:
+    return kind if shape is None else f"{kind} of shape {list(shape)}"
+
+
+def _emit(sink: FindingSink, variant: _Variant, name: str, detail: str) -> None:
+    for record in variant.samples:
+        sink.add(INCONSISTENT, record, detail, name)
+    sink.add_uncounted_listing(INCONSISTENT, variant.count - len(variant.samples))
+
+
+@dataclass
+class Boundary:
+    """The most extreme record seen on one axis (longest in tokens, largest finite magnitude)."""
+
+    value: float
+    record: RecordId
+    field: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "record": str(self.record), **self.record.to_dict(), "field": self.field}
+
+
+@dataclass
+class DataReport:
+    """The result of a dataset check. `counts` are exact; `findings` lists up to max_findings per category."""
+
+    findings: list[Finding]
+    counts: dict[str, int]
+    records: int
+    files: int
+    bytes: int
+    tokens: dict
+    longest: Boundary | None = None
+    largest_magnitude: Boundary | None = None
+    max_tokens: int | None = None
+    tokenizer: str = "whitespace"
+    listed_per_category: int = 0
+    skipped: list[str] = field(default_factory=list)  # files of unknown formats found in folders (not checked)
+
+    def failing(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> dict[str, int]:
+        """Counts of the categories in `fail_on` that have findings."""
+        return {c: self.counts.get(c, 0) for c in fail_on if self.counts.get(c, 0)}
+
+    @property
+    def ok(self) -> bool:
+        return not self.failing()
+
+    def to_dict(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> dict:
+        fail_on = list(fail_on)
+        return {
+            "ok": not self.failing(fail_on), "fail_on": fail_on, "failing": self.failing(fail_on),
+            "counts": {c: self.counts.get(c, 0) for c in CATEGORIES},
+            "records": self.records, "files": self.files, "bytes": self.bytes,
+            "tokens": {**self.tokens, "tokenizer": self.tokenizer, "max_tokens": self.max_tokens},
+            "boundary": {
+                "longest": self.longest.to_dict() if self.longest else None,
+                "largest_magnitude": self.largest_magnitude.to_dict() if self.largest_magnitude else None,
+            },
+            "listed_per_category": self.listed_per_category,
+            "skipped": self.skipped,
+            "findings": [f.to_dict() for f in self.findings],
+        }

@@ -1,0 +1,769 @@
+"""Readers for every data format `nanscan data` checks, and the walk over files and folders.
+
+Formats are chosen by suffix (".jsonl", ".csv.gz", ".parquet", ".npy", ".png", ...), or for a file named
+explicitly with an unknown suffix, by its first bytes. Each reader streams: JSON Lines in blocks (jsonl.py), CSV
+record by record, Parquet by record batches, arrays in slices of at most SCAN_BYTES of their memory, images one
+file at a time on a small thread pool (Pillow releases the GIL while decoding). Whatever is wrong with a file
+becomes a finding; no reader raises on bad content.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import warnings
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+import torch
+
+from nanscan.data.columnar import TableCheck
+from nanscan.data.findings import (
+    CORRUPT_IMAGE, EMPTY, INCONSISTENT, NONFINITE, UNREADABLE, RecordRef, sha256_hex,
+)
+from nanscan.data.jsonl import check_jsonl
+from nanscan.data.records import as_scannable, describe_nonfinite, digest_object, inspect_record, scan_tensors
+
+if TYPE_CHECKING:
+    from nanscan.data.check import Checker
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
+TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
+BINARY_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".npz": "npz",
+                   ".safetensors": "safetensors"}
+SCAN_BYTES = 16 << 20  # array memory per core-scan call: enough for the thread team, little to re-read
+PARQUET_BATCH_ROWS = 64 << 10
+IMAGE_BATCH = 64  # images decoded per round on the thread pool
+IMAGE_IN_MEMORY_BYTES = 16 << 20  # smaller image files are read whole (one read, hashed and decoded from memory)
+
+
+def format_of(path: Path) -> str | None:
+    """The format implied by the file name, or None."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if not suffixes:
+        return None
+    last = suffixes[-1]
+    if last == ".gz" and len(suffixes) >= 2 and suffixes[-2] in TEXT_SUFFIXES:
+        return TEXT_SUFFIXES[suffixes[-2]]
+    if last in TEXT_SUFFIXES:
+        return TEXT_SUFFIXES[last]
+    if last in BINARY_SUFFIXES:
+        return BINARY_SUFFIXES[last]
+    if last in IMAGE_SUFFIXES:
+        return "image"
+    return None
+
+
+def sniff_format(path: Path) -> str | None:
+    """The format implied by a file's first bytes, for files named explicitly with an unknown suffix."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(b"PK\x03\x04"):
+        return "npz"
+    if head.startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")) or (
+            head.startswith(b"RIFF") and head[8:12] == b"WEBP"):
+        return "image"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
+        return "safetensors"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "jsonl"
+    return None
+
+
+def _visible_files(root: Path) -> Iterator[Path]:
+    """Files under a folder in a stable (sorted) order, skipping hidden and temporary names."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield Path(dirpath) / name
+
+
+def walk_total_bytes(path: Path) -> int:
+    if path.is_dir():
+        total = 0
+        for p in _visible_files(path):
+            if format_of(p) is not None:
+                try:
+                    total += p.stat().st_size
+                except OSError:
+                    pass
+        return total
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def check_path(checker: "Checker", path: Path) -> None:
+    """Check a file or every known file under a folder (files of unknown formats in folders are skipped)."""
+    images = _ImageQueue(checker)
+    try:
+        if path.is_dir():
+            for p in _visible_files(path):
+                fmt = format_of(p)
+                if fmt is None:
+                    checker.skipped.append(str(p))
+                elif fmt == "image":
+                    images.add(p)
+                else:
+                    check_file(checker, p, fmt)
+        else:
+            fmt = format_of(path) or sniff_format(path)
+            if fmt == "image":
+                images.add(path)
+            elif fmt is None:
+                _count_file(checker, path)
+                checker.records += 1
+                checker.sink.add(UNREADABLE, _file_ref(path), "format not recognised from the file name or its "
+                                 "first bytes; name it .jsonl, .csv, .parquet, .npy, .npz, .safetensors or an image "
+                                 "suffix")
+            else:
+                check_file(checker, path, fmt)
+    finally:
+        images.close()
+
+
+def _count_file(checker: "Checker", path: Path) -> int:
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    checker.files += 1
+    checker.bytes += size
+    return size
+
+
+def _file_ref(path: Path, member: str | None = None) -> RecordRef:
+    from nanscan.data.check import file_digest
+
+    return RecordRef(str(path), member=member, digest=lambda: file_digest(path), lazy=True)
+
+
+def check_file(checker: "Checker", path: Path, fmt: str) -> None:
+    size = _count_file(checker, path)
+    checker.progress.describe(str(path))
+    records_before = checker.records
+    if fmt == "jsonl":
+        check_jsonl(checker, path, str(path))
+    elif fmt == "csv":
+        check_csv(checker, path)
+        checker.progress.advance(size)
+    elif fmt == "parquet":
+        check_parquet(checker, path, size)
+    elif fmt == "npy":
+        check_npy(checker, path)
+        checker.progress.advance(size)
+    elif fmt == "npz":
+        check_npz(checker, path)
+        checker.progress.advance(size)
+    elif fmt == "safetensors":
+        check_safetensors(checker, path)
+        checker.progress.advance(size)
+    else:  # pragma: no cover - format_of and sniff_format return only the formats above
+        raise ValueError(f"unknown format {fmt!r}")
+    if fmt in ("jsonl", "csv", "parquet") and checker.records == records_before:
+        checker.sink.add(EMPTY, _file_ref(path), "the file holds no records")
+
+
+# -- CSV ----------------------------------------------------------------------------------------------------------
+class _CsvLines:
+    """Decoded lines for csv.reader that remember the raw bytes and line numbers of the record being read."""
+
+    def __init__(self, stream, limit: int):
+        self.stream = stream
+        self.limit = limit
+        self.line = 0
+        self.record_first_line = 1
+        self.parts: list[bytes] = []
+        self.problem: str | None = None
+        self.digest: str | None = None  # set for an over-long line, hashed while skipped
+
+    def start_record(self) -> None:
+        self.record_first_line = self.line + 1
+        self.parts, self.problem, self.digest = [], None, None
+
+    def raw(self) -> bytes:
+        return b"".join(self.parts).rstrip(b"\r\n")
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        raw = self.stream.readline(self.limit + 1)
+        if not raw:
+            raise StopIteration
+        self.line += 1
+        if len(raw) > self.limit and not raw.endswith(b"\n"):
+            import hashlib
+
+            h, size = hashlib.sha256(raw), len(raw)
+            while rest := self.stream.readline(1 << 20):
+                size += len(rest)
+                if rest.endswith(b"\n"):
+                    h.update(rest[:-1])
+                    break
+                h.update(rest)
+            self.problem = f"line of {size} bytes exceeds --max-record-bytes {self.limit}; not parsed"
+            self.digest = h.hexdigest()
+            return "\n"
+        self.parts.append(raw)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.problem = self.problem or f"not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+            return raw.decode("utf-8", "replace")
+
+
+def _csv_value(cell: str):
+    """A CSV cell as the number it spells (int or float, so "nan" and "1e999" are non-finite), else the text."""
+    try:
+        return int(cell)
+    except ValueError:
+        pass
+    try:
+        return float(cell)
+    except ValueError:
+        return cell
+
+
+def check_csv(checker: "Checker", path: Path) -> None:
+    import gzip
+
+    display = str(path)
+    delimiter = "\t" if ".tsv" in [s.lower() for s in path.suffixes] else ","
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    csv.field_size_limit(max(checker.max_record_bytes, 1 << 20))
+    try:
+        with opener(path, "rb") as stream:
+            lines = _CsvLines(stream, checker.max_record_bytes)
+            reader = csv.reader(lines, delimiter=delimiter)
+            header = None
+            while True:
+                lines.start_record()
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as exc:
+                    checker.records += 1
+                    checker.sink.add(UNREADABLE, _csv_ref(display, lines), f"CSV syntax error: {exc}")
+                    continue
+                ref = _csv_ref(display, lines)
+                if lines.problem:
+                    checker.records += 1
+                    checker.sink.add(UNREADABLE, ref, lines.problem)
+                    continue
+                if header is None:
+                    header = row
+                    if not row:
+                        header = None  # blank lines before the header
+                    continue
+                _csv_record(checker, header, row, ref)
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        checker.sink.add(UNREADABLE, _file_ref(path), f"cannot read the file ({type(exc).__name__}: {exc})")
+    except Exception as exc:  # noqa: BLE001 - e.g. zlib.error from a corrupt gzip stream
+        checker.sink.add(UNREADABLE, _file_ref(path), f"cannot read the file ({type(exc).__name__}: {exc})")
+
+
+def _csv_ref(display: str, lines: _CsvLines) -> RecordRef:
+    if lines.digest is not None:
+        digest = lines.digest
+    else:
+        raw = lines.raw()
+        digest = lambda: sha256_hex(raw)  # noqa: E731
+    return RecordRef(display, line=lines.record_first_line, digest=digest)
+
+
+def _csv_record(checker: "Checker", header: list[str], row: list[str], ref: RecordRef) -> None:
+    if not row:
+        checker.records += 1
+        checker.sink.add(EMPTY, ref, "blank line")
+        return
+    if len(row) != len(header):
+        checker.records += 1
+        checker.sink.add(INCONSISTENT, ref, f"{len(row)} cells where the header has {len(header)}")
+        return
+    names = _unique_names(header)
+    inspect_record(checker, {name: _csv_value(cell) for name, cell in zip(names, row)}, ref)
+
+
+def _unique_names(header: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for i, name in enumerate(header):
+        name = name or f"column {i + 1}"
+        if name in seen:
+            seen[name] += 1
+            name = f"{name}#{seen[name]}"
+        else:
+            seen[name] = 1
+        out.append(name)
+    return out
+
+
+# -- Parquet ------------------------------------------------------------------------------------------------------
+def check_parquet(checker: "Checker", path: Path, size: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    display = str(path)
+    try:
+        pf = pq.ParquetFile(path)
+        total_rows = pf.metadata.num_rows
+    except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, ... : not a readable Parquet file
+        checker.progress.advance(size)
+        checker.sink.add(UNREADABLE, _file_ref(path), f"not a readable Parquet file ({exc})")
+        return
+    base = 0
+    advanced = 0
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            table = pa.Table.from_batches([batch])
+            offset = base
+
+            def ref(i: int, table=table, offset=offset) -> RecordRef:
+                return RecordRef(display, index=offset + i,
+                                 digest=lambda: digest_object(table.slice(i, 1).to_pylist()[0]))
+
+            def inspect_row(i: int, table=table, offset=offset) -> None:
+                row_ref = ref(i)
+                try:
+                    row = table.slice(i, 1).to_pylist()[0]
+                except Exception as exc:  # noqa: BLE001 - e.g. invalid UTF-8 stored in a string column
+                    checker.records += 1
+                    checker.sink.add(UNREADABLE, RecordRef(display, index=offset + i),
+                                     f"row cannot be converted ({type(exc).__name__}: {exc})")
+                    return
+                inspect_record(checker, row, row_ref)
+
+            TableCheck(checker, table, ref, inspect_row).run()
+            base += batch.num_rows
+            step = size * base // max(total_rows, 1) - advanced
+            checker.progress.advance(step)
+            advanced += step
+    except Exception as exc:  # noqa: BLE001 - corrupt pages, bad compression, truncated row groups
+        checker.sink.add(UNREADABLE, _file_ref(path), f"Parquet data unreadable after row {base} ({exc})")
+    checker.progress.advance(size - advanced)
+
+
+# -- arrays: .npy, .npz, safetensors ------------------------------------------------------------------------------
+class ArrayCheck:
+    """One stored array: records are its rows along axis 0 (a 0-d array is one record).
+
+    `chunks` yields (first element, 1-D tensor) slices of the array's memory in storage order, each at most about
+    SCAN_BYTES; `row(i)` returns row i as a tensor (None when it cannot be re-read cheaply).
+    """
+
+    def __init__(self, checker: "Checker", display: str, member: str | None, field: str, shape: tuple,
+                 kind: str, fortran: bool, row: Callable[[int], torch.Tensor | None]):
+        self.checker, self.display, self.member, self.field = checker, display, member, field
+        self.shape, self.kind, self.fortran, self.row = shape, kind, fortran, row
+        self.numel = math.prod(shape)
+        self.row_elems = math.prod(shape[1:]) if shape else 1
+        self.n_rows = shape[0] if shape else 1
+        self._seen: set[int] = set()
+        self._last_row = -1
+
+    def ref(self, row: int | None) -> RecordRef:
+        def digest():
+            if row is None:
+                data = self.row(0) if not self.shape else None
+            else:
+                data = self.row(row)
+            if data is None:
+                return None
+            return sha256_hex(_tensor_bytes(data))
+
+        return RecordRef(self.display, member=self.member, index=row if self.shape else None, digest=digest)
+
+    def start(self, whole: RecordRef) -> bool:
+        """Count the records, report an empty array, and tally the array's dtype and shape under its field
+        (`whole` names the entire array). False when there is nothing to scan."""
+        checker = self.checker
+        if self.numel == 0:
+            checker.records += 1
+            checker.sink.add(EMPTY, RecordRef(self.display, member=self.member, digest=sha256_hex(b"")),
+                             f"zero-sized array of shape {list(self.shape)}", self.field)
+            return False
+        checker.records += self.n_rows
+        checker.tracker.add(self.field, self.kind, self.shape, whole)
+        return True
+
+    def scan(self, chunks: Iterator[tuple[int, torch.Tensor]],
+             reread: Callable[[int, int], torch.Tensor] | None = None) -> None:
+        """Scan every chunk; report rows holding non-finite values and note the largest finite magnitude.
+
+        With `reread(start, count)` (random access, e.g. a memory map) the largest value is located once at the
+        end, in the one chunk that holds it; without, it is located whenever a chunk beats the previous best.
+        """
+        checker = self.checker
+        best = (checker.largest_magnitude.value if checker.largest_magnitude else -1.0, None, 0)
+        for start, chunk in chunks:
+            values = as_scannable(chunk)
+            if values is None:
+                continue
+            stats = scan_tensors([values]).stats[0]
+            if not stats.ok:
+                finite = torch.view_as_real(values).reshape(-1, 2).isfinite().all(1) if values.is_complex() \
+                    else values.isfinite()
+                bad = torch.nonzero(~finite).reshape(-1).numpy() + start
+                self._report_rows(self._rows_of(bad))
+            if stats.absmax > best[0]:
+                best = (stats.absmax, start, len(values))
+                if reread is None:
+                    self._note_magnitude(stats.absmax, start, values)
+        if reread is not None and best[1] is not None:
+            self._note_magnitude(best[0], best[1], as_scannable(reread(best[1], best[2])))
+
+    def _note_magnitude(self, absmax: float, start: int, values: torch.Tensor) -> None:
+        magnitude = values.abs().to(torch.float64)
+        magnitude = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
+        element = int(torch.argmax(magnitude)) + start
+        row = int(self._rows_of(np.array([element]))[0])
+        self.checker.note_magnitude(absmax, self.ref(row if self.shape else None), self.member or self.field)
+
+    def _rows_of(self, elements: np.ndarray) -> np.ndarray:
+        if not self.shape:
+            return np.zeros(len(elements), dtype=np.int64)
+        if self.fortran and len(self.shape) > 1:
+            return np.unravel_index(elements, self.shape, order="F")[0]
+        return elements // self.row_elems
+
+    def _report_rows(self, rows: np.ndarray) -> None:
+        sink = self.checker.sink
+        for row in np.unique(rows).tolist():
+            if self.fortran:
+                if row in self._seen:
+                    continue
+                self._seen.add(row)
+            else:
+                if row <= self._last_row:
+                    continue
+                self._last_row = row
+            if len(sink.listed.get(NONFINITE, ())) >= sink.max_findings:
+                sink.add_uncounted_listing(NONFINITE, 1)
+                continue
+            name = self.member or self.field
+            data = self.row(row) if self.shape else self.row(0)
+            path = f"{name}[{row}]" if self.shape else name
+            if data is None:
+                detail = "non-finite value(s) in this row (row too large to re-read for details)"
+            else:
+                count, text = describe_nonfinite(data, path)
+                detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
+            sink.add(NONFINITE, self.ref(row if self.shape else None), detail, name)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _array_kind(dtype_name: str) -> str:
+    return f"array[{dtype_name}]"
+
+
+def _npy_header(f) -> tuple[tuple, bool, np.dtype]:
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    return np.lib.format.read_array_header_2_0(f)
+
+
+def _chunk_elems(itemsize: int, row_elems: int) -> int:
+    """Elements per scan call: whole rows when a row fits in SCAN_BYTES, so a bad row lies in one chunk."""
+    per_chunk = max(1, SCAN_BYTES // max(itemsize, 1))
+    if 0 < row_elems <= per_chunk:
+        per_chunk -= per_chunk % row_elems
+    return per_chunk
+
+
+def check_npy(checker: "Checker", path: Path) -> None:
+    display = str(path)
+    try:
+        with open(path, "rb") as f:
+            shape, fortran, dtype = _npy_header(f)
+            offset = f.tell()
+    except Exception as exc:  # noqa: BLE001 - ValueError for a bad magic or header, OSError
+        checker.records += 1
+        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid .npy file ({exc})")
+        return
+    if dtype.hasobject:
+        checker.records += 1
+        checker.sink.add(UNREADABLE, _file_ref(path), "an object array: loading it needs pickle, which nanscan "
+                         "never uses on data files; save the array with a numeric dtype")
+        return
+    expected = offset + math.prod(shape) * dtype.itemsize
+    actual = path.stat().st_size
+    if actual < expected:
+        checker.records += 1
+        checker.sink.add(UNREADABLE, _file_ref(path), f"truncated: the header promises {expected} bytes, the file "
+                         f"has {actual}")
+        return
+    check = ArrayCheck(checker, display, None, "array", tuple(shape), _array_kind(dtype.name), fortran,
+                       row=lambda i: None)
+    if not check.start(_file_ref(path)) or dtype.kind not in "fc":
+        return
+    # A read-only memory map: pages come from the page cache and are dropped under memory pressure, so memory
+    # stays bounded whatever the file size.
+    flat = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(math.prod(shape),))
+    array = flat.reshape(shape, order="F" if fortran else "C")
+    check.row = lambda i: torch.from_numpy(np.ascontiguousarray(array[i] if shape else array))
+    step = _chunk_elems(dtype.itemsize, check.row_elems)
+
+    def chunks():
+        for start in range(0, len(flat), step):
+            yield start, as_scannable(flat[start:start + step])
+
+    check.scan(chunks(), reread=lambda start, count: flat[start:start + count])
+
+
+def check_npz(checker: "Checker", path: Path) -> None:
+    display = str(path)
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception as exc:  # noqa: BLE001 - BadZipFile, OSError
+        checker.records += 1
+        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid .npz (zip) file ({exc})")
+        return
+    with archive:
+        members = [i for i in archive.infolist() if i.filename.endswith(".npy")]
+        if not members:
+            checker.sink.add(EMPTY, _file_ref(path), "the .npz archive holds no arrays")
+        for info in members:
+            name = info.filename[: -len(".npy")]
+            try:
+                _check_npz_member(checker, archive, info, display, name)
+            except Exception as exc:  # noqa: BLE001 - bad CRC, truncated or corrupt member data
+                checker.sink.add(UNREADABLE, _file_ref(path, member=name), f"array {name!r} unreadable ({exc})")
+
+
+def _npz_field(name: str) -> str:
+    # np.savez(file, *arrays) names them arr_0, arr_1, ...: a list of samples, compared as one field.
+    return "arr_*" if name.startswith("arr_") and name[4:].isdigit() else name
+
+
+def _check_npz_member(checker: "Checker", archive: zipfile.ZipFile, info: zipfile.ZipInfo, display: str,
+                      name: str) -> None:
+    with archive.open(info) as f:
+        shape, fortran, dtype = _npy_header(f)
+        if dtype.hasobject:
+            checker.records += 1
+            checker.sink.add(UNREADABLE, RecordRef(display, member=name), "an object array: loading it needs "
+                             "pickle, which nanscan never uses on data files", name)
+            return
+        check = ArrayCheck(checker, display, name, _npz_field(name), tuple(shape), _array_kind(dtype.name),
+                           fortran, row=lambda i: None)
+        whole = RecordRef(display, member=name, lazy=True,
+                          digest=lambda: _zip_member_digest(archive.filename, info.filename))
+        if not check.start(whole) or dtype.kind not in "fc":
+            return
+        numel = math.prod(shape)
+        step = _chunk_elems(dtype.itemsize, check.row_elems)
+        current: dict = {}
+
+        def chunks():
+            for start in range(0, numel, step):
+                count = min(step, numel - start)
+                data = f.read(count * dtype.itemsize)
+                if len(data) < count * dtype.itemsize:
+                    raise EOFError(f"the data ends after {start + len(data) // dtype.itemsize} of {numel} elements")
+                chunk = np.frombuffer(data, dtype=dtype)
+                current["start"], current["chunk"] = start, chunk
+                yield start, as_scannable(chunk)
+
+        def row(i: int) -> torch.Tensor | None:
+            # A compressed member is read once, front to back: a row can be re-read only from the chunk in hand.
+            if "chunk" not in current or fortran:
+                return None
+            begin = i * check.row_elems - current["start"]
+            chunk = current["chunk"]
+            if begin < 0 or begin + check.row_elems > len(chunk):
+                return None
+            values = chunk[begin: begin + check.row_elems].reshape(shape[1:])
+            return as_scannable(values) if values.dtype.kind in "fc" else torch.from_numpy(values.copy())
+
+        check.row = row
+        check.scan(chunks())
+
+
+def _zip_member_digest(archive_path: str, member: str) -> str | None:
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(archive_path) as archive, archive.open(member) as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    except Exception:  # noqa: BLE001 - the member was readable a moment ago; no digest rather than a crash
+        return None
+    return h.hexdigest()
+
+
+def _safetensor_digest(path: str, name: str) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return sha256_hex(_tensor_bytes(handle.get_tensor(name)))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def check_safetensors(checker: "Checker", path: Path) -> None:
+    from safetensors import safe_open
+
+    display = str(path)
+    try:
+        handle = safe_open(str(path), framework="pt")
+        names = list(handle.keys())
+    except Exception as exc:  # noqa: BLE001 - SafetensorError for bad headers, truncated data
+        checker.records += 1
+        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid safetensors file ({exc})")
+        return
+    if not names:
+        checker.sink.add(EMPTY, _file_ref(path), "the safetensors file holds no tensors")
+    for name in names:
+        try:
+            _check_safetensor(checker, handle, name, display)
+        except Exception as exc:  # noqa: BLE001
+            checker.sink.add(UNREADABLE, _file_ref(path, member=name), f"tensor {name!r} unreadable ({exc})")
+
+
+def _check_safetensor(checker: "Checker", handle, name: str, display: str) -> None:
+    sl = handle.get_slice(name)
+    shape = tuple(sl.get_shape())
+    raw_dtype = sl.get_dtype()
+    dtype_name = _SAFETENSORS_DTYPES.get(raw_dtype, raw_dtype.lower())
+
+    def row(i: int) -> torch.Tensor:
+        return sl[i: i + 1][0] if shape else handle.get_tensor(name)
+
+    check = ArrayCheck(checker, display, name, name, shape, _array_kind(dtype_name), False, row)
+    whole = RecordRef(display, member=name, lazy=True,
+                      digest=lambda: _safetensor_digest(display, name))
+    if not check.start(whole) or not dtype_name.startswith(("float", "bfloat", "complex")):
+        return
+    itemsize = getattr(torch, dtype_name).itemsize if hasattr(torch, dtype_name) else 4
+    step_rows = max(1, _chunk_elems(itemsize, check.row_elems) // max(check.row_elems, 1))
+
+    def chunks():
+        if not shape:
+            yield 0, handle.get_tensor(name).reshape(-1)
+            return
+        for first in range(0, shape[0], step_rows):
+            yield first * check.row_elems, sl[first: first + step_rows].reshape(-1)
+
+    check.scan(chunks())
+
+
+# -- images -------------------------------------------------------------------------------------------------------
+def _decode_image(path: Path) -> dict:
+    """Read, hash and fully decode one image file (every frame). Runs on a pool thread."""
+    from PIL import Image
+
+    from nanscan._atomic import sha256_file
+
+    out: dict = {"path": path, "error": None, "sha256": None, "size": 0}
+    try:
+        size = path.stat().st_size
+        out["size"] = size
+        if size <= IMAGE_IN_MEMORY_BYTES:
+            data = path.read_bytes()
+            out["sha256"] = sha256_hex(data)
+            source = io.BytesIO(data)
+        else:
+            out["sha256"] = sha256_file(path)
+            source = path
+    except OSError as exc:
+        out["error"] = f"cannot read the file ({exc})"
+        return out
+    if size == 0:
+        out["error"] = "zero bytes"
+        return out
+    try:
+        with Image.open(source) as im:
+            out["mode"], out["height"], out["width"] = im.mode, im.height, im.width
+            for frame in range(getattr(im, "n_frames", 1)):
+                if frame:
+                    im.seek(frame)
+                im.load()
+                if frame == 0 and im.mode == "F":
+                    out["pixels"] = np.asarray(im)
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for broken files
+        out["error"] = f"cannot be decoded ({type(exc).__name__}: {exc})"
+    return out
+
+
+class _ImageQueue:
+    """Images collected from a walk and decoded in rounds on a thread pool; findings are added in file order."""
+
+    def __init__(self, checker: "Checker"):
+        self.checker = checker
+        self.pending: list[Path] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def add(self, path: Path) -> None:
+        self.pending.append(path)
+        if len(self.pending) >= IMAGE_BATCH * 4:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from PIL import ImageFile
+
+        paths, self.pending = self.pending, []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))
+        # A truncated image must fail to decode; never let Pillow pad it silently.
+        strict, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. DecompressionBombWarning: size alone is not a defect
+                results = list(self._pool.map(_decode_image, paths))
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = strict
+        for result in results:
+            self._record(result)
+
+    def _record(self, result: dict) -> None:
+        checker = self.checker
+        path = result["path"]
+        checker.files += 1
+        checker.bytes += result["size"]
+        checker.records += 1
+        checker.progress.advance(result["size"])
+        ref = RecordRef(str(path), digest=result["sha256"])
+        if result["error"]:
+            checker.sink.add(CORRUPT_IMAGE, ref, result["error"], "image")
+            return
+        checker.tracker.add("image", f"image[{result['mode']}]", (result["height"], result["width"]), ref)
+        if "pixels" in result:
+            checker.numbers.add_array(ref, "image", result["pixels"])
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None

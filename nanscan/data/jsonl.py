@@ -1,0 +1,265 @@
+"""JSON Lines (optionally gzip-compressed), streamed in blocks of whole lines with bounded memory.
+
+Each block is parsed by Arrow's multi-threaded JSON reader and checked column by column (columnar.TableCheck);
+only the lines that might hold a finding are parsed again with `json.loads` and checked one by one. A block Arrow
+refuses (a line that is not valid JSON, a field whose type changes) is split in halves until the bad lines are
+isolated, so one broken line does not send its neighbours down the slow path.
+
+A record is one line; its identifier is the 1-based line number and the sha256 of the line's bytes without the
+line feed. A line longer than --max-record-bytes is not loaded: it is reported `unreadable` and hashed in passing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pj
+
+from nanscan.data.columnar import TableCheck
+from nanscan.data.findings import EMPTY, UNREADABLE, RecordRef, sha256_hex
+from nanscan.data.records import inspect_record
+
+if TYPE_CHECKING:
+    from nanscan.data.check import Checker
+
+READ_BYTES = 8 << 20  # bytes read per step; a block is this plus the unfinished line carried over
+ARROW_BLOCK = 1 << 20  # Arrow parses a block in pieces of this size on its thread pool
+SPLIT_MIN = 64 << 10  # below this, a block Arrow refuses is checked line by line
+
+_ASCII_SPACE = np.zeros(256, dtype=bool)
+_ASCII_SPACE[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
+
+
+class TruncatedStream(Exception):
+    """A compressed stream that ends before its end marker."""
+
+
+def _plain_chunks(path: Path, checker: "Checker") -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_BYTES):
+            checker.progress.advance(len(chunk))
+            yield chunk
+
+
+def _gzip_chunks(path: Path, checker: "Checker") -> Iterator[bytes]:
+    """Decompressed bytes of a (possibly multi-member) gzip file; everything before a truncation is yielded."""
+    with open(path, "rb") as f:
+        decompressor = zlib.decompressobj(wbits=31)
+        in_member = False
+        while raw := f.read(1 << 20):
+            checker.progress.advance(len(raw))
+            data = raw
+            while data:
+                in_member = True
+                out = decompressor.decompress(data, READ_BYTES)
+                if out:
+                    yield out
+                if decompressor.unconsumed_tail:
+                    data = decompressor.unconsumed_tail
+                elif decompressor.eof:
+                    data = decompressor.unused_data  # the next member, if any
+                    decompressor = zlib.decompressobj(wbits=31)
+                    in_member = False
+                else:
+                    data = b""
+        if in_member:
+            raise TruncatedStream("the gzip stream ends before its end marker (the file is truncated)")
+
+
+def is_gzip(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
+class JsonLinesFile:
+    def __init__(self, checker: "Checker", path: Path, display: str):
+        self.checker = checker
+        self.path = path
+        self.display = display
+        self.line = 0  # lines consumed so far
+        self.string_fields: dict[str, pa.DataType] = {}  # top-level fields Arrow would read as timestamps
+
+    # -- streaming ----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        chunks = _gzip_chunks(self.path, self.checker) if is_gzip(self.path) else _plain_chunks(self.path,
+                                                                                               self.checker)
+        try:
+            self._consume(chunks)
+        except TruncatedStream as exc:
+            self._file_finding(f"{exc}; lines 1-{self.line} were checked")
+        except zlib.error as exc:
+            self._file_finding(f"corrupt gzip data after line {self.line} ({exc})")
+        except OSError as exc:
+            self._file_finding(f"cannot read the file after line {self.line} ({exc})")
+
+    def _file_finding(self, detail: str) -> None:
+        from nanscan.data.check import file_digest
+
+        self.checker.sink.add(UNREADABLE, RecordRef(self.display, digest=lambda: file_digest(self.path)), detail)
+
+    def _consume(self, chunks: Iterator[bytes]) -> None:
+        limit = self.checker.max_record_bytes
+        carry = b""
+        skipping = None  # (sha256 object, bytes so far) while passing over an over-long line
+        for chunk in chunks:
+            if skipping is not None:
+                nl = chunk.find(b"\n")
+                if nl == -1:
+                    skipping[0].update(chunk)
+                    skipping[1] += len(chunk)
+                    continue
+                skipping[0].update(chunk[:nl])
+                self._oversize(skipping[0].hexdigest(), skipping[1] + nl)
+                skipping, chunk = None, chunk[nl + 1:]
+            data = carry + chunk if carry else chunk
+            cut = data.rfind(b"\n")
+            if cut == -1:
+                carry = data
+            else:
+                self._block(data[: cut + 1])
+                carry = data[cut + 1:]
+            if len(carry) > limit:
+                skipping = [hashlib.sha256(carry), len(carry)]
+                carry = b""
+        if skipping is not None:
+            self._oversize(skipping[0].hexdigest(), skipping[1])
+        elif carry:
+            self._block(carry)  # last line without a line feed
+
+    def _oversize(self, digest: str, size: int) -> None:
+        self.line += 1
+        self.checker.records += 1
+        self.checker.sink.add(UNREADABLE, RecordRef(self.display, line=self.line, digest=digest),
+                              f"line of {size} bytes exceeds --max-record-bytes {self.checker.max_record_bytes}; "
+                              "not parsed")
+
+    # -- one block of whole lines --------------------------------------------------------------------------------
+    def _block(self, block: bytes) -> None:
+        buf = np.frombuffer(block, dtype=np.uint8)
+        newlines = np.flatnonzero(buf == 10)
+        starts = np.concatenate([[0], newlines + 1])
+        ends = np.concatenate([newlines, [len(block)]])
+        if block.endswith(b"\n"):
+            starts, ends = starts[:-1], ends[:-1]
+        first_line = self.line + 1
+        self.line += len(starts)
+        self._lines(block, starts, ends, first_line)
+
+    def _lines(self, block: bytes, starts: np.ndarray, ends: np.ndarray, first_line: int) -> None:
+        """Check the lines block[starts[i]:ends[i]], numbered from first_line, fast path first."""
+        n = len(starts)
+        if n == 0:
+            return
+        lengths = ends - starts
+        if lengths.max() > self.checker.max_record_bytes:
+            self._slow(block, starts, ends, first_line, range(n))
+            return
+        buf = np.frombuffer(block, dtype=np.uint8)
+        lead = buf[np.minimum(starts, len(block) - 1)] if len(block) else np.zeros(n, np.uint8)
+        maybe_blank = np.flatnonzero((lengths == 0) | _ASCII_SPACE[lead])
+        blank = [i for i in maybe_blank.tolist() if not block[starts[i]:ends[i]].strip()]
+        rows_to_lines = np.delete(np.arange(n), blank) if blank else np.arange(n)
+        begin, end = int(starts[0]), int(ends[-1])
+        table = self._parse(block[begin:end]) if len(rows_to_lines) else None
+        if len(rows_to_lines) and (table is None or table.num_rows != len(rows_to_lines)):
+            # Arrow refused the block (or read a line as two records): isolate the bad lines.
+            if end - begin <= SPLIT_MIN or n == 1:
+                self._slow(block, starts, ends, first_line, range(n))
+            else:
+                half = n // 2
+                self._lines(block, starts[:half], ends[:half], first_line)
+                self._lines(block, starts[half:], ends[half:], first_line + half)
+            return
+        self._slow(block, starts, ends, first_line, blank)
+        if table is None:
+            return
+
+        def ref(row: int) -> RecordRef:
+            i = int(rows_to_lines[row])
+            raw = block[starts[i]:ends[i]]
+            return RecordRef(self.display, line=first_line + i, digest=lambda: sha256_hex(raw))
+
+        def inspect_row(row: int) -> None:
+            i = int(rows_to_lines[row])
+            self._slow(block, starts, ends, first_line, [i])
+
+        TableCheck(self.checker, table, ref, inspect_row).run()
+
+    def _parse(self, data: bytes) -> pa.Table | None:
+        try:
+            table = self._read(data)
+            retyped = {}
+            for name, t in zip(table.column_names, table.schema.types):
+                as_text = _timestamps_as_strings(t)
+                if as_text is not None and name not in self.string_fields:
+                    retyped[name] = as_text
+            if retyped:
+                # Arrow reads date-like strings as timestamps; json.loads keeps them strings. Read them as text.
+                self.string_fields.update(retyped)
+                table = self._read(data)
+            return table
+        except Exception:  # noqa: BLE001 - any refusal (invalid JSON, type change, bad UTF-8) means: slow path
+            return None
+
+    def _read(self, data: bytes) -> pa.Table:
+        parse = pj.ParseOptions(
+            explicit_schema=pa.schema(list(self.string_fields.items())) if self.string_fields else None,
+            unexpected_field_behavior="infer")
+        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=ARROW_BLOCK),
+                            parse_options=parse)
+
+    # -- the per-line definition ----------------------------------------------------------------------------------
+    def _slow(self, block: bytes, starts: np.ndarray, ends: np.ndarray, first_line: int, which) -> None:
+        checker = self.checker
+        for i in which:
+            raw = block[starts[i]:ends[i]]
+            ref = RecordRef(self.display, line=first_line + i, digest=lambda raw=raw: sha256_hex(raw))
+            if len(raw) > checker.max_record_bytes:
+                checker.records += 1
+                checker.sink.add(UNREADABLE, ref, f"line of {len(raw)} bytes exceeds --max-record-bytes "
+                                                  f"{checker.max_record_bytes}; not parsed")
+                continue
+            check_json_line(checker, raw, ref)
+
+
+def _timestamps_as_strings(t: pa.DataType) -> pa.DataType | None:
+    if pa.types.is_timestamp(t):
+        return pa.string()
+    if pa.types.is_list(t) and pa.types.is_timestamp(t.value_type):
+        return pa.list_(pa.string())
+    return None
+
+
+def check_json_line(checker: "Checker", raw: bytes, ref: RecordRef) -> None:
+    """The definition for one JSON line: blank, undecodable, invalid, or a record for inspect_record."""
+    if not raw.strip():
+        checker.records += 1
+        checker.sink.add(EMPTY, ref, "blank line")
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        checker.records += 1
+        checker.sink.add(UNREADABLE, ref, f"not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}")
+        return
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        checker.records += 1
+        checker.sink.add(UNREADABLE, ref, f"invalid JSON: {exc.msg} at column {exc.colno}")
+        return
+    except (ValueError, RecursionError) as exc:  # e.g. integers past Python's digit limit, absurd nesting
+        checker.records += 1
+        checker.sink.add(UNREADABLE, ref, f"JSON that Python cannot load: {type(exc).__name__}: {exc}")
+        return
+    inspect_record(checker, value, ref)
+
+
+def check_jsonl(checker: "Checker", path: Path, display: str) -> None:
+    JsonLinesFile(checker, path, display).run()

@@ -1,0 +1,400 @@
+"""The definition of a record check, on plain Python values: which fields are empty, which hold non-finite
+numbers, how many tokens the text has, and each field's kind and shape.
+
+Every format reader either calls `inspect_record` on each record or (for JSON Lines and Parquet) runs a columnar
+fast path that must reach the same findings; rows the fast path cannot vouch for are sent here. Numbers found in a
+record are not tested one by one: they are gathered into arrays and scanned in bulk by the core scan
+(`nanscan.scan`) in `NumericBatch`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import hashlib
+import math
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from nanscan.data.findings import EMPTY, NONFINITE, TOO_LONG, UNREADABLE, RecordRef
+
+if TYPE_CHECKING:
+    from nanscan.data.check import Checker
+
+ROOT_FIELD = "(record)"  # the field name of a record that is not a mapping or a tuple (a bare array, a JSON list)
+
+
+# -- kinds and shapes --------------------------------------------------------------------------------------------
+def _scalar_kind(value: Any) -> str | None:
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, (int, float, decimal.Decimal, np.integer, np.floating)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if isinstance(value, _dt.datetime):
+        return "datetime"
+    if isinstance(value, _dt.date):
+        return "date"
+    if isinstance(value, _dt.time):
+        return "time"
+    if isinstance(value, _dt.timedelta):
+        return "duration"
+    return None
+
+
+def _element_kind(value: Any) -> str:
+    """The kind of a list element, one level deep (a nested list is "list", a mapping "object")."""
+    kind = _scalar_kind(value)
+    if kind is not None:
+        return kind
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return kind_of(value)
+
+
+def kind_of(value: Any) -> str:
+    """The type name used to compare a field across records (numbers of any width are all "number")."""
+    kind = _scalar_kind(value)
+    if kind is not None:
+        return kind
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, (list, tuple)):
+        kinds = {_element_kind(v) for v in value}
+        return f"list[{kinds.pop() if len(kinds) == 1 else 'mixed'}]" if kinds else "list"
+    if isinstance(value, np.ndarray):
+        return f"array[{value.dtype.name}]"
+    if isinstance(value, torch.Tensor):
+        return f"array[{str(value.dtype).removeprefix('torch.')}]"
+    if _is_pil_image(value):
+        return f"image[{value.mode}]"
+    return type(value).__name__
+
+
+def shape_of(value: Any) -> tuple | None:
+    if isinstance(value, (list, tuple)):
+        return (len(value),)
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return tuple(int(s) for s in value.shape)
+    if _is_pil_image(value):
+        return (value.height, value.width)
+    return None
+
+
+def _is_pil_image(value: Any) -> bool:
+    cls = type(value)
+    return cls.__module__.startswith("PIL.") and hasattr(value, "mode") and hasattr(value, "getbands")
+
+
+def empty_reason(value: Any) -> str | None:
+    """Why a value counts as empty, or None."""
+    if value is None:
+        return "null value"
+    if isinstance(value, str):
+        return ("empty text" if not value else "whitespace-only text") if not value.strip() else None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "zero bytes" if len(value) == 0 else None
+    if isinstance(value, Mapping):
+        return "empty object" if len(value) == 0 else None
+    if isinstance(value, (list, tuple)):
+        return "zero-length sequence" if len(value) == 0 else None
+    if isinstance(value, torch.Tensor):
+        return f"zero-sized array of shape {list(value.shape)}" if value.numel() == 0 else None
+    if isinstance(value, np.ndarray):
+        return f"zero-sized array of shape {list(value.shape)}" if value.size == 0 else None
+    return None
+
+
+def record_fields(record: Any) -> list[tuple[str, Any]]:
+    """A record's top-level fields: a mapping's items, a tuple's positions ("[0]", "[1]"), else the record itself."""
+    if isinstance(record, Mapping):
+        return [(str(k), v) for k, v in record.items()]
+    if isinstance(record, tuple):
+        return [(f"[{i}]", v) for i, v in enumerate(record)]
+    return [(ROOT_FIELD, record)]
+
+
+# -- canonical digest of Python values ---------------------------------------------------------------------------
+def digest_object(value: Any) -> str:
+    """sha256 of a canonical, type-tagged encoding of a Python value (mappings by sorted key, arrays as dtype,
+    shape and C-order bytes), for records that have no byte form of their own (Parquet rows, Python datasets)."""
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.hexdigest()
+
+
+def _feed(h, value: Any) -> None:
+    def put(tag: bytes, payload: bytes) -> None:
+        h.update(tag + len(payload).to_bytes(8, "little") + payload)
+
+    if value is None:
+        put(b"N", b"")
+    elif isinstance(value, (bool, np.bool_)):
+        put(b"B", b"1" if value else b"0")
+    elif isinstance(value, (int, np.integer)):
+        put(b"I", str(int(value)).encode())
+    elif isinstance(value, (float, np.floating)):
+        put(b"F", float(value).hex().encode())
+    elif isinstance(value, str):
+        put(b"S", value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        put(b"Y", bytes(value))
+    elif isinstance(value, Mapping):
+        items = sorted(((str(k), v) for k, v in value.items()), key=lambda kv: kv[0])
+        put(b"D", str(len(items)).encode())
+        for k, v in items:
+            put(b"K", k.encode("utf-8", "surrogatepass"))
+            _feed(h, v)
+    elif isinstance(value, (list, tuple)):
+        put(b"L", str(len(value)).encode())
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.view(torch.uint8) if t.dim() and t.numel() else t.reshape(-1).view(torch.uint8)
+        put(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
+        put(b"R", raw.numpy().tobytes())
+    elif isinstance(value, np.ndarray):
+        put(b"A", f"{value.dtype.str}{value.shape}".encode())
+        put(b"R", np.ascontiguousarray(value).tobytes())
+    elif _is_pil_image(value):
+        put(b"P", f"{value.mode}{value.size}".encode())
+        put(b"R", value.tobytes())
+    else:
+        put(b"O", f"{type(value).__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
+
+
+# -- numbers: gathered per record, scanned in bulk ----------------------------------------------------------------
+def _top_field(path: str) -> str:
+    for i, ch in enumerate(path):
+        if ch in ".[" and i:
+            return path[:i]
+    return path
+
+
+_SCANNED_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def as_scannable(array: Any) -> torch.Tensor | None:
+    """A floating tensor view of an array for nanscan.scan, or None when it cannot hold non-finite values."""
+    if isinstance(array, torch.Tensor):
+        t = array.detach()
+        if not (t.is_floating_point() or t.is_complex()):
+            return None
+        # float8 and other narrow formats are not scanned natively; widening keeps NaN and inf as they are.
+        return t if t.dtype in _SCANNED_TORCH else t.to(torch.complex128 if t.is_complex() else torch.float32)
+    a = np.asarray(array)
+    if a.dtype.kind not in "fc":
+        return None
+    if a.dtype not in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
+        a = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)  # e.g. longdouble
+    with warnings.catch_warnings():
+        # Read-only arrays (memory maps, Arrow buffers) are only read by the scan.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+_SMALL_SCAN_BYTES = 1 << 20
+_one_thread: list = []
+
+
+def scan_tensors(tensors: list[torch.Tensor]):
+    """nanscan.scan for the data checks. A scan of under 1 MiB takes microseconds on one thread, less than waking
+    the native backend's thread team (and far less on a busy machine, where a sleeping team member can delay the
+    call by a scheduler tick), so small CPU scans run single-threaded unless a backend was chosen explicitly."""
+    import nanscan
+    from nanscan import backends
+
+    backend = None
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if total < _SMALL_SCAN_BYTES and backends.requested_name(None) is None and all(
+            t.device.type == "cpu" for t in tensors):
+        if not _one_thread:
+            try:
+                _one_thread.append(backends.CpuBackend(num_threads=1))
+            except Exception:  # noqa: BLE001 - no native extension: auto selection picks the fallback
+                _one_thread.append(None)
+        backend = _one_thread[0]
+    return nanscan.scan(tensors, backend=backend)
+
+
+def describe_nonfinite(values: torch.Tensor, path: str, limit: int = 5) -> tuple[int, str]:
+    """(count, "NaN at x[3], +inf at x[7] ...") for the non-finite elements of one array."""
+    flat = values.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bad = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
+    shape = tuple(values.shape) if not values.is_complex() else tuple(values.shape) + (2,)
+    parts = []
+    for i in bad[:limit].tolist():
+        v = float(flat[i])
+        label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
+        index = "".join(f"[{j}]" for j in np.unravel_index(i, shape)) if shape else ""
+        parts.append(f"{label} at {path}{index}")
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return len(bad), ", ".join(parts) + more
+
+
+class NumericBatch:
+    """Numbers from many records, scanned with one nanscan.scan call per batch.
+
+    Python floats found while walking records are pooled into one float64 array; arrays and tensors are scanned
+    in place. A non-finite value becomes one `nonfinite` finding per (record, top-level field).
+    """
+
+    MAX_ITEMS = 4096
+    MAX_BYTES = 64 << 20
+
+    def __init__(self, checker: "Checker"):
+        self.checker = checker
+        self._arrays: list[tuple[RecordRef, str, torch.Tensor]] = []
+        self._scalars: list[float] = []
+        self._scalar_owners: list[tuple[RecordRef, str]] = []
+        self._bytes = 0
+
+    def add_array(self, ref: RecordRef, path: str, array: Any) -> None:
+        t = as_scannable(array)
+        if t is None or t.numel() == 0:
+            return
+        self._arrays.append((ref, path, t))
+        self._bytes += t.numel() * t.element_size()
+        if len(self._arrays) >= self.MAX_ITEMS or self._bytes >= self.MAX_BYTES:
+            self.flush()
+
+    def add_scalar(self, ref: RecordRef, path: str, value: float) -> None:
+        self._scalars.append(value)
+        self._scalar_owners.append((ref, path))
+        if len(self._scalars) >= self.MAX_ITEMS * 16:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._arrays and not self._scalars:
+            return
+        arrays, scalars, owners = self._arrays, self._scalars, self._scalar_owners
+        self._arrays, self._scalars, self._scalar_owners, self._bytes = [], [], [], 0
+        tensors = [t for _, _, t in arrays]
+        if scalars:
+            tensors.append(torch.tensor(scalars, dtype=torch.float64))
+        report = scan_tensors(tensors)
+        bad: dict[tuple[int, str], list] = {}  # (id(ref), field) -> [ref, count, descriptions]
+        largest = (self.checker.largest_magnitude.value if self.checker.largest_magnitude else -1.0)
+        for i, stats in enumerate(report.stats):
+            in_arrays = i < len(arrays)
+            if stats.absmax > largest:
+                if in_arrays:
+                    ref, path, _ = arrays[i]
+                else:
+                    values = tensors[i]
+                    finite = torch.where(torch.isfinite(values), values.abs(), torch.zeros_like(values))
+                    ref, path = owners[int(torch.argmax(finite))]
+                largest = stats.absmax
+                self.checker.note_magnitude(stats.absmax, ref, _top_field(path))
+            if stats.ok:
+                continue
+            if in_arrays:
+                ref, path, t = arrays[i]
+                count, text = describe_nonfinite(t, path)
+                entry = bad.setdefault((id(ref), _top_field(path)), [ref, 0, []])
+                entry[1] += count
+                entry[2].append(text)
+            else:
+                values = tensors[i]
+                for j in torch.nonzero(~torch.isfinite(values)).reshape(-1).tolist():
+                    ref, path = owners[j]
+                    v = float(values[j])
+                    label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
+                    entry = bad.setdefault((id(ref), _top_field(path)), [ref, 0, []])
+                    entry[1] += 1
+                    entry[2].append(f"{label} at {path}")
+        for (_, field), (ref, count, texts) in bad.items():
+            detail = f"{count} non-finite value{'s' if count != 1 else ''}: " + ", ".join(texts[:5])
+            if len(texts) > 5:
+                detail += f" and {len(texts) - 5} more"
+            self.checker.sink.add(NONFINITE, ref, detail, field)
+
+
+def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -> None:
+    """Send every floating number inside `value` to the batch: scalars one by one, lists and arrays whole."""
+    stack = [(path, value)]
+    while stack:
+        p, v = stack.pop()
+        if isinstance(v, float):
+            batch.add_scalar(ref, p, v)
+        elif v is None or isinstance(v, (bool, int, str, bytes, bytearray, decimal.Decimal)):
+            continue
+        elif isinstance(v, Mapping):
+            stack.extend((f"{p}.{k}", x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            if v and isinstance(v[0], (int, float)) and not isinstance(v[0], bool):
+                try:
+                    arr = np.array(v)  # C-speed conversion; never dtype=float, which would turn None into NaN
+                except (ValueError, TypeError, OverflowError):
+                    arr = None
+                if arr is not None and arr.dtype.kind in "iub":
+                    continue
+                if arr is not None and arr.dtype.kind == "f":
+                    batch.add_array(ref, p, arr)
+                    continue
+            stack.extend((f"{p}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, (np.ndarray, torch.Tensor)):
+            if isinstance(v, np.ndarray) and v.dtype == object:
+                stack.extend((f"{p}[{i}]", x) for i, x in enumerate(v.reshape(-1)))
+            else:
+                batch.add_array(ref, p, v)
+        elif isinstance(v, np.floating):
+            batch.add_scalar(ref, p, float(v))
+        elif _is_pil_image(v) and v.mode == "F":
+            batch.add_array(ref, p, np.asarray(v))
+
+
+# -- one record ---------------------------------------------------------------------------------------------------
+def inspect_record(checker: "Checker", record: Any, ref: RecordRef) -> None:
+    """Check one record: empty fields, numbers (via the batch), token length, field kinds and shapes, keys."""
+    checker.records += 1
+    reason = empty_reason(record)
+    if reason is not None:
+        checker.sink.add(EMPTY, ref, f"empty record ({reason})")
+        return
+    fields = record_fields(record)
+    tracker = checker.tracker
+    text_fields = checker.text_fields
+    texts: list[str] = []
+    pretokenized = 0
+    for name, value in fields:
+        reason = empty_reason(value)
+        if reason is not None:
+            checker.sink.add(EMPTY, ref, f"{reason} in field {name!r}", name)
+            continue
+        tracker.add(name, kind_of(value), shape_of(value), ref)
+        gather_numbers(value, name, ref, checker.numbers)
+        if text_fields is None:
+            if isinstance(value, str):
+                texts.append(value)
+        elif name in text_fields:
+            if isinstance(value, str):
+                texts.append(value)
+            elif kind_of(value) == "list[number]" or (
+                    isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 1):
+                pretokenized += len(value)  # already token ids
+    if isinstance(record, (Mapping, tuple)):
+        tracker.add_keys([name for name, _ in fields], 1, lambda k: [ref])
+    if texts or pretokenized:
+        try:
+            tokens = int(checker.tokenizer.count(texts).sum()) + pretokenized
+        except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer cannot encode
+            checker.sink.add(UNREADABLE, ref, f"text cannot be tokenized ({type(exc).__name__}: {exc})")
+            return
+        checker.note_tokens(np.array([tokens]), lambda i: ref)
+        if checker.max_tokens is not None and tokens > checker.max_tokens:
+            checker.sink.add(TOO_LONG, ref, f"{tokens} tokens > --max-tokens {checker.max_tokens}")

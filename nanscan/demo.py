@@ -1,0 +1,487 @@
+"""`nanscan demo`: a tiny causal language model trains on a token dataset with one corrupted record, goes NaN when
+that record arrives, and nanscan catches the step, keeps the evidence as a bundle and reports it.
+
+The fault is a data problem that travels the real path. Every record carries token ids and a per-token loss
+weight. One record's weights were exported as 3.4028235e+38, the float32 maximum that many tools write for a
+missing value. Each weight is finite, so the batch passes an input check, but weight x token loss overflows float32
+in the loss: the loss is inf and every gradient jumps to ~1e35. The Monitor sees finite inputs and weights with a
+non-finite loss and files the incident as `loss`; the bundle keeps the batch and its record ids.
+
+The workflow runs as ordered stages (STAGES); later stages (replay, ablation, data checks) append to that list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanscan._atomic import atomic_write_bytes
+from nanscan.entry import ReplaySpec
+
+RUN_ID = "nanscan-demo"
+REPLAY_ENTRY = "nanscan.demo:replay_entry"
+# The step whose batch holds the corrupted record, and its row in that batch. The loss must have clearly dropped
+# by then (it falls from ~5.5 to ~1.1 within 60 steps), so the failure visibly interrupts healthy training.
+FAULT_STEP = 80
+FAULT_ROW = 5
+# What the export tool wrote for "missing": the largest finite float32.
+MISSING_SENTINEL = float(np.finfo(np.float32).max)
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "seed": 1234,
+    "vocab_size": 256,
+    "seq_len": 32,
+    "d_model": 64,
+    "n_heads": 4,
+    "n_layers": 2,
+    "batch_size": 16,
+    "steps": 120,
+    "lr": 1e-2,
+    "warmup_steps": 10,
+    "weight_decay": 0.01,
+    "grad_clip": 1.0,
+    "num_records": 2048,
+    "data_path": None,  # the JSON Lines file; set by demo_config()
+    "replay_batches": 4,
+}
+
+
+def demo_config(out_dir: Path) -> dict:
+    """The demo's training config; the data path is absolute so a bundle's replay finds it from any directory."""
+    config = dict(DEFAULT_CONFIG)
+    config["data_path"] = str((Path(out_dir) / "data" / "train.jsonl").resolve())
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: a JSON Lines file of records {"id", "tokens", "weights"}, read back through a Dataset with stable ids.
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_records(config: dict) -> list[dict]:
+    """Healthy records from a fixed Markov chain: each token is followed by its "successor" 80% of the time and by
+    one of three alternatives otherwise, so a model can learn it (entropy ~0.7 nats against ln(256) = 5.5 at start).
+    The first few tokens of each record are a prompt whose loss weight is 0, as in instruction tuning."""
+    rng = np.random.default_rng(config["seed"])
+    vocab, length = config["vocab_size"], config["seq_len"] + 1
+    successor = rng.permutation(vocab)
+    alternatives = rng.integers(0, vocab, size=(vocab, 3))
+    records = []
+    for i in range(config["num_records"]):
+        tokens = [int(rng.integers(vocab))]
+        for _ in range(length - 1):
+            prev = tokens[-1]
+            follow = rng.random() < 0.8
+            tokens.append(int(successor[prev]) if follow else int(alternatives[prev, rng.integers(3)]))
+        prompt_len = int(rng.integers(2, 7))
+        weights = [0.0] * prompt_len + [1.0] * (length - 1 - prompt_len)
+        records.append({"id": f"doc-{i:05d}", "tokens": tokens, "weights": weights})
+    return records
+
+
+def epoch_order(num_records: int, seed: int) -> list[int]:
+    """The order in which training reads the records (one seeded shuffle)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_records, generator=generator).tolist()
+
+
+def plant_fault(records: list[dict], config: dict, *, step: int = FAULT_STEP, row: int = FAULT_ROW) -> str:
+    """Corrupt the record that training reads at (step, row): its weights become the missing-value sentinel."""
+    order = epoch_order(len(records), config["seed"])
+    position = step * config["batch_size"] + row
+    if position >= len(order):
+        raise ValueError(f"fault step {step} is past the end of the data ({len(order)} records, "
+                         f"batch size {config['batch_size']}); use a smaller step or more records")
+    record = records[order[position]]
+    record["weights"] = [MISSING_SENTINEL] * len(record["weights"])
+    return record["id"]
+
+
+def write_dataset(path: Path, records: list[dict]) -> str:
+    """Write the records as JSON Lines (atomically; same records, same bytes) and return the file's sha256."""
+    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+class DataFileError(ValueError):
+    """A dataset file that is missing or has a malformed record."""
+
+
+class TokenRecords(torch.utils.data.Dataset):
+    """The records of a JSON Lines file; item i is (row index, record id, tokens int64[T+1], weights float32[T])."""
+
+    def __init__(self, path: str | os.PathLike, seq_len: int):
+        self.path = Path(path)
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError as exc:
+            raise DataFileError(f"cannot read the dataset {self.path}: {exc.strerror}; run `nanscan demo` to "
+                                "write it, or set data_path in the config") from exc
+        self.ids: list[str] = []
+        tokens, weights = [], []
+        for lineno, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                ids, toks, wts = record["id"], record["tokens"], record["weights"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise DataFileError(f"{self.path}:{lineno}: not a record with id, tokens and weights ({exc})") from None
+            if len(toks) != seq_len + 1 or len(wts) != seq_len:
+                raise DataFileError(f"{self.path}:{lineno}: record {ids!r} has {len(toks)} tokens and {len(wts)} "
+                                    f"weights, expected {seq_len + 1} and {seq_len}")
+            self.ids.append(str(ids))
+            tokens.append(toks)
+            weights.append(wts)
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[int, str, torch.Tensor, torch.Tensor]:
+        return i, self.ids[i], self.tokens[i], self.weights[i]
+
+
+def collate(rows) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A batch dict (what the model and the Monitor see) and the rows' record ids."""
+    index, ids, tokens, weights = zip(*rows)
+    batch = {"tokens": torch.stack(tokens), "weights": torch.stack(weights),
+             "index": torch.tensor(index, dtype=torch.int64)}
+    return batch, list(ids)
+
+
+def batches(dataset: TokenRecords, config: dict) -> Iterator[tuple[dict[str, torch.Tensor], list[str]]]:
+    """The training batches of one epoch in epoch_order, through a DataLoader as a training script would."""
+    order = epoch_order(len(dataset), config["seed"])
+    size = config["batch_size"]
+    plan = [order[i:i + size] for i in range(0, len(order) - size + 1, size)]
+    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=plan, collate_fn=collate))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model: a GPT-style decoder whose loss is a submodule, so replay can name it when the NaN starts there.
+# ---------------------------------------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TokenWeightedLoss(nn.Module):
+    """Cross-entropy of each target token times its loss weight, averaged over all token positions (weights are
+    importance factors around 1; prompt tokens have weight 0 and do not count)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(weights)
+        return (nll * weights).mean()
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int, n_layers: int):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.loss_fn = TokenWeightedLoss()
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_emb(tokens) + self.pos_emb.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The training loss of token rows [B, T+1] (inputs and next-token targets) with weights [B, T]."""
+        return self.loss_fn(self.logits(tokens[:, :-1]), tokens[:, 1:], weights)
+
+
+def build_model(config: dict) -> TinyLM:
+    """The model with its seeded initial weights (the global torch RNG is seeded, as a training script does)."""
+    torch.manual_seed(config["seed"])
+    return TinyLM(config["vocab_size"], config["seq_len"], config["d_model"], config["n_heads"], config["n_layers"])
+
+
+def build_optimizer(model: nn.Module, config: dict) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
+
+
+def lr_at(step: int, config: dict) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak over the configured steps."""
+    peak, warmup, total = config["lr"], config["warmup_steps"], config["steps"]
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def step_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["tokens"], batch["weights"])
+
+
+def replay_entry(config: dict) -> ReplaySpec:
+    """Rebuild the demo's training step from a bundle's config: model, optimizer, step function, and the first
+    `replay_batches` batches of the epoch (healthy: the corrupted record comes much later)."""
+    missing = sorted(k for k in DEFAULT_CONFIG if k not in config)
+    if missing:
+        raise ValueError(f"the demo config lacks {missing}; pass the config recorded by `nanscan demo`")
+    model = build_model(config)
+    dataset = TokenRecords(config["data_path"], config["seq_len"])
+    loader = batches(dataset, config)
+    healthy = [batch for batch, _ in (next(loader) for _ in range(config["replay_batches"]))]
+    return ReplaySpec(model=model, optimizer=lambda m: build_optimizer(m, config), step_fn=step_fn,
+                      batches=healthy)
+
+
+@contextlib.contextmanager
+def seeded_rngs(seed: int):
+    """Seed Python, numpy and torch for the demo and give the caller its own generator states back afterwards."""
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.random.set_rng_state(saved[2])
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run torch on `count` threads, then restore the caller's setting. The demo model is so small that one
+    thread is as fast as two on an idle machine and many times faster on a busy one (idle OpenMP workers spin
+    against other processes), and its floating-point results then match on every machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The workflow: ordered stages sharing one context.
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class StageResult:
+    name: str
+    ok: bool
+    headline: str  # one line for the terminal
+    data: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class DemoContext:
+    out_dir: Path
+    config: dict
+    echo: Callable[[str], None]
+    results: list[StageResult] = field(default_factory=list)
+    # filled in by the stages
+    planted_record: str | None = None
+    losses: list[float] = field(default_factory=list)
+    error: Any = None  # the NonFiniteError the Monitor raised
+    bundle: Any = None  # the loaded nanscan.bundle.Bundle
+    summary: dict | None = None  # nanscan.report.summarize(bundle)
+
+
+@dataclass
+class DemoResult:
+    out_dir: str
+    bundle_path: str | None
+    caught: bool  # the Monitor stopped training at the planted fault
+    first_invalid_step: int | None
+    category: str | None
+    planted_record: str | None
+    stages: list[StageResult]
+    summary: dict | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stage_data(ctx: DemoContext) -> StageResult:
+    records = make_records(ctx.config)
+    ctx.planted_record = plant_fault(records, ctx.config)
+    sha = write_dataset(Path(ctx.config["data_path"]), records)
+    return StageResult("data", True, f"wrote {len(records)} records to {ctx.config['data_path']}",
+                       {"records": len(records), "sha256": sha, "path": ctx.config["data_path"]})
+
+
+def stage_detect(ctx: DemoContext) -> StageResult:
+    """Train with the Monitor checking every step, as a user's training loop would."""
+    from nanscan.monitor import Monitor, NonFiniteError
+
+    config = ctx.config
+    log_path = ctx.out_dir / "train.log"
+    with seeded_rngs(config["seed"]):
+        model = build_model(config)
+        optimizer = build_optimizer(model, config)
+        dataset = TokenRecords(config["data_path"], config["seq_len"])
+        monitor = Monitor(model, optimizer, bundle_dir=ctx.out_dir / "bundles", config=config, run_id=RUN_ID,
+                          log_files=[log_path], on_invalid="raise", replay_entry=REPLAY_ENTRY, snapshot="cpu")
+        with monitor, open(log_path, "w", buffering=1) as log:
+            for step, (batch, ids) in enumerate(batches(dataset, config)):
+                if step >= config["steps"]:
+                    break
+                lr = lr_at(step, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad(set_to_none=True)
+                loss = step_fn(model, batch)
+                loss.backward()
+                log.write(f"step {step:4d}  loss {loss.item():.4f}  lr {lr:.3e}  "
+                          f"samples {ids[0]}..{ids[-1]}\n")
+                try:
+                    monitor.check(batch=batch, loss=loss, sample_ids=ids, lr=lr, step=step)
+                except NonFiniteError as exc:
+                    log.write(f"step {step:4d}  stopped: non-finite {exc.category}; evidence in {exc.bundle_path}\n")
+                    ctx.error = exc
+                    break
+                ctx.losses.append(loss.item())
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"])
+                optimizer.step()
+    if ctx.error is None:
+        return StageResult("detect", False, f"trained {len(ctx.losses)} steps and nothing went non-finite; "
+                           "the planted fault was not reached", {"steps": len(ctx.losses)})
+    err = ctx.error
+    first, last = (ctx.losses[0], ctx.losses[-1]) if ctx.losses else (None, None)
+    trend = f" (loss {first:.2f} -> {last:.2f})" if ctx.losses else ""
+    return StageResult("detect", True, f"healthy for {len(ctx.losses)} steps{trend}, "
+                       f"then non-finite at step {err.step}: category {err.category}",
+                       {"step": err.step, "category": err.category, "tensors": list(err.tensors),
+                        "first_loss": first, "last_finite_loss": last, "healthy_steps": len(ctx.losses)})
+
+
+def stage_preserve(ctx: DemoContext) -> StageResult:
+    """Load the bundle back the way a colleague would, which validates the manifest and every file's sha256."""
+    from nanscan.bundle import load_bundle
+    from nanscan.provenance import normalize_config
+
+    if ctx.error is None:
+        return StageResult("preserve", False, "no incident, so no bundle")
+    if ctx.error.bundle_path is None:
+        return StageResult("preserve", False, f"the Monitor could not write the bundle: {ctx.error.__cause__}")
+    ctx.bundle = load_bundle(ctx.error.bundle_path)
+    # A bundle already at that path is kept as is (bundles are idempotent); make sure it is this run's.
+    if ctx.bundle.config != normalize_config(ctx.config) or ctx.bundle.category != ctx.error.category:
+        return StageResult("preserve", False, f"{ctx.bundle.path} holds a bundle from an earlier demo with "
+                           f"another config; delete {ctx.out_dir / 'bundles'} and run the demo again")
+    files = ctx.bundle.manifest["files"]
+    return StageResult("preserve", True, f"bundle {ctx.bundle.path} ({len(files)} files, checksums verified)",
+                       {"path": str(ctx.bundle.path), "files": len(files)})
+
+
+def stage_report(ctx: DemoContext) -> StageResult:
+    from nanscan.report import summarize
+
+    if ctx.bundle is None:
+        return StageResult("report", False, "no bundle to report on")
+    ctx.summary = summarize(ctx.bundle)
+    groups = ctx.summary["groups"]
+    return StageResult("report", True, f"{len(ctx.summary['nonfinite_tensors'])} non-finite tensors in "
+                       f"{len(groups)} module(s)", {"groups": len(groups)})
+
+
+STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
+    ("data", stage_data),
+    ("detect", stage_detect),
+    ("preserve", stage_preserve),
+    ("report", stage_report),
+]
+
+
+def run_demo(out_dir: str | os.PathLike = "nanscan-demo", *, echo: Callable[[str], None] | None = None) -> DemoResult:
+    """Run every stage in order into out_dir; a stage that fails stops the ones after it."""
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = DemoContext(out_dir=out, config=demo_config(out), echo=echo or (lambda _line: None))
+    with torch_threads(1):
+        for name, stage in STAGES:
+            start = time.perf_counter()
+            result = stage(ctx)
+            result.seconds = round(time.perf_counter() - start, 3)
+            ctx.results.append(result)
+            ctx.echo(f"[{name}] {result.headline}")
+            if not result.ok:
+                break
+    err = ctx.error
+    caught = err is not None and err.step == FAULT_STEP
+    return DemoResult(out_dir=str(out), bundle_path=str(err.bundle_path) if err else None, caught=caught,
+                      first_invalid_step=err.step if err else None, category=err.category if err else None,
+                      planted_record=ctx.planted_record, stages=ctx.results, summary=ctx.summary)
+
+
+@click.command("demo")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="nanscan-demo", show_default=True,
+              help="Directory for the dataset, the training log and the bundle.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the report.")
+def demo_command(out_dir, as_json):
+    """Train a tiny language model on data with one corrupted record; catch the NaN, keep the evidence, report.
+
+    Exits 0 when the failure was caught as designed, 1 when it was not.
+    """
+    from rich.console import Console
+
+    from nanscan.report import render_terminal
+
+    console = Console(stderr=as_json)
+    result = run_demo(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str, allow_nan=False))
+    else:
+        if result.summary is not None:
+            console.print()
+            render_terminal(result.summary, console)
+        if result.caught:
+            console.print(f"\nplanted fault (the answer key): record {result.planted_record} has every loss weight "
+                          f"= {MISSING_SENTINEL:.7g}, the float32 maximum used as a missing-value sentinel")
+            console.print(f"bundle: [bold]{result.bundle_path}[/bold]")
+            console.print(f"next:   nanscan report {result.bundle_path} --html report.html")
+    if not result.caught:
+        failed = next((s for s in result.stages if not s.ok), None)
+        click.echo(f"nanscan demo: the planted failure was not caught as designed"
+                   f"{f' ({failed.name}: {failed.headline})' if failed else ''}", err=True)
+        raise SystemExit(1)

@@ -1,0 +1,442 @@
+"""The Monitor: one call per training step that scans the batch, loss, weights, gradients and optimizer state,
+keeps a bounded history, and on the first non-finite step decides a failure category and writes an evidence
+bundle (nanscan.bundle) before applying the `on_invalid` policy.
+
+    mon = nanscan.Monitor(model, optimizer, config=cfg, log_files=["train.log"])
+    for step, (batch, ids) in enumerate(loader):
+        loss = compute_loss(model, batch)
+        loss.backward()
+        report = mon.check(batch=batch, loss=loss, sample_ids=ids)   # after backward, before optimizer.step()
+        if not report.ok:        # only reached with on_invalid="warn", "skip" or a callable
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import secrets
+import sys
+import warnings
+import weakref
+from collections import deque
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
+                            write_bundle)
+from nanscan.inputs import prepare
+from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
+from nanscan.scan import model_inputs, scan_inputs
+from nanscan.stats import ScanReport
+
+log = logging.getLogger("nanscan")
+
+# Decided in this order: the first kind holding a non-finite tensor names the category. Inputs and weights come
+# first because everything computed from them inherits their NaNs; the loss before the gradients because a
+# non-finite loss makes every gradient non-finite too.
+CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
+ON_INVALID = ("raise", "warn", "skip")
+SNAPSHOTS = ("none", "cpu")
+BUNDLE_DIR_ENV = "NANSCAN_BUNDLE_DIR"
+DEFAULT_BUNDLE_DIR = "nanscan-bundles"
+_RNG_KEYS = {"torch": "torch_cpu", "numpy": "numpy", "python": "python"}  # a source's key in capture_rng's dict
+_REPLAY_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a NaN or infinity (raised by Monitor.check with on_invalid="raise").
+
+    `bundle_path` is the evidence bundle of the run's first incident (None if it could not be written), `step`
+    and `category` describe the step that raised, `tensors` the non-finite tensors that decided the category.
+    """
+
+    def __init__(self, message: str, *, bundle_path: Path | None, step: int, category: str, tensors: list[str]):
+        super().__init__(message)
+        self.bundle_path = bundle_path
+        self.step = step
+        self.category = category
+        self.tensors = tensors
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
+
+
+def categorize(report: ScanReport) -> tuple[str | None, list[str]]:
+    """(category, deciding tensor names) of a report; (None, []) when it is finite.
+
+    Tensor names follow the Monitor's convention (input:, loss, param:, optim:, grad:); a report whose non-finite
+    tensors have none of these prefixes is categorised "other".
+    """
+    bad = report.nonfinite
+    if not bad:
+        return None, []
+    by_kind: dict[str, list[str]] = {}
+    for name in bad:
+        by_kind.setdefault(tensor_kind(name), []).append(name)
+    for category in CATEGORIES:
+        if category in by_kind:
+            return category, by_kind[category]
+    return "other", bad
+
+
+def grad_norm(report: ScanReport) -> float | None:
+    """L2 norm over the finite values of every `grad:` tensor of the report (from the records' sumsq)."""
+    rows = [i for i, t in enumerate(report.tensors) if t.name.startswith("grad:")]
+    if not rows:
+        return None
+    sumsq = np.ascontiguousarray(report.records[rows, L.REC_SUMSQ]).view(np.float64)
+    return float(np.sqrt(sumsq.sum()))
+
+
+def _warn_user(message: str) -> None:
+    """Warn with the location of the first caller outside nanscan (the user's check call)."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, NonFiniteWarning, stacklevel=level)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _new_run_id() -> str:
+    return f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _scalar(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach()) if value.numel() == 1 else None
+    return float(value)
+
+
+class _CpuSnapshot:
+    """Copies of the model and optimizer state in CPU buffers that are allocated once and overwritten each step
+    (pinned when the source is on a GPU, so the copy runs asynchronously)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+        self._async = False
+        self.model_state: dict | None = None
+        self.optimizer_state: dict | None = None
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        self._used.add(key)
+        buf = self._buffers.get(key)
+        on_gpu = t.device.type == "cuda"
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=on_gpu)
+            self._buffers[key] = buf
+        buf.copy_(t.detach(), non_blocking=on_gpu)
+        self._async |= on_gpu
+        return buf
+
+    def _copy_tree(self, value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy(key, value)
+        if isinstance(value, Mapping):
+            return {k: self._copy_tree(v, f"{key}/{k}") for k, v in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(self._copy_tree(v, f"{key}/{i}") for i, v in enumerate(value))
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return copy.deepcopy(value)
+
+    def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._used = set()
+        with torch.no_grad():
+            self.model_state = self._copy_tree(model.state_dict(), "model")
+            self.optimizer_state = self._copy_tree(optimizer.state_dict(), "optimizer") if optimizer else None
+        for stale in set(self._buffers) - self._used:  # e.g. optimizer state that was reset
+            del self._buffers[stale]
+
+    def result(self) -> tuple[dict | None, dict | None]:
+        if self._async:
+            torch.cuda.synchronize()
+        return self.model_state, self.optimizer_state
+
+
+class _StepStartHook:
+    """The forward pre-hook that marks a step's start. It holds the Monitor weakly (the model must not keep it
+    alive) and pickles as an inert hook, so torch.save or deepcopy of the whole module keeps working."""
+
+    def __init__(self, monitor: "Monitor"):
+        self._monitor: weakref.ref | None = weakref.ref(monitor)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        monitor = self._monitor() if self._monitor is not None else None
+        if monitor is not None:
+            monitor._on_step_start(module)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._monitor = None
+
+
+class Monitor:
+    """Watches one model (and optimizer) for the first step with a NaN or infinity and preserves the evidence.
+
+    Call `check(...)` once per step after `loss.backward()` and before `optimizer.step()`.
+
+    model, optimizer: what to scan (`param:<name>`, `grad:<name>`, `optim:<name>.<key>`).
+    bundle_dir: where bundles go, as `<bundle_dir>/<run_id>/step-<N>/`; default: $NANSCAN_BUNDLE_DIR, else
+        "nanscan-bundles" (relative to the current directory when the Monitor is created).
+    config: the run's configuration (dict, dataclass or namespace of JSON values), stored with its sha256.
+    run_id: names the run's bundle directory; default: UTC time plus a random suffix. With several processes
+        (e.g. DDP ranks) that may fail at the same step, give each its own run_id (add the rank).
+    history: how many steps of statistics to keep. Memory is bounded by
+        history x tensors x 264 x 8 bytes (one 264-slot int64 record per scanned tensor per step), e.g.
+        64 steps x 300 tensors = about 39 MiB.
+    log_files: log files whose last 200 lines (at most 64 KiB) are copied into the bundle.
+    on_invalid: what check() does when a step is non-finite, after writing the bundle of the first one:
+        "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set every gradient to None,
+        so torch optimizers skip all parameters and optimizer.step() changes nothing, then go on; zeroed
+        gradients would not do, as Adam's momentum would still move the weights), or a callable
+        `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a report whose `.ok` is
+        False: the loop should `continue` (skip optimizer.step() and the scheduler) for that step.
+        Later non-finite steps are counted in `invalid_steps`, not bundled again.
+    replay_entry: "package.module:function" that rebuilds the training step from the config (nanscan.entry).
+    snapshot: "none" stores the state at the failing check (the step's update has not run yet, so the weights
+        and optimizer state are the step's starting point; buffers the forward pass updates, e.g. BatchNorm
+        statistics, already include the failing batch). "cpu" copies model and optimizer state to preallocated
+        CPU buffers at the start of every training step (first forward in train mode after a check), so the
+        bundle holds the exact state the failing step started from, at the cost of one state copy per step.
+    backend: scan backend (see nanscan.scan).
+
+    The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
+    replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
+    check time and the bundle says so.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 bundle_dir: str | os.PathLike | None = None, config: Any = None, run_id: str | None = None,
+                 history: int = 64, log_files: Sequence[str | os.PathLike] = (),
+                 on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
+                 replay_entry: str | None = None, snapshot: str = "none", backend=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if not (callable(on_invalid) or on_invalid in ON_INVALID):
+            raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)} or a callable "
+                             "f(report, bundle_path)")
+        if snapshot not in SNAPSHOTS:
+            raise ValueError(f"snapshot={snapshot!r}: use 'none' or 'cpu'")
+        if not isinstance(history, int) or history < 1:
+            raise ValueError(f"history={history!r}: keep at least 1 step (the failing one)")
+        if replay_entry is not None and not _REPLAY_ENTRY.match(replay_entry):
+            raise ValueError(f"replay_entry={replay_entry!r} must look like 'package.module:function'")
+        if isinstance(log_files, (str, os.PathLike)):
+            log_files = [log_files]
+
+        self._model: torch.nn.Module | None = model
+        self._model_ref = weakref.ref(model)
+        self.optimizer = optimizer
+        self.bundle_dir = Path(bundle_dir or os.environ.get(BUNDLE_DIR_ENV) or DEFAULT_BUNDLE_DIR).absolute()
+        self.config = normalize_config(config)
+        self.run_id = check_run_id(run_id) if run_id is not None else _new_run_id()
+        self.log_files = tuple(Path(p) for p in log_files)
+        self.on_invalid = on_invalid
+        self.replay_entry = replay_entry
+        self.snapshot = snapshot
+        self.backend = backend
+        self.source = capture_source()  # at start-up: the code that runs is the code that was imported
+
+        self._history: deque[HistoryEntry] = deque(maxlen=history)
+        self._next_step = 0
+        self.first_invalid_step: int | None = None
+        self.bundle_path: Path | None = None
+        self.bundle_error: BaseException | None = None  # why the bundle could not be written, if it could not
+        self.invalid_steps = 0
+
+        # Step-start captures, made by the forward pre-hook and consumed by the next check().
+        self._armed = True
+        self._started = False
+        self._rng: dict | None = None
+        self._snapshot = _CpuSnapshot() if snapshot == "cpu" else None
+        self._hook = model.register_forward_pre_hook(_StepStartHook(self), prepend=True)
+        weakref.finalize(self, self._hook.remove)
+
+    # -- public state ---------------------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model if self._model is not None else self._model_ref()
+        if model is None:
+            raise RuntimeError("the Monitor's model has been garbage collected; create a Monitor for the new model")
+        return model
+
+    @property
+    def step(self) -> int:
+        """The step number the next check() will use."""
+        return self._next_step
+
+    @property
+    def history(self) -> tuple[HistoryEntry, ...]:
+        """The last `history` steps, oldest first (the first failing step included)."""
+        return tuple(self._history)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook from the model."""
+        self._hook.remove()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def _on_step_start(self, module: torch.nn.Module) -> None:
+        if not self._armed or not module.training or module is not self._model_ref():
+            return  # an eval forward, a second forward of the same step, or another module sharing the hook
+        self._armed = False
+        self._started = True
+        # torch's generators drive the random ops inside the model (dropout); numpy's and Python's state APIs are
+        # slow enough (~0.2 ms) to be taken every step only in exact-snapshot mode, else at the incident.
+        self._rng = capture_rng(RNG_SOURCES if self._snapshot is not None else ("torch",))
+        if self._snapshot is not None:
+            self._snapshot.capture(module, self.optimizer)
+
+    def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
+              step: int | None = None) -> ScanReport:
+        """Scan this step's batch, loss, weights, gradients and optimizer state in one scan.
+
+        batch: tensors in nested dicts/lists/tuples; floating ones are scanned as `input:<path>` (e.g.
+            `input:tokens`, `input:0.x`); all of them are stored in the bundle of a failing step.
+        loss: the loss tensor (or float), scanned as `loss`. sample_ids: ids of the batch's samples (stored).
+        lr: the learning rate (default: the optimizer's first param group). step: overrides the step counter.
+        Returns the ScanReport; see the class docstring for what happens when it is not ok.
+        """
+        model = self.model
+        if step is None:
+            step = self._next_step
+        self._next_step = step + 1
+        inputs, skipped = [], []
+        if batch is not None:
+            for path, tensor in iter_batch_tensors(batch):
+                item = prepare(f"input:{path}", tensor)
+                if item is None:
+                    skipped.append(f"input:{path}")
+                else:
+                    inputs.append(item)
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor):
+                loss = torch.tensor(float(loss), dtype=torch.float64)
+            item = prepare("loss", loss)
+            if item is not None:
+                inputs.append(item)
+        inputs += model_inputs(model, self.optimizer)
+        report = scan_inputs(inputs, skipped=skipped, backend=self.backend, step=step)
+
+        if lr is None and self.optimizer is not None and self.optimizer.param_groups:
+            lr = self.optimizer.param_groups[0].get("lr")
+        entry = HistoryEntry(step, _scalar(loss), _scalar(lr), grad_norm(report), report)
+        self._history.append(entry)
+        started, self._started, self._armed = self._started, False, True
+        if report.ok:
+            return report
+        return self._invalid(report, step, batch, sample_ids, started)
+
+    # -- the incident ---------------------------------------------------------------------------------------
+    def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
+        category, tensors = categorize(report)
+        first = self.first_invalid_step is None
+        if first:
+            self.first_invalid_step = step
+            try:
+                self.bundle_path = write_bundle(self._incident(report, step, category, tensors, batch, sample_ids,
+                                                               started), self.bundle_dir)
+            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
+                self.bundle_error = exc
+                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                          type(exc).__name__, exc)
+        else:
+            self.invalid_steps += 1
+        self._apply_policy(report, step, category, tensors, first)
+        return report
+
+    def _incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                  sample_ids: Any, started: bool) -> Incident:
+        model = self.model
+        rng = dict(self._rng) if started and self._rng is not None else {}
+        rng_at = {source: "step_start" for source in RNG_SOURCES if _RNG_KEYS[source] in rng}
+        late = tuple(source for source in RNG_SOURCES if source not in rng_at)
+        rng.update(capture_rng(late))
+        rng_at.update({source: "check" for source in late})
+        if started and self._snapshot is not None:
+            model_state, optimizer_state = self._snapshot.result()
+            pre_step, note = True, ""
+        else:
+            model_state = model.state_dict()
+            optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
+            pre_step = False
+            note = ("snapshot='cpu' but no training forward of the model was seen since the previous check"
+                    if self._snapshot is not None else
+                    "snapshot='none': weights and optimizer state before this step's update; buffers updated by "
+                    "the forward pass (e.g. BatchNorm statistics) already include this batch")
+        return Incident(
+            run_id=self.run_id, step=step, category=category, tensors=tensors, report=report, detected_at=_now(),
+            history=list(self._history), batch=batch, sample_ids=sample_ids, config=self.config,
+            source=self.source, environment=environment(report.backend), rng=rng, rng_captured_at=rng_at,
+            model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
+            logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
+        )
+
+    def _message(self, step: int, category: str, tensors: list[str]) -> str:
+        shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+        text = f"nanscan: non-finite values at step {step} (category {category}: {shown})"
+        if self.bundle_path is not None:
+            where = "evidence" if step == self.first_invalid_step else \
+                f"first incident at step {self.first_invalid_step}, evidence"
+            return f"{text}; {where} in {self.bundle_path} (see `nanscan report {self.bundle_path}`)"
+        if self.bundle_error is not None:
+            return f"{text}; the evidence bundle could not be written: {self.bundle_error}"
+        return text
+
+    def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool) -> None:
+        policy = self.on_invalid
+        if policy == "raise":
+            raise NonFiniteError(self._message(step, category, tensors), bundle_path=self.bundle_path, step=step,
+                                 category=category, tensors=tensors) from self.bundle_error
+        if policy == "skip":
+            for p in self.model.parameters():
+                p.grad = None
+        if policy in ("warn", "skip"):
+            if first:
+                _warn_user(self._message(step, category, tensors))
+            return
+        policy(report, self.bundle_path)
+
+
+# -- the default Monitor behind nanscan.check(model) ---------------------------------------------------------
+
+_default_monitors: "weakref.WeakKeyDictionary[torch.nn.Module, Monitor]" = weakref.WeakKeyDictionary()
+
+
+def default_monitor(model: torch.nn.Module, *, create: bool = True) -> Monitor | None:
+    """The Monitor that nanscan.check(model) uses: on_invalid="warn", bundles in $NANSCAN_BUNDLE_DIR (else
+    "nanscan-bundles"), history of 64 steps. It holds the model weakly, so it lives exactly as long as the model."""
+    monitor = _default_monitors.get(model)
+    if monitor is None and create:
+        monitor = Monitor(model, on_invalid="warn")
+        monitor._model = None  # weak only: the dictionary's value must not keep its key alive
+        _default_monitors[model] = monitor
+    return monitor

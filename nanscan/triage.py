@@ -1,0 +1,145 @@
+"""`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
+replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
+number. Unreadable bundles are listed separately with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from nanscan._atomic import is_temp_name
+from nanscan.bundle import MANIFEST, PENDING_PREFIX, Bundle, BundleError, load_bundle
+
+NOT_REPLAYED = "(not replayed)"
+
+
+@dataclass
+class TriageEntry:
+    path: str
+    run_id: str
+    step: int
+    category: str
+    module: str  # first bad module as "name (Type, phase)", or NOT_REPLAYED
+    source: str  # which finding named the module: "replay", "ablate:baseline" or ""
+    verdict: str | None  # persistent / transient / intermittent, when replay ran
+    detected_at: str | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TriageResult:
+    root: str
+    entries: list[TriageEntry]
+    unreadable: list[dict] = field(default_factory=list)  # {"path", "error"}
+
+    def groups(self) -> dict[str, dict[str, list[TriageEntry]]]:
+        """category -> module -> entries; categories and modules by descending count, entries by run and step."""
+        by_category: dict[str, dict[str, list[TriageEntry]]] = {}
+        for e in sorted(self.entries, key=lambda e: (e.run_id, e.step, e.path)):
+            by_category.setdefault(e.category, {}).setdefault(e.module, []).append(e)
+        ordered = sorted(by_category.items(), key=lambda kv: (-sum(map(len, kv[1].values())), kv[0]))
+        return {cat: dict(sorted(mods.items(), key=lambda kv: (-len(kv[1]), kv[0]))) for cat, mods in ordered}
+
+    def to_dict(self) -> dict:
+        groups = self.groups()
+        return {
+            "root": self.root, "bundles": len(self.entries), "unreadable": list(self.unreadable),
+            "categories": [
+                {"category": cat, "count": sum(map(len, mods.values())),
+                 "modules": [{"module": mod, "count": len(items), "bundles": [e.to_dict() for e in items]}
+                             for mod, items in mods.items()]}
+                for cat, mods in groups.items()],
+        }
+
+
+def find_bundle_dirs(root: str | os.PathLike) -> list[Path]:
+    """Every directory under `root` (root included) that holds a bundle manifest (or an interrupted update of
+    one), skipping the `.tmp-*` directories of interrupted writes. A bundle's own subdirectories are not searched."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not is_temp_name(d))
+        if MANIFEST in filenames or any(f.startswith(PENDING_PREFIX) for f in filenames):
+            found.append(Path(dirpath))
+            dirnames[:] = []
+    return sorted(found)
+
+
+def first_bad_module(bundle: Bundle) -> tuple[str, str, str | None]:
+    """(module, finding key, replay verdict) from the bundle's findings; the replay's localization wins over the
+    ablation baseline's."""
+    records = {f.get("key"): f.get("record") or {} for f in bundle.findings()}
+    verdict = records.get("replay", {}).get("verdict")
+    for key, loc in (("replay", records.get("replay", {}).get("localization")),
+                     ("ablate:baseline", (records.get("ablate:baseline", {}).get("outcome") or {}).get("localization"))):
+        if loc:
+            return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
+    if verdict == "transient":
+        return "(transient: not reproduced)", "replay", verdict
+    return NOT_REPLAYED, "", verdict
+
+
+def triage(root: str | os.PathLike) -> TriageResult:
+    """Read every bundle under `root`; the ones that fail to load are listed with their error, not skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        raise click.ClickException(f"{root} is not a directory; pass the directory that holds the bundles "
+                                   "(the Monitor's bundle_dir)")
+    entries, unreadable = [], []
+    for path in find_bundle_dirs(root):
+        try:
+            bundle = load_bundle(path)
+            module, source, verdict = first_bad_module(bundle)
+        except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
+            unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        entries.append(TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
+                                   module, source, verdict, bundle.manifest.get("detected_at")))
+    return TriageResult(str(root), entries, unreadable)
+
+
+def print_triage(result: TriageResult, console) -> None:
+    from rich.table import Table  # noqa: PLC0415
+
+    groups = result.groups()
+    summary = Table(title=f"{len(result.entries)} bundle(s) under {result.root}, by category")
+    summary.add_column("category")
+    summary.add_column("bundles", justify="right")
+    summary.add_column("first bad modules")
+    for cat, mods in groups.items():
+        summary.add_row(cat, str(sum(map(len, mods.values()))),
+                        ", ".join(f"{m} x{len(items)}" for m, items in mods.items()))
+    console.print(summary)
+    for cat, mods in groups.items():
+        table = Table(title=f"category {cat}")
+        for column in ("first bad module", "run", "step", "verdict", "bundle"):
+            table.add_column(column, overflow="fold")
+        for mod, items in mods.items():
+            for e in items:
+                table.add_row(mod, e.run_id, str(e.step), e.verdict or "", e.path)
+        console.print(table)
+    if result.unreadable:
+        console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")
+        for item in result.unreadable:
+            console.print(f"  {item['path']}: {item['error']}", highlight=False, markup=False)
+
+
+@click.command("triage")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def triage_command(directory, as_json):
+    """Group every bundle under DIRECTORY by failure category and first bad module, with counts."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from nanscan.replay import _json_out  # noqa: PLC0415
+
+    result = triage(directory)
+    if as_json:
+        _json_out(result.to_dict())
+        return
+    print_triage(result, Console())

@@ -1,0 +1,244 @@
+"""Every scanning backend (cpu, numba, cuda) against the reference backend, record by record.
+
+Counts, abs min/max bit patterns and histogram bins must be equal (`==`); the float64 sum of squares within
+SUMSQ_REL_TOL (conftest.py says why). Each case also runs with chunks of a few elements, so that every tensor is
+split across chunks and the merge of partial records is checked too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nanscan
+from nanscan import backends
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+NUMBA_BLOCK = 2048  # nanscan._numba_backend._BLOCK_ELEMS: the segments below line up with its blocks
+
+
+@pytest.fixture(params=[False, True], ids=["default-chunks", "tiny-chunks"])
+def tiny_chunks(request) -> bool:
+    return request.param
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+# -- exhaustive and tabulated bit patterns ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern_as_one_tensor(backend_under_test, dtype, order, tiny_chunks, bit_tables):
+    t = bit_tables.all_patterns(dtype)
+    if order == "shuffled":
+        t = t[torch.randperm(t.numel(), generator=torch.Generator().manual_seed(5))]
+    report = backend_under_test.check({"patterns": t.to(backend_under_test.device)}, tiny_chunks=tiny_chunks)
+    stats = report["patterns"]
+    exp_bits, mant_bits = bit_tables.FIELDS[dtype]
+    assert (stats.nan, stats.posinf, stats.neginf, stats.zero) == (2 * ((1 << mant_bits) - 1), 1, 1, 2)
+    assert stats.subnormal == 2 * ((1 << mant_bits) - 1)
+    assert stats.absmax == torch.finfo(dtype).max
+    assert stats.absmin == torch.finfo(dtype).smallest_normal * 2.0 ** -mant_bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values(backend_under_test, dtype, tiny_chunks, bit_tables):
+    table = bit_tables.special(dtype)
+    # One tensor per value, so a disagreement names the value; then the whole table and the powers of two.
+    tensors = {label: bit_tables.tensor([bits], dtype) for label, bits in table.items()}
+    tensors["whole table"] = bit_tables.tensor(list(table.values()), dtype)
+    tensors["powers of two and neighbours"] = bit_tables.tensor(bit_tables.powers_of_two(dtype), dtype)
+    report = backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+    assert report["+quiet NaN"].nan == 1 and report["-signalling NaN with payload 1"].nan == 1
+    assert report["-inf"].neginf == 1 and report["-0"].zero == 1
+    assert report["+largest subnormal"].subnormal == 1
+    assert report["+quiet NaN"].absmax == 0.0  # nothing finite in it
+
+
+def planted(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    """Random normals over many binades with every kind of special value planted at random positions."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-12, 12, (n,), generator=gen)
+    x = x.to(dtype)
+    finfo = torch.finfo(dtype)
+    specials = [0.0, -0.0, finfo.tiny / 2, -finfo.tiny / 4, finfo.tiny, finfo.max, -finfo.max,
+                float("inf"), float("-inf"), float("nan")]
+    positions = torch.randint(0, n, (len(specials) * 5,), generator=gen)
+    for i, pos in enumerate(positions.tolist()):
+        x[pos] = specials[i % len(specials)]
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_data_with_planted_specials(backend_under_test, dtype, tiny_chunks):
+    n = 5_000 if tiny_chunks else 100_003
+    report = backend_under_test.check({"x": planted(dtype, n, seed=1).to(backend_under_test.device)},
+                                      tiny_chunks=tiny_chunks)
+    assert report["x"].nan >= 1 and report["x"].subnormal >= 1
+
+
+def block_segments(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Block-sized segments that each take a different way through a blocked kernel: plain normals, normals with
+    zeros, all zeros, more binades than a pair window holds, values far above the window the first block placed,
+    one subnormal, one NaN, one infinity, negatives only; and an odd tail."""
+    gen = torch.Generator().manual_seed(9)
+    finfo = torch.finfo(dtype)
+    lo_exp, hi_exp = int(np.log2(finfo.tiny)), int(np.log2(finfo.max))
+
+    def normals(scale=1.0):
+        return torch.randn(NUMBA_BLOCK, generator=gen, dtype=torch.float64) * scale
+
+    def wide():
+        exps = torch.randint(max(lo_exp, -120), min(hi_exp, 120), (NUMBA_BLOCK,), generator=gen)
+        return (1 + torch.rand(NUMBA_BLOCK, generator=gen, dtype=torch.float64)) * 2.0 ** exps
+
+    def with_value(value, where=777):
+        x = normals()
+        x[where] = value
+        return x
+
+    with_zeros = normals()
+    with_zeros[::3] = 0.0
+    segments = {
+        "normals": normals(),
+        "normals with zeros": with_zeros,
+        "zeros": torch.zeros(NUMBA_BLOCK, dtype=torch.float64),
+        "wide": wide(),
+        "far above": normals(2.0 ** (hi_exp - 3)),
+        "far below": normals(2.0 ** (lo_exp + 8)),
+        "one subnormal": with_value(finfo.tiny / 2),
+        "one nan": with_value(float("nan")),
+        "one inf": with_value(float("-inf")),
+        "negatives": -normals().abs(),
+        "odd tail": normals()[:1001],
+    }
+    return {name: x.to(dtype) for name, x in segments.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_segments_each_and_concatenated(backend_under_test, dtype, tiny_chunks):
+    segments = block_segments(dtype)
+    tensors = dict(segments)
+    tensors["all in a row"] = torch.cat(list(segments.values()))
+    tensors["all in a row, reversed"] = torch.cat(list(segments.values())[::-1])
+    if tiny_chunks:
+        tensors = {name: t[:300] for name, t in tensors.items()}
+    backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+
+
+# -- many tensors, odd shapes, odd layouts --------------------------------------------------------------------------
+
+def test_many_tensors_of_mixed_dtypes_in_one_call(backend_under_test, tiny_chunks):
+    gen = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 2, 3, 5, 8, 17, 100, 1000, 2047, 2049, 4097] + ([] if tiny_chunks else [65_537, 100_000])
+    tensors = {}
+    for i, size in enumerate(sizes * 2):
+        dtype = DTYPES[i % len(DTYPES)]
+        t = torch.randn(size, generator=gen) * 10.0 ** (i % 9 - 4)
+        if size > 10 and i % 3 == 0:
+            t[size // 2] = float("nan")
+        if size > 10 and i % 4 == 1:
+            t[size // 3] = 0.0
+        tensors[f"t{i}:{dtype}[{size}]"] = t.to(dtype)
+    report = backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+    assert len(report) == len(tensors)
+
+
+def test_empty_and_zero_dim_tensors(backend_under_test, tiny_chunks):
+    tensors = {
+        "empty": torch.empty(0),
+        "empty 2-d": torch.empty(3, 0, dtype=torch.float64),
+        "0-d": torch.tensor(-2.5),
+        "0-d nan": torch.tensor(float("nan"), dtype=torch.float16),
+        "0-d zero": torch.tensor(0.0, dtype=torch.bfloat16),
+    }
+    report = backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+    assert report["empty"].numel == 0 and report["empty"].absmin == 0.0 and report["empty"].sumsq == 0.0
+    assert (report["0-d"].numel, report["0-d"].absmax, report["0-d"].absmin) == (1, 2.5, 2.5)
+    assert report["0-d nan"].nan == 1 and report["0-d zero"].zero == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_and_complex_tensors(backend_under_test, dtype, tiny_chunks):
+    device = backend_under_test.device
+    base = planted(torch.float32, 4 * 6 * 10 * 12, seed=2).to(dtype).to(device)
+    image = base.reshape(4, 6, 10, 12)
+    matrix = base.reshape(60, 48)
+    tensors = {
+        "transposed": matrix.t(),
+        "channels_last": image.contiguous(memory_format=torch.channels_last),
+        "permuted": image.permute(3, 1, 0, 2),
+        "sliced with step": matrix[::3, 1::2],
+        "expanded": base[:48].reshape(1, 48).expand(5, 48),
+        "misaligned slice": base[3:1000],
+    }
+    if dtype in (torch.float32, torch.float64):
+        complex_dtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+        tensors["complex"] = torch.complex(base[:500], base[500:1000]).to(complex_dtype)
+        tensors["complex transposed"] = tensors["complex"].reshape(20, 25).t()
+    report = backend_under_test.check(tensors, tiny_chunks=tiny_chunks)
+    if "complex" in tensors:
+        assert report["complex"].numel == 1000  # real and imaginary parts
+        assert report["complex"].dtype == str(tensors["complex"].dtype).removeprefix("torch.")
+    assert report["expanded"].numel == 5 * 48
+
+
+# -- determinism ----------------------------------------------------------------------------------------------------
+
+def big_mixed_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return {"f32": torch.randn(1_000_003, generator=gen) * 1e3,
+            "f64": torch.randn(300_001, generator=gen, dtype=torch.float64) * 1e-3,
+            "bf16": torch.randn(200_001, generator=gen).bfloat16()}
+
+
+def test_cpu_records_are_bit_identical_for_any_thread_count(backend_under_test):
+    if backend_under_test.name != "cpu":
+        pytest.skip("thread count is a cpu backend setting")
+    tensors = big_mixed_tensors()
+    one = nanscan.scan(tensors, backend=backends.CpuBackend(num_threads=1)).records
+    two = nanscan.scan(tensors, backend=backends.CpuBackend(num_threads=2)).records
+    again = nanscan.scan(tensors, backend=backends.CpuBackend(num_threads=2)).records
+    np.testing.assert_array_equal(one, two)  # the float64 sum of squares included
+    np.testing.assert_array_equal(two, again)
+
+
+def test_numba_records_are_bit_identical_for_any_thread_count(backend_under_test):
+    if backend_under_test.name != "numba":
+        pytest.skip("numba's thread count is a numba backend setting")
+    import numba
+
+    tensors = big_mixed_tensors()
+    backend = backend_under_test.create()
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = nanscan.scan(tensors, backend=backend).records
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = nanscan.scan(tensors, backend=backend).records
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, many)
+
+
+# -- properties -----------------------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, (1 << 32) - 1), min_size=0, max_size=5000), st.booleans())
+def test_arbitrary_float32_bit_patterns(backend_under_test, bit_tables, patterns, tiny):
+    t = bit_tables.tensor(patterns, torch.float32)
+    backend_under_test.check({"x": t.to(backend_under_test.device)}, tiny_chunks=tiny)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=32), max_size=64),
+       st.integers(0, 3))
+def test_arbitrary_float32_values_in_runs(backend_under_test, values, repeat):
+    # Runs of repeated values: long stretches of one exponent, the case that stalls table-counting kernels.
+    t = torch.tensor(values, dtype=torch.float32).repeat_interleave(1 + 1000 * repeat)
+    backend_under_test.check({"x": t.to(backend_under_test.device)})

@@ -1,0 +1,356 @@
+"""Monitor behaviour: a planted fault per category is caught at the right step with the right tensors, the
+on_invalid policies, the bounded history, pre-step snapshots and RNG capture, and the default Monitor behind
+nanscan.check."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
+from nanscan.monitor import CATEGORIES, categorize, default_monitor
+
+FAULT_STEP = 3
+
+
+@pytest.fixture(autouse=True)
+def _bundles_in_tmp(tmp_path, monkeypatch):
+    # Monitors created without bundle_dir (and nanscan.check) must never write into the repository.
+    monkeypatch.setenv("NANSCAN_BUNDLE_DIR", str(tmp_path / "env-bundles"))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def make_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 1, generator=g),
+            "scale": torch.tensor(math.e), "ids": torch.arange(16) + 16 * step}
+
+
+def plant(fault: str | None, model: nn.Module, optimizer, batch: dict) -> None:
+    """Faults that exist before the forward pass of the step."""
+    if fault == "input":
+        batch["x"][3, 1] = float("nan")
+    elif fault == "loss":
+        batch["scale"] = torch.tensor(-1.0)  # finite input; log(-1) in the forward pass is NaN
+    elif fault == "parameter":
+        with torch.no_grad():
+            model[0].weight[2, 1] = float("inf")
+    elif fault == "optimizer_state":
+        optimizer.state[model[2].weight]["exp_avg_sq"][0, 0] = float("nan")
+
+
+def train(mon: Monitor, model, optimizer, steps: int, fault: str | None = None, fault_step: int = FAULT_STEP):
+    """A small regression loop; returns the reports. A `fault` is planted at `fault_step`."""
+    reports = []
+    for step in range(steps):
+        batch = make_batch(step)
+        planted = fault if step == fault_step else None
+        plant(planted, model, optimizer, batch)
+        out = model(batch["x"])
+        y = batch["y"]
+        if planted == "gradient":
+            # One row's target equals its prediction exactly: sqrt(0) is finite forward, its gradient is not.
+            y = y.clone()
+            y[0] = out[0].detach()
+        loss = torch.sqrt((out - y) ** 2).mean() * torch.log(batch["scale"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        report = mon.check(batch={k: batch[k] for k in ("x", "y", "scale")}, loss=loss,
+                           sample_ids=batch["ids"])
+        reports.append(report)
+        if not report.ok:
+            continue
+        optimizer.step()
+    return reports
+
+
+EXPECTED_TENSORS = {
+    "input": ["input:x"],
+    "loss": ["loss"],
+    "parameter": ["param:0.weight"],
+    "optimizer_state": ["optim:2.weight.exp_avg_sq"],
+    "gradient": ["grad:0.weight", "grad:0.bias", "grad:2.weight", "grad:2.bias"],
+}
+
+
+@pytest.mark.parametrize("fault", CATEGORIES)
+def test_planted_fault_is_caught_with_category_and_tensors(fault, tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="run", config={"fault": fault})
+    with pytest.raises(NonFiniteError) as caught:
+        train(mon, model, optimizer, steps=6, fault=fault)
+    err = caught.value
+    assert (err.step, err.category, err.tensors) == (FAULT_STEP, fault, EXPECTED_TENSORS[fault])
+    assert mon.first_invalid_step == FAULT_STEP
+    assert err.bundle_path == mon.bundle_path == tmp_path / "run" / f"step-{FAULT_STEP}"
+    assert str(err.bundle_path) in str(err)
+
+    bundle = load_bundle(err.bundle_path)
+    assert bundle.manifest["category"] == fault
+    assert bundle.manifest["category_tensors"] == EXPECTED_TENSORS[fault]
+    listed = {row["name"]: row for row in bundle.manifest["nonfinite_tensors"]}
+    assert set(EXPECTED_TENSORS[fault]) <= set(listed)
+    assert all(row["nan"] + row["posinf"] + row["neginf"] > 0 for row in listed.values())
+    assert bundle.manifest["config"] == {"fault": fault}
+    assert bundle.history()[-1].step == FAULT_STEP
+    assert [e.report.ok for e in bundle.history()] == [True] * FAULT_STEP + [False]
+    assert f"({fault})" in bundle.incident_text()
+
+
+def test_categorize_order_puts_inputs_before_everything():
+    report = nanscan.scan({"grad:w": torch.tensor([float("nan")]), "loss": torch.tensor(float("inf")),
+                           "input:x": torch.tensor([float("nan")]), "param:w": torch.tensor([1.0])})
+    assert categorize(report) == ("input", ["input:x"])
+    assert categorize(nanscan.scan({"param:w": torch.ones(2)})) == (None, [])
+    assert categorize(nanscan.scan({"w": torch.tensor([float("inf")])})) == ("other", ["w"])
+
+
+def test_batch_paths_nested_and_integer_tensors_skipped(tmp_path):
+    model = nn.Linear(2, 1)
+    mon = Monitor(model, bundle_dir=tmp_path)
+    batch = {"inputs": (torch.ones(3, 2), [torch.zeros(2)]), "tokens": torch.arange(3), "meta": "text"}
+    report = mon.check(batch=batch, loss=0.5)
+    assert report.names[:3] == ["input:inputs.0", "input:inputs.1.0", "loss"]
+    assert "input:tokens" in report.skipped
+    assert mon.history[-1].loss == 0.5
+    bare = mon.check(batch=torch.ones(2, 2))
+    assert bare.names[0] == "input:batch"
+
+
+def test_history_is_bounded_and_records_loss_lr_grad_norm(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, history=3)
+    train(mon, model, optimizer, steps=8)
+    assert [e.step for e in mon.history] == [5, 6, 7]
+    assert mon.step == 8
+    last = mon.history[-1]
+    assert last.lr == 3e-3
+    expected_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
+    assert last.grad_norm == pytest.approx(expected_norm, rel=1e-9)
+    assert math.isfinite(last.loss)
+    assert last.report.records.shape == (len(last.report), 264)
+    assert mon.first_invalid_step is None and mon.bundle_path is None
+
+
+def test_warn_bundles_once_and_counts_later_steps(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="w", on_invalid="warn")
+    with pytest.warns(NonFiniteWarning, match="step 3") as record:
+        reports = train(mon, model, optimizer, steps=6, fault="parameter")
+    assert len(record) == 1
+    assert [r.ok for r in reports] == [True, True, True, False, False, False]  # the inf weight stays
+    assert mon.first_invalid_step == 3 and mon.invalid_steps == 2
+    assert [p.name for p in (tmp_path / "w").iterdir()] == ["step-3"]
+
+
+def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid="skip")
+    train(mon, model, optimizer, steps=3)
+    batch = make_batch(3)
+    batch["x"][0, 0] = float("nan")
+    model(batch["x"]).sum().backward()
+    before = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    with pytest.warns(NonFiniteWarning):
+        report = mon.check(batch={"x": batch["x"]})
+    assert not report.ok
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step()  # a loop that forgets to `continue` still changes nothing: Adam skips grad-less params
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[0][key])
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], before[1]["state"][0]["exp_avg"])
+    assert mon.bundle_path is not None and load_bundle(mon.bundle_path).category == "input"
+
+
+def test_callable_policy_gets_report_and_first_bundle_every_time(tmp_path):
+    calls = []
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid=lambda report, path: calls.append((report, path)))
+    train(mon, model, optimizer, steps=5, fault="parameter")
+    assert [r.step for r, _ in calls] == [3, 4]
+    assert all(path == mon.bundle_path for _, path in calls)
+    assert calls[0][0].nonfinite[0] == "param:0.weight"
+
+
+def test_raise_again_on_later_steps_names_first_bundle(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path)
+    with pytest.raises(NonFiniteError):
+        train(mon, model, optimizer, steps=4, fault="parameter")
+    model(make_batch(4)["x"]).sum().backward()
+    with pytest.raises(NonFiniteError, match="first incident at step 3") as caught:
+        mon.check()
+    assert caught.value.step == 4 and caught.value.bundle_path == mon.bundle_path
+    assert mon.invalid_steps == 1
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("snapshot", ["cpu", "none"])
+def test_snapshot_cpu_holds_exact_pre_step_state(snapshot, tmp_path):
+    model = _bn_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid="warn", snapshot=snapshot)
+    for step in range(4):
+        batch = make_batch(step)
+        if step == 3:
+            expected_model = copy.deepcopy(model.state_dict())
+            expected_optim = copy.deepcopy(optimizer.state_dict())
+            batch["x"][5, 2] = float("nan")  # the forward pass writes NaN into BatchNorm's running_mean
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonFiniteWarning)
+            if mon.check(batch=batch, loss=loss).ok:
+                optimizer.step()
+    bundle = load_bundle(mon.bundle_path)
+    model_state, optim_state = bundle.state()
+    assert bundle.manifest["state"]["pre_step"] is (snapshot == "cpu")
+    if snapshot == "cpu":  # exact mode takes every RNG at the step start
+        assert set(bundle.manifest["rng"]["captured_at_by_source"].values()) == {"step_start"}
+    assert torch.isnan(model.state_dict()["1.running_mean"]).any()
+    if snapshot == "none":
+        assert torch.isnan(model_state["1.running_mean"]).any()
+        assert "snapshot='none'" in bundle.manifest["state"]["note"]
+        return
+    assert model_state.keys() == expected_model.keys()
+    for key, value in expected_model.items():
+        assert torch.equal(model_state[key], value), key
+    assert optim_state["param_groups"] == expected_optim["param_groups"]
+    for index, state in expected_optim["state"].items():
+        for key, value in state.items():
+            assert torch.equal(optim_state["state"][index][key], value), (index, key)
+    fresh = _bn_model()
+    fresh.load_state_dict(model_state)
+    torch.optim.Adam(fresh.parameters()).load_state_dict(optim_state)
+
+
+def test_snapshot_buffers_are_reused_between_steps(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, snapshot="cpu")
+    train(mon, model, optimizer, steps=3)
+    buffers = dict(mon._snapshot._buffers)
+    train(mon, model, optimizer, steps=2)
+    assert buffers and all(mon._snapshot._buffers[k].data_ptr() == b.data_ptr() for k, b in buffers.items())
+
+
+def test_rng_captured_at_step_start_replays_dropout(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    mon = Monitor(model, bundle_dir=tmp_path, on_invalid="warn")
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        out = model(x)
+        out.sum().backward()
+        if mon.step == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonFiniteWarning)
+            mon.check(batch={"x": x})
+    bundle = load_bundle(mon.bundle_path)
+    assert bundle.manifest["rng"]["captured_at"] == "step_start"
+    assert bundle.manifest["rng"]["captured_at_by_source"] == {"torch": "step_start", "numpy": "check",
+                                                               "python": "check"}
+    torch.manual_seed(12345)  # move the generator away, then restore it from the bundle
+    bundle.restore_rng()
+    assert torch.equal(model(bundle.batch()["x"]), out)
+
+
+def test_rng_without_forward_is_marked_as_captured_at_check(tmp_path):
+    model = nn.Linear(2, 1)
+    mon = Monitor(model, bundle_dir=tmp_path, on_invalid="warn")
+    with pytest.warns(NonFiniteWarning):
+        mon.check(loss=float("nan"))
+    assert load_bundle(mon.bundle_path).manifest["rng"]["captured_at"] == "check"
+
+
+def test_bundle_write_failure_still_reports_the_nan(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the bundle directory should be")
+    model = nn.Linear(2, 1)
+    mon = Monitor(model, bundle_dir=blocker)
+    with pytest.raises(NonFiniteError, match="could not be written") as caught:
+        mon.check(loss=float("inf"))
+    assert caught.value.bundle_path is None and mon.bundle_error is not None
+    assert caught.value.category == "loss"
+
+
+def test_nanscan_check_default_monitor_bundles_into_env_dir(tmp_path):
+    model = nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    assert nanscan.check(model).ok
+    model.weight.grad[1, 1] = float("inf")
+    with pytest.warns(NonFiniteWarning, match="grad:weight"):
+        report = nanscan.check(model)
+    assert report.step == 1 and not report.ok
+    assert report.names == ["param:weight", "grad:weight", "param:bias", "grad:bias"]
+    assert nanscan.first_invalid(model) == 1
+    bundles = list(nanscan.bundle.iter_bundles(tmp_path / "env-bundles"))
+    assert len(bundles) == 1 and load_bundle(bundles[0]).category == "gradient"
+    assert nanscan.check(model, step=10).step == 10 and default_monitor(model).step == 11
+
+
+def test_default_monitor_does_not_keep_the_model_alive():
+    model = nn.Linear(3, 2)
+    nanscan.check(model)
+    assert default_monitor(model, create=False) is not None
+    before = len(nanscan.monitor._default_monitors)
+    del model
+    gc.collect()
+    assert len(nanscan.monitor._default_monitors) == before - 1
+
+
+def test_monitor_without_bundle_dir_uses_env(tmp_path):
+    mon = Monitor(nn.Linear(2, 1), on_invalid="warn")
+    assert mon.bundle_dir == tmp_path / "env-bundles"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"on_invalid": "ignore"}, "on_invalid"),
+    ({"snapshot": "gpu"}, "snapshot"),
+    ({"run_id": "../escape"}, "run_id"),
+    ({"history": 0}, "history"),
+    ({"replay_entry": "no_colon"}, "replay_entry"),
+    ({"config": {"lr": float("nan")}}, r"config\['lr'\]"),
+    ({"config": {"fn": print}}, r"config\['fn'\]"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Monitor(nn.Linear(2, 1), **kwargs)
+
+
+def test_model_with_monitor_still_pickles_and_copies(tmp_path):
+    model = make_model()
+    mon = Monitor(model, bundle_dir=tmp_path, snapshot="cpu")
+    clone = pickle.loads(pickle.dumps(model))  # what torch.save(model) does with a whole module
+    twin = copy.deepcopy(model)
+    for other in (clone, twin):
+        other(torch.ones(2, 4))
+    assert mon._snapshot.model_state is None  # copies carry an inert hook: no capture for the original
+    model(torch.ones(2, 4))
+    assert mon._snapshot.model_state is not None
+    mon.close()
+    assert not model._forward_pre_hooks
