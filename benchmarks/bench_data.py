@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whatever is installed
+
 WORDS = ("the of and to in is was for on that with as by at from it an be this are which or model data loss "
          "gradient training layer value network step rate batch token sequence attention weight norm").split()
 REPEATS = 2

@@ -5,7 +5,8 @@ without the check, interleaved in one run, reported as median step times and one
 
 Run it alone: `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_overhead.py --json
 benchmarks/results/bench_overhead.json`. Steps run in blocks whose order alternates (plain, checked, checked,
-plain, ...) so drift in machine load falls on both sides alike. The check is validated (finite, every parameter,
+plain, ...) so drift in machine load falls on both sides alike; plain steps run with the Monitor attached but not
+called (its forward pre-hook returns at once). The check is validated (finite, every parameter,
 gradient and optimizer state tensor scanned) before anything is timed.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
+import os
 import platform
 import pstats
 import statistics
@@ -93,6 +94,7 @@ def validate(trainer: Trainer, batch: dict) -> int:
 
 
 def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int) -> dict:
+    load_before = os.getloadavg()[0]  # other processes on a shared machine inflate both variants' times
     config = dict(D.DEFAULT_CONFIG)
     batches = healthy_batches(config, 64)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
@@ -102,16 +104,22 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
             trainer.train_step(batches[i % len(batches)], checked=bool(i % 2))
         trainer.check_seconds.clear()
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
         n = 0
         for rep in range(reps):
             order = MODES if rep % 2 == 0 else MODES[::-1]
+            block_medians = {}
             for mode in order:
+                block_times = []
                 for _ in range(block):
                     batch = batches[n % len(batches)]
                     n += 1
                     start = time.perf_counter()
                     trainer.train_step(batch, checked=mode == "check")
-                    times[mode].append(time.perf_counter() - start)
+                    block_times.append(time.perf_counter() - start)
+                times[mode] += block_times
+                block_medians[mode] = statistics.median(block_times)
+            pair_ratios.append(block_medians["check"] / block_medians["plain"])
         profile_text = _profile(trainer, batches, profile) if profile else None
     plain, checked = statistics.median(times["plain"]), statistics.median(times["check"])
     check_alone = statistics.median(trainer.check_seconds)
@@ -127,8 +135,10 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in MODES},
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (checked - plain) / plain,
+        "paired_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),
         "check_share_pct": 100.0 * check_alone / plain,
         "torch_threads": torch.get_num_threads(),
+        "load_average_1min": {"start": load_before, "end": os.getloadavg()[0], "cpus": os.cpu_count()},
         "backend": backend_info()["active"].get("cpu"),
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
         "profile": profile_text,
@@ -177,11 +187,14 @@ def main(argv=None) -> int:
     med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
-    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps")
+    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps; "
+          f"load average {result['load_average_1min']['start']:.1f} -> {result['load_average_1min']['end']:.1f} "
+          f"on {result['load_average_1min']['cpus']} CPUs")
     print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
     for mode in MODES:
         print(f"{mode:<10}{med[mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
     print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
+    print(f"adjacent blocks: median checked/plain = +{result['paired_overhead_pct']:.1f}% (robust to load drift)")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step")
     if result["profile"]:
         print(result["profile"])

@@ -154,15 +154,17 @@ void check_cuda(int code, const char* where) {
                              cuda::cuda_error_string(code));
 }
 
-void scan_cuda_py(uint64_t chunks, int64_t num_chunks, uint64_t records, int64_t num_tensors, uint64_t found_inf,
-                  uint64_t stream, int device) {
-  if (num_chunks < 0 || num_tensors < 0) throw py::value_error("scan_cuda: num_chunks and num_tensors must be >= 0");
-  if ((num_chunks > 0 && chunks == 0) || (num_tensors > 0 && records == 0))
-    throw py::value_error("scan_cuda: a null chunk table or record pointer with a non-zero count");
-  if (num_chunks > 0 && num_tensors == 0) throw py::value_error("scan_cuda: chunks given but no records for them");
+void scan_cuda_py(uint64_t chunks, int64_t num_chunks, uint64_t block_begin, int64_t num_blocks, uint64_t records,
+                  int64_t num_tensors, uint64_t found_inf, uint64_t stream, int device) {
+  if (num_chunks < 0 || num_blocks < 0 || num_tensors < 0)
+    throw py::value_error("scan_cuda: num_chunks, num_blocks and num_tensors must be >= 0");
+  if (num_chunks > 0 && (chunks == 0 || block_begin == 0 || num_blocks == 0 || records == 0 || num_tensors == 0))
+    throw py::value_error("scan_cuda: chunks need a chunk table, block_begin, at least one block and records");
   cuda::ScanParams params;
   params.chunks = reinterpret_cast<const cuda::ChunkMeta*>(chunks);
   params.num_chunks = num_chunks;
+  params.block_begin = reinterpret_cast<const int64_t*>(block_begin);
+  params.num_blocks = num_blocks;
   params.records = reinterpret_cast<int64_t*>(records);
   params.num_tensors = num_tensors;
   params.found_inf = reinterpret_cast<float*>(found_inf);
@@ -174,6 +176,12 @@ void scan_cuda_py(uint64_t chunks, int64_t num_chunks, uint64_t records, int64_t
     code = cuda::scan_cuda(params);
   }
   check_cuda(code, "scan_cuda");
+}
+
+int cuda_grid_py(int device) {
+  int blocks = 0;
+  check_cuda(cuda::cuda_grid_blocks(device, &blocks), "cuda_grid");
+  return blocks;
 }
 
 // The constants and the chunk-table layout the Python side must agree with (nanscan/_cuda_backend.py checks them).
@@ -194,33 +202,45 @@ py::dict cuda_layout_py() {
 }
 
 void scan_cuda_on_host_py(py::array_t<uint8_t, py::array::c_style> chunk_table,
+                          py::array_t<int64_t, py::array::c_style | py::array::forcecast> block_begin,
                           py::array_t<int64_t, py::array::c_style> records) {
+  const char* where = "scan_cuda_on_host";
   if (chunk_table.ndim() != 1 || chunk_table.size() % sizeof(cuda::ChunkMeta) != 0)
-    throw py::value_error("scan_cuda_on_host: chunk_table must be the raw bytes of whole ChunkMeta rows");
+    throw py::value_error(std::string(where) + ": chunk_table must be the raw bytes of whole ChunkMeta rows");
   if (records.ndim() != 2 || records.shape(1) != record::kWidth)
-    throw py::value_error("scan_cuda_on_host: records must have shape (n, " + std::to_string(record::kWidth) + ")");
+    throw py::value_error(std::string(where) + ": records must have shape (n, " + std::to_string(record::kWidth) + ")");
   const int64_t num_chunks = chunk_table.size() / static_cast<py::ssize_t>(sizeof(cuda::ChunkMeta));
+  const int64_t num_blocks = block_begin.size() - 1;
+  if (block_begin.ndim() != 1 || num_blocks < 0 || (num_blocks == 0 && num_chunks > 0))
+    throw py::value_error(std::string(where) + ": block_begin must hold num_blocks + 1 row indices");
+  for (int64_t b = 0; b < num_blocks; ++b)
+    if (block_begin.at(b) < 0 || block_begin.at(b) > block_begin.at(b + 1) || block_begin.at(b + 1) > num_chunks)
+      throw py::value_error(std::string(where) + ": block_begin must rise from 0 to at most the number of chunks");
   std::vector<cuda::ChunkMeta> chunks(num_chunks);  // a copy: the numpy buffer need not be 8-byte aligned
   if (num_chunks > 0) std::memcpy(chunks.data(), chunk_table.data(), chunks.size() * sizeof(cuda::ChunkMeta));
   for (const cuda::ChunkMeta& c : chunks) {
     if (c.tensor < 0 || c.tensor >= records.shape(0) || c.begin < 0 || c.end < c.begin)
-      throw py::value_error("scan_cuda_on_host: chunk out of range of the records or with end < begin");
-    check_dtype_code(c.dtype, "scan_cuda_on_host");
+      throw py::value_error(std::string(where) + ": chunk out of range of the records or with end < begin");
+    check_dtype_code(c.dtype, where);
   }
   int64_t* out = records.mutable_data();
+  const int64_t* begins = block_begin.data();
   const int64_t num_tensors = records.shape(0);
   py::gil_scoped_release release;
-  cuda::scan_on_host(chunks.data(), num_chunks, out, num_tensors);
+  cuda::scan_on_host(chunks.data(), begins, num_blocks, out, num_tensors);
 }
 
 void register_cuda(py::module_& m) {
-  m.def("scan_cuda", &scan_cuda_py, py::arg("chunks"), py::arg("num_chunks"), py::arg("records"),
-        py::arg("num_tensors"), py::arg("found_inf"), py::arg("stream"), py::arg("device"),
+  m.def("scan_cuda", &scan_cuda_py, py::arg("chunks"), py::arg("num_chunks"), py::arg("block_begin"),
+        py::arg("num_blocks"), py::arg("records"), py::arg("num_tensors"), py::arg("found_inf"), py::arg("stream"),
+        py::arg("device"),
         "Enqueue the CUDA scan on `stream` (device pointers and the stream handle as ints); returns at once.");
+  m.def("cuda_grid", &cuda_grid_py, py::arg("device"), "How many scan blocks fit on CUDA device `device` at once.");
   m.def("cuda_probe", [](int device) { check_cuda(cuda::cuda_probe(device), "cuda_probe"); }, py::arg("device"),
         "Raise RuntimeError when this build's kernels cannot run on CUDA device `device`.");
   m.def("cuda_layout", &cuda_layout_py, "Kernel constants and the ChunkMeta layout of the CUDA scan.");
-  m.def("scan_cuda_on_host", &scan_cuda_on_host_py, py::arg("chunk_table"), py::arg("records"),
+  m.def("scan_cuda_on_host", &scan_cuda_on_host_py, py::arg("chunk_table"), py::arg("block_begin"),
+        py::arg("records"),
         "Run the CUDA kernel's per-thread code on the CPU over a chunk table of host addresses (for tests).");
 }
 #endif

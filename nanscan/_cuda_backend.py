@@ -7,6 +7,7 @@ backend, which runs on any device (slower, but the same answers), and says so on
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,54 +22,113 @@ from nanscan.inputs import ScanInput
 # _C.cuda_layout() before first use.
 CHUNK_META_DTYPE = np.dtype([("data", "<u8"), ("begin", "<i8"), ("end", "<i8"), ("tensor", "<i4"), ("dtype", "<i4")])
 
-# Bytes per chunk: a few thousand chunks per GB, so blocks finish together and the per-chunk merge stays cheap.
-DEFAULT_CHUNK_BYTES = 1 << 20
+# How the bytes are shared among blocks (NOTE: [cuda scan] in csrc/cuda/multi_tensor.cuh). A piece costs its block
+# a fixed merge besides its bytes (estimated at 1-2 us, what one block takes to scan about this many bytes when
+# all share HBM; not yet measured), so a block of many small tensors is given fewer bytes; and no block is given
+# less than MIN_BLOCK_BYTES, so a small scan does not start hundreds of blocks with almost nothing to do.
+PIECE_COST_BYTES = 32 << 10
+MIN_BLOCK_BYTES = 256 << 10
+
+_CACHED_TABLES = 8  # work lists kept on each backend's devices (a few KiB each)
 
 _ELEMENT_SIZES = np.array([2, 2, 4, 8], dtype=np.int64)  # indexed by dtype code (nanscan._layout)
 assert [_ELEMENT_SIZES[c] for c in (L.FLOAT16, L.BFLOAT16, L.FLOAT32, L.FLOAT64)] == [2, 2, 4, 8]
 
 
-def build_chunk_table(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, *, chunk_bytes: int,
-                      max_chunk_elems: int) -> np.ndarray:
-    """The chunk table for tensors given as element-aligned addresses, element counts and dtype codes.
+def build_chunk_table(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, *, max_blocks: int,
+                      max_chunk_elems: int, max_chunk_bytes: int | None = None,
+                      piece_cost_bytes: int | None = None,
+                      min_block_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's work list for tensors given as element-aligned addresses, element counts and dtype codes.
 
-    Each tensor is cut into chunks of `chunk_bytes` (at most `max_chunk_elems` elements); empty tensors get none.
+    The tensors' bytes, laid end to end with `piece_cost_bytes` before each, are cut into up to `max_blocks` equal
+    shares, each at least `min_block_bytes`; a piece is the part of one tensor inside one share (cut at a 16-byte
+    multiple from the tensor's start, and at most `max_chunk_elems` elements and `max_chunk_bytes` bytes long).
+    Returns the pieces (CHUNK_META_DTYPE rows, each block's together, in tensor order) and block_begin (int64,
+    blocks + 1 entries): block b scans rows [block_begin[b], block_begin[b + 1]). Empty tensors get no piece.
+    piece_cost_bytes and min_block_bytes default to the module's PIECE_COST_BYTES and MIN_BLOCK_BYTES.
     """
+    piece_cost_bytes = PIECE_COST_BYTES if piece_cost_bytes is None else piece_cost_bytes
+    min_block_bytes = MIN_BLOCK_BYTES if min_block_bytes is None else min_block_bytes
     ptrs = np.asarray(ptrs, dtype=np.uint64)
     numels = np.asarray(numels, dtype=np.int64)
     codes = np.asarray(codes, dtype=np.int32)
     if not (len(ptrs) == len(numels) == len(codes)):
         raise ValueError("build_chunk_table: ptrs, numels and codes must have the same length")
-    if chunk_bytes < 16 or chunk_bytes % 16:
-        raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 16 (one vector load)")
+    if max_blocks < 1 or max_chunk_elems < 16 or (max_chunk_bytes is not None and max_chunk_bytes < 16):
+        raise ValueError(f"build_chunk_table: max_blocks={max_blocks} must be >= 1, max_chunk_elems="
+                         f"{max_chunk_elems} and max_chunk_bytes={max_chunk_bytes} >= 16")
     if len(codes) and (codes.min() < 0 or codes.max() >= len(_ELEMENT_SIZES)):
         raise ValueError(f"build_chunk_table: unknown dtype code in {sorted(set(codes.tolist()))}")
+    if (numels < 0).any():
+        raise ValueError("build_chunk_table: negative element count")
     sizes = _ELEMENT_SIZES[codes]
     misaligned = np.flatnonzero((ptrs % sizes.astype(np.uint64)) != 0)
     if len(misaligned):
         i = int(misaligned[0])
         raise ValueError(f"tensor {i} starts at address {int(ptrs[i]):#x}, not a multiple of its element size "
                          f"{int(sizes[i])}; the CUDA scan needs element-aligned tensors (pass a .contiguous() copy)")
-    per_chunk = np.minimum(chunk_bytes // sizes, max_chunk_elems)
-    counts = -(-numels // per_chunk)
-    tensor = np.repeat(np.arange(len(numels), dtype=np.int64), counts)
-    first = np.cumsum(counts) - counts
-    begin = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)) * per_chunk[tensor]
-    table = np.empty(len(tensor), dtype=CHUNK_META_DTYPE)
-    table["data"] = ptrs[tensor]
+    nbytes = numels * sizes
+    weights = np.where(numels > 0, nbytes + piece_cost_bytes, 0)
+    total = int(weights.sum())
+    if total == 0:
+        return np.empty(0, dtype=CHUNK_META_DTYPE), np.zeros(1, dtype=np.int64)
+    blocks = int(min(max_blocks, max(1, -(-total // min_block_bytes))))
+    bounds = np.array([b * total // blocks for b in range(blocks + 1)], dtype=np.int64)  # exact integers
+    start = np.cumsum(weights) - weights  # each tensor's cost starts here, its bytes piece_cost_bytes later
+    # Cuts, as (tensor, element): every tensor's ends, the share boundaries that fall inside its bytes, and the
+    # multiples of the longest piece allowed.
+    inner = bounds[1:-1]
+    owner = np.searchsorted(start, inner, side="right") - 1
+    offset = np.clip(inner - start[owner] - piece_cost_bytes, 0, nbytes[owner])
+    cut_tensor = [np.arange(len(numels)), np.arange(len(numels)), owner]
+    cut_elem = [np.zeros(len(numels), np.int64), numels, offset // 16 * 16 // sizes[owner]]
+    longest = np.full(len(numels), max_chunk_elems, dtype=np.int64)
+    if max_chunk_bytes is not None:
+        longest = np.minimum(longest, max_chunk_bytes // sizes)
+    for t in np.flatnonzero(numels > longest):
+        steps = np.arange(longest[t], int(numels[t]), longest[t], dtype=np.int64)
+        cut_tensor.append(np.full(len(steps), t))
+        cut_elem.append(steps)
+    tensor = np.concatenate(cut_tensor).astype(np.int64)
+    elem = np.concatenate(cut_elem).astype(np.int64)
+    order = np.lexsort((elem, tensor))
+    tensor, elem = tensor[order], elem[order]
+    keep = np.ones(len(tensor), dtype=bool)
+    keep[1:] = (tensor[1:] != tensor[:-1]) | (elem[1:] != elem[:-1])
+    tensor, elem = tensor[keep], elem[keep]
+    piece = np.flatnonzero((tensor[:-1] == tensor[1:]) & (elem[1:] > elem[:-1]))
+    piece_tensor, begin, end = tensor[piece], elem[piece], elem[piece + 1]
+    # A piece belongs to the share that holds its middle (its ends were rounded to 16-byte multiples, so they may
+    # lie a few bytes before the share boundary); pieces are in tensor order, so blocks come out in order.
+    first = start[piece_tensor] + np.where(begin > 0, piece_cost_bytes + begin * sizes[piece_tensor], 0)
+    middle = (first + start[piece_tensor] + piece_cost_bytes + end * sizes[piece_tensor]) // 2
+    block = np.clip(np.searchsorted(bounds, middle, side="right") - 1, 0, blocks - 1)
+    table = np.empty(len(piece), dtype=CHUNK_META_DTYPE)
+    table["data"] = ptrs[piece_tensor]
     table["begin"] = begin
-    table["end"] = np.minimum(begin + per_chunk[tensor], numels[tensor])
-    table["tensor"] = tensor
-    table["dtype"] = codes[tensor]
-    return table
+    table["end"] = end
+    table["tensor"] = piece_tensor
+    table["dtype"] = codes[piece_tensor]
+    block_begin = np.searchsorted(block, np.arange(blocks + 1), side="left").astype(np.int64)
+    return table, block_begin
 
 
-def _table_for(inputs: Sequence[ScanInput], chunk_bytes: int, max_chunk_elems: int) -> np.ndarray:
-    n = len(inputs)
-    ptrs = np.fromiter((item.flat.data_ptr() for item in inputs), dtype=np.uint64, count=n)
-    numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=n)
-    codes = np.fromiter((item.scanned_code for item in inputs), dtype=np.int32, count=n)
-    return build_chunk_table(ptrs, numels, codes, chunk_bytes=chunk_bytes, max_chunk_elems=max_chunk_elems)
+def _describe(inputs: Sequence[ScanInput]) -> np.ndarray:
+    """(address, element count, dtype code) per input: all that the work list depends on. Runs every step, so it
+    is kept to one cheap pass per field."""
+    flats = [item.flat for item in inputs]
+    out = np.empty((3, len(flats)), dtype=np.int64)
+    out[0] = np.array([t.data_ptr() for t in flats], dtype=np.uint64).view(np.int64)
+    out[1] = [t.numel() for t in flats]
+    out[2] = [item.scanned_code for item in inputs]
+    return out
+
+
+def _table_for(described: np.ndarray, max_blocks: int, max_chunk_elems: int,
+               **options) -> tuple[np.ndarray, np.ndarray]:
+    return build_chunk_table(described[0].view(np.uint64), described[1], described[2].astype(np.int32),
+                             max_blocks=max_blocks, max_chunk_elems=max_chunk_elems, **options)
 
 
 def _check_layout(C) -> dict:
@@ -80,19 +140,21 @@ def _check_layout(C) -> dict:
     return layout
 
 
-def scan_records_on_host(inputs: Sequence[ScanInput], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> np.ndarray:
+def scan_records_on_host(inputs: Sequence[ScanInput], *, max_blocks: int = 8,
+                         min_block_bytes: int | None = None) -> np.ndarray:
     """Records for CPU tensors computed by the CUDA kernel's own per-thread code run on the CPU
-    (csrc/cuda/scan_cuda.h, scan_on_host), with the chunk table the CUDA backend would build. For tests on
-    machines without a GPU; needs an extension built with nvcc."""
+    (csrc/cuda/scan_cuda.h, scan_on_host), over the work list the CUDA backend would build for a GPU with room for
+    `max_blocks` blocks. For tests on machines without a GPU; needs an extension built with nvcc."""
     C = _native_module()
     if not hasattr(C, "scan_cuda_on_host"):
         raise RuntimeError("nanscan._C was built without its CUDA part (nvcc was not found at build time)")
     layout = _check_layout(C)
     if any(item.device.type != "cpu" for item in inputs):
         raise ValueError("scan_records_on_host reads tensors through host addresses: pass CPU tensors")
-    table = _table_for(inputs, chunk_bytes, layout["max_chunk_elems"])
+    table, block_begin = _table_for(_describe(inputs), max_blocks, int(layout["max_chunk_elems"]),
+                                    min_block_bytes=min_block_bytes)
     records = np.empty((len(inputs), L.RECORD_WIDTH), dtype=np.int64)
-    C.scan_cuda_on_host(table.view(np.uint8), records)
+    C.scan_cuda_on_host(table.view(np.uint8), block_begin, records)
     return records
 
 
@@ -129,16 +191,19 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, *, chunk_bytes: int | None = None, min_block_bytes: int | None = None):
+        """`chunk_bytes` caps the bytes of one piece (default: only the kernel's own limit) and `min_block_bytes`
+        the least a block is given (default MIN_BLOCK_BYTES, or 4 * chunk_bytes when that is given). Tests set
+        them small, to spread even tiny tensors over many pieces and blocks."""
         C = _native_module()
         if not hasattr(C, "scan_cuda"):
             raise RuntimeError(
                 "nanscan._C was built without its CUDA part (no nvcc at build time); rebuild where the CUDA toolkit "
                 "is installed: NANSCAN_CUDA=1 pip install --no-build-isolation -e .")
         if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA "
-                f"{torch.version.cuda}): no usable GPU or driver here; scan CPU tensors with the cpu backend")
+            why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+                   else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver")
+            raise RuntimeError(f"torch.cuda.is_available() is False: {why}; CPU tensors use the cpu backend")
         layout = _check_layout(C)
         try:
             C.cuda_probe(torch.cuda.current_device())
@@ -149,13 +214,16 @@ class CudaBackend:
                 "with a toolkit the driver supports, and NANSCAN_CUDA_ARCH set to this GPU's compute capability"
             ) from exc
         self._C = C
-        self.chunk_bytes = chunk_bytes
         self._max_chunk_elems = int(layout["max_chunk_elems"])
+        self._options = {"max_chunk_bytes": chunk_bytes,
+                         "min_block_bytes": min_block_bytes if min_block_bytes is not None or chunk_bytes is None
+                         else 4 * chunk_bytes}
         self._probed = {torch.cuda.current_device()}
-        # The last chunk table per (device, stream), in host and device memory: a training loop scans the same
-        # tensors each step, so the table is usually reused without another copy. Per stream, because the copy
-        # that filled it is ordered on its stream only.
-        self._tables: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor]] = {}
+        self._grid: dict[int, int] = {}  # device index -> blocks that fit on it at once
+        # Recent work lists on the device: a training loop scans the same few sets of tensors each step, so they
+        # are reused without building or copying them again. Keyed by stream too, because the copy that filled
+        # one is ordered on its stream only.
+        self._tables: OrderedDict[tuple, _DeviceTable] = OrderedDict()
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -180,33 +248,49 @@ class CudaBackend:
         if index not in self._probed:
             self._C.cuda_probe(index)
             self._probed.add(index)
+        if index not in self._grid:
+            self._grid[index] = int(self._C.cuda_grid(index))
         n = len(inputs)
         with torch.cuda.device(index):
             stream = stream if stream is not None else torch.cuda.current_stream(index)
             with torch.cuda.stream(stream):
-                table, device_table = self._device_table(inputs, index, stream)
+                work = self._device_table(inputs, index, stream)
                 records = torch.empty((n, L.RECORD_WIDTH), dtype=torch.int64, device=device)
                 found_inf = torch.empty((), dtype=torch.float32, device=device)
-                self._C.scan_cuda(device_table.data_ptr() if len(table) else 0, len(table), records.data_ptr(), n,
-                                  found_inf.data_ptr(), stream.cuda_stream, index)
+                base = work.device_bytes.data_ptr()
+                self._C.scan_cuda(base, work.num_chunks, base + work.block_begin_offset, work.num_blocks,
+                                  records.data_ptr(), n, found_inf.data_ptr(), stream.cuda_stream, index)
                 host_records = torch.empty((n, L.RECORD_WIDTH), dtype=torch.int64, pin_memory=True)
                 host_records.copy_(records, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
         return AsyncScan(found_inf=found_inf, device_records=records, num_tensors=n, _host_records=host_records,
-                         _done=done, _keep_alive=(device_table, [item.flat for item in inputs]))
+                         _done=done, _keep_alive=(work.device_bytes, [item.flat for item in inputs]))
 
-    def _device_table(self, inputs: Sequence[ScanInput], index: int,
-                      stream: torch.cuda.Stream) -> tuple[np.ndarray, torch.Tensor]:
-        """The chunk table on the device, copied from pinned memory without blocking, or the cached one."""
-        table = _table_for(inputs, self.chunk_bytes, self._max_chunk_elems)
-        key = (index, stream.cuda_stream)
-        cached = self._tables.get(key)
-        if cached is not None and cached[0].tobytes() == table.tobytes():
-            return cached
-        device_table = torch.empty(table.nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
-        if len(table):
-            pinned = torch.from_numpy(table.view(np.uint8)).pin_memory()
-            device_table.copy_(pinned, non_blocking=True)
-        self._tables[key] = (table, device_table)
-        return table, device_table
+    def _device_table(self, inputs: Sequence[ScanInput], index: int, stream: torch.cuda.Stream) -> "_DeviceTable":
+        """The work list on the device (pieces, then block_begin, in one buffer), copied from pinned memory
+        without blocking; reused when the same tensors were scanned on this stream recently."""
+        described = _describe(inputs)
+        key = (index, stream.cuda_stream, PIECE_COST_BYTES, MIN_BLOCK_BYTES, described.tobytes())
+        work = self._tables.get(key)
+        if work is not None:
+            self._tables.move_to_end(key)
+            return work
+        table, block_begin = _table_for(described, self._grid[index], self._max_chunk_elems, **self._options)
+        host_bytes = np.concatenate([table.view(np.uint8), block_begin.view(np.uint8)])
+        device_bytes = torch.empty(len(host_bytes), dtype=torch.uint8, device=torch.device("cuda", index))
+        device_bytes.copy_(torch.from_numpy(host_bytes).pin_memory(), non_blocking=True)
+        work = _DeviceTable(device_bytes=device_bytes, num_chunks=len(table), num_blocks=len(block_begin) - 1,
+                            block_begin_offset=table.nbytes)
+        self._tables[key] = work
+        if len(self._tables) > _CACHED_TABLES:
+            self._tables.popitem(last=False)
+        return work
+
+
+@dataclass(frozen=True)
+class _DeviceTable:
+    device_bytes: torch.Tensor
+    num_chunks: int
+    num_blocks: int
+    block_begin_offset: int  # bytes from the start of device_bytes to block_begin (a multiple of 32)

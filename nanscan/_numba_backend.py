@@ -24,6 +24,7 @@ nanscan/_layout.py change: after such a change, delete the cache (nanscan/__pyca
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -255,7 +256,7 @@ def _fold_pairs(pair_tables, window_base, tables):
                 if c == 0:
                     continue
                 tables[window_base + low] += c
-                tables[window_base + low] += c
+                tables[window_base + high] += c
 
 
 @njit(cache=True)
@@ -322,9 +323,11 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
                     s += _block_sumsq(block, widened, shift, offset)
                     field_lo = np.int64(lo >> mant_shift)
                     field_hi = np.int64(hi >> mant_shift)
-                    if window_base < 0:
-                        window_base = max(0, min(field_lo, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
-                    if field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
+                    if window_base < 0 and lo_nonzero != abs_mask:
+                        # Placed by non-zero values: a leading run of zeros must not pin the window to field 0.
+                        field_lo_nonzero = np.int64(lo_nonzero >> mant_shift)
+                        window_base = max(0, min(field_lo_nonzero, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
+                    if window_base >= 0 and field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
                         _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tables)
                         if block.size % 2:
                             _count_top_bits(block[block.size - 1:], mant_bits, tables, stride)
@@ -363,6 +366,9 @@ class NumbaBackend:
     """The scan compiled by numba, for CPUs without the C++ extension (NOTE: [numba blocks])."""
 
     name = "numba"
+    # Numba's workqueue threading layer (used where neither TBB nor OpenMP is installed) aborts the process when two
+    # threads launch parallel kernels at once; one scan at a time already has every core.
+    _launch_lock = threading.Lock()
 
     def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS):
         if chunk_elems < 1:
@@ -389,7 +395,7 @@ class NumbaBackend:
     def _scan_format(self, fmt: _Format, inputs: list[ScanInput], tasks: np.ndarray, records: np.ndarray,
                      sumsq: np.ndarray) -> None:
         numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=len(inputs))
-        bases = np.fromiter((item.flat.data_ptr() for item in inputs), dtype=np.int64, count=len(inputs))
+        bases = np.fromiter((item.data_ptr() for item in inputs), dtype=np.int64, count=len(inputs))
         chunks_per_task = -(-numels // self.chunk_elems)
         chunk_task = np.repeat(np.arange(len(inputs)), chunks_per_task)
         first_chunk = np.cumsum(chunks_per_task) - chunks_per_task
@@ -399,6 +405,8 @@ class NumbaBackend:
         addresses = bases[chunk_task] + begins * itemsize
         partial_counts = L.empty_records(chunk_task.size)
         partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
-        _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits, fmt.mant_bits,
-                     fmt.scale, fmt.widen_shift, fmt.widen_offset, fmt.table_stride, partial_counts, partial_sumsq)
+        with self._launch_lock:
+            _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
+                         fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, fmt.table_stride, partial_counts,
+                         partial_sumsq)
         _merge(tasks[chunk_task], partial_counts, partial_sumsq, records, sumsq)

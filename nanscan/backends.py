@@ -57,7 +57,7 @@ class CpuBackend:
 
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
         n = len(inputs)
-        ptrs = np.fromiter((item.flat.data_ptr() for item in inputs), dtype=np.int64, count=n)
+        ptrs = np.fromiter((item.data_ptr() for item in inputs), dtype=np.int64, count=n)
         numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=n)
         codes = np.fromiter((item.scanned_code for item in inputs), dtype=np.int32, count=n)
         records = L.empty_records(n)

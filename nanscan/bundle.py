@@ -91,6 +91,8 @@ CATEGORY_EXPLANATIONS = {
     "loss": "The loss was non-finite while inputs, weights and optimizer state were finite: something in the "
             "forward pass produced it.",
     "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
+    "other_rank": "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
+                  "index (index.json, one directory up) names the rank that went bad first.",
 }
 
 
@@ -138,6 +140,10 @@ class Incident:
     state_note: str = ""
     logs: Sequence[dict] = ()  # from read_log_tail
     replay_entry: str | None = None
+    # One rank's part of a distributed incident (nanscan.distributed): written to step-<N>/rank-<r>/, with the
+    # `distributed` mapping stored in the manifest.
+    rank: int | None = None
+    distributed: Mapping | None = None
 
 
 # -- kinds and categories ----------------------------------------------------------------------------------
@@ -504,9 +510,10 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def bundle_path(bundle_dir: str | os.PathLike, run_id: str, step: int) -> Path:
-    """Where the bundle of `run_id`'s incident at `step` lives."""
-    return Path(bundle_dir) / check_run_id(run_id) / f"step-{int(step)}"
+def bundle_path(bundle_dir: str | os.PathLike, run_id: str, step: int, rank: int | None = None) -> Path:
+    """Where the bundle of `run_id`'s incident at `step` lives (a distributed rank's part: `rank-<r>` below it)."""
+    path = Path(bundle_dir) / check_run_id(run_id) / f"step-{int(step)}"
+    return path if rank is None else path / f"rank-{int(rank)}"
 
 
 def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
@@ -515,7 +522,7 @@ def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
     Two processes may write the same bundle at once: exactly one rename wins, the other keeps the winner's.
     Raises BundleError if a damaged or foreign directory already occupies the path.
     """
-    final = bundle_path(bundle_dir, incident.run_id, incident.step)
+    final = bundle_path(bundle_dir, incident.run_id, incident.step, incident.rank)
     if final.exists():
         return _keep_existing(final, incident)
     try:
@@ -528,7 +535,7 @@ def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
 
 def _keep_existing(final: Path, incident: Incident) -> Path:
     try:
-        existing = load_bundle(final)
+        existing = load_bundle(final, whole_set=False)
     except BundleError as exc:
         raise BundleError(f"{final} already exists but is not a valid bundle ({exc}); move it away and run "
                           "again to write a fresh one") from exc
@@ -562,6 +569,8 @@ def _write_contents(root: Path, inc: Incident) -> None:
                                        pre_step=False, optimizer=False)
     manifest["logs"] = _write_logs(root, inc.logs)
     manifest["replay_entry"] = inc.replay_entry
+    if inc.distributed is not None:
+        manifest["distributed"] = plain_json(inc.distributed, "distributed")
     ledger = [_detect_finding(inc, nonfinite)]
     (root / LEDGER).write_bytes(_ledger_bytes(ledger))
     manifest["ledger"] = LEDGER
@@ -818,12 +827,20 @@ def iter_bundles(bundle_dir: str | os.PathLike) -> Iterator[Path]:
         yield from sorted(steps, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
-def load_bundle(path: str | os.PathLike) -> "Bundle":
+def load_bundle(path: str | os.PathLike, *, whole_set: bool = True) -> "Bundle":
     """Open and validate a bundle: its schema, and every file's presence, size and sha256.
 
     `path` is the step directory, or a run directory holding exactly one bundle. Raises BundleError, naming the
     file and what to do, for a missing, truncated, modified or foreign bundle.
+    A distributed incident's set (a step directory with index.json and rank-<r> parts), or one part of it, opens
+    as a nanscan.distributed.BundleSet covering every part; `whole_set=False` opens just the one part.
     """
+    if whole_set:
+        from nanscan.distributed import bundle_set_root, load_bundle_set  # noqa: PLC0415 - distributed imports this
+
+        found = bundle_set_root(Path(path))
+        if found is not None:
+            return load_bundle_set(*found)
     root = _resolve_bundle_dir(Path(path))
     if any(p.name.startswith(PENDING_PREFIX) for p in root.iterdir()):
         if not os.access(root, os.W_OK):

@@ -1,5 +1,5 @@
-"""`nanscan demo`: a tiny causal language model trains on a token dataset with one corrupted record, goes NaN when
-that record arrives, and nanscan catches the step, keeps the evidence as a bundle and reports it.
+"""`nanscan demo`: a tiny causal language model trains on a token dataset with one corrupted record, goes
+non-finite when that record arrives, and nanscan catches the step, keeps the evidence as a bundle and reports it.
 
 The fault is a data problem that travels the real path. Every record carries token ids and a per-token loss
 weight. One record's weights were exported as 3.4028235e+38, the float32 maximum that many tools write for a
@@ -325,6 +325,8 @@ class DemoContext:
     error: Any = None  # the NonFiniteError the Monitor raised
     bundle: Any = None  # the loaded nanscan.bundle.Bundle
     summary: dict | None = None  # nanscan.report.summarize(bundle)
+    replay: Any = None  # nanscan.replay.ReplayResult
+    ablation: Any = None  # nanscan.ablate.AblationResult
 
 
 @dataclass
@@ -425,11 +427,51 @@ def stage_report(ctx: DemoContext) -> StageResult:
                        f"{len(groups)} module(s)", {"groups": len(groups)})
 
 
+def stage_localize(ctx: DemoContext) -> StageResult:
+    """Replay the failing step from the bundle alone, find the first bad module and the smallest failing subset."""
+    from nanscan.replay import record_replay, replay
+
+    if ctx.bundle is None:
+        return StageResult("localize", False, "no bundle to replay")
+    result = replay(ctx.bundle)
+    record_replay(result, ctx.bundle)
+    ctx.replay = result
+    if not result.reproduced:
+        return StageResult("localize", False, result.headline(), result.to_dict())
+    subset = ""
+    if result.bisect is not None and result.bisect.applicable:
+        ids = result.bisect.sample_ids or [f"row {i}" for i in result.bisect.indices]
+        subset = f"; smallest failing subset: {', '.join(map(str, ids))} of {result.bisect.batch_size} samples"
+    return StageResult("localize", True, result.headline() + subset,
+                       {"verdict": result.verdict,
+                        "module": result.localization.label if result.localization else None,
+                        "phase": result.localization.phase if result.localization else None,
+                        "samples": result.bisect.sample_ids if result.bisect else None})
+
+
+def stage_ablate(ctx: DemoContext) -> StageResult:
+    """Change one factor at a time from the same state and batch; keep every row, helpful or not."""
+    from nanscan.ablate import ablate, record_ablation
+
+    if ctx.bundle is None:
+        return StageResult("ablate", False, "no bundle to ablate")
+    result = ablate(ctx.bundle)
+    record_ablation(result, ctx.bundle)
+    ctx.ablation = result
+    fixes = [r.factor.key for r in result.fixes]
+    kept = [r.factor.key for r in result.rows if not r.fixes]
+    return StageResult("ablate", True, f"{len(result.rows)} factors tried one at a time; fixes the step: "
+                       f"{', '.join(fixes) or 'none'}; no effect: {', '.join(kept) or 'none'}",
+                       {"fixes": fixes, "no_effect": kept})
+
+
 STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("data", stage_data),
     ("detect", stage_detect),
     ("preserve", stage_preserve),
     ("report", stage_report),
+    ("localize", stage_localize),
+    ("ablate", stage_ablate),
 ]
 
 

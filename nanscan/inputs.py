@@ -4,12 +4,12 @@ copying: every backend then sees 1-D views of the tensors' own memory and a dtyp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from nanscan import _layout as L
+from nanscan.stats import ScannedTensor
 
 _SCANNED_CODES = {
     torch.float16: L.FLOAT16,
@@ -25,31 +25,86 @@ class UnsupportedTensorError(TypeError):
     """A tensor nanscan cannot read (meta tensor, unsupported dtype, not a tensor at all)."""
 
 
-@dataclass(frozen=True)
-class ScanInput:
-    """One tensor ready for a backend: `flat` is a 1-D view of its elements in a supported format."""
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-    name: str
-    dtype: str  # the tensor's own dtype ("complex64" for a complex tensor scanned as float32 parts)
-    flat: torch.Tensor
-    scanned_code: int
-    copied: bool  # True only for strided views with gaps, which must be compacted before a flat scan
+# How a tensor's elements sit in memory (NOTE: [flat views]).
+CONTIGUOUS, PERMUTED, GAPPED = 0, 1, 2
+
+
+class ScanInput:
+    """One tensor ready for a backend: its elements in a supported format, and how to read them flat.
+
+    NOTE: [flat views]
+    Element order does not matter to the statistics, so a backend only needs one pointer and a count: a contiguous
+    tensor and a dense tensor whose strides are merely permuted (transposes, channels_last) both cover one gap-free
+    span of storage starting at data_ptr(). Only views with gaps or overlaps (slices with steps, expanded tensors)
+    are compacted with a copy, made when a backend first asks for it. Building a ScanInput is cheap (no view, no
+    detach), because the Monitor builds hundreds of them every step.
+    """
+
+    __slots__ = ("name", "dtype", "tensor", "scanned_code", "layout", "identity", "_compacted")
+
+    def __init__(self, name: str, dtype: str, tensor: torch.Tensor, scanned_code: int, layout: int):
+        self.name = name
+        self.dtype = dtype  # the tensor's own dtype ("complex64" for a complex tensor scanned as float32 parts)
+        self.tensor = tensor  # in a supported format (complex viewed as real parts, sparse as its values)
+        self.scanned_code = scanned_code
+        self.layout = layout
+        self.identity = ScannedTensor(name, dtype, _device_name(tensor.device), tensor.numel(), scanned_code)
+        self._compacted: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
-        return self.flat.numel()
+        return self.identity.numel
 
     @property
     def device(self) -> torch.device:
-        return self.flat.device
+        return self.tensor.device
+
+    @property
+    def copied(self) -> bool:
+        """True for strided views with gaps, which must be compacted before a flat scan."""
+        return self.layout == GAPPED
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """A 1-D tensor over exactly the elements (a view, except for GAPPED layouts)."""
+        t = self.tensor.detach()
+        if self.layout == CONTIGUOUS:
+            return t.reshape(-1)
+        if self.layout == PERMUTED:
+            return t.as_strided((t.numel(),), (1,), t.storage_offset())
+        if self._compacted is None:
+            self._compacted = t.contiguous().reshape(-1)
+        return self._compacted
+
+    def data_ptr(self) -> int:
+        """Address of the first of numel dense elements (NOTE: [flat views])."""
+        return self.tensor.data_ptr() if self.layout != GAPPED else self.flat.data_ptr()
 
     def bits(self) -> torch.Tensor:
         """The same memory reinterpreted as unsigned integers of the element width (no copy)."""
-        return self.flat.view({2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[self.flat.element_size()])
+        return self.flat.view({2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[self.tensor.element_size()])
+
+    def __repr__(self) -> str:
+        return f"ScanInput({self.name!r}, {self.dtype}, numel={self.numel}, layout={self.layout})"
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {dtype: _dtype_name(dtype) for dtype in (*_SCANNED_CODES, *_COMPLEX_PARTS)}
 
 
 def _is_dense_permutation(t: torch.Tensor) -> bool:
@@ -63,22 +118,13 @@ def _is_dense_permutation(t: torch.Tensor) -> bool:
     return True
 
 
-def _flatten(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A 1-D view over exactly the tensor's elements; element order is irrelevant to the statistics.
-
-    A dense tensor whose strides are merely permuted (transposes, channels_last) covers one contiguous span of
-    its storage, so a flat view of that span holds the same elements. Only views with gaps or overlaps
-    (slices with steps, expanded tensors) are compacted with a copy.
-    """
-    if t.is_contiguous():
-        return t.reshape(-1), False
-    if _is_dense_permutation(t):
-        return t.as_strided((t.numel(),), (1,), t.storage_offset()), False
-    return t.contiguous().reshape(-1), True
-
-
 def prepare(name: str, t: Any) -> ScanInput | None:
     """A ScanInput for one tensor, or None for tensors that are skipped (integer and bool tensors)."""
+    code = _SCANNED_CODES.get(getattr(t, "dtype", None))
+    if code is not None and type(t) in _PLAIN_TENSOR_TYPES and t.layout == torch.strided and not t.is_meta:
+        # The every-step case, kept short: a plain dense floating tensor.
+        layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if _is_dense_permutation(t) else GAPPED
+        return ScanInput(name, _DTYPE_NAMES[t.dtype], t, code, layout)
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor; pass tensors only")
     if t.is_meta:
@@ -87,11 +133,11 @@ def prepare(name: str, t: Any) -> ScanInput | None:
             "materialize the module (e.g. module.to_empty(device=...) and load weights) before scanning")
     if t.layout == torch.sparse_coo:
         t = t.coalesce().values()
-    elif t.layout != torch.strided:
-        t = t.values() if hasattr(t, "values") and t.layout in (torch.sparse_csr, torch.sparse_csc) else t
+    elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        t = t.values()
     own = _dtype_name(t.dtype)
     if t.dtype in _COMPLEX_PARTS:
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.detach())
     code = _SCANNED_CODES.get(t.dtype)
     if code is None:
         if not t.is_floating_point() and not t.is_complex():
@@ -99,8 +145,8 @@ def prepare(name: str, t: Any) -> ScanInput | None:
         raise UnsupportedTensorError(
             f"{name!r} has dtype {own}, which nanscan cannot scan; supported: float16, bfloat16, float32, "
             "float64 and complex64/complex128 (cast the tensor, e.g. t.float(), to scan it)")
-    flat, copied = _flatten(t.detach())
-    return ScanInput(name=name, dtype=own, flat=flat, scanned_code=code, copied=copied)
+    layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if _is_dense_permutation(t) else GAPPED
+    return ScanInput(name, own, t, code, layout)
 
 
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:

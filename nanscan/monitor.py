@@ -109,6 +109,10 @@ def _warn_user(message: str) -> None:
     warnings.warn(message, NonFiniteWarning, stacklevel=level)
 
 
+def _distributed_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -200,8 +204,9 @@ class Monitor:
     bundle_dir: where bundles go, as `<bundle_dir>/<run_id>/step-<N>/`; default: $NANSCAN_BUNDLE_DIR, else
         "nanscan-bundles" (relative to the current directory when the Monitor is created).
     config: the run's configuration (dict, dataclass or namespace of JSON values), stored with its sha256.
-    run_id: names the run's bundle directory; default: UTC time plus a random suffix. With several processes
-        (e.g. DDP ranks) that may fail at the same step, give each its own run_id (add the rank).
+    run_id: names the run's bundle directory; default: UTC time plus a random suffix. With a process group (below)
+        every rank must use the same run_id (default: rank 0's); independent processes that may fail at the same
+        step and share a bundle_dir need one run_id each.
     history: how many steps of statistics to keep. Memory is bounded by
         history x tensors x 264 x 8 bytes (one 264-slot int64 record per scanned tensor per step), e.g.
         64 steps x 300 tensors = about 39 MiB.
@@ -220,6 +225,14 @@ class Monitor:
         CPU buffers at the start of every training step (first forward in train mode after a check), so the
         bundle holds the exact state the failing step started from, at the cost of one state copy per step.
     backend: scan backend (see nanscan.scan).
+    process_group: the torch.distributed group whose ranks agree on every step's verdict; default: the world group
+        when torch.distributed is initialized; False: this process decides alone. With a group, call check() on
+        every rank at every step: see nanscan.distributed for the agreement, the per-rank names of FSDP shards
+        and the bundle set (a part per rank under the step directory, plus an index).
+    agreement: with a process group, "sync" (each step is decided on every rank inside its check, before
+        optimizer.step()) or "async" (the verdict for step s arrives at step s+1's check, after step s's update;
+        `flush()` waits for it at once). Either way the report's `.ok` is the ranks' agreed answer, the same on
+        every rank, so the loop below keeps them in lockstep.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -230,7 +243,8 @@ class Monitor:
                  bundle_dir: str | os.PathLike | None = None, config: Any = None, run_id: str | None = None,
                  history: int = 64, log_files: Sequence[str | os.PathLike] = (),
                  on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
-                 replay_entry: str | None = None, snapshot: str = "none", backend=None):
+                 replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
+                 agreement: str = "sync"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -238,6 +252,9 @@ class Monitor:
         if not (callable(on_invalid) or on_invalid in ON_INVALID):
             raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)} or a callable "
                              "f(report, bundle_path)")
+        if agreement not in ("sync", "async"):
+            raise ValueError(f"agreement={agreement!r}: use 'sync' (each step decided before optimizer.step()) or "
+                             "'async' (the verdict arrives one step later)")
         if snapshot not in SNAPSHOTS:
             raise ValueError(f"snapshot={snapshot!r}: use 'none' or 'cpu'")
         if not isinstance(history, int) or history < 1:
@@ -246,6 +263,8 @@ class Monitor:
             raise ValueError(f"replay_entry={replay_entry!r} must look like 'package.module:function'")
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # its own names and state, which the single-process model (and replay) also has
 
         self._model: torch.nn.Module | None = model
         self._model_ref = weakref.ref(model)
@@ -275,6 +294,17 @@ class Monitor:
         self._hook = model.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
 
+        self._model_inputs = model_inputs
+        self._agreement = None
+        if _distributed_ready():
+            from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
+
+            self._model_inputs = distributed.local_model_inputs  # FSDP2 shards are DTensors: scan the local part
+        if process_group is not False and (process_group is not None or _distributed_ready()):
+            from nanscan.distributed import Agreement  # noqa: PLC0415
+
+            self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
+
     # -- public state ---------------------------------------------------------------------------------------
     @property
     def model(self) -> torch.nn.Module:
@@ -293,14 +323,25 @@ class Monitor:
         """The last `history` steps, oldest first (the first failing step included)."""
         return tuple(self._history)
 
+    def flush(self):
+        """With a process group and agreement="async": wait for the verdict of the last checked step and apply
+        on_invalid now (call it before optimizer.step() to keep a failing step's update from being applied).
+        Returns the latest nanscan.distributed.Verdict; None without a process group."""
+        return self._agreement.flush(self) if self._agreement is not None else None
+
     def close(self) -> None:
-        """Remove the forward pre-hook from the model."""
-        self._hook.remove()
+        """Act on a pending verdict (flush()), then remove the forward pre-hook from the model."""
+        try:
+            self.flush()
+        finally:
+            self._hook.remove()
 
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self._agreement is not None:
+            self._agreement.discard()  # already failing: start no collective that other ranks may not join
         self.close()
 
     # -- the step -------------------------------------------------------------------------------------------
@@ -343,7 +384,7 @@ class Monitor:
             item = prepare("loss", loss)
             if item is not None:
                 inputs.append(item)
-        inputs += model_inputs(model, self.optimizer)
+        inputs += self._model_inputs(model, self.optimizer)
         report = scan_inputs(inputs, skipped=skipped, backend=self.backend, step=step)
 
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
@@ -351,6 +392,8 @@ class Monitor:
         entry = HistoryEntry(step, _scalar(loss), _scalar(lr), grad_norm(report), report)
         self._history.append(entry)
         started, self._started, self._armed = self._started, False, True
+        if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
+            return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             return report
         return self._invalid(report, step, batch, sample_ids, started)

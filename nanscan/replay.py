@@ -16,7 +16,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -27,6 +27,7 @@ import torch
 from nanscan import _layout as L
 from nanscan.bundle import Bundle, BundleError, iter_batch_tensors, json_float, load_bundle, plain_json
 from nanscan.entry import EntryError, ReplaySpec, build_spec
+from nanscan.provenance import restore_rng
 from nanscan.scan import model_inputs, scan, scan_inputs
 from nanscan.stats import ScanReport
 
@@ -140,16 +141,16 @@ class Localization:
 
     @property
     def label(self) -> str:
-        if self.phase in ("forward", "backward"):
-            return self.module or "(model)"
-        return self.module
+        return self.module or "(model)"
 
     def describe(self) -> str:
         where = f"{self.label} ({self.module_type}), {self.phase}"
         extra = f" [{self.detail}]" if self.detail else ""
-        weights = f"; its parameters: {self.parameters.describe()}" if self.parameters and self.parameters.tensors \
-            else ""
-        return f"{where}{extra}: received {self.received.describe()}{weights}; produced {self.produced.describe()}"
+        parts = [f"received {self.received.describe()}"] if self.received.tensors else []
+        if self.parameters is not None and self.parameters.tensors:
+            parts.append(f"its parameters: {self.parameters.describe()}")
+        parts.append(f"produced {self.produced.describe()}")
+        return f"{where}{extra}: {'; '.join(parts)}"
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, "module": self.module, "module_type": self.module_type, "label": self.label,
@@ -246,6 +247,8 @@ class _Localizer:
             produced = summarize_values(grad)
             if _creates_nonfinite(received, produced):
                 detail = f"gradient of parameter {pname}" if module != owner else f"gradient of parameter {leaf}"
+                if module not in self._grad_out:
+                    detail += "; the output gradient it received was not observed (module backward hooks off)"
                 self.first_backward = Localization("backward", module, self._type(module), received, produced,
                                                    detail)
             return None
@@ -433,8 +436,9 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             notes.append("the starting state is already non-finite: an earlier step (or an outside write) did "
                          "the damage, and this step cannot show where")
             where = _owner_of([n for n in bad if n.startswith("param:")] or bad)
-            loc = Localization("state", where, category, ValueSummary(), _summary_of(state_report),
-                               f"{len(bad)} non-finite tensor(s), first {bad[0]}")
+            owner = dict(model.named_modules()).get(where, model)
+            loc = Localization("state", where, type(owner).__name__, ValueSummary(), _summary_of(state_report),
+                               f"{category}: {len(bad)} non-finite tensor(s), first {bad[0]}")
             return outcome(category, batch_report.nonfinite + bad, localization=loc)
 
         try:
@@ -614,6 +618,10 @@ class Replayer:
         info = self.bundle.manifest["state"]
         self.notes: list[str] = []
         if info.get("file"):
+            if self.bundle.manifest.get("distributed"):
+                from nanscan.distributed import require_full_state  # noqa: PLC0415
+
+                require_full_state(self.bundle)  # one rank's FSDP shards alone do not fit the model
             self.model_state, self.optimizer_state = self.bundle.state()
             self.pre_step = bool(info.get("pre_step"))
             if not self.pre_step:
@@ -652,8 +660,6 @@ class Replayer:
     def _restore_rng(self) -> None:
         if self.rng is None:
             return
-        from nanscan.provenance import restore_rng  # noqa: PLC0415
-
         try:
             restore_rng(self.rng)
         except RuntimeError as exc:  # recorded on a GPU, replayed without one
@@ -1069,15 +1075,15 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     """
     from nanscan._atomic import atomic_directory, atomic_write_bytes, json_bytes  # noqa: PLC0415
     from nanscan.bundle import _TreeEncoder, _save_tensors  # noqa: PLC0415 - the bundle's own tree format
-    from nanscan.provenance import rng_to_tensors  # noqa: PLC0415
+    from nanscan.provenance import rng_to_tensors  # noqa: PLC0415 - only the export writes RNG files
 
     replayer = Replayer(bundle, entry)
     b = replayer.bundle
     notes: list[str] = list(replayer.notes)
     size = replayer.sample_count
     if samples is None:
-        recorded = recorded_replay(b)
-        if recorded and (recorded.get("bisect") or {}).get("applicable"):
+        recorded = recorded_replay(b) or {}
+        if (recorded.get("bisect") or {}).get("applicable") and recorded.get("entry") == replayer.entry:
             samples = recorded["bisect"]["indices"]
         elif size is not None and size >= 2:
             found = bisect_samples(replayer)
@@ -1111,7 +1117,7 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     case: dict[str, Any] = {
         "schema": REGRESSION_SCHEMA,
         "source": {"bundle": str(b.path), "run_id": b.manifest["run_id"], "step": b.step, "category": b.category,
-                   "manifest_sha256": _sha256_text(json.dumps(b.manifest, sort_keys=True))},
+                   "batch_sha256": b.manifest["batch"].get("sha256"), "config_sha256": b.manifest["config_sha256"]},
         "replay_entry": replayer.entry, "config": b.config,
         "samples": {"indices": indices, "sample_ids": _sample_ids(b.sample_ids, indices, size),
                     "batch_size": size},
@@ -1157,12 +1163,6 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     atomic_write_bytes(test_file, _test_source(name, case, observed).encode("utf-8"))
     ids = case["samples"]["sample_ids"]
     return ExportResult(str(case_dir), str(test_file), indices, ids, not observed.finite, bool(with_state), notes)
-
-
-def _sha256_text(text: str) -> str:
-    import hashlib  # noqa: PLC0415
-
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _test_source(name: str, case: Mapping, observed: StepOutcome) -> str:

@@ -110,6 +110,8 @@ def summarize(bundle, history: list | None = None) -> dict:
         "source": manifest.get("source"),
         "replay_entry": manifest.get("replay_entry"),
         "files": sorted(manifest.get("files", {})),
+        # a distributed incident's ranks (nanscan.distributed.BundleSet); None for a single process
+        "distributed": bundle.set_summary() if hasattr(bundle, "set_summary") else None,
     }
 
 
@@ -231,6 +233,8 @@ def render_terminal(summary: dict, console=None) -> None:
                   f"(run {summary['run_id']})")
     if summary["category_meaning"]:
         console.print(summary["category_meaning"], highlight=False)
+    if summary.get("distributed"):
+        console.print(_ranks_table(table, summary["distributed"], step))
 
     steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
     for label, values in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"])):
@@ -262,7 +266,7 @@ def render_terminal(summary: dict, console=None) -> None:
         console.print(inputs)
 
     if summary["exponent_jumps"]:
-        jumps = table(f"largest values that jumped at step {step} (log2 of the top binade)", "tensor",
+        jumps = table(f"jumps at step {step}: top binade (log2)", "tensor",
                       "before", "after", "jump")
         for j in summary["exponent_jumps"]:
             jumps.add_row(j["name"], str(j["top_binade_before"]), str(j["top_binade_after"]), f"+{j['jump']}")
@@ -278,6 +282,29 @@ def render_terminal(summary: dict, console=None) -> None:
             cells += [_headroom_cell(r["formats"][fmt.name], compact=True) for fmt in FORMATS]
             room.add_row(r["name"], str(r["step"]), _fmt(r["absmax"], ".3g"), *cells)
         console.print(room)
+
+
+def _ranks_rows(ranks: dict) -> list[list[str]]:
+    first = set(ranks["first_bad_ranks"])
+    rows = []
+    for r in ranks["ranks"]:
+        tensors = r.get("category_tensors") or []
+        shown = ", ".join(tensors[:2]) + (f" +{len(tensors) - 2}" if len(tensors) > 2 else "")
+        rows.append([str(r["rank"]) + (" (first)" if r["rank"] in first else ""), str(r.get("category")),
+                     str(r.get("nonfinite_count", "-")), shown or ("no part: " + r["error"] if r.get("error") else "")])
+    return rows
+
+
+def _ranks_title(ranks: dict, step) -> str:
+    return (f"ranks at step {step} (world size {ranks['world_size']}, agreement {ranks['agreement']}; "
+            f"showing rank {ranks['shown_rank']}'s part)")
+
+
+def _ranks_table(table, ranks: dict, step):
+    t = table(_ranks_title(ranks, step), "rank", "category", "non-finite", "deciding tensors", left=2)
+    for row in _ranks_rows(ranks):
+        t.add_row(*row)
+    return t
 
 
 def _kind_rank(kind: str) -> int:
@@ -331,7 +358,7 @@ def _binade_rows(occupied: np.ndarray) -> np.ndarray:
 
 def plot_exponent_heatmap(summary: dict, history):
     """Exponent histogram of each chosen tensor over the history steps (colour: fraction of the tensor's elements
-    in each binade); a red X marks steps where the tensor held NaN/inf, white lines mark skipped binades."""
+    in each binade); a red X marks steps where the tensor held NaN/inf, dashed lines mark skipped binades."""
     from matplotlib.colors import LogNorm
 
     names = _heatmap_tensors(summary, history)
@@ -354,8 +381,8 @@ def plot_exponent_heatmap(summary: dict, history):
         image = ax.imshow(fractions[rows], origin="lower", aspect="auto", cmap="viridis",
                           norm=LogNorm(vmin=1e-4, vmax=1.0), interpolation="nearest",
                           extent=(-0.5, len(steps) - 0.5, -0.5, len(rows) - 0.5))
-        for i in np.flatnonzero(np.diff(rows) > 1):  # a gap in the binades shown
-            ax.axhline(i + 0.5, color="white", lw=1.5)
+        for i in np.flatnonzero(np.diff(rows) > 1):  # binades skipped between two drawn rows
+            ax.axhline(i + 0.5, color="0.3", lw=1, ls=(0, (4, 3)))
         every = max(1, len(rows) // 8)
         ax.set_yticks(range(0, len(rows), every), [str(b + L.MIN_BIN_EXPONENT) for b in rows[::every]],
                       fontsize=7)
@@ -367,7 +394,8 @@ def plot_exponent_heatmap(summary: dict, history):
         ax.set_ylabel("log2 |x|", fontsize=8)
         fig.colorbar(image, ax=ax, pad=0.01, label="fraction")
     every = max(1, len(steps) // 12)
-    axes[-1].set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]])
+    ticks = sorted(set(range(0, len(steps), every)[:-1]) | {len(steps) - 1})  # always label the last step
+    axes[-1].set_xticks(ticks, [str(steps[i]) for i in ticks])
     axes[-1].set_xlabel("step")
     fig.suptitle("exponent histogram per step (finite values)", fontsize=10)
     return fig
@@ -501,6 +529,10 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
              f"<p class='muted'>bundle {esc(summary['bundle'])}; history of {summary['history']['steps']} steps "
              f"({summary['history']['first']}..{summary['history']['last']})</p>"]
 
+    if summary.get("distributed"):
+        parts.append(f"<h2>{esc(_ranks_title(summary['distributed'], summary['first_invalid_step']))}</h2>")
+        parts.append(_table(["rank", "category", "non-finite", "deciding tensors"],
+                            _ranks_rows(summary["distributed"]), left=2))
     rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _fmt(v["grad_norm"]), v["nonfinite_tensors"]]
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]

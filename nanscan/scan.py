@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from nanscan import _layout as L
 from nanscan import backends
 from nanscan.inputs import ScanInput, prepare, prepare_all
-from nanscan.stats import ScannedTensor, ScanReport
+from nanscan.stats import ScanReport
 
 
 def scan_inputs(inputs: list[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
@@ -24,7 +23,7 @@ def scan_inputs(inputs: list[ScanInput], *, skipped=(), backend=None, step: int 
         chosen = backends.select(device, backend)
         used.append(chosen.name)
         records[idx] = chosen.scan_records([inputs[i] for i in idx])
-    tensors = [ScannedTensor(i.name, i.dtype, str(i.device), i.numel, i.scanned_code) for i in inputs]
+    tensors = [item.identity for item in inputs]
     name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
     return ScanReport(tensors, records, skipped=skipped, backend=name, step=step)
 

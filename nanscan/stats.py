@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -94,9 +94,8 @@ class Totals:
         return float(np.sqrt(self.sumsq))
 
 
-@dataclass(frozen=True)
-class ScannedTensor:
-    """Identity of one scanned tensor, in record order."""
+class ScannedTensor(NamedTuple):
+    """Identity of one scanned tensor, in record order (a tuple: hundreds are made every step)."""
 
     name: str
     dtype: str

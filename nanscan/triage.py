@@ -88,8 +88,8 @@ def triage(root: str | os.PathLike) -> TriageResult:
     """Read every bundle under `root`; the ones that fail to load are listed with their error, not skipped."""
     root = Path(root)
     if not root.is_dir():
-        raise click.ClickException(f"{root} is not a directory; pass the directory that holds the bundles "
-                                   "(the Monitor's bundle_dir)")
+        raise ValueError(f"{root} is not a directory; pass the directory that holds the bundles "
+                         "(the Monitor's bundle_dir)")
     entries, unreadable = [], []
     for path in find_bundle_dirs(root):
         try:
@@ -136,9 +136,10 @@ def triage_command(directory, as_json):
     """Group every bundle under DIRECTORY by failure category and first bad module, with counts."""
     from rich.console import Console  # noqa: PLC0415
 
-    from nanscan.replay import _json_out  # noqa: PLC0415
+    from nanscan.replay import _json_out, cli_errors  # noqa: PLC0415
 
-    result = triage(directory)
+    with cli_errors():
+        result = triage(directory)
     if as_json:
         _json_out(result.to_dict())
         return

@@ -197,3 +197,31 @@ class BitTables:
 @pytest.fixture(scope="session")
 def bit_tables() -> type[BitTables]:
     return BitTables
+
+
+@pytest.fixture(scope="session")
+def records_match():
+    """assert_records_match(got, want, names, label=...), for tests that compare records themselves."""
+    return assert_records_match
+
+
+def default_backend_name() -> str:
+    """What `backend=None` must pick for CPU tensors here: NANSCAN_BACKEND when set, else the best that loads."""
+    requested = backends.requested_name(None)
+    if requested is not None:
+        return requested
+    for name in backends.AUTO_ORDER["cpu"]:
+        try:
+            backends.load(name)
+            return name
+        except backends.BackendUnavailable:
+            continue
+    raise AssertionError("not even the reference backend loads")
+
+
+@pytest.fixture(scope="session")
+def expected_default_backend() -> str:
+    name = default_backend_name()
+    if native_extension_expected() and backends.requested_name(None) is None:
+        assert name == "cpu", "nanscan._C is built, so auto selection must choose the cpu backend"
+    return name

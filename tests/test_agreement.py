@@ -61,16 +61,18 @@ def test_special_values(backend_under_test, dtype, tiny_chunks, bit_tables):
 
 
 def planted(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
-    """Random normals over many binades with every kind of special value planted at random positions."""
+    """Random normals, the first half within a few binades and the second over dozens, with one of each kind of
+    special value planted at a random position (most blocks of a blocked kernel stay free of them)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-12, 12, (n,), generator=gen)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    x[n // 2:] *= 2.0 ** torch.randint(-20, 12, (n - n // 2,), generator=gen)
     x = x.to(dtype)
     finfo = torch.finfo(dtype)
     specials = [0.0, -0.0, finfo.tiny / 2, -finfo.tiny / 4, finfo.tiny, finfo.max, -finfo.max,
                 float("inf"), float("-inf"), float("nan")]
-    positions = torch.randint(0, n, (len(specials) * 5,), generator=gen)
-    for i, pos in enumerate(positions.tolist()):
-        x[pos] = specials[i % len(specials)]
+    positions = torch.randint(0, n, (len(specials),), generator=gen)
+    for value, pos in zip(specials, positions.tolist()):
+        x[pos] = value
     return x
 
 
@@ -126,6 +128,7 @@ def test_block_segments_each_and_concatenated(backend_under_test, dtype, tiny_ch
     tensors = dict(segments)
     tensors["all in a row"] = torch.cat(list(segments.values()))
     tensors["all in a row, reversed"] = torch.cat(list(segments.values())[::-1])
+    tensors["zeros first"] = torch.cat([segments["zeros"], segments["normals with zeros"], segments["normals"]])
     if tiny_chunks:
         tensors = {name: t[:300] for name, t in tensors.items()}
     backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
@@ -224,6 +227,20 @@ def test_numba_records_are_bit_identical_for_any_thread_count(backend_under_test
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, many)
+
+
+def test_numba_scans_from_several_threads_at_once(backend_under_test):
+    if backend_under_test.name != "numba":
+        pytest.skip("checks the numba backend's launch lock")
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = big_mixed_tensors()
+    backend = backend_under_test.create()
+    expected = nanscan.scan(tensors, backend=backend).records
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: nanscan.scan(tensors, backend=backend).records, range(8)))
+    for records in results:
+        np.testing.assert_array_equal(records, expected)
 
 
 # -- properties -----------------------------------------------------------------------------------------------------

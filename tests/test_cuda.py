@@ -5,6 +5,7 @@ still check the chunk table, the head/vector/tail split, the fast-path decision 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 import nanscan
 from nanscan import _layout as L
-from nanscan._cuda_backend import (CHUNK_META_DTYPE, DEFAULT_CHUNK_BYTES, build_chunk_table, scan_records_on_host)
+from nanscan._cuda_backend import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
 from nanscan._reference import ReferenceBackend
 from nanscan.inputs import prepare
 
@@ -32,6 +33,7 @@ def gpu_test(fn):
     """Marks a test `cuda` and skips it, saying why, where there is no GPU or no CUDA build to run it."""
     reason = "no CUDA GPU (torch.cuda.is_available() is False)" if not HAS_GPU else "nanscan._C has no CUDA part"
     return pytest.mark.cuda(pytest.mark.skipif(not (HAS_GPU and HAS_CUDA_BUILD), reason=reason)(fn))
+
 
 INT_SLOTS = np.array([k for k in range(L.RECORD_WIDTH) if k != L.REC_SUMSQ])
 
@@ -130,6 +132,8 @@ def inputs_of(tensors: dict[str, torch.Tensor]):
 # -- the build --------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH, so the CUDA part is not built")
+@pytest.mark.skipif(os.environ.get("NANSCAN_CUDA", "").lower() in ("0", "false", "no", "off"),
+                    reason="NANSCAN_CUDA=0 turns the CUDA part of the build off")
 @pytest.mark.skipif(_C is None, reason="nanscan._C did not build")
 def test_extension_has_cuda_when_nvcc_is_on_path():
     info = _C.build_info()
@@ -143,39 +147,69 @@ def test_chunk_table_layout_matches_the_kernel():
     layout = _C.cuda_layout()
     assert layout["chunk_meta_itemsize"] == CHUNK_META_DTYPE.itemsize == 32
     assert layout["chunk_meta_offsets"] == {n: CHUNK_META_DTYPE.fields[n][1] for n in CHUNK_META_DTYPE.names}
-    assert layout["max_chunk_elems"] >= DEFAULT_CHUNK_BYTES // 2
+    assert layout["max_chunk_elems"] >= 1 << 20
 
 
-# -- the chunk table ----------------------------------------------------------------------------------------------
+# -- the work list -------------------------------------------------------------------------------------------------
 
-def test_chunk_table_covers_every_element_once():
-    ptrs = np.array([0x1000, 0x2002, 0x3004, 0x4008], dtype=np.uint64)
-    numels = np.array([100, 0, 33, 7], dtype=np.int64)
-    codes = np.array([L.BFLOAT16, L.FLOAT16, L.FLOAT32, L.FLOAT64], dtype=np.int32)
-    table = build_chunk_table(ptrs, numels, codes, chunk_bytes=32, max_chunk_elems=1 << 20)
-    for t, (ptr, numel, code) in enumerate(zip(ptrs, numels, codes)):
+def check_work_list(table, block_begin, numels, max_chunk_elems):
+    """Every element of every tensor in exactly one piece, pieces within their limits, blocks in order."""
+    assert block_begin[0] == 0 and block_begin[-1] == len(table) and (np.diff(block_begin) >= 0).all()
+    assert (table["end"] > table["begin"]).all() and (table["end"] - table["begin"] <= max_chunk_elems).all()
+    order = np.lexsort((table["begin"], table["tensor"]))
+    assert (order == np.arange(len(table))).all(), "pieces are listed in tensor order"
+    for t, numel in enumerate(numels):
         rows = table[table["tensor"] == t]
-        assert (rows["data"] == ptr).all() and (rows["dtype"] == code).all()
         covered = np.zeros(numel, dtype=int)
         for row in rows:
-            assert row["end"] - row["begin"] <= 32 // [2, 2, 4, 8][code]
             covered[row["begin"]:row["end"]] += 1
-        assert (covered == 1).all()
-    assert not (table["tensor"] == 1).any(), "an empty tensor gets no chunk"
+        assert (covered == 1).all(), f"tensor {t}"
 
 
-def test_chunk_table_caps_chunks_and_rejects_bad_input():
-    table = build_chunk_table(np.array([0x100], np.uint64), np.array([1000]), np.array([L.FLOAT32]),
-                              chunk_bytes=1 << 20, max_chunk_elems=64)
-    assert (table["end"] - table["begin"]).max() == 64 and len(table) == 16
+def test_work_list_covers_every_element_once_and_balances_blocks():
+    gen = np.random.default_rng(0)
+    numels = gen.integers(0, 5000, size=60)
+    numels[[3, 17]] = 0
+    numels[5] = 200_003
+    codes = gen.integers(0, 4, size=60).astype(np.int32)
+    offsets = 8 * gen.integers(0, 9, size=60)  # element-aligned for every dtype, not always 16-byte aligned
+    ptrs = (np.arange(60, dtype=np.uint64) << np.uint64(24)) + offsets.astype(np.uint64)
+    table, block_begin = build_chunk_table(ptrs, numels, codes, max_blocks=16, max_chunk_elems=1 << 16,
+                                           piece_cost_bytes=256, min_block_bytes=1024)
+    check_work_list(table, block_begin, numels, 1 << 16)
+    assert len(block_begin) == 17
+    sizes = np.array([2, 2, 4, 8])[table["dtype"]]
+    cost = [int(((table["end"] - table["begin"]) * sizes)[block_begin[b]:block_begin[b + 1]].sum()
+                + 256 * (block_begin[b + 1] - block_begin[b])) for b in range(16)]
+    assert max(cost) < 1.1 * sum(cost) / 16, cost  # shares of equal cost, give or take one piece's rounding
+    assert (table["data"] == ptrs[table["tensor"]]).all() and (table["dtype"] == codes[table["tensor"]]).all()
+
+
+def test_work_list_small_and_empty_inputs():
+    table, block_begin = build_chunk_table(np.array([0x100], np.uint64), np.array([10]), np.array([L.FLOAT32]),
+                                           max_blocks=132, max_chunk_elems=1 << 20)
+    assert len(table) == 1 and list(block_begin) == [0, 1], "a small scan uses one block"
+    table, block_begin = build_chunk_table(np.array([0x100, 0x200], np.uint64), np.array([0, 0]),
+                                           np.array([L.FLOAT32, L.FLOAT16]), max_blocks=132, max_chunk_elems=1 << 20)
+    assert len(table) == 0 and list(block_begin) == [0]
+    table, block_begin = build_chunk_table(np.array([0x100], np.uint64), np.array([1000]), np.array([L.FLOAT64]),
+                                           max_blocks=4, max_chunk_elems=64, min_block_bytes=16)
+    check_work_list(table, block_begin, [1000], 64)
+    table, block_begin = build_chunk_table(np.array([0x100, 0x1000], np.uint64), np.array([100, 100]),
+                                           np.array([L.FLOAT16, L.FLOAT64]), max_blocks=1, max_chunk_elems=64,
+                                           max_chunk_bytes=32)
+    check_work_list(table, block_begin, [100, 100], 64)
+    assert ((table["end"] - table["begin"]) * np.array([2, 2, 4, 8])[table["dtype"]]).max() == 32
+
+
+def test_work_list_rejects_bad_input():
+    one = dict(max_blocks=4, max_chunk_elems=64)
     with pytest.raises(ValueError, match="element size"):
-        build_chunk_table(np.array([0x101], np.uint64), np.array([4]), np.array([L.FLOAT32]), chunk_bytes=64,
-                          max_chunk_elems=64)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        build_chunk_table(np.array([0x100], np.uint64), np.array([4]), np.array([L.FLOAT32]), chunk_bytes=24,
-                          max_chunk_elems=64)
+        build_chunk_table(np.array([0x101], np.uint64), np.array([4]), np.array([L.FLOAT32]), **one)
     with pytest.raises(ValueError, match="unknown dtype code"):
-        build_chunk_table(np.array([0x100], np.uint64), np.array([4]), np.array([9]), chunk_bytes=64,
+        build_chunk_table(np.array([0x100], np.uint64), np.array([4]), np.array([9]), **one)
+    with pytest.raises(ValueError, match="max_blocks"):
+        build_chunk_table(np.array([0x100], np.uint64), np.array([4]), np.array([L.FLOAT32]), max_blocks=0,
                           max_chunk_elems=64)
 
 
@@ -183,11 +217,11 @@ def test_chunk_table_caps_chunks_and_rejects_bad_input():
 
 @needs_cuda_build
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096, 16])
-def test_host_run_all_16bit_patterns(dtype, chunk_bytes):
+@pytest.mark.parametrize("max_blocks", [1, 7, 300])
+def test_host_run_all_16bit_patterns(dtype, max_blocks):
     inputs = inputs_of({"all": all_bit_patterns(dtype), "shifted": all_bit_patterns(dtype)[3:]})
-    assert_same_records(scan_records_on_host(inputs, chunk_bytes=chunk_bytes), reference(inputs),
-                        [i.name for i in inputs])
+    got = scan_records_on_host(inputs, max_blocks=max_blocks, min_block_bytes=1024)
+    assert_same_records(got, reference(inputs), [i.name for i in inputs])
 
 
 @needs_cuda_build
@@ -200,7 +234,7 @@ def test_host_run_special_values(dtype):
 @needs_cuda_build
 def test_host_run_mixed_dtypes_in_one_call():
     inputs = inputs_of(mixed_tensors())
-    got = scan_records_on_host(inputs, chunk_bytes=1024)
+    got = scan_records_on_host(inputs, max_blocks=13, min_block_bytes=4096)
     assert_same_records(got, reference(inputs), [i.name for i in inputs])
     assert got[:, L.REC_NAN].sum() > 0 and got[:, L.REC_SUBNORMAL].sum() > 0  # the data did exercise them
 
@@ -208,7 +242,8 @@ def test_host_run_mixed_dtypes_in_one_call():
 @needs_cuda_build
 def test_host_run_misaligned_views_and_empty_tensors():
     inputs = inputs_of(misaligned_views())
-    assert_same_records(scan_records_on_host(inputs, chunk_bytes=256), reference(inputs), [i.name for i in inputs])
+    got = scan_records_on_host(inputs, max_blocks=9, min_block_bytes=512)
+    assert_same_records(got, reference(inputs), [i.name for i in inputs])
 
 
 @needs_cuda_build
@@ -226,26 +261,27 @@ def test_host_run_zero_heavy_vectors_take_the_fast_path_exactly():
 
 
 @needs_cuda_build
-def test_host_run_chunk_longer_than_one_pass():
-    # A chunk longer than max_chunk_elems is scanned in several passes, each flushing the 16-bit field table.
-    max_elems = _C.cuda_layout()["max_chunk_elems"]
-    t = torch.randn(2 * max_elems + 13, dtype=torch.bfloat16)
-    t[max_elems + 1] = float("nan")
-    table = build_chunk_table(np.array([t.data_ptr()], np.uint64), np.array([t.numel()]), np.array([L.BFLOAT16]),
-                              chunk_bytes=1 << 30, max_chunk_elems=1 << 40)
-    assert len(table) == 1
+def test_host_run_pieces_split_at_max_chunk_elems():
+    t = torch.randn(70_001, dtype=torch.bfloat16)
+    t[40_000] = float("nan")
+    table, block_begin = build_chunk_table(np.array([t.data_ptr()], np.uint64), np.array([t.numel()]),
+                                           np.array([L.BFLOAT16]), max_blocks=3, max_chunk_elems=1000,
+                                           min_block_bytes=16)
+    assert len(table) > 70
     records = np.empty((1, L.RECORD_WIDTH), dtype=np.int64)
-    _C.scan_cuda_on_host(table.view(np.uint8), records)
-    inputs = inputs_of({"long": t})
-    assert_same_records(records, reference(inputs), ["long"])
+    _C.scan_cuda_on_host(table.view(np.uint8), block_begin, records)
+    assert_same_records(records, reference(inputs_of({"t": t})), ["t"])
 
 
 @needs_cuda_build
 def test_host_run_rejects_a_bad_table():
     table = np.zeros(1, dtype=CHUNK_META_DTYPE)
     table["tensor"] = 5
+    records = np.empty((1, L.RECORD_WIDTH), dtype=np.int64)
     with pytest.raises(ValueError, match="out of range"):
-        _C.scan_cuda_on_host(table.view(np.uint8), np.empty((1, L.RECORD_WIDTH), dtype=np.int64))
+        _C.scan_cuda_on_host(table.view(np.uint8), np.array([0, 1]), records)
+    with pytest.raises(ValueError, match="block_begin"):
+        _C.scan_cuda_on_host(table.view(np.uint8), np.array([0, 2]), records)
 
 
 # -- the kernel on a GPU -------------------------------------------------------------------------------------------
@@ -256,14 +292,20 @@ def cuda_backend():
     return CudaBackend()
 
 
+@pytest.fixture(params=["one block", "many blocks"])
+def block_sizes(request, monkeypatch):
+    """As shipped (these small inputs fit one block), and with tiny shares, so that many blocks split each tensor."""
+    if request.param == "many blocks":
+        monkeypatch.setattr("nanscan._cuda_backend.MIN_BLOCK_BYTES", 1024)
+        monkeypatch.setattr("nanscan._cuda_backend.PIECE_COST_BYTES", 64)
+    return request.param
+
+
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
-def test_gpu_all_16bit_patterns(dtype, chunk_bytes):
-    from nanscan._cuda_backend import CudaBackend
+def test_gpu_all_16bit_patterns(dtype, cuda_backend, block_sizes):
     inputs = inputs_of({"all": all_bit_patterns(dtype, "cuda"), "shifted": all_bit_patterns(dtype, "cuda")[3:]})
-    got = CudaBackend(chunk_bytes=chunk_bytes).scan_records(inputs)
-    assert_same_records(got, reference(inputs), [i.name for i in inputs])
+    assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), [i.name for i in inputs])
 
 
 @gpu_test
@@ -274,34 +316,43 @@ def test_gpu_special_values(dtype, cuda_backend):
 
 
 @gpu_test
-def test_gpu_mixed_dtypes_in_one_call(cuda_backend):
+def test_gpu_mixed_dtypes_in_one_call(cuda_backend, block_sizes):
     inputs = inputs_of(mixed_tensors("cuda"))
     assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), [i.name for i in inputs])
 
 
 @gpu_test
-def test_gpu_misaligned_views_and_empty_tensors(cuda_backend):
+def test_gpu_misaligned_views_and_empty_tensors(cuda_backend, block_sizes):
     inputs = inputs_of(misaligned_views("cuda"))
     assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), [i.name for i in inputs])
 
 
 @gpu_test
-def test_gpu_large_tensors_many_chunks_and_passes(cuda_backend):
+def test_gpu_large_tensors_on_every_block(cuda_backend):
     gen = torch.Generator(device="cuda").manual_seed(5)
-    big = torch.randn(5_000_011, generator=gen, device="cuda").to(torch.bfloat16)
-    big[4_999_999] = float("-inf")
-    wide = torch.randn(1_500_000, generator=gen, device="cuda", dtype=torch.float64)
-    inputs = inputs_of({"big": big, "wide": wide})
-    assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), ["big", "wide"])
-    # One chunk of 3M elements: the kernel splits it into passes of max_chunk_elems.
-    table = build_chunk_table(np.array([big.data_ptr()], np.uint64), np.array([3_000_000]), np.array([L.BFLOAT16]),
-                              chunk_bytes=1 << 30, max_chunk_elems=1 << 40)
-    device_table = torch.from_numpy(table.view(np.uint8)).cuda()
+    big = torch.randn(50_000_011, generator=gen, device="cuda").to(torch.bfloat16)
+    big[49_999_999] = float("-inf")
+    wide = torch.randn(3_000_001, generator=gen, device="cuda", dtype=torch.float64)
+    inputs = inputs_of({"big": big, "wide": wide[1:]})
+    pending = cuda_backend.scan_async(inputs)
+    assert_same_records(pending.records(), reference(inputs), ["big", "wide"])
+    assert pending.found_inf.item() == 1.0
+
+
+@gpu_test
+def test_gpu_raw_entry_point_with_a_hand_made_work_list():
+    # Pieces of at most 1000 elements over 5 blocks, through _C.scan_cuda itself.
+    x = torch.randn(123_457, device="cuda", dtype=torch.float32)
+    table, block_begin = build_chunk_table(np.array([x.data_ptr()], np.uint64), np.array([x.numel()]),
+                                           np.array([L.FLOAT32]), max_blocks=5, max_chunk_elems=1000,
+                                           min_block_bytes=16)
+    work = torch.from_numpy(np.concatenate([table.view(np.uint8), block_begin.view(np.uint8)])).cuda()
     records = torch.empty((1, L.RECORD_WIDTH), dtype=torch.int64, device="cuda")
-    found_inf = torch.empty((), dtype=torch.float32, device="cuda")
-    _C.scan_cuda(device_table.data_ptr(), 1, records.data_ptr(), 1, found_inf.data_ptr(),
-                 torch.cuda.current_stream().cuda_stream, big.device.index)
-    assert_same_records(records.cpu().numpy(), reference(inputs_of({"head": big[:3_000_000]})), ["head"])
+    found_inf = torch.full((), 7.0, device="cuda")
+    _C.scan_cuda(work.data_ptr(), len(table), work.data_ptr() + table.nbytes, len(block_begin) - 1,
+                 records.data_ptr(), 1, found_inf.data_ptr(), torch.cuda.current_stream().cuda_stream,
+                 x.device.index)
+    assert_same_records(records.cpu().numpy(), reference(inputs_of({"x": x})), ["x"])
     assert found_inf.item() == 0.0
 
 

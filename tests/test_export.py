@@ -97,6 +97,7 @@ def test_cli_export_without_state(tmp_path):
     assert bad.exit_code == 2 and "comma-separated" in bad.output
 
 
+@pytest.mark.slow
 def test_generated_file_runs_under_pytest(tmp_path):
     bundle = E.train("masked_attention", tmp_path / "bundles")
     result = export_regression(bundle, tmp_path / "regress")

@@ -104,7 +104,7 @@ def test_report_terminal(demo_bundle):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert f"first invalid step {D.FAULT_STEP}, category loss" in out
-    for text in ("last finite", "input:weights", "3.403e+38", "dtype headroom", "jumped"):
+    for text in ("last finite", "input:weights", "3.403e+38", "dtype headroom", "jumps at step"):
         assert text in out
 
 

@@ -16,6 +16,10 @@
 #include <omp.h>
 #endif
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define NANSCAN_AVX512 1
@@ -43,19 +47,23 @@ constexpr int64_t kMaxChunkElems = int64_t(1) << 30;
 
 // NOTE: [blocks]
 // A histogram on the CPU costs a dependent load-increment-store per element, which is slower than memory. So a chunk
-// is read in kBlockBytes blocks, each in two passes:
-//  1. summarize_block, one vectorised pass: largest abs bit pattern, smallest non-zero one, whether there is a
-//     zero, and the sum of squares. Abs bit patterns order like the values they encode, so the two extremes alone
-//     tell whether the block holds a subnormal, inf or NaN, and which exponent fields its normal values span.
-//  2. If it holds none (the common case), its fields are counted on the block, now hot in L1: by count_fields_window
-//     when they span at most 2 * kWindowFields fields (a block of Gaussian values spans about 12), else by
-//     count_fields_scalar. A block with special values is re-read by scan_block_exact, the per-element classify()
-//     path, which is also the only one to square subnormals (a flush-to-zero floating-point mode would drop them).
+// is read in kBlockBytes blocks, and each block in one vectorised pass (scan_block_fast) that finds the largest abs
+// bit pattern, the smallest non-zero one, whether there is a zero, the sum of squares, and counts the exponent
+// fields mod 16 in registers (NOTE: [window counters]). Abs bit patterns order like the values they encode, so the
+// two extremes alone say whether the block holds an inf or NaN and which fields its normal values span. Then:
+//  - inf or NaN: scan_block_exact re-reads the block, deciding each element with classify().
+//  - fields inside the chunk's window (NOTE: [chunk window]): the counters are kept. This is the common case.
+//  - otherwise a second pass counts the fields on the block, now hot in L1: count_fields_window when they span at
+//    most 2 * kWindowFields fields, count_fields_scalar beyond.
+// Zeros and subnormals (field 0) take a further look at the block only when pass 1 saw some: zeros_and_max counts
+// zeros, bin_subnormals bins subnormals one by one (they are few) and finds the smallest normal value.
 constexpr int64_t kBlockBytes = 4096;
-#ifndef PFB
-#define PFB 2
-#endif
-constexpr int64_t kPrefetchBlocks = PFB;
+// NOTE: [prefetch]
+// Pass 1 asks for the bytes kPrefetchBytes ahead as it reads, into L2. Without it the hardware prefetcher fell
+// behind whenever the core was busy counting, and the scan's memory traffic and arithmetic took turns instead of
+// overlapping (2 threads, 1 GB of float32: 0.45 of the read limit without, 0.77 with). A prefetch never faults, so
+// reading past the end of a tensor is harmless.
+constexpr int64_t kPrefetchBytes = 4096;
 constexpr int kVectorBytes = 64;  // one AVX-512 register; narrower machines split each vector into several registers
 
 // The widest exponent field is float64's; one per-thread set of counters fits every format.
@@ -86,6 +94,34 @@ struct FieldCounts {
     for (int t = 0; t < kFieldTables; ++t) std::memset(&table[t][lo], 0, sizeof(uint32_t) * (hi - lo + 1));
     reset_range();
   }
+};
+
+// NOTE: [float mode]
+// The fast path squares subnormals with floating-point instructions, which a flush-to-zero mode (x86 MXCSR DAZ and
+// FTZ, set e.g. by torch.set_flush_denormal(True)) would turn into zeros, and only on the threads that have it set:
+// results would then depend on which thread took which chunk. Each scanning thread runs with both flags clear and
+// restores its own mode after. (Other architectures keep their mode: there, only a sum of squares that subnormals
+// alone make up can change.)
+class ExactFloatMode {
+ public:
+  ExactFloatMode() {
+#if defined(__SSE__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~(kDenormalsAreZero | kFlushToZero));
+#endif
+  }
+  ~ExactFloatMode() {
+#if defined(__SSE__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  ExactFloatMode(const ExactFloatMode&) = delete;
+  ExactFloatMode& operator=(const ExactFloatMode&) = delete;
+
+ private:
+  static constexpr unsigned kDenormalsAreZero = 0x0040;
+  static constexpr unsigned kFlushToZero = 0x8000;
+  unsigned saved_ = 0;
 };
 
 template <typename T>
@@ -130,9 +166,10 @@ Part part_of(const V& v, int part) {
   return load_bits<Part>(reinterpret_cast<const unsigned char*>(&v) + part * sizeof(Part));
 }
 
-// Per format: the unsigned and signed vectors one load fills, and how the squares of their elements are added,
-// as doubles, to kSquareVectors accumulators. Only normal values and zeros reach it on the fast path, and for them
-// every square here is exact; the exact path squares the rest.
+// Per format: the unsigned and signed vectors one load fills, and how the squares of the elements at `p` (one
+// vector's worth) are added, as doubles, to kSquareVectors accumulators. Signs do not matter to a square, so the
+// raw elements are read. Only normal values and zeros reach it on the fast path, and for them every square here is
+// exact, subnormals included (NOTE: [float mode]).
 template <typename F>
 struct VectorOps;
 
@@ -141,17 +178,16 @@ struct VectorOps<Float32> {
   using V = U32x16;
   using SignedV = I32x16;
   static constexpr int kSquareVectors = 2;
-  static void add_squares(V a, F64x8* acc) {
+  static void add_squares(const uint32_t* p, F64x8* acc) {
 #if NANSCAN_AVX512
-    const __m512 x = _mm512_castsi512_ps(bits_as<__m512i>(a));
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    // Widening straight from memory saves moving the upper half down first.
+    const __m512d lo = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p)));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8));
     acc[0] = bits_as<F64x8>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[0])));
     acc[1] = bits_as<F64x8>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[1])));
 #else
-    const F32x16 x = bits_as<F32x16>(a);
     for (int h = 0; h < 2; ++h) {
-      const F64x8 v = __builtin_convertvector(part_of<F32x8>(x, h), F64x8);
+      const F64x8 v = __builtin_convertvector(load_bits<F32x8>(p + 8 * h), F64x8);
       acc[h] += v * v;  // exact: a 24-bit significand squares into 48 bits
     }
 #endif
@@ -163,8 +199,8 @@ struct VectorOps<Float64> {
   using V = U64x8;
   using SignedV = I64x8;
   static constexpr int kSquareVectors = 1;
-  static void add_squares(V a, F64x8* acc) {
-    const F64x8 v = bits_as<F64x8>(a);
+  static void add_squares(const uint64_t* p, F64x8* acc) {
+    const F64x8 v = load_bits<F64x8>(p);
     acc[0] += v * v;
   }
 };
@@ -174,11 +210,11 @@ struct VectorOps<BFloat16> {
   using V = U16x32;
   using SignedV = I16x32;
   static constexpr int kSquareVectors = 4;
-  static void add_squares(V a, F64x8* acc) {
+  static void add_squares(const uint16_t* p, F64x8* acc) {
     // bfloat16 is the top half of a float32. (The AVX-512 interleave takes the elements in another order, which
     // only changes which lane adds which square.)
 #if NANSCAN_AVX512
-    const __m512i bits = bits_as<__m512i>(a);
+    const __m512i bits = _mm512_loadu_si512(p);
     const __m512i zero = _mm512_setzero_si512();
     const __m512 halves[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, bits)),
                               _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, bits))};
@@ -190,7 +226,7 @@ struct VectorOps<BFloat16> {
     }
 #else
     for (int h = 0; h < 2; ++h) {
-      const U32x16 widened = __builtin_convertvector(part_of<U16x16>(a, h), U32x16) << 16;
+      const U32x16 widened = __builtin_convertvector(load_bits<U16x16>(p + 16 * h), U32x16) << 16;
       const F32x16 x = bits_as<F32x16>(widened);
       for (int q = 0; q < 2; ++q) {
         const F64x8 v = __builtin_convertvector(part_of<F32x8>(x, q), F64x8);
@@ -207,12 +243,10 @@ struct VectorOps<Float16> {
   using SignedV = I16x32;
   static constexpr int kSquareVectors = 4;
   // Squares are taken in float: 11-bit significands square into 22 bits, and 65504^2 is far below float's limit.
-  static void add_squares(V a, F64x8* acc) {
+  static void add_squares(const uint16_t* p, F64x8* acc) {
 #if NANSCAN_AVX512
-    const __m512i bits = bits_as<__m512i>(a);
-    const __m256i halves[2] = {_mm512_castsi512_si256(bits), _mm512_extracti64x4_epi64(bits, 1)};
     for (int h = 0; h < 2; ++h) {
-      const __m512 x = _mm512_cvtph_ps(halves[h]);
+      const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
       const __m512 sq = _mm512_mul_ps(x, x);
       const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(sq));
       const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1)));
@@ -221,8 +255,8 @@ struct VectorOps<Float16> {
     }
 #else
     for (int h = 0; h < 2; ++h) {
-      // The float16 fields moved into float32 positions encode x * 2^-112 (the bias difference): rescale exactly.
-      const U32x16 moved = __builtin_convertvector(part_of<U16x16>(a, h), U32x16) << 13;
+      // The float16 fields moved into float32 positions encode |x| * 2^-112 (the bias difference): rescale exactly.
+      const U32x16 moved = (__builtin_convertvector(load_bits<U16x16>(p + 16 * h), U32x16) & 0x7fff) << 13;
       const F32x16 x = bits_as<F32x16>(moved) * 0x1p112f;
       const F32x16 sq = x * x;
       for (int q = 0; q < 2; ++q) acc[2 * h + q] += __builtin_convertvector(part_of<F32x8>(sq, q), F64x8);
@@ -231,213 +265,383 @@ struct VectorOps<Float16> {
   }
 };
 
+// NOTE: [window counters]
+// Sixteen 4-bit counters packed in a 64-bit word count the elements of a window of 16 consecutive exponent fields
+// without touching memory: an element adds 1 << 4 * (field mod 16), which is a shift (with AVX-512, a lookup in a
+// 16-entry table indexed by the field's low bits) and an add for a whole vector of elements. Within one window the
+// residue mod 16 names the field. Before a 4-bit counter can overflow, the words are split into bytes (ByteCounts),
+// once per block the bytes are widened to 16-bit slots (WideCounts), and when the window closes the slots are added
+// to the field counters. Zeros (field 0) land on residue 0 with the zero padding of a short tail: both are counted
+// on the side and taken back out of the window's field that is 0 mod 16.
+constexpr int kWindowFields = 16;
+constexpr int kChains = 2;  // vectors per step, each with its own counters: independent dependency chains
+constexpr int kWordsPerVector = kVectorBytes / 8;
+constexpr uint64_t kNibbles = 0x0f0f0f0f0f0f0f0full;
+constexpr uint64_t kByteSlots = 0x00ff00ff00ff00ffull;
+
 template <typename F>
-struct BlockSummary {
-  using Bits = typename F::Bits;
-  Bits max_abs;          // 0 when the block holds no non-zero value
-  Bits min_nonzero_abs;  // all ones when the block holds no non-zero value
-  bool has_zero;
-  F64x8 sumsq[VectorOps<F>::kSquareVectors];  // added to the chunk's only if the block takes the fast path
+struct Words {
+  static constexpr int kPerWord = 8 / sizeof(typename F::Bits);  // elements per 64-bit word
+  static constexpr int kFlushEvery = 15 / kPerWord;               // steps before a 4-bit counter could overflow
+  static constexpr int64_t kStepElems = int64_t(kChains) * kVectorBytes / sizeof(typename F::Bits);
+  // Each word lane of a step sees at most this many elements of a block: it must fit a byte.
+  static constexpr int64_t kPerLanePerBlock = kBlockBytes / kVectorBytes / kChains * kPerWord;
+  static_assert(kPerLanePerBlock <= 255, "byte counters would overflow within a block");
+  static constexpr int shift(int j) { return j * 8 * static_cast<int>(sizeof(typename F::Bits)) + F::kMantBits; }
 };
 
-// Pass 1 (NOTE: [blocks]). With b = |x| - 1 (zero wraps to all ones): the unsigned minimum of b skips zeros, the
-// signed maximum of b is the largest |x| less one, and the unsigned maximum of b is all ones iff there is a zero.
+// Per word of w: the sum over its elements of 1 << 4 * (field mod 16).
 template <typename F>
-void summarize_block(const typename F::Bits* p, int64_t n, BlockSummary<F>& s) {
+inline U64x8 residue_increments(U64x8 w) {
+  using W = Words<F>;
+#if NANSCAN_AVX512
+  // permutex2var reads the low 4 bits of each index word and ignores the rest, so the shifted word is the index.
+  const __m512i table_lo = _mm512_set_epi64(1ll << 28, 1ll << 24, 1ll << 20, 1ll << 16, 1ll << 12, 1ll << 8, 1ll << 4, 1);
+  const __m512i table_hi = _mm512_set_epi64(1ll << 60, 1ll << 56, 1ll << 52, 1ll << 48, 1ll << 44, 1ll << 40,
+                                            1ll << 36, 1ll << 32);
+  const __m512i bits = bits_as<__m512i>(w);
+  __m512i sum = _mm512_permutex2var_epi64(table_lo, _mm512_srli_epi64(bits, W::shift(0)), table_hi);
+  for (int j = 1; j < W::kPerWord; ++j)
+    sum = _mm512_add_epi64(sum, _mm512_permutex2var_epi64(table_lo, _mm512_srli_epi64(bits, W::shift(j)), table_hi));
+  return bits_as<U64x8>(sum);
+#else
+  // The field sits at bit 2 of (word >> (shift - 2)): masking bits 2..5 gives 4 * (field mod 16).
+  const U64x8 one = U64x8{} + 1;
+  U64x8 sum = one << ((w >> (W::shift(0) - 2)) & 0x3c);
+  for (int j = 1; j < W::kPerWord; ++j) sum += one << ((w >> (W::shift(j) - 2)) & 0x3c);
+  return sum;
+#endif
+}
+
+// Like residue_increments for the 32 fields from `lo`: fields lo..lo+15 count in `low` (slot field - lo), the
+// others in `high` (slot field - lo - 16). Zeros land on slot (0 - lo) mod 32.
+template <typename F>
+inline void window32_increments(U64x8 w, int lo, U64x8& low, U64x8& high) {
+  using W = Words<F>;
+#if NANSCAN_AVX512
+  const __m512i table_lo = _mm512_set_epi64(1ll << 28, 1ll << 24, 1ll << 20, 1ll << 16, 1ll << 12, 1ll << 8, 1ll << 4, 1);
+  const __m512i table_hi = _mm512_set_epi64(1ll << 60, 1ll << 56, 1ll << 52, 1ll << 48, 1ll << 44, 1ll << 40,
+                                            1ll << 36, 1ll << 32);
+  const __m512i bits = bits_as<__m512i>(w);
+  __m512i l = bits_as<__m512i>(low), h = bits_as<__m512i>(high);
+  for (int j = 0; j < W::kPerWord; ++j) {
+    const __m512i offset = _mm512_sub_epi64(_mm512_srli_epi64(bits, W::shift(j)), _mm512_set1_epi64(lo));
+    const __m512i add = _mm512_permutex2var_epi64(table_lo, offset, table_hi);
+    const __mmask8 upper = _mm512_test_epi64_mask(offset, _mm512_set1_epi64(16));
+    l = _mm512_mask_add_epi64(l, static_cast<__mmask8>(~upper), l, add);
+    h = _mm512_mask_add_epi64(h, upper, h, add);
+  }
+  low = bits_as<U64x8>(l);
+  high = bits_as<U64x8>(h);
+#else
+  const U64x8 one = U64x8{} + 1;
+  const uint64_t lo4 = static_cast<uint64_t>(lo) * 4;
+  for (int j = 0; j < W::kPerWord; ++j) {
+    const U64x8 s = ((w >> (W::shift(j) - 2)) - lo4) & 0x7c;  // 4 * ((field - lo) mod 32)
+    const U64x8 upper = s >> 6;
+    const U64x8 add = one << (s & 63);
+    low += add & (upper - 1);
+    high += add & (0 - upper);
+  }
+#endif
+}
+
+// The 16 counters of a window over one block, as bytes: even[c] holds counters 0, 2, .., 14 of chain c, odd[c]
+// counters 1, 3, .., 15.
+struct ByteCounts {
+  U64x8 even[kChains];
+  U64x8 odd[kChains];
+
+  void clear() {
+    for (int c = 0; c < kChains; ++c) even[c] = odd[c] = U64x8{};
+  }
+  void add_nibbles(const U64x8 (&nibbles)[kChains]) {
+    for (int c = 0; c < kChains; ++c) {
+      even[c] += nibbles[c] & kNibbles;
+      odd[c] += (nibbles[c] >> 4) & kNibbles;
+    }
+  }
+};
+
+// The 16 counters of a window over many blocks, in 16-bit slots: slot s of quad[k][c] holds counter 4 * s + k.
+struct WideCounts {
+  U64x8 quad[4][kChains];
+
+  void clear() {
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < kChains; ++c) quad[k][c] = U64x8{};
+  }
+  void add(const ByteCounts& b) {
+    for (int c = 0; c < kChains; ++c) {
+      quad[0][c] += b.even[c] & kByteSlots;
+      quad[1][c] += b.odd[c] & kByteSlots;
+      quad[2][c] += (b.even[c] >> 8) & kByteSlots;
+      quad[3][c] += (b.odd[c] >> 8) & kByteSlots;
+    }
+  }
+  void totals(int64_t (&out)[kWindowFields]) const {
+    for (int k = 0; k < 4; ++k) {
+      for (int s = 0; s < 4; ++s) {
+        int64_t total = 0;
+        for (int c = 0; c < kChains; ++c)
+          for (int l = 0; l < kWordsPerVector; ++l) total += static_cast<int64_t>((quad[k][c][l] >> (16 * s)) & 0xffff);
+        out[4 * s + k] = total;
+      }
+    }
+  }
+};
+
+// What one pass over a block found (NOTE: [blocks]).
+template <typename F>
+struct BlockScan {
   using Bits = typename F::Bits;
-  using SignedBits = std::make_signed_t<Bits>;
+  Bits min_nonzero_abs;  // all ones when the block holds no non-zero value
+  Bits max_abs;          // valid only without zeros; with them, zeros_and_max tells
+  bool maybe_zero;       // a zero, or the zero padding of a short tail: zeros_and_max finds out
+  int64_t padding;       // zeros appended to a short tail, counted in `residues`
+  F64x8 sumsq[kChains][VectorOps<F>::kSquareVectors];
+  ByteCounts residues;  // fields mod 16 (NOTE: [window counters]); used only if the block fits the chunk's window
+};
+
+// Pass 1 (NOTE: [blocks]). With b = |x| - 1, zero wraps to all ones, so the unsigned minimum of b skips zeros and
+// the unsigned maximum of b is either the largest |x| less one or, if there is a zero, all ones.
+// (No lambda or variable index touches the accumulators: either would keep them in memory instead of registers.)
+template <typename F>
+void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
+  using Bits = typename F::Bits;
   using Ops = VectorOps<F>;
   using V = typename Ops::V;
-  using SV = typename Ops::SignedV;
+  using W = Words<F>;
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
   constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
   V umin = ~V{}, umax = V{};
-  SV smax = SV{} - 1;
-  F64x8 sumsq[Ops::kSquareVectors] = {};
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    const V a = load_bits<V>(p + i) & F::kAbsMask;
-    const V b = a - 1;
-    umin = umin < b ? umin : b;
-    umax = umax > b ? umax : b;
-    const SV sb = bits_as<SV>(b);
-    smax = smax > sb ? smax : sb;
-    Ops::add_squares(a, sumsq);
+  F64x8 sumsq[kChains][Ops::kSquareVectors] = {};
+  s.residues.clear();
+  // The block in one or two runs of whole steps: the steps in place, then a short tail copied into a zero-padded
+  // step.
+  const int64_t full = n / W::kStepElems * W::kStepElems;
+  Bits tail[W::kStepElems];
+  s.padding = 0;
+  if (full < n) {
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, p + full, sizeof(Bits) * (n - full));
+    s.padding = W::kStepElems - (n - full);
   }
-  Bits mn = kAllOnes, mx_u = 0;
-  SignedBits mx_s = -1;
+  const Bits* run_start[2] = {p, tail};
+  const int64_t run_steps[2] = {full / W::kStepElems, full < n ? 1 : 0};
+  for (int r = 0; r < 2; ++r) {
+    const Bits* elems = run_start[r];
+    const int64_t steps = run_steps[r];
+    for (int64_t step = 0; step < steps;) {
+      U64x8 nibbles[kChains] = {};
+      const int64_t stop = std::min(steps, step + W::kFlushEvery);
+      for (; step < stop; ++step) {
+        for (int c = 0; c < kChains; ++c) {
+          const Bits* at = elems + (step * kChains + c) * L;
+          // Keep the next blocks streaming in while this one is worked on (NOTE: [prefetch]).
+          __builtin_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, 0, 2);
+          const V raw = load_bits<V>(at);
+          const V b = (raw & F::kAbsMask) - 1;
+          umin = umin < b ? umin : b;
+          umax = umax > b ? umax : b;
+          Ops::add_squares(at, sumsq[c]);
+          nibbles[c] += residue_increments<F>(bits_as<U64x8>(raw));
+        }
+      }
+      s.residues.add_nibbles(nibbles);
+    }
+  }
+  Bits mn = kAllOnes, mx = 0;
   for (int64_t l = 0; l < L; ++l) {
     mn = std::min<Bits>(mn, umin[l]);
-    mx_u = std::max<Bits>(mx_u, umax[l]);
-    mx_s = std::max<SignedBits>(mx_s, smax[l]);
+    mx = std::max<Bits>(mx, umax[l]);
   }
-  // The tail of a chunk, shorter than one vector. (Its squares go through a plain array: indexing the vector
-  // accumulators with a variable would keep them in memory for the whole loop above.)
-  double tail_squares[sizeof(F64x8) / sizeof(double)] = {};
-  for (int64_t l = 0; i < n; ++i, ++l) {
-    const Bits a = abs_bits<F>(p[i]);
-    const Bits b = static_cast<Bits>(a - 1);
-    mn = std::min(mn, b);
-    mx_u = std::max(mx_u, b);
-    mx_s = std::max(mx_s, static_cast<SignedBits>(b));
-    const double v = abs_to_double<F>(a);
-    tail_squares[l % 8] += v * v;
-  }
-  sumsq[0] += load_bits<F64x8>(tail_squares);
   s.min_nonzero_abs = mn == kAllOnes ? mn : static_cast<Bits>(mn + 1);
-  s.max_abs = static_cast<Bits>(mx_s + 1);
-  s.has_zero = mx_u == kAllOnes;
-  for (int k = 0; k < Ops::kSquareVectors; ++k) s.sumsq[k] = sumsq[k];
+  s.maybe_zero = mx == kAllOnes;
+  s.max_abs = static_cast<Bits>(mx + 1);
+  for (int c = 0; c < kChains; ++c)
+    for (int k = 0; k < Ops::kSquareVectors; ++k) s.sumsq[c][k] = sumsq[c][k];
 }
 
+// For a block with zeros, the second look pass 1 leaves to it: how many zeros, and the largest |x|.
 template <typename F>
-int64_t count_zeros(const typename F::Bits* p, int64_t n) {
+void zeros_and_max(const typename F::Bits* p, int64_t n, int64_t& zeros, typename F::Bits& max_abs) {
   using Bits = typename F::Bits;
   using V = typename VectorOps<F>::V;
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
   static_assert(kBlockBytes / kVectorBytes <= 0xffff, "each lane counts one element per vector of a block");
-  V zeros = V{};
+  V count = V{}, mx = V{};
   int64_t i = 0;
-  for (; i + L <= n; i += L) zeros -= bits_as<V>((load_bits<V>(p + i) & F::kAbsMask) == 0);  // true is -1
+  for (; i + L <= n; i += L) {
+    const V a = load_bits<V>(p + i) & F::kAbsMask;
+    count -= bits_as<V>(a == 0);  // true is all ones, i.e. -1
+    mx = mx > a ? mx : a;
+  }
   int64_t total = 0;
-  for (int64_t l = 0; l < L; ++l) total += zeros[l];
-  for (; i < n; ++i) total += abs_bits<F>(p[i]) == 0;
-  return total;
+  Bits largest = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    total += count[l];
+    largest = std::max<Bits>(largest, mx[l]);
+  }
+  for (; i < n; ++i) {
+    total += abs_bits<F>(p[i]) == 0;
+    largest = std::max<Bits>(largest, abs_bits<F>(p[i]));
+  }
+  zeros = total;
+  max_abs = largest;
 }
 
-// Pass 2 for a block whose normal fields lie in [lo, lo + kWindows * kWindowFields) (NOTE: [blocks]).
-// Each 64-bit word of a block holds several elements; each element adds 1 << 4 * ((field - lo) mod 16) to a word of
-// sixteen 4-bit counters (the counters of its half-window when kWindows is 2), so a vector of elements is counted
-// with shifts and adds and no memory traffic. The counters are widened to bytes before they can reach 16, and to
-// integers once per block. Zeros (field 0) land on field lo + ((0 - lo) mod window), and the zero padding of a
-// short tail with them; `zeros` says how many real zeros there are, so both are taken back out.
-constexpr int kWindowFields = 16;
-
-template <typename F, int kWindows>
-void count_fields_window(const typename F::Bits* p, int64_t n, int lo, int64_t zeros, FieldCounts& counts) {
+// For a block with subnormals (and no inf or NaN): bins each subnormal, exactly as exponent_bin does, and finds the
+// smallest normal |x| (all ones if none), which pass 1 could not tell from the smallest non-zero one.
+template <typename F>
+int64_t bin_subnormals(const typename F::Bits* p, int64_t n, int64_t* hist, typename F::Bits& min_normal_abs) {
   using Bits = typename F::Bits;
-  constexpr int kVectors = 2;  // independent accumulator chains per step
-  constexpr int kWordsPerVector = sizeof(U64x8) / 8;
-  constexpr int kPerWord = 8 / sizeof(Bits);
-  constexpr int kBitsPerElem = 8 * sizeof(Bits);
-  constexpr int kFlushEvery = 15 / kPerWord;  // steps before a 4-bit counter could overflow
-  constexpr int64_t kStep = int64_t(kVectors) * kWordsPerVector * kPerWord;  // elements per step
-  constexpr int kFields = kWindows * kWindowFields;
-  // Bytes hold the counts of a whole block: each word lane sees at most this many elements of it.
-  static_assert(kBlockBytes / sizeof(U64x8) / kVectors * kPerWord <= 255, "byte counters would overflow");
-  static_assert(kWindows == 1 || kWindows == 2, "one or two windows of 16 fields");
-  constexpr uint64_t kNibbles = 0x0f0f0f0f0f0f0f0full;
-  constexpr uint64_t kBytes = 0x00ff00ff00ff00ffull;
-
-#if NANSCAN_AVX512
-  // permutex2var looks up a 16-entry table with the low 4 bits of each index and ignores the rest, so the field's
-  // low bits index the table directly: with one window, entry r holds the counter increment of the field that is r
-  // mod 16, which saves subtracting lo; with two, the index is field - lo and its bit 4 picks the half-window.
-  __m512i table[2];
-  {
-    alignas(64) uint64_t entries[16];
-    for (int r = 0; r < 16; ++r)
-      entries[r] = uint64_t(1) << (4 * (kWindows == 1 ? ((r - lo) % 16 + 16) % 16 : r));
-    table[0] = _mm512_load_si512(entries);
-    table[1] = _mm512_load_si512(entries + 8);
-  }
-  const __m512i lo_vec = _mm512_set1_epi64(lo);
-  const __m512i bit4 = _mm512_set1_epi64(16);
-#else
-  // 4 * ((field - lo) mod kFields): the field of element j sits at bit 2 of (word >> shift_j), so subtracting 4 * lo
-  // and masking gives it; the bits outside the mask never borrow into it.
-  const uint64_t lo4 = static_cast<uint64_t>(lo) * 4;
-  const uint64_t shift_mask = 4 * (kFields - 1);
-  const U64x8 one = U64x8{} + 1;
-#endif
-
-  U64x8 even[kWindows][kVectors] = {}, odd[kWindows][kVectors] = {};
-  auto count_steps = [&](const Bits* elems, int64_t steps) {
-    for (int64_t step = 0; step < steps;) {
-      U64x8 nibbles[kWindows][kVectors] = {};
-      const int64_t stop = std::min(steps, step + kFlushEvery);
-      for (; step < stop; ++step) {
-        for (int v = 0; v < kVectors; ++v) {
-          const U64x8 w = load_bits<U64x8>(elems + (step * kVectors + v) * kWordsPerVector * kPerWord);
-          for (int j = 0; j < kPerWord; ++j) {
-            const int shift = j * kBitsPerElem + F::kMantBits;
-#if NANSCAN_AVX512
-            const __m512i field = _mm512_srli_epi64(bits_as<__m512i>(w), shift);
-            if (kWindows == 1) {
-              const __m512i add = _mm512_permutex2var_epi64(table[0], field, table[1]);
-              nibbles[0][v] = bits_as<U64x8>(_mm512_add_epi64(bits_as<__m512i>(nibbles[0][v]), add));
-            } else {
-              const __m512i offset = _mm512_sub_epi64(field, lo_vec);
-              const __m512i add = _mm512_permutex2var_epi64(table[0], offset, table[1]);
-              const __mmask8 upper = _mm512_test_epi64_mask(offset, bit4);
-              const __m512i n0 = bits_as<__m512i>(nibbles[0][v]);
-              const __m512i n1 = bits_as<__m512i>(nibbles[kWindows - 1][v]);
-              nibbles[0][v] = bits_as<U64x8>(_mm512_mask_add_epi64(n0, static_cast<__mmask8>(~upper), n0, add));
-              nibbles[kWindows - 1][v] = bits_as<U64x8>(_mm512_mask_add_epi64(n1, upper, n1, add));
-            }
-#else
-            const U64x8 s = ((w >> (shift - 2)) - lo4) & shift_mask;
-            if (kWindows == 1) {
-              nibbles[0][v] += one << s;
-            } else {
-              const U64x8 upper = s >> 6;  // 1 for the fields of the second half-window
-              nibbles[0][v] += (one << (s & 63)) & (upper - 1);
-              nibbles[kWindows - 1][v] += (one << (s & 63)) & (0 - upper);
-            }
-#endif
-          }
-        }
-      }
-      for (int h = 0; h < kWindows; ++h) {
-        for (int v = 0; v < kVectors; ++v) {
-          even[h][v] += nibbles[h][v] & kNibbles;
-          odd[h][v] += (nibbles[h][v] >> 4) & kNibbles;
-        }
-      }
+  using V = typename VectorOps<F>::V;
+  constexpr int64_t L = sizeof(V) / sizeof(Bits);
+  constexpr Bits kSmallestNormal = Bits(1) << F::kMantBits;
+  int64_t count = 0;
+  V min_normal = ~V{};
+  auto bin_one = [&](Bits a) {
+    if (a != 0 && a < kSmallestNormal) {
+      ++count;
+      hist[bin_of_subnormal<F>(a)]++;
     }
   };
-  const int64_t full = n / kStep * kStep;
-  count_steps(p, full / kStep);
-  int64_t padding = 0;
-  if (full < n) {
-    Bits tail[kStep] = {};
-    std::memcpy(tail, p + full, sizeof(Bits) * (n - full));
-    padding = kStep - (n - full);
-    count_steps(tail, 1);
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const V a = load_bits<V>(p + i) & F::kAbsMask;
+    // Subnormals have a - 1 below kSmallestNormal - 1; zeros wrap to all ones. The words of the comparison tell
+    // cheaply whether any lane needs binning.
+    const U64x8 subnormal = bits_as<U64x8>(a - 1 < static_cast<Bits>(kSmallestNormal - 1));
+    uint64_t found = 0;
+    for (int l = 0; l < kWordsPerVector; ++l) found |= subnormal[l];
+    if (found)
+      for (int64_t l = 0; l < L; ++l) bin_one(a[l]);
+    const V normal_or_max = a < kSmallestNormal ? ~V{} : a;
+    min_normal = min_normal < normal_or_max ? min_normal : normal_or_max;
   }
-
-  int64_t window[kFields];
-  for (int h = 0; h < kWindows; ++h) {
-    // Widen to 16-bit slots: slot s of sum[k] counts offset 4 * s + k of the half-window.
-    uint64_t sum[4] = {};
-    for (int v = 0; v < kVectors; ++v) {
-      for (int l = 0; l < kWordsPerVector; ++l) {
-        sum[0] += even[h][v][l] & kBytes;
-        sum[1] += odd[h][v][l] & kBytes;
-        sum[2] += (even[h][v][l] >> 8) & kBytes;
-        sum[3] += (odd[h][v][l] >> 8) & kBytes;
-      }
-    }
-    for (int k = 0; k < 4; ++k)
-      for (int s = 0; s < 4; ++s)
-        window[h * kWindowFields + 4 * s + k] = static_cast<int64_t>((sum[k] >> (16 * s)) & 0xffff);
+  Bits mn = static_cast<Bits>(~Bits(0));
+  for (int64_t l = 0; l < L; ++l) mn = std::min<Bits>(mn, min_normal[l]);
+  for (; i < n; ++i) {
+    const Bits a = abs_bits<F>(p[i]);
+    bin_one(a);
+    if (a >= kSmallestNormal) mn = std::min(mn, a);
   }
-  window[(kFields - lo % kFields) % kFields] -= zeros + padding;
-  const int hi = std::min(lo + kFields - 1, F::kExpMax - 1);
-  for (int f = lo; f <= hi; ++f) counts.table[0][f] += static_cast<uint32_t>(window[f - lo]);
-  counts.touch(lo, hi);
+  min_normal_abs = mn;
+  return count;
 }
 
-// Pass 2 for a block of normal values and zeros spanning many fields: one load-increment-store per element,
-// spread over kFieldTables tables. Zeros count into field 0, which the fold ignores.
+// Adds the counts of a window of 16 fields from `first` (counter r counts the field that is r mod 16) to `counts`,
+// less `field0` elements that landed on residue 0 without being values of that field (zeros, subnormals, padding).
 template <typename F>
-void count_fields_scalar(const typename F::Bits* p, int64_t n, int lo, int hi, bool has_zero, FieldCounts& counts) {
+void add_window(const int64_t (&window)[kWindowFields], int first, int64_t field0, FieldCounts& counts) {
+  // Fields past the format's last finite one hold nothing but, possibly, the zeros being taken out.
+  const int last = std::min(first + kWindowFields - 1, F::kExpMax - 1);
+  for (int f = first; f <= last; ++f) {
+    const int64_t n = window[f % kWindowFields] - (f % kWindowFields == 0 ? field0 : 0);
+    counts.table[0][f] += static_cast<uint32_t>(n);
+  }
+  counts.touch(first, last);
+}
+
+// Pass 2 for a block whose normal fields lie in [lo, lo + kWindows * 16) but outside the chunk's window: the same
+// counters, on the block, hot in L1 (NOTE: [blocks]). `field0` elements are zeros or subnormals.
+template <typename F, int kWindows>
+void count_fields_window(const typename F::Bits* p, int64_t n, int lo, int64_t field0, FieldCounts& counts) {
+  using Bits = typename F::Bits;
+  using W = Words<F>;
+  static_assert(kWindows == 1 || kWindows == 2, "one or two windows of 16 fields");
+  ByteCounts bytes[kWindows];
+  for (auto& b : bytes) b.clear();
+  const int64_t full = n / W::kStepElems * W::kStepElems;
+  Bits tail[W::kStepElems];
+  int64_t padding = 0;
+  if (full < n) {
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, p + full, sizeof(Bits) * (n - full));
+    padding = W::kStepElems - (n - full);
+  }
+  const Bits* run_start[2] = {p, tail};
+  const int64_t run_steps[2] = {full / W::kStepElems, full < n ? 1 : 0};
+  for (int r = 0; r < 2; ++r) {
+    const Bits* elems = run_start[r];
+    const int64_t steps = run_steps[r];
+    for (int64_t step = 0; step < steps;) {
+      U64x8 nibbles[kWindows][kChains] = {};
+      const int64_t stop = std::min(steps, step + W::kFlushEvery);
+      for (; step < stop; ++step) {
+        for (int c = 0; c < kChains; ++c) {
+          const U64x8 w = load_bits<U64x8>(elems + (step * kChains + c) * (kVectorBytes / sizeof(Bits)));
+          if (kWindows == 1) nibbles[0][c] += residue_increments<F>(w);
+          else window32_increments<F>(w, lo, nibbles[0][c], nibbles[kWindows - 1][c]);
+        }
+      }
+      for (int h = 0; h < kWindows; ++h) bytes[h].add_nibbles(nibbles[h]);
+    }
+  }
+  int64_t window[kWindows][kWindowFields];
+  for (int h = 0; h < kWindows; ++h) {
+    WideCounts wide;
+    wide.clear();
+    wide.add(bytes[h]);
+    wide.totals(window[h]);
+  }
+  if (kWindows == 1) {
+    add_window<F>(window[0], lo, field0 + padding, counts);
+    return;
+  }
+  const int zero_slot = (2 * kWindowFields - lo % (2 * kWindowFields)) % (2 * kWindowFields);
+  window[zero_slot / kWindowFields][zero_slot % kWindowFields] -= field0 + padding;
+  const int last = std::min(lo + 2 * kWindowFields - 1, F::kExpMax - 1);
+  for (int f = lo; f <= last; ++f)
+    counts.table[0][f] += static_cast<uint32_t>(window[(f - lo) / kWindowFields][(f - lo) % kWindowFields]);
+  counts.touch(lo, last);
+}
+
+// Pass 2 for a block whose normal values span many fields: one load-increment-store per element, spread over
+// kFieldTables tables. Zeros and subnormals count into field 0, which the fold ignores.
+template <typename F>
+void count_fields_scalar(const typename F::Bits* p, int64_t n, int lo, int hi, bool has_field0, FieldCounts& counts) {
   int64_t i = 0;
   for (; i + kFieldTables <= n; i += kFieldTables)
     for (int t = 0; t < kFieldTables; ++t) counts.table[t][exponent_field<F>(p[i + t])]++;
   for (; i < n; ++i) counts.table[0][exponent_field<F>(p[i])]++;
-  counts.touch(has_zero ? 0 : lo, hi);
+  counts.touch(has_field0 ? 0 : lo, hi);
 }
+
+// NOTE: [chunk window]
+// Pass 1 counts every block into one window of 16 fields per chunk, chosen from the chunk's first block with
+// non-zero values: from its largest field less 14 (room for the largest value to double; a block of Gaussian
+// values spans about 12 fields, mostly below its maximum). A block whose fields fit the window adds its counters;
+// one that does not is counted again by pass 2, while its counters are dropped. Two such blocks in a row move the
+// window to the latest one. The window's 16-bit counters are added to the field counters when it moves, when the
+// chunk ends, and before they could overflow.
+struct ChunkWindow {
+  bool open = false;
+  int first = 0;
+  int misfits = 0;
+  int blocks = 0;
+  int64_t field0 = 0;  // zeros, subnormals and padding counted on residue 0
+  WideCounts wide;
+
+  template <typename F>
+  void close(FieldCounts& counts) {
+    if (!open) return;
+    int64_t window[kWindowFields];
+    wide.totals(window);
+    add_window<F>(window, first, field0, counts);
+    open = false;
+  }
+  void open_at(int hi) {
+    open = true;
+    first = std::max(1, hi - (kWindowFields - 2));
+    misfits = 0;
+    blocks = 0;
+    field0 = 0;
+    wide.clear();
+  }
+};
+constexpr int kMaxWindowBlocks = 0xffff / 255;  // blocks whose byte counters a 16-bit slot can hold
 
 // Running state of one chunk; `record` is the chunk's partial record.
 struct ChunkState {
@@ -490,43 +694,73 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
   constexpr int64_t kBlockElems = kBlockBytes / sizeof(Bits);
   constexpr Bits kSmallestNormal = Bits(1) << F::kMantBits;
   constexpr Bits kInfBits = Bits(F::kExpMax) << F::kMantBits;
-  ChunkState st{record};
+  constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
   constexpr int kSquareVectors = VectorOps<F>::kSquareVectors;
-  F64x8 lanes[kSquareVectors] = {};
-  BlockSummary<F> s;
+  ChunkState st{record};
+  ChunkWindow window;
+  F64x8 lanes[kChains][kSquareVectors] = {};
+  BlockScan<F> s;
   for (int64_t b = begin; b < end; b += kBlockElems) {
     const Bits* p = data + b;
     const int64_t n = std::min(kBlockElems, end - b);
-    const int64_t ahead = b + kPrefetchBlocks * kBlockElems;
-    if (ahead < end) {
-      const char* bytes = reinterpret_cast<const char*>(data + ahead);
-      const int64_t size = std::min(kBlockElems, end - ahead) * static_cast<int64_t>(sizeof(Bits));
-      for (int64_t off = 0; off < size; off += 64) __builtin_prefetch(bytes + off, 0, 3);
-    }
-    summarize_block<F>(p, n, s);
-    const bool any_nonzero = s.min_nonzero_abs != static_cast<Bits>(~Bits(0));
-    if (s.max_abs >= kInfBits || (any_nonzero && s.min_nonzero_abs < kSmallestNormal)) {
+    scan_block_fast<F>(p, n, s);
+    const bool any_nonzero = s.min_nonzero_abs != kAllOnes;
+    int64_t zeros = 0;
+    if (s.maybe_zero) zeros_and_max<F>(p, n, zeros, s.max_abs);
+    if (s.max_abs >= kInfBits) {
       scan_block_exact<F>(p, n, st, counts);
       continue;
     }
-    for (int k = 0; k < kSquareVectors; ++k) lanes[k] += s.sumsq[k];
-    const int64_t zeros = s.has_zero ? (any_nonzero ? count_zeros<F>(p, n) : n) : 0;
+    for (int c = 0; c < kChains; ++c)
+      for (int k = 0; k < kSquareVectors; ++k) lanes[c][k] += s.sumsq[c][k];
     record[record::kZero] += zeros;
-    if (!any_nonzero) continue;
-    st.absmax = std::max<uint64_t>(st.absmax, s.max_abs);
-    st.absmin = std::min<uint64_t>(st.absmin, s.min_nonzero_abs);
-    const int lo = exponent_field<F>(s.min_nonzero_abs);
+    // Elements that count on field 0 (residue 0 of the window counters) without being normal values.
+    int64_t field0 = zeros;
+    Bits min_normal_abs = s.min_nonzero_abs;
+    if (any_nonzero && s.min_nonzero_abs < kSmallestNormal) {
+      const int64_t subnormals = bin_subnormals<F>(p, n, record + record::kHist, min_normal_abs);
+      record[record::kSubnormal] += subnormals;
+      field0 += subnormals;
+    }
+    if (any_nonzero) {
+      st.absmax = std::max<uint64_t>(st.absmax, s.max_abs);
+      st.absmin = std::min<uint64_t>(st.absmin, s.min_nonzero_abs);
+    }
+    if (min_normal_abs == kAllOnes) {  // no normal value: everything counted sits on residue 0
+      if (window.open) {
+        window.wide.add(s.residues);
+        window.field0 += field0 + s.padding;
+      }
+      continue;
+    }
+    const int lo = exponent_field<F>(min_normal_abs);
     const int hi = exponent_field<F>(s.max_abs);
-    if (hi - lo < kWindowFields) count_fields_window<F, 1>(p, n, lo, zeros, counts);
-    else if (hi - lo < 2 * kWindowFields) count_fields_window<F, 2>(p, n, lo, zeros, counts);
-    else count_fields_scalar<F>(p, n, lo, hi, zeros > 0, counts);
+    if (window.open && lo >= window.first && hi < window.first + kWindowFields) {
+      window.wide.add(s.residues);
+      window.field0 += field0 + s.padding;
+      window.misfits = 0;
+      if (++window.blocks == kMaxWindowBlocks) {
+        window.close<F>(counts);
+        window.open_at(hi);
+      }
+      continue;
+    }
+    if (hi - lo < kWindowFields) count_fields_window<F, 1>(p, n, lo, field0, counts);
+    else if (hi - lo < 2 * kWindowFields) count_fields_window<F, 2>(p, n, lo, field0, counts);
+    else count_fields_scalar<F>(p, n, lo, hi, field0 > 0, counts);
+    if (!window.open || ++window.misfits == 2) {
+      window.close<F>(counts);
+      window.open_at(hi);
+    }
   }
+  window.close<F>(counts);
   counts.fold_into<F>(record + record::kHist);
   record[record::kAbsMaxBits] = static_cast<int64_t>(st.absmax);
   if (st.absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(st.absmin);
   double sumsq = 0.0;
-  for (int k = 0; k < kSquareVectors; ++k)
-    for (size_t l = 0; l < sizeof(F64x8) / sizeof(double); ++l) sumsq += lanes[k][l];
+  for (int c = 0; c < kChains; ++c)
+    for (int k = 0; k < kSquareVectors; ++k)
+      for (size_t l = 0; l < sizeof(F64x8) / sizeof(double); ++l) sumsq += lanes[c][k][l];
   sumsq_out = sumsq + st.exact_sumsq;
 }
 
@@ -594,6 +828,7 @@ void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_
   num_threads = resolve_threads(num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
+    const ExactFloatMode float_mode;  // NOTE: [float mode]
     // Value-initialised once per thread; fold_into keeps it zero between chunks.
     std::unique_ptr<FieldCounts> counts(new FieldCounts());
     counts->reset_range();

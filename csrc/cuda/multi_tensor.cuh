@@ -19,28 +19,29 @@ namespace cuda {
 
 // NOTE: [cuda scan]
 // One launch scans every tensor (PyTorch's _foreach_norm and MultiTensorApply are the model):
-//  1. Chunks. The host cuts each tensor into chunks of at most kMaxChunkElems elements and lists them all in one
-//     ChunkMeta table in device memory. Blocks walk the table with a grid stride; a block scans one chunk at a time,
-//     so one large tensor and many small ones share the GPU evenly, whatever their dtypes (one switch per chunk).
+//  1. Pieces. The host cuts the bytes of all tensors, end to end, into one equal share per block (counting a fixed
+//     cost per piece, so a block of many tiny tensors gets fewer bytes), and lists the pieces, a tensor's part
+//     within one share, in one ChunkMeta table with each block's first row in block_begin. Every block finishes at
+//     about the same time whatever the tensor sizes and dtypes (one dtype switch per piece).
 //  2. Alignment. Only element alignment is assumed of a tensor (torch guarantees it; views may start anywhere).
-//     split_for_vectors cuts a chunk into a scalar head up to the first 16-byte boundary, whole 16-byte vectors
+//     split_for_vectors cuts a piece into a scalar head up to the first 16-byte boundary, whole 16-byte vectors
 //     (one 128-bit load each, streamed past the caches), and a scalar tail; head and tail hold < 16 bytes each.
 //  3. Fast path. A vector's largest abs bit pattern and its smallest non-zero one (needed for absmax/absmin anyway)
 //     tell whether it holds an inf/NaN or a subnormal: abs bit patterns order like the values. A vector of zeros
 //     and normal values only is counted without classify(); any other vector, and every head and tail element,
-//     goes element by element through classify<F>() (classify.h), the same code the CPU kernel runs.
+//     goes element by element through classify<F>() (classify.h), the same code the CPU kernel runs. 16-bit
+//     formats take both extremes of a vector with packed 16x2 min/max instructions.
 //  4. Field table. Normal values are counted per exponent field (NOTE: [field histogram] in classify.h; float64,
-//     with 2048 fields, per clamped bin instead) in a shared-memory table of 16-bit counters: kTableRows rows of
-//     32 words, slot s in row s % kTableRows, half s / kTableRows, column = the thread's lane. The 32 lanes of a
-//     warp therefore always hit 32 different banks, so the shared atomicAdd never conflicts inside an instruction,
-//     whatever the data (a per-element shared histogram would serialise on the few popular bins of real tensors).
-//     The warps of a block share the table; their atomics are separate instructions. One counter counts the
-//     elements of one lane index in one pass, at most kMaxChunkElems / 32 + 16 < 65536 (static_assert below), so
-//     a half never carries into its neighbour. Subnormals are rare and binned one by one into a plain shared
-//     histogram of kHistBins words. Zeros of 8-bit-or-narrower exponent formats land in slot 0 (field 0).
-//  5. Merge. At the end of a pass the block sums the table column-wise, folds slots to bins and adds them, its
-//     counts, and its abs bit extremes into the tensor's record with 64-bit integer atomics (atomicAdd, atomicMax,
-//     atomicMin on the abs bit patterns, NOTE: [stats record]); the sum of squares takes a float64 atomicAdd,
+//     with 2048 fields, per clamped bin instead) in a shared-memory table of 32-bit counters: kTableSlots rows of
+//     32 words, slot s in row s, column = the thread's lane. The 32 lanes of a warp always hit 32 different banks,
+//     so the shared atomicAdd never conflicts inside an instruction, whatever the data (a plain per-element shared
+//     histogram serialises on the few popular bins of real tensors). The warps of a block share the table; their
+//     atomics are separate instructions. Zeros of formats counted per field land in slot 0 (field 0). Subnormals
+//     are rare and binned one by one into a plain shared histogram of kHistBins words.
+//  5. Merge. At the end of a piece the block reduces its counts and abs bit extremes, adds them to the tensor's
+//     record with 64-bit integer atomics (atomicAdd; atomicMax/atomicMin on the abs bit patterns, NOTE: [stats
+//     record]), then folds only the table rows between the slots of its absmin and absmax (plus slot 0), the only
+//     rows any element can have touched, into the record's bins. The sum of squares takes a float64 atomicAdd,
 //     the one slot whose last bits may vary with the order blocks finish. Every count is exact and the same on
 //     every run. A last one-block kernel ORs the NaN/inf counts of all records into a float found_inf flag (1.0 or
 //     0.0), the form torch's fused optimizers take, so a step can be skipped without the host reading anything.
@@ -49,16 +50,14 @@ constexpr int kWarpSize = 32;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kVectorBytes = 16;
 constexpr int kUnroll = 4;  // vectors in flight per thread: 64 bytes, enough to cover HBM latency at full occupancy
-constexpr int kTableRows = 128;
-constexpr int kTableSlots = 2 * kTableRows;  // the fields of an 8-bit exponent, or float64's kHistBins bins
-constexpr int kTableWords = kTableRows * kWarpSize;
-constexpr uint32_t kHalfMask = 0xFFFFu;
+constexpr int kTableSlots = 256;  // the fields of an 8-bit exponent, or float64's kHistBins bins
+constexpr int kTableWords = kTableSlots * kWarpSize;
 
 static_assert(kThreads % kWarpSize == 0, "whole warps");
-static_assert(kThreads == 4 * kTableRows, "the table flush gives every row four threads");
 static_assert(kTableSlots == kHistBins, "float64 counts its clamped bins in the slots");
-static_assert(kMaxChunkElems / kWarpSize + 2 * (kVectorBytes / 2) < 65536, "16-bit counters must not overflow");
 static_assert(kThreads >= kVectorBytes, "one thread per head or tail element");
+// A slot counter, a per-thread count and a row total count at most the elements of one pass of a piece.
+static_assert(kMaxChunkElems <= (int64_t(1) << 31), "32-bit counters must not overflow");
 
 // A chunk [begin, end) cut for 16-byte loads: [begin, head_end) and [body_end, end) are read element by element,
 // [head_end, body_end) as whole vectors starting at a 16-byte-aligned address. `base` must be element-aligned.
@@ -76,9 +75,15 @@ NANSCAN_HD VectorSplit split_for_vectors(uint64_t base, int64_t begin, int64_t e
   return {head_end, body_end};
 }
 
-// Where slot `slot` lives in the field table, relative to the thread's column, and what adds one to it.
-NANSCAN_HD int slot_word(int slot) { return (slot % kTableRows) * kWarpSize; }
-NANSCAN_HD uint32_t slot_increment(int slot) { return slot < kTableRows ? 1u : 1u << 16; }
+// Where slot `slot` lives in the field table, in bytes from the thread's column. Kept in bytes and unsigned so the
+// compiler can fold it with the field extraction (for bfloat16 a single mask of the abs bits).
+NANSCAN_HD uint32_t slot_offset_bytes(int slot) {
+  return static_cast<uint32_t>(slot) * (kWarpSize * static_cast<uint32_t>(sizeof(uint32_t)));
+}
+
+NANSCAN_HD uint32_t* slot_counter(uint32_t* column, int slot) {
+  return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(column) + slot_offset_bytes(slot));
+}
 
 // Formats whose exponent field has at most 8 bits are counted per raw field; float64 per clamped bin.
 template <typename F>
@@ -135,13 +140,14 @@ NANSCAN_HD Vector load_vector(const void* p) {
 }
 
 // One thread's partial statistics. 16-bit formats keep their abs bits in 32-bit registers (no 16-bit registers
-// on the GPU). absmin is tracked as min(|x| - 1) in that width: a zero wraps to all ones and can never win.
+// on the GPU). absmin is tracked as min(|x| - 1): a zero becomes kNone, larger than any |x| - 1 of a finite value,
+// so it can never win, and no zero test is needed per element.
 template <typename F>
 struct LaneScan {
   using Bits = typename F::Bits;
   using Wide = typename std::conditional<sizeof(Bits) == 8, uint64_t, uint32_t>::type;
   static constexpr int kPerVector = kVectorBytes / static_cast<int>(sizeof(Bits));
-  static constexpr Wide kNone = ~Wide(0);
+  static constexpr Wide kNone = sizeof(Bits) == 2 ? Wide(0xFFFF) : ~Wide(0);  // what a zero's |x| - 1 wraps to
   static constexpr Wide kInfAbs = Wide(F::kExpMax) << F::kMantBits;  // smallest abs pattern of an inf or NaN
   static constexpr Wide kMinNormalAbs = Wide(1) << F::kMantBits;
 
@@ -188,12 +194,33 @@ struct LaneScan {
   template <typename Hist>
   NANSCAN_HD void add_vector(const Vector& v, Hist& hist) {
     Wide a[kPerVector];
-    Wide vmax = 0, vmin_minus_one = kNone;
+    Wide vmax, vmin_minus_one;
+    if constexpr (sizeof(Bits) == 2) {
+      // Two elements per word, handled as 16x2 lanes: |x| = word & 0x7FFF per half; adding 0x7FFF to a half
+      // (never carrying out of it) then flipping its top bit gives |x| - 1, or 0xFFFF (kNone) for a zero.
+      uint32_t abs2[4], minus_one2[4];
 #pragma unroll
-    for (int j = 0; j < kPerVector; ++j) {
-      a[j] = abs_bits<F>(element(v, j));
-      vmax = a[j] > vmax ? a[j] : vmax;
-      vmin_minus_one = a[j] - 1 < vmin_minus_one ? a[j] - 1 : vmin_minus_one;
+      for (int k = 0; k < 4; ++k) {
+        abs2[k] = v.w[k] & 0x7FFF7FFFu;
+        minus_one2[k] = (abs2[k] + 0x7FFF7FFFu) ^ 0x80008000u;
+        a[2 * k] = abs2[k] & 0xFFFFu;
+        a[2 * k + 1] = abs2[k] >> 16;
+      }
+      // Three-way 16x2 min/max (Hopper DPX instructions; host and older GPUs get an emulation).
+      const uint32_t max2 = __vimax3_u16x2(__vimax3_u16x2(abs2[0], abs2[1], abs2[2]), abs2[3], abs2[3]);
+      const uint32_t min2 =
+          __vimin3_u16x2(__vimin3_u16x2(minus_one2[0], minus_one2[1], minus_one2[2]), minus_one2[3], minus_one2[3]);
+      vmax = (max2 & 0xFFFFu) > (max2 >> 16) ? (max2 & 0xFFFFu) : (max2 >> 16);
+      vmin_minus_one = (min2 & 0xFFFFu) < (min2 >> 16) ? (min2 & 0xFFFFu) : (min2 >> 16);
+    } else {
+      vmax = 0;
+      vmin_minus_one = kNone;
+#pragma unroll
+      for (int j = 0; j < kPerVector; ++j) {
+        a[j] = abs_bits<F>(element(v, j));
+        vmax = a[j] > vmax ? a[j] : vmax;
+        vmin_minus_one = a[j] - 1 < vmin_minus_one ? a[j] - 1 : vmin_minus_one;
+      }
     }
     if (vmax >= kInfAbs || vmin_minus_one < kMinNormalAbs - 1) {
 #pragma unroll
@@ -216,11 +243,24 @@ struct LaneScan {
     }
   }
 
+  // The table slot of a normal value; slots grow with |x|, so the slots of a piece's absmin and absmax bound every
+  // slot its elements touched (NOTE: [cuda scan], 5).
   NANSCAN_HD static int normal_slot(Wide a) {
     const int field = static_cast<int>(a >> F::kMantBits);
     return SlotPolicy<F>::kByField ? field : bin_of_normal_field<F>(field);
   }
 };
+
+// The table rows a piece can have touched (NOTE: [cuda scan], 5), from its block-wide abs extremes: row 0 (zeros)
+// and rows [*first, *last]. `absmin_minus_one` is kNone-free here: pass has_min = false when no finite non-zero
+// value was seen.
+template <typename F>
+NANSCAN_HD void touched_rows(bool has_min, uint64_t absmin, uint64_t absmax, int* first, int* last) {
+  using Wide = typename LaneScan<F>::Wide;
+  *first = has_min ? LaneScan<F>::normal_slot(static_cast<Wide>(absmin)) : 0;
+  *last = LaneScan<F>::normal_slot(static_cast<Wide>(absmax));
+  if (*first < 1) *first = 1;  // row 0 is always flushed on its own
+}
 
 // Thread `tid` of kThreads scans its share of [begin, end) of `data` (NOTE: [cuda scan], 2): head element
 // begin + tid, vectors tid, tid + kThreads, ..., tail element body_end + tid.

@@ -84,12 +84,15 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
         summary.add_row(category, str(count), "yes" if category in fail_on else "no", style=style)
     console.print(summary)
     if report.findings:
-        listing = Table(title="findings", show_lines=False)
-        for column in ("category", "record", "field", "detail", "sha256"):
-            listing.add_column(column, overflow="fold")
+        # One line per finding, never wrapped, so that a record id can be copied or grepped whole.
+        from rich.markup import escape
+
+        console.print("[bold]findings[/bold]")
         for f in report.findings:
-            listing.add_row(f.category, str(f.record), f.field or "", f.detail, (f.record.sha256 or "")[:16])
-        console.print(listing)
+            field = f" field {escape(f.field)}" if f.field else ""
+            digest = f" sha256:{f.record.sha256[:16]}" if f.record.sha256 else ""
+            console.print(f"  [bold]{f.category}[/bold] {escape(str(f.record))}{field}: {escape(f.detail)}"
+                          f"[dim]{digest}[/dim]", soft_wrap=True)
         omitted = {c: report.counts.get(c, 0) - sum(f.category == c for f in report.findings) for c in CATEGORIES}
         omitted = {c: n for c, n in omitted.items() if n > 0}
         if omitted:
@@ -101,11 +104,11 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
                       f"over {t['records']} records" + (f"; --max-tokens {report.max_tokens}"
                                                         if report.max_tokens is not None else ""))
     if report.longest is not None:
-        console.print(f"longest record: {report.longest.record} ({report.longest.value} tokens)")
+        console.print(f"longest record: {report.longest.record} ({report.longest.value} tokens)", soft_wrap=True)
     if report.largest_magnitude is not None:
         b = report.largest_magnitude
         console.print(f"largest finite magnitude: {b.value:.6g} in {b.record}" + (f" field {b.field}" if b.field
-                                                                                   else ""))
+                                                                                   else ""), soft_wrap=True)
     if report.skipped:
         shown = ", ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else "")
         console.print(f"[dim]skipped {len(report.skipped)} file(s) of unknown format: {shown}[/dim]")

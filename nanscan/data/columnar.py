@@ -95,86 +95,135 @@ def _float_leaves(arr: pa.Array, field: str, rows: Callable[[], np.ndarray] | No
 
 
 class TableCheck:
-    """Checks one Arrow table whose rows are records `ref(i)`; `inspect_row(i)` runs the per-record definition."""
+    """Checks one Arrow table whose rows are records `ref(i)`; `inspect_row(i)` runs the per-record definition.
+
+    A null in a column is either an absent key (JSON Lines: Arrow fills a column for keys some rows lack) or an
+    explicit null (an `empty` finding). `null_rows()`, when given, returns the rows that may hold an explicit
+    null (their text contains "null"); only those are sent to the per-record check for their nulls. Without it
+    (Parquet, where every row has every column) every null is explicit.
+    """
 
     def __init__(self, checker: "Checker", table: pa.Table, ref: Callable[[int], RecordRef],
-                 inspect_row: Callable[[int], None]):
+                 inspect_row: Callable[[int], None], null_rows: Callable[[], np.ndarray] | None = None):
         self.checker = checker
         self.table = table
         self.ref = ref
         self.inspect_row = inspect_row
+        self.null_rows = null_rows
         self.n = table.num_rows
         self.flagged = np.zeros(self.n, dtype=bool)
 
     def run(self) -> None:
+        if self.n == 0:
+            return
+        try:
+            analysis = self._analyse()
+        except Exception:  # noqa: BLE001 - Arrow can hand back malformed arrays (e.g. list<null>): check row by row
+            self._inspect(np.arange(self.n))
+            return
+        self._account(*analysis)
+
+    def _analyse(self) -> tuple[list, np.ndarray | None, np.ndarray]:
+        """Vectorised passes: flag the rows needing the full check; return (columns, token counts, rows with
+        text)."""
         n, checker = self.n, self.checker
-        if n == 0:
-            return
-        if self.table.num_columns == 0:  # every row is {}: the per-record check reports each one
-            self._inspect(np.arange(n))
-            return
-        columns = []  # (name, kind, lengths or None)
+        columns = []  # (name, kind, lengths or None, valid rows or None)
         leaves: list = []
         token_parts: list[np.ndarray] = []
         text_fields = checker.text_fields
+        any_value = np.zeros(n, dtype=bool)
+        has_text = np.zeros(n, dtype=bool)  # rows with a text field present: only those have a token length
+        explicit_null = None
         for name, chunked in zip(self.table.column_names, self.table.columns):
             arr = _decode(chunked.combine_chunks())
             kind = arrow_kind(arr.type)
             if kind is None or pa.types.is_null(arr.type):
                 self.flagged[:] = True  # a type this path does not model: every row gets the full check
                 continue
+            valid = None
             if arr.null_count:
-                self.flagged |= arr.is_null().to_numpy(zero_copy_only=False)
+                valid = arr.is_valid().to_numpy(zero_copy_only=False)
+                if self.null_rows is None:
+                    self.flagged |= ~valid
+                else:
+                    if explicit_null is None:
+                        explicit_null = self.null_rows()
+                    self.flagged |= ~valid & explicit_null
+            present = np.ones(n, dtype=bool) if valid is None else valid
+            any_value |= present
             lengths = None
             if kind == "string":
                 words = checker.whitespace.count_arrow(arr)
-                self.flagged |= words == 0  # str.strip() == "" exactly when str.split() == []
+                self.flagged |= (words == 0) & present  # str.strip() == "" exactly when str.split() == []
                 if text_fields is None or name in text_fields:
+                    has_text |= present
                     if checker.tokenizer is checker.whitespace:
                         token_parts.append(words)
                     else:
                         token_parts.append(self._tokenize(arr))
             elif kind == "bytes":
-                self.flagged |= pc.binary_length(arr).to_numpy(zero_copy_only=False) == 0
+                self.flagged |= (pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False) == 0) & present
             elif kind.startswith("list"):
                 lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-                self.flagged |= lengths == 0
+                self.flagged |= (lengths == 0) & present
                 values = arr.flatten()
                 if values.null_count:  # [1, null] is a list of mixed kinds for the per-record check
                     parents = pc.list_parent_indices(arr).to_numpy()
                     self.flagged[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
                 if text_fields is not None and name in text_fields and kind == "list[number]":
+                    has_text |= present
                     token_parts.append(lengths)
             elif kind == "object":
                 children = arr.flatten()
                 if not children:
-                    self.flagged[:] = True
+                    self.flagged |= present
                 else:
-                    all_null = np.ones(n, dtype=bool)
+                    all_null = present.copy()
                     for child in children:
                         all_null &= child.is_null().to_numpy(zero_copy_only=False)
                     self.flagged |= all_null  # maybe {}: the per-record check decides
-            columns.append((name, kind, lengths))
+            columns.append((name, kind, lengths, valid))
             _float_leaves(arr, name, None, leaves)
+        self.flagged |= ~any_value  # {} or a row of nulls
         self._scan(leaves)
         tokens = None
         if token_parts:
             tokens = np.sum(token_parts, axis=0) if len(token_parts) > 1 else token_parts[0]
             if checker.max_tokens is not None:
                 self.flagged |= tokens > checker.max_tokens
+        return columns, tokens, has_text
+
+    def _account(self, columns: list, tokens: np.ndarray | None, has_text: np.ndarray) -> None:
+        """Tally the clean rows directly; send the flagged ones to the per-record check."""
+        checker = self.checker
         clean = ~self.flagged
-        n_clean = int(clean.sum())
-        if n_clean:
-            clean_rows = np.flatnonzero(clean)
+        clean_rows = np.flatnonzero(clean)
+        if len(clean_rows):
             if tokens is not None:
-                clean_tokens = tokens[clean_rows]
-                checker.note_tokens(clean_tokens, lambda i: self.ref(int(clean_rows[i])))
-            for name, kind, lengths in columns:
-                self._tally(name, kind, lengths, clean, clean_rows)
-            checker.tracker.add_keys(self.table.column_names, n_clean,
-                                     lambda k: [self.ref(int(i)) for i in clean_rows[:k]])
-            checker.records += n_clean
+                counted = clean_rows[has_text[clean_rows]]
+                checker.note_tokens(tokens[counted], lambda i: self.ref(int(counted[i])))
+            for name, kind, lengths, valid in columns:
+                mask = clean if valid is None else clean & valid
+                self._tally(name, kind, lengths, mask)
+            self._tally_keys(columns, clean_rows)
+            checker.records += len(clean_rows)
         self._inspect(np.flatnonzero(self.flagged))
+
+    def _tally_keys(self, columns: list, clean_rows: np.ndarray) -> None:
+        """Key sets of the clean rows: every column a row has a value in (a null here is an absent key)."""
+        tracker = self.checker.tracker
+        always = [name for name, _, _, valid in columns if valid is None]
+        optional = [(name, valid[clean_rows]) for name, _, _, valid in columns if valid is not None]
+        if not optional:
+            tracker.add_keys(always, len(clean_rows), lambda k: [self.ref(int(i)) for i in clean_rows[:k]])
+            return
+        patterns, inverse, counts = np.unique(np.stack([v for _, v in optional], axis=1), axis=0,
+                                              return_inverse=True, return_counts=True)
+        inverse = inverse.reshape(-1)
+        for p, (pattern, count) in enumerate(zip(patterns, counts.tolist())):
+            keys = always + [name for (name, _), has in zip(optional, pattern) if has]
+            rows = clean_rows[inverse == p]
+            tracker.add_keys(keys, count, lambda k, rows=rows: [self.ref(int(i)) for i in rows[:k]])
 
     def _tokenize(self, arr: pa.Array) -> np.ndarray:
         try:
@@ -183,17 +232,17 @@ class TableCheck:
             self.flagged[:] = True
             return np.zeros(len(arr), dtype=np.int64)
 
-    def _tally(self, name: str, kind: str, lengths: np.ndarray | None, clean: np.ndarray,
-               clean_rows: np.ndarray) -> None:
+    def _tally(self, name: str, kind: str, lengths: np.ndarray | None, mask: np.ndarray) -> None:
+        """Kinds and shapes of one column over the rows in `mask`."""
         tracker = self.checker.tracker
         if lengths is None:
-            tracker.add_many(name, kind, None, len(clean_rows),
-                             lambda k: [self.ref(int(i)) for i in clean_rows[:k]])
+            rows = np.flatnonzero(mask)
+            tracker.add_many(name, kind, None, len(rows), lambda k: [self.ref(int(i)) for i in rows[:k]])
             return
-        values, counts = np.unique(lengths[clean], return_counts=True)
+        values, counts = np.unique(lengths[mask], return_counts=True)
         for length, count in zip(values.tolist(), counts.tolist()):
             def refs(k, length=length):
-                rows = np.flatnonzero(clean & (lengths == length))[:k]
+                rows = np.flatnonzero(mask & (lengths == length))[:k]
                 return [self.ref(int(i)) for i in rows]
 
             tracker.add_many(name, kind, (length,), count, refs)

@@ -417,10 +417,7 @@ class ArrayCheck:
                 continue
             stats = scan_tensors([values]).stats[0]
             if not stats.ok:
-                finite = torch.view_as_real(values).reshape(-1, 2).isfinite().all(1) if values.is_complex() \
-                    else values.isfinite()
-                bad = torch.nonzero(~finite).reshape(-1).numpy() + start
-                self._report_rows(self._rows_of(bad))
+                self._report_rows(self._rows_of(_nonfinite_elements(values) + start))
             if stats.absmax > best[0]:
                 best = (stats.absmax, start, len(values))
                 if reread is None:
@@ -429,9 +426,7 @@ class ArrayCheck:
             self._note_magnitude(best[0], best[1], as_scannable(reread(best[1], best[2])))
 
     def _note_magnitude(self, absmax: float, start: int, values: torch.Tensor) -> None:
-        magnitude = values.abs().to(torch.float64)
-        magnitude = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
-        element = int(torch.argmax(magnitude)) + start
+        element = _largest_element(values) + start
         row = int(self._rows_of(np.array([element]))[0])
         self.checker.note_magnitude(absmax, self.ref(row if self.shape else None), self.member or self.field)
 
@@ -465,6 +460,43 @@ class ArrayCheck:
                 count, text = describe_nonfinite(data, path)
                 detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
             sink.add(NONFINITE, self.ref(row if self.shape else None), detail, name)
+
+
+# NOTE: [locating values] A chunk the scan flags is not searched with elementwise torch ops over its whole length
+# (each allocates and writes a full-size mask). It is cut into pieces of LOCATE_ELEMS that one multi-tensor scan
+# covers; only the pieces whose record shows a non-finite value, or the largest absolute value, are searched.
+LOCATE_ELEMS = 1 << 14
+
+
+def _pieces(values: torch.Tensor) -> tuple[list[torch.Tensor], np.ndarray]:
+    pieces = list(values.split(LOCATE_ELEMS))
+    return pieces, scan_tensors(pieces).records
+
+
+def _nonfinite_elements(values: torch.Tensor) -> np.ndarray:
+    """Indices of the non-finite elements of a 1-D chunk (NOTE: [locating values])."""
+    from nanscan import _layout as L
+
+    pieces, records = _pieces(values)
+    found = []
+    for i in np.flatnonzero(records[:, L.REC_NAN: L.REC_NEGINF + 1].any(axis=1)).tolist():
+        piece = pieces[i]
+        finite = torch.view_as_real(piece).isfinite().all(-1) if piece.is_complex() else piece.isfinite()
+        found.append(torch.nonzero(~finite).reshape(-1).numpy() + i * LOCATE_ELEMS)
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+
+def _largest_element(values: torch.Tensor) -> int:
+    """Index of the element with the largest finite magnitude in a 1-D chunk (NOTE: [locating values]).
+
+    Stored magnitudes are bit patterns of non-negative numbers of one format, which order like the numbers."""
+    from nanscan import _layout as L
+
+    pieces, records = _pieces(values)
+    i = int(np.argmax(records[:, L.REC_ABSMAX_BITS]))
+    piece = pieces[i].abs().to(torch.float64)
+    piece = torch.where(torch.isfinite(piece), piece, torch.zeros_like(piece))
+    return int(torch.argmax(piece)) + i * LOCATE_ELEMS
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

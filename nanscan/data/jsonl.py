@@ -2,8 +2,8 @@
 
 Each block is parsed by Arrow's multi-threaded JSON reader and checked column by column (columnar.TableCheck);
 only the lines that might hold a finding are parsed again with `json.loads` and checked one by one. A block Arrow
-refuses (a line that is not valid JSON, a field whose type changes) is split in halves until the bad lines are
-isolated, so one broken line does not send its neighbours down the slow path.
+refuses (a line that is not valid JSON, a field whose type changes) is re-read in pieces, and refused pieces in
+halves, until the bad lines are isolated, so one broken line does not send its neighbours down the slow path.
 
 A record is one line; its identifier is the 1-based line number and the sha256 of the line's bytes without the
 line feed. A line longer than --max-record-bytes is not loaded: it is reported `unreadable` and hashed in passing.
@@ -15,6 +15,8 @@ import hashlib
 import io
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -31,11 +33,8 @@ if TYPE_CHECKING:
 
 READ_BYTES = 8 << 20  # bytes read per step; a block is this plus the unfinished line carried over
 ARROW_BLOCK = 1 << 20  # Arrow parses a block in pieces of this size on its thread pool
-SPLIT_MIN = 64 << 10  # below this, a block Arrow refuses is checked line by line
-
-_ASCII_SPACE = np.zeros(256, dtype=bool)
-_ASCII_SPACE[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
-
+PIECE_BYTES = 256 << 10  # a block Arrow refuses is re-read in pieces of about this size
+SPLIT_MIN = 16 << 10  # a refused piece is halved down to this size, then checked line by line
 
 class TruncatedStream(Exception):
     """A compressed stream that ends before its end marker."""
@@ -104,9 +103,23 @@ class JsonLinesFile:
         self.checker.sink.add(UNREADABLE, RecordRef(self.display, digest=lambda: file_digest(self.path)), detail)
 
     def _consume(self, chunks: Iterator[bytes]) -> None:
+        """Cut the stream into blocks of whole lines; Arrow parses block i+1 on a worker thread while block i is
+        checked here (both release the GIL for most of their work, so the two cores overlap)."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = None
+            for block, first_line in self._blocks(chunks):
+                prepared = pool.submit(self._prepare, block, first_line)
+                if pending is not None:
+                    self._check(pending.result())
+                pending = prepared
+            if pending is not None:
+                self._check(pending.result())
+
+    def _blocks(self, chunks: Iterator[bytes]) -> Iterator[tuple[bytes, int]]:
+        """(block of whole lines, number of its first line); over-long lines are reported and skipped here."""
         limit = self.checker.max_record_bytes
         carry = b""
-        skipping = None  # (sha256 object, bytes so far) while passing over an over-long line
+        skipping = None  # [sha256 object, bytes so far] while passing over an over-long line
         for chunk in chunks:
             if skipping is not None:
                 nl = chunk.find(b"\n")
@@ -122,7 +135,7 @@ class JsonLinesFile:
             if cut == -1:
                 carry = data
             else:
-                self._block(data[: cut + 1])
+                yield self._number(data[: cut + 1])
                 carry = data[cut + 1:]
             if len(carry) > limit:
                 skipping = [hashlib.sha256(carry), len(carry)]
@@ -130,7 +143,12 @@ class JsonLinesFile:
         if skipping is not None:
             self._oversize(skipping[0].hexdigest(), skipping[1])
         elif carry:
-            self._block(carry)  # last line without a line feed
+            yield self._number(carry)  # last line without a line feed
+
+    def _number(self, block: bytes) -> tuple[bytes, int]:
+        first_line = self.line + 1
+        self.line += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+        return block, first_line
 
     def _oversize(self, digest: str, size: int) -> None:
         self.line += 1
@@ -140,58 +158,81 @@ class JsonLinesFile:
                               "not parsed")
 
     # -- one block of whole lines --------------------------------------------------------------------------------
-    def _block(self, block: bytes) -> None:
+    def _prepare(self, block: bytes, first_line: int) -> "_Block":
+        """Worker thread: find the lines, and parse each run of lines that begin with "{" with Arrow.
+
+        Only such lines go to Arrow: its reader may crash the process on a line like `null`, so blank lines, bare
+        values and over-long lines never reach it.
+        """
         buf = np.frombuffer(block, dtype=np.uint8)
         newlines = np.flatnonzero(buf == 10)
         starts = np.concatenate([[0], newlines + 1])
         ends = np.concatenate([newlines, [len(block)]])
         if block.endswith(b"\n"):
             starts, ends = starts[:-1], ends[:-1]
-        first_line = self.line + 1
-        self.line += len(starts)
-        self._lines(block, starts, ends, first_line)
-
-    def _lines(self, block: bytes, starts: np.ndarray, ends: np.ndarray, first_line: int) -> None:
-        """Check the lines block[starts[i]:ends[i]], numbered from first_line, fast path first."""
-        n = len(starts)
-        if n == 0:
-            return
         lengths = ends - starts
-        if lengths.max() > self.checker.max_record_bytes:
-            self._slow(block, starts, ends, first_line, range(n))
-            return
-        buf = np.frombuffer(block, dtype=np.uint8)
-        lead = buf[np.minimum(starts, len(block) - 1)] if len(block) else np.zeros(n, np.uint8)
-        maybe_blank = np.flatnonzero((lengths == 0) | _ASCII_SPACE[lead])
-        blank = [i for i in maybe_blank.tolist() if not block[starts[i]:ends[i]].strip()]
-        rows_to_lines = np.delete(np.arange(n), blank) if blank else np.arange(n)
-        begin, end = int(starts[0]), int(ends[-1])
-        table = self._parse(block[begin:end]) if len(rows_to_lines) else None
-        if len(rows_to_lines) and (table is None or table.num_rows != len(rows_to_lines)):
-            # Arrow refused the block (or read a line as two records): isolate the bad lines.
-            if end - begin <= SPLIT_MIN or n == 1:
+        lead = buf[np.minimum(starts, max(len(block) - 1, 0))] if len(block) else np.zeros(len(starts), np.uint8)
+        objects = (lengths > 0) & (lead == ord("{")) & (lengths <= self.checker.max_record_bytes)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], objects.view(np.int8), [0]])))
+        runs = [(begin, end, self._parse(block[int(starts[begin]):int(ends[end - 1])]))
+                for begin, end in zip(edges[0::2].tolist(), edges[1::2].tolist())]
+        return _Block(block, starts, ends, first_line, np.flatnonzero(~objects).tolist(), runs)
+
+    def _check(self, prepared: "_Block") -> None:
+        block, starts, ends, first_line = prepared.block, prepared.starts, prepared.ends, prepared.first_line
+        self._slow(block, starts, ends, first_line, prepared.other_lines)
+        for begin, end, table in prepared.runs:
+            self._objects(block, starts[begin:end], ends[begin:end], first_line + begin, table)
+
+    def _objects(self, block: bytes, starts: np.ndarray, ends: np.ndarray, first_line: int,
+                 table: pa.Table | None) -> None:
+        """A run of lines that each start with "{", with Arrow's table of it (None: refused). A refused run is cut
+        into pieces and halved until the bad lines are isolated (a run of one line, or of under SPLIT_MIN bytes,
+        is checked line by line)."""
+        n = len(starts)
+        if table is None or table.num_rows != n:  # refused, or a line held two records
+            size = int(ends[-1] - starts[0])
+            if n == 1 or size <= SPLIT_MIN:
                 self._slow(block, starts, ends, first_line, range(n))
-            else:
-                half = n // 2
-                self._lines(block, starts[:half], ends[:half], first_line)
-                self._lines(block, starts[half:], ends[half:], first_line + half)
-            return
-        self._slow(block, starts, ends, first_line, blank)
-        if table is None:
+                return
+            # A big run is cut into pieces first, so that several bad lines cost a few small re-reads each
+            # rather than a cascade of halvings of the whole block.
+            parts = max(2, size // PIECE_BYTES) if size > PIECE_BYTES else 2
+            cuts = np.searchsorted(starts - starts[0], np.arange(1, parts) * (size / parts))
+            inner = sorted({int(c) for c in cuts if 0 < c < n}) or [n // 2]  # lines can be longer than a piece
+            bounds = [0, *inner, n]
+            for begin, end in zip(bounds[:-1], bounds[1:]):
+                piece = self._parse(block[int(starts[begin]):int(ends[end - 1])])
+                self._objects(block, starts[begin:end], ends[begin:end], first_line + begin, piece)
             return
 
         def ref(row: int) -> RecordRef:
-            i = int(rows_to_lines[row])
-            raw = block[starts[i]:ends[i]]
-            return RecordRef(self.display, line=first_line + i, digest=lambda: sha256_hex(raw))
+            raw = block[starts[row]:ends[row]]
+            return RecordRef(self.display, line=first_line + row, digest=sha256_hex(raw))
 
         def inspect_row(row: int) -> None:
-            i = int(rows_to_lines[row])
-            self._slow(block, starts, ends, first_line, [i])
+            self._slow(block, starts, ends, first_line, [row])
 
-        TableCheck(self.checker, table, ref, inspect_row).run()
+        def null_rows() -> np.ndarray:
+            # Rows whose text contains "null" may hold an explicit null; in the others a null is an absent key.
+            data = block[int(starts[0]):int(ends[-1])]
+            hits, at = [], data.find(b"null")
+            while at != -1:
+                hits.append(at)
+                at = data.find(b"null", at + 4)
+            rows = np.zeros(n, dtype=bool)
+            if hits:
+                rows[np.searchsorted(starts - starts[0], np.array(hits), side="right") - 1] = True
+            return rows
+
+        TableCheck(self.checker, table, ref, inspect_row, null_rows).run()
 
     def _parse(self, data: bytes) -> pa.Table | None:
+        try:
+            # Arrow does not validate UTF-8 inside strings; json.loads of undecodable bytes is the definition.
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
         try:
             table = self._read(data)
             retyped = {}
@@ -226,6 +267,16 @@ class JsonLinesFile:
                                                   f"{checker.max_record_bytes}; not parsed")
                 continue
             check_json_line(checker, raw, ref)
+
+
+@dataclass
+class _Block:
+    block: bytes
+    starts: np.ndarray  # line i is block[starts[i]:ends[i]], without its line feed
+    ends: np.ndarray
+    first_line: int
+    other_lines: list[int]  # lines that are not candidates for Arrow (blank, bare values, over-long)
+    runs: list  # (first line index, end line index, Arrow table or None) for runs of lines starting with "{"
 
 
 def _timestamps_as_strings(t: pa.DataType) -> pa.DataType | None:

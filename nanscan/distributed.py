@@ -1,0 +1,778 @@
+"""Distributed training (torch.distributed, DDP and FSDP2): every rank scans what it holds, the ranks agree on each
+step's verdict through one small all-reduce, and a failing step leaves one bundle set: a part per rank plus an
+index written by rank 0.
+
+A Monitor created while torch.distributed is initialized agrees over the world group (or the `process_group=` it
+is given); nothing here runs for a single process.
+
+Agreement. At every check each rank all-reduces (MAX) four int64 values: its non-finite flag, the step, minus the
+step and minus its rank when its flag is set. One collective tells every rank whether any rank saw NaN/inf at this
+step, which rank was the lowest to see it, and whether all ranks checked the same step. Every rank then applies the
+same `on_invalid` at the same step, so no rank is left waiting in a collective that the others never join.
+
+- agreement="sync" (default): the all-reduce is issued and waited for inside the check. Every rank decides step s
+  before its optimizer.step(): with on_invalid="raise" all ranks raise NonFiniteError naming step s, and step s's
+  update is never applied; with "skip" every rank drops step s's gradients. The cost is one tiny collective per
+  step (on CPU/gloo about the latency of one round trip), on top of the host synchronisation the scan already does.
+- agreement="async": the all-reduce is issued with async_op=True and the host does not wait for it; its result is
+  read at the next check (or at Monitor.flush() / close()). The verdict for step s therefore arrives at step s+1's
+  check and names step s, after every rank has already applied step s's update (and run step s+1's forward and
+  backward). A rank that sees NaN/inf itself writes its part at once, at step s; ranks whose own tensors were
+  finite write theirs when the verdict arrives, with the state of step s+1's check (the part's manifest says so).
+  Where step s's update must not happen, call `mon.flush()` before `optimizer.step()` (on every rank): it waits
+  for step s's verdict and applies on_invalid then, exactly as in sync mode.
+
+The report check() returns has the agreed `ok`, the same on every rank at every check, so a loop that branches on
+it (`if not report.ok: continue`) keeps the ranks in lockstep; `report.local_ok` (nanscan.distributed.
+AgreedScanReport) is the rank's own answer where the two differ. In sync mode `ok` is False on every rank at the
+failing step, also where the rank's own tensors were finite. In async mode it is False from the check where the
+verdict arrives; until then a rank that saw NaN/inf itself gets `ok` True like the others, which do not know yet.
+
+Names. Under DDP each rank scans whole parameters under their unwrapped names (the Monitor unwraps
+DistributedDataParallel, so the names and the stored state match the single-process model). Under FSDP2
+(`fully_shard`) parameters, gradients and optimizer state are DTensors: each rank scans its local shard and names it
+with the global parameter name and its shard index, e.g. `param:layers.0.weight@shard1/4` (shard 1 of 4 along the
+mesh dimension that shards it).
+
+Bundle set. On the first failing step every rank writes its part, `<bundle_dir>/<run_id>/step-<s>/rank-<r>/` (an
+ordinary bundle whose manifest has a `distributed` section); then the ranks gather one summary each (a collective
+on the failure path only) and rank 0 writes `step-<s>/index.json`, naming the first bad rank(s) and their tensors.
+"First" orders the ranks by how early in the step their non-finite values appeared (input, parameter, optimizer
+state, loss, gradient: the order of the Monitor's categories), then by rank: under DDP a NaN in rank 1's batch makes
+every rank's gradients NaN through the gradient all-reduce, but only rank 1's batch was non-finite. Ranks that tie
+are all named. `load_bundle(step-dir)` returns a BundleSet: the first bad rank's part (so report, replay and notes
+work on it unchanged) with every other part and the index beside it. Its `state()` joins FSDP shards from all parts
+into full tensors, so the failing rank's step can be replayed in a single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanscan._atomic import atomic_write_json
+from nanscan.bundle import MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, write_bundle
+from nanscan.inputs import ScanInput, prepare
+from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
+from nanscan.stats import ScanReport
+
+log = logging.getLogger("nanscan")
+
+INDEX = "index.json"
+INDEX_SCHEMA = "nanscan.bundle-index/1"
+AGREEMENTS = ("sync", "async")
+# The category of a part whose rank held only finite values at the failing step (another rank's were not).
+OTHER_RANK = "other_rank"
+SHARD_SUFFIX = "@shard"
+NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every one is in the rank's own manifest
+INDEX_REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "world_size", "first_bad_ranks", "bad_ranks",
+                       "category", "ranks")
+
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Payload slots of the per-step all-reduce (MAX); see the module docstring.
+_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
+
+
+def _category_rank(category: str) -> int:
+    order = (*CATEGORIES, "other")
+    return order.index(category) if category in order else len(order)
+
+
+# -- DTensor shards -----------------------------------------------------------------------------------------------
+
+def _dtensor_type() -> type | None:
+    """DTensor, if torch.distributed.tensor has been imported: no DTensor can exist before that, and importing it
+    just to ask costs about a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def shard_suffix(t: torch.Tensor) -> str:
+    """`@shard<i>/<n>` for a DTensor sharded along a mesh dimension of size n (i: this rank's coordinate there;
+    several sharded mesh dimensions are joined with ','); "" for a replicated DTensor or a plain tensor."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return ""
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
+    parts = [f"{coordinate[d]}/{mesh.size(d)}" for d, p in enumerate(t.placements) if p.is_shard()]
+    return SHARD_SUFFIX + ",".join(parts) if parts else ""
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor (no copy, no communication); anything else as it is."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def has_dtensors(model: torch.nn.Module) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def local_model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ScanInput]:
+    """nanscan.scan.model_inputs for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
+    global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
+    Plain tensors get exactly the names model_inputs gives them."""
+    inputs: list[ScanInput] = []
+    names: dict[int, str] = {}
+
+    def add(name: str, t: torch.Tensor) -> None:
+        item = prepare(name, local_tensor(t))
+        if item is not None:
+            inputs.append(item)
+
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        add(f"param:{name}{shard_suffix(p)}", p)
+        if p.grad is not None:
+            add(f"grad:{name}{shard_suffix(p.grad)}", p.grad)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                        add(f"optim:{pname}{shard_suffix(value)}.{key}", value)
+    return inputs
+
+
+def _tree_items(value: Any, path: tuple[str, ...] = ()):
+    """(path, tensor) for every tensor in nested dicts/lists/tuples; keys become strings."""
+    if isinstance(value, torch.Tensor):
+        yield "/".join(path), value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _tree_items(v, path + (str(k),))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tree_items(v, path + (str(i),))
+
+
+def _map_tree(value: Any, fn, path: tuple[str, ...] = ()) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn("/".join(path), value)
+    if isinstance(value, Mapping):
+        return {k: _map_tree(v, fn, path + (str(k),)) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_map_tree(v, fn, path + (str(i),)) for i, v in enumerate(value))
+    return value
+
+
+def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
+    """What BundleSet.state() needs to join the parts of a sharded state again: ({path in the stored state
+    ("model/<key>", "optimizer/state/<index>/<key>"): layout}, shard groups).
+
+    A tensor sharded along exactly one mesh dimension (FSDP; HSDP, whose other dimension replicates) records the
+    tensor dimension it is split along and its shard group: the global ranks holding its pieces, in order, stored
+    once per group in the second value (a group can span the whole world, and every parameter shares it). Other
+    layouts record their placements only, and cannot be joined in one process.
+    """
+    dtensor = _dtensor_type()
+    layout: dict[str, dict] = {}
+    groups: dict[tuple[int, ...], int] = {}
+    if dtensor is None:
+        return layout, []
+    for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
+        for path, t in _tree_items(tree, (root,)):
+            if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
+                continue
+            entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
+            sharded = [(m, p.dim) for m, p in enumerate(t.placements) if p.is_shard()]
+            if len(sharded) == 1 and not any(p.is_partial() for p in t.placements):
+                mesh_dim, entry["dim"] = sharded[0]
+                where: list = list(t.device_mesh.get_coordinate())
+                where[mesh_dim] = slice(None)
+                owners = tuple(t.device_mesh.mesh[tuple(where)].tolist())
+                entry["group"] = groups.setdefault(owners, len(groups))
+            layout[path] = entry
+    return layout, [list(owners) for owners in groups]
+
+
+def localize_state(tree: Any) -> Any:
+    """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
+    return _map_tree(tree, lambda _path, t: local_tensor(t).detach())
+
+
+# -- the process group ------------------------------------------------------------------------------------------
+
+def distributed_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: NCCL wants the current CUDA device, gloo and MPI the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_json(value: Any, group, device: torch.device) -> list:
+    """Every rank's JSON value, in rank order (two collectives: the lengths, then the padded bytes). JSON rather
+    than all_gather_object, which pickles."""
+    data = np.frombuffer(json.dumps(value, allow_nan=False).encode("utf-8"), dtype=np.uint8)
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.from_numpy(data.copy())
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes)]
+
+
+# -- verdicts ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed about one step. `lowest_bad_rank`: the lowest rank that saw NaN/inf (None when ok).
+    On the first failing step `first_bad_ranks` and `bad_ranks` come from the gathered summaries (see the module
+    docstring for "first"); later failing steps only carry lowest_bad_rank."""
+
+    step: int
+    ok: bool
+    lowest_bad_rank: int | None = None
+    first_bad_ranks: tuple[int, ...] = ()
+    bad_ranks: tuple[int, ...] = ()
+
+
+class AgreedScanReport(ScanReport):
+    """This rank's scan of a step, whose `ok` is the ranks' agreed answer rather than this rank's own
+    (`local_ok`), so that every rank's loop takes the same branch.
+
+    Returned where the two differ: on every rank of a step agreed non-finite (`ok` False, also where this rank's
+    tensors were finite), and in async mode on a rank that saw NaN/inf itself before the others know (`ok` True:
+    no rank has decided yet; the verdict comes at the next check). `verdict`: the verdict read at this check (in
+    async mode the previous step's), None before any.
+    """
+
+    def __init__(self, report: ScanReport, verdict: Verdict | None, *, ok: bool):
+        super().__init__(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
+                         step=report.step)
+        self.verdict = verdict
+        self._agreed_ok = ok
+
+    @property
+    def ok(self) -> bool:
+        return self._agreed_ok
+
+    @property
+    def local_ok(self) -> bool:
+        return ScanReport.ok.fget(self)
+
+
+class DistributedNonFiniteError(NonFiniteError):
+    """NonFiniteError raised on every rank at the same step. `category` and `tensors` are the first bad rank's;
+    `rank` is this process's rank, `local_category` its own category at that step, `first_bad_ranks` and
+    `bad_ranks` as in the bundle set's index. `bundle_path` is the set (the step-<s> directory)."""
+
+    def __init__(self, message: str, *, rank: int, local_category: str, verdict: Verdict, **fields):
+        super().__init__(message, **fields)
+        self.rank = rank
+        self.local_category = local_category
+        self.first_bad_ranks = list(verdict.first_bad_ranks)
+        self.bad_ranks = list(verdict.bad_ranks)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An issued, not yet read all-reduce (async mode) and the evidence of its step."""
+
+    work: Any
+    payload: torch.Tensor
+    step: int
+    report: ScanReport
+    batch: Any
+    sample_ids: Any
+    started: bool
+
+
+class Agreement:
+    """The Monitor's side of the distributed protocol (see the module docstring). Created by Monitor when a process
+    group is in effect; every method that runs a collective is reached by every rank in the same order."""
+
+    def __init__(self, monitor, process_group=None, mode: str = "sync", *, run_id_given: bool):
+        if mode not in AGREEMENTS:
+            raise ValueError(f"agreement={mode!r}: use 'sync' (decide each step before optimizer.step()) or 'async' "
+                             "(the verdict arrives one step later)")
+        if not distributed_ready():
+            raise ValueError("process_group was given but torch.distributed is not initialized: call "
+                             "torch.distributed.init_process_group first, or pass process_group=False")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.mode = mode
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the process_group given to the Monitor; pass a group "
+                             "it belongs to (or process_group=False)")
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        self.device = _collective_device(self.group)
+        self.verdict: Verdict | None = None
+        self._pending: _Pending | None = None
+        self._early: tuple[int, Path | None, BaseException | None] | None = None  # async: part written at once
+        self._first_bad: tuple[str, list[str]] | None = None  # category and tensors of the first bad rank
+        self._agree_on_settings(monitor, run_id_given)
+        if monitor.snapshot == "cpu" and has_dtensors(monitor.model):
+            monitor._snapshot = _LocalShardSnapshot()
+
+    def _agree_on_settings(self, monitor, run_id_given: bool) -> None:
+        """One gather at start-up: every rank must write into the same run and react the same way, else one rank
+        would raise while another waits for it in the next collective."""
+        policy = monitor.on_invalid if isinstance(monitor.on_invalid, str) else "callable"
+        mine = {"run_id": monitor.run_id if run_id_given else None, "proposed": monitor.run_id,
+                "on_invalid": policy, "agreement": self.mode}
+        everyone = _all_gather_json(mine, self.group, self.device)
+        for key in ("on_invalid", "agreement"):
+            values = sorted({str(e[key]) for e in everyone})
+            if len(values) > 1:
+                raise ValueError(f"the ranks created their Monitors with different {key} ({', '.join(values)}): "
+                                 f"pass the same {key} on every rank, else one rank stops while another waits for it")
+        given = {e["run_id"] for e in everyone}
+        if len(given) > 1:
+            shown = ", ".join(sorted(str(g) for g in given))
+            raise ValueError(f"the ranks passed different run_ids ({shown}): pass the same run_id on every rank "
+                             "(or none, and rank 0's is used), so that their parts land in one bundle set")
+        monitor.run_id = everyone[0]["run_id"] or everyone[0]["proposed"]
+
+    # -- every step ------------------------------------------------------------------------------------------------
+    def _issue(self, report: ScanReport, step: int):
+        bad = not report.ok
+        payload = torch.tensor([int(bad), step, -step, -(self.rank if bad else self.world_size)],
+                               dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return work, payload
+
+    def _read(self, work, payload: torch.Tensor, step: int) -> Verdict:
+        work.wait()
+        values = payload.tolist()
+        last, first = values[_STEP], -values[_NEG_STEP]
+        if last != first:
+            raise RuntimeError(f"nanscan: the ranks checked different steps in one agreement (steps {first} to {last}, "
+                               f"this rank {step}): call Monitor.check exactly once per training step on every rank "
+                               "of the group, with the same step= if you pass one")
+        bad = values[_FLAG] > 0
+        return Verdict(step, not bad, -values[_NEG_BAD_RANK] if bad else None)
+
+    def decide(self, monitor, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
+        """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
+        if self.mode == "sync":
+            work, payload = self._issue(report, step)
+            verdict = self._read(work, payload, step)
+            self.verdict = verdict
+            if verdict.ok:
+                return report
+            verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, late=False)
+            return self._apply_policy(monitor, verdict, report, report, late=False)
+
+        pending, self._pending = self._pending, None
+        outcome = None
+        if pending is not None:
+            verdict = self._read(pending.work, pending.payload, pending.step)
+            self.verdict = verdict
+            if not verdict.ok:
+                verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
+                                       pending.started, late=True)
+                # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.
+                outcome = self._apply_policy(monitor, verdict, pending.report, report, late=True)
+        if outcome is None and not report.ok and monitor.first_invalid_step is None and self._early is None:
+            # This rank knows now, the others learn it at the next check. Its evidence is exact only now, before
+            # optimizer.step() changes the weights, and writing it involves no other rank.
+            self._early = (step, *self._write_part(monitor, report, step, batch, sample_ids, started, late=False))
+        work, payload = self._issue(report, step)
+        self._pending = _Pending(work, payload, step, report, batch, sample_ids, started)
+        if outcome is not None:
+            return outcome
+        return report if report.ok else AgreedScanReport(report, self.verdict, ok=True)
+
+    def flush(self, monitor) -> Verdict | None:
+        """Async mode: wait for the last checked step's verdict and act on it now (see the module docstring).
+        Returns the latest verdict (None before the first check)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self.verdict
+        verdict = self._read(pending.work, pending.payload, pending.step)
+        self.verdict = verdict
+        if not verdict.ok:
+            # Still before this step's optimizer.step(): the evidence is that of the failing check itself.
+            verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
+                                   pending.started, late=False)
+            self._apply_policy(monitor, verdict, pending.report, pending.report, late=False)
+        return self.verdict
+
+    def discard(self) -> None:
+        """Forget an unread verdict (the Monitor is closed by an exception). Every rank issued that collective,
+        so dropping the handle leaves no rank waiting."""
+        self._pending = None
+
+    # -- the failure path ------------------------------------------------------------------------------------------
+    def _failed(self, monitor, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,
+                *, late: bool) -> Verdict:
+        """On the first failing step: write this rank's part, gather every rank's summary and let rank 0 write the
+        index; returns the verdict with the rank lists. Later failing steps are only counted."""
+        if monitor.first_invalid_step is not None:
+            monitor.invalid_steps += 1
+            return verdict
+        monitor.first_invalid_step = verdict.step
+        if self._early is not None and self._early[0] == verdict.step:
+            _, path, error = self._early
+        else:
+            path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started, late=late)
+        summaries = _all_gather_json(self._summary(report, path, error), self.group, self.device)
+        first, bad = first_bad_ranks(summaries)
+        verdict = dataclasses.replace(verdict, first_bad_ranks=tuple(first), bad_ranks=tuple(bad))
+        self.verdict = verdict
+        if first:
+            row = next(s for s in summaries if s["rank"] == first[0])
+            self._first_bad = (row["category"], list(row["category_tensors"]))
+        set_dir = bundle_path(monitor.bundle_dir, monitor.run_id, verdict.step)
+        status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            try:
+                write_index(set_dir, self._index(monitor, verdict, summaries))
+                status.fill_(1)
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the broadcast below
+                log.error("nanscan: could not write the bundle set index in %s: %s: %s", set_dir,
+                          type(exc).__name__, exc)
+        dist.broadcast(status, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if status.item():
+            monitor.bundle_path, monitor.bundle_error = set_dir, error
+        else:
+            monitor.bundle_path = path
+            monitor.bundle_error = error or BundleError(f"rank 0 could not write {set_dir / INDEX} (see its log); "
+                                                        f"this rank's part is {path}")
+        return verdict
+
+    def _write_part(self, monitor, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
+                    late: bool) -> tuple[Path | None, BaseException | None]:
+        try:
+            category, tensors = categorize(report)
+            incident = monitor._incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
+            model, optimizer = monitor.model, monitor.optimizer
+            layout, groups = {}, []
+            if has_dtensors(model):  # placements are static, so the live state describes a snapshot's too
+                layout, groups = shard_layout(model.state_dict(),
+                                              optimizer.state_dict() if optimizer is not None else None)
+            incident.model_state = localize_state(incident.model_state)
+            incident.optimizer_state = localize_state(incident.optimizer_state)
+            incident.history = [e for e in incident.history if e.step <= step]
+            if late:
+                incident.state_pre_step = False
+                incident.state_note = (f"written one step late (agreement='async'): this rank's tensors were finite "
+                                       f"at step {step}, so it wrote its part when the ranks' verdict arrived at the "
+                                       f"next check; the state includes step {step}'s update")
+            incident.rank = self.rank
+            incident.distributed = {
+                "rank": self.rank, "global_rank": self.global_rank, "world_size": self.world_size,
+                "backend": self.backend, "agreement": self.mode, "host": socket.gethostname(),
+                "index": f"../{INDEX}", "written": "one_step_late" if late else "at_check",
+                "sharded": bool(layout), "shards": layout, "shard_groups": groups,
+            }
+            return write_bundle(incident, monitor.bundle_dir), None
+        except Exception as exc:  # noqa: BLE001 - a failed write must not keep this rank out of the gather
+            log.error("nanscan: rank %d could not write its part of the bundle for step %d: %s: %s", self.rank, step,
+                      type(exc).__name__, exc)
+            return None, exc
+
+    def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None) -> dict:
+        """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that
+        were kept (the same incident written again) comes out identical."""
+        row = {"rank": self.rank, "global_rank": self.global_rank, "host": socket.gethostname(), "dir": None,
+               "error": None if error is None else f"{type(error).__name__}: {error}"}
+        manifest = None
+        if path is not None:
+            try:
+                manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+                row["dir"] = Path(path).name
+            except (OSError, ValueError) as exc:
+                row["error"] = f"cannot read back {path}: {exc}"
+        if manifest is not None:
+            rows = manifest.get("nonfinite_tensors", [])
+            row.update(category=manifest["category"], category_tensors=manifest.get("category_tensors", []),
+                       detected_at=manifest.get("detected_at"))
+        else:
+            category, tensors = categorize(report)
+            rows = [{"name": s.name, "nan": s.nan, "posinf": s.posinf, "neginf": s.neginf, "numel": s.numel}
+                    for s in report.stats if not s.ok]
+            row.update(category=category or OTHER_RANK, category_tensors=tensors, detected_at=None)
+        row["nonfinite_count"] = len(rows)
+        row["nonfinite_tensors"] = [{k: r[k] for k in ("name", "nan", "posinf", "neginf", "numel")}
+                                    for r in rows[:NONFINITE_LISTED]]
+        return row
+
+    def _index(self, monitor, verdict: Verdict, summaries: list[dict]) -> dict:
+        first = [s for s in summaries if s["rank"] in verdict.first_bad_ranks]
+        return {
+            "schema": INDEX_SCHEMA, "run_id": monitor.run_id, "first_invalid_step": verdict.step,
+            "world_size": self.world_size, "backend": self.backend, "agreement": self.mode,
+            "first_bad_ranks": list(verdict.first_bad_ranks), "bad_ranks": list(verdict.bad_ranks),
+            "category": first[0]["category"] if first else OTHER_RANK,
+            "category_tensors": {str(s["rank"]): s["category_tensors"] for s in first},
+            "detected_at": next((s["detected_at"] for s in first if s["detected_at"]), None),
+            "ranks": sorted(summaries, key=lambda s: s["rank"]),
+        }
+
+    # -- the policy ------------------------------------------------------------------------------------------------
+    def _apply_policy(self, monitor, verdict: Verdict, failing: ScanReport, current: ScanReport, *,
+                      late: bool) -> ScanReport:
+        """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
+        what check returns for the `current` step."""
+        first = monitor.first_invalid_step == verdict.step
+        local_category = categorize(failing)[0] or OTHER_RANK
+        if first and self._first_bad is not None:
+            category, tensors = self._first_bad
+        else:  # a later failing step: no summaries were gathered, this rank speaks for itself
+            category, tensors = local_category, categorize(failing)[1]
+        message = self._message(monitor, verdict, category, tensors, local_category, late)
+        policy = monitor.on_invalid
+        if policy == "raise":
+            raise DistributedNonFiniteError(message, rank=self.rank, local_category=local_category, verdict=verdict,
+                                            bundle_path=monitor.bundle_path, step=verdict.step, category=category,
+                                            tensors=tensors) from monitor.bundle_error
+        agreed = AgreedScanReport(current, verdict, ok=False)
+        if policy == "skip":
+            for p in monitor.model.parameters():
+                p.grad = None
+        if policy in ("warn", "skip"):
+            if first:
+                _warn_user(message)
+        else:
+            policy(agreed, monitor.bundle_path)
+        return agreed
+
+    def _message(self, monitor, verdict: Verdict, category: str, tensors: list[str], local_category: str,
+                 late: bool) -> str:
+        shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+        if verdict.first_bad_ranks:
+            ranks = ", ".join(map(str, verdict.first_bad_ranks))
+            who = f"rank{'s' if len(verdict.first_bad_ranks) > 1 else ''} {ranks} first ({category}: {shown})"
+        else:
+            who = f"rank {verdict.lowest_bad_rank} (and maybe others)"
+        text = (f"nanscan: non-finite values at step {verdict.step} on {who}; every rank of the group stops at this "
+                f"step (this is rank {self.rank}: {local_category})")
+        if late:
+            text += (f"; agreement='async': the verdict arrived at the next check, after step {verdict.step}'s "
+                     "update (call Monitor.flush() before optimizer.step() to decide each step before its update)")
+        if monitor.bundle_path is not None:
+            return f"{text}; evidence in {monitor.bundle_path} (see `nanscan report {monitor.bundle_path}`)"
+        if monitor.bundle_error is not None:
+            return f"{text}; the evidence could not be written: {monitor.bundle_error}"
+        return text
+
+
+def first_bad_ranks(summaries: list[dict]) -> tuple[list[int], list[int]]:
+    """(first bad ranks, every bad rank): the ranks whose non-finite values appeared earliest in the step (by the
+    Monitor's category order), and all ranks that saw any."""
+    bad = [s for s in summaries if s["category"] != OTHER_RANK]
+    if not bad:
+        return [], []
+    earliest = min(_category_rank(s["category"]) for s in bad)
+    return (sorted(s["rank"] for s in bad if _category_rank(s["category"]) == earliest),
+            sorted(s["rank"] for s in bad))
+
+
+class _LocalShardSnapshot(_CpuSnapshot):
+    """The Monitor's snapshot='cpu' copier, copying DTensors as their local shards (the global shape is not
+    this rank's to allocate, and the copy must not communicate)."""
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        return super()._copy(key, local_tensor(t))
+
+
+# -- the index and the bundle set -------------------------------------------------------------------------------
+
+def write_index(set_dir: Path, index: dict) -> Path:
+    """Write the set's index atomically; an index already there (the same incident written again) is kept."""
+    path = Path(set_dir) / INDEX
+    if path.exists():
+        try:
+            existing = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            existing = None
+        if isinstance(existing, dict) and existing.get("schema") == INDEX_SCHEMA:
+            if existing != plain_json(index):
+                log.warning("nanscan: %s already holds an index (detected %s); kept it. Use a new run_id to keep "
+                            "both.", path, existing.get("detected_at"))
+            return path
+    Path(set_dir).mkdir(parents=True, exist_ok=True)
+    return atomic_write_json(path, plain_json(index))
+
+
+def bundle_set_root(path: Path) -> tuple[Path, int | None] | None:
+    """(set directory, rank of the part asked for or None) when `path` is a bundle set, a run directory holding
+    only one, or one part of a set; None for an ordinary bundle. Raises BundleError for parts without an index."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if (path / INDEX).is_file():
+        return path, None
+    match = _RANK_DIR.match(path.name)
+    if match and (path.parent / INDEX).is_file():
+        return path.parent, int(match.group(1))
+    if (path / "manifest.json").exists():
+        return None
+    parts = sorted(p.name for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
+    if parts:
+        raise BundleError(f"{path} holds per-rank bundles ({', '.join(parts[:4])}) but no {INDEX}: rank 0 did not "
+                          "finish writing it (it stopped, or could not write); open one part directly, e.g. "
+                          f"{path / parts[0]}")
+    steps = [p for p in path.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    if len(steps) == 1 and (steps[0] / INDEX).is_file():
+        return steps[0], None
+    return None
+
+
+def _read_index(root: Path) -> dict:
+    path = root / INDEX
+    try:
+        index = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path} cannot be read as JSON ({exc}): the file is truncated or damaged; ask for a "
+                          "fresh copy of the bundle set") from None
+    if not isinstance(index, dict) or index.get("schema") != INDEX_SCHEMA:
+        schema = index.get("schema") if isinstance(index, dict) else None
+        raise BundleError(f"{path} has schema {schema!r}, this nanscan reads {INDEX_SCHEMA!r}: it is not a nanscan "
+                          "bundle set index, or another nanscan version wrote it")
+    missing = [k for k in INDEX_REQUIRED_KEYS if k not in index]
+    if missing or not isinstance(index["ranks"], list):
+        raise BundleError(f"{path} lacks {', '.join(missing) or 'a list of ranks'}: the index is incomplete or was "
+                          "edited; ask for a fresh copy")
+    return index
+
+
+def load_bundle_set(root: Path, rank: int | None = None) -> "BundleSet":
+    """Open a bundle set: the index and every part it lists (each validated like any bundle). The set stands for
+    the part of `rank`, by default the first bad rank's."""
+    root = Path(root)
+    index = _read_index(root)
+    parts: dict[int, Bundle] = {}
+    for entry in index["ranks"]:
+        if not entry.get("dir"):
+            continue  # the index records why this rank has no part
+        if not _RANK_DIR.match(str(entry["dir"])):
+            raise BundleError(f"{root / INDEX} names the part {entry['dir']!r}, which is not a rank-<r> directory; "
+                              "the index was edited, do not use this set")
+        part = load_bundle(root / entry["dir"], whole_set=False)
+        info = part.manifest.get("distributed") or {}
+        expected = (index["run_id"], index["first_invalid_step"], entry["rank"], entry.get("detected_at"))
+        found = (part.manifest["run_id"], part.manifest["first_invalid_step"], info.get("rank"),
+                 part.manifest.get("detected_at"))
+        if found != expected:
+            raise BundleError(f"{part.path} does not belong to this set (run, step, rank, detection time "
+                              f"{found} where {root / INDEX} says {expected}): a part was replaced; copy the whole "
+                              "set again")
+        parts[int(entry["rank"])] = part
+    if not parts:
+        raise BundleError(f"{root} lists no readable part: every rank failed to write (see the errors in "
+                          f"{root / INDEX})")
+    if rank is None:
+        rank = next((r for r in index["first_bad_ranks"] if r in parts), min(parts))
+    if rank not in parts:
+        raise BundleError(f"{root} has no part for rank {rank}; parts: {sorted(parts)}")
+    return BundleSet(root, index, parts, rank)
+
+
+class BundleSet(Bundle):
+    """A distributed incident: behaves as the part of `rank` (by default the first bad rank's), so report,
+    replay, notes and findings use it unchanged, and gives access to every rank's part and the index."""
+
+    def __init__(self, root: Path, index: dict, parts: dict[int, Bundle], rank: int):
+        super().__init__(parts[rank].path, parts[rank].manifest)
+        self.set_path = Path(root)
+        self.index = index
+        self.parts = dict(sorted(parts.items()))
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        return (f"BundleSet({str(self.set_path)!r}, step={self.step}, first_bad_ranks={self.first_bad_ranks}, "
+                f"parts={sorted(self.parts)}, showing rank {self.rank})")
+
+    @property
+    def first_bad_ranks(self) -> list[int]:
+        return list(self.index["first_bad_ranks"])
+
+    @property
+    def bad_ranks(self) -> list[int]:
+        return list(self.index["bad_ranks"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.index["world_size"])
+
+    def part(self, rank: int) -> Bundle:
+        try:
+            return self.parts[rank]
+        except KeyError:
+            raise KeyError(f"{self.set_path} has no part for rank {rank}; parts: {sorted(self.parts)}") from None
+
+    def set_summary(self) -> dict:
+        """The set at a glance, JSON-ready (nanscan report shows it as the ranks table)."""
+        return {"set": str(self.set_path), "world_size": self.world_size, "backend": self.index.get("backend"),
+                "agreement": self.index.get("agreement"), "first_bad_ranks": self.first_bad_ranks,
+                "bad_ranks": self.bad_ranks, "shown_rank": self.rank,
+                "ranks": [{k: row.get(k) for k in ("rank", "host", "dir", "category", "category_tensors",
+                                                   "nonfinite_count", "error")} for row in self.index["ranks"]]}
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """The model and optimizer state of this rank's part; FSDP shards are joined from every rank's part into
+        the full tensors, so the state loads into the unsharded model. Raises BundleError when they cannot be."""
+        info = self.manifest.get("distributed") or {}
+        if not info.get("sharded"):
+            return super().state()
+        layout: dict[str, dict] = info.get("shards") or {}
+        groups: list[list[int]] = info.get("shard_groups") or []
+        states = {r: Bundle.state(p) for r, p in self.parts.items()}
+        local = {r: dict(_tree_items({"model": s[0], "optimizer": s[1]})) for r, s in states.items()}
+        global_to_rank = {int(row["global_rank"]): int(row["rank"]) for row in self.index["ranks"]}
+
+        def join(path: str, t: torch.Tensor) -> torch.Tensor:
+            where = layout.get(path)
+            if where is None:
+                return t
+            if "group" not in where:
+                raise BundleError(f"{self.set_path}: {path} is placed as {where['placements']}; only tensors sharded "
+                                  "along one mesh dimension (FSDP, HSDP) can be joined in one process, so this step "
+                                  "cannot be replayed outside the distributed job")
+            pieces = []
+            for g in groups[where["group"]]:
+                r = global_to_rank.get(g)
+                if r not in local or path not in local[r]:
+                    raise BundleError(f"{self.set_path}: the part of global rank {g} (holding a shard of {path}) is missing, "
+                                      "so the full tensor cannot be rebuilt in one process; copy the whole set, "
+                                      "every rank-<r> directory with it")
+                pieces.append(local[r][path])
+            full = torch.cat(pieces, dim=where["dim"])
+            if list(full.shape) != where["global_shape"]:
+                raise BundleError(f"{self.set_path}: the shards of {path} join to shape {list(full.shape)}, not "
+                                  f"{where['global_shape']}; this layout cannot be rebuilt in one process")
+            return full
+
+        model, optimizer = states[self.rank]
+        return (_map_tree(model, join, ("model",)),
+                _map_tree(optimizer, join, ("optimizer",)) if optimizer is not None else None)
+
+
+def require_full_state(bundle: Bundle) -> None:
+    """Refuse a lone part of a sharded set: its state is one rank's shards, which no unsharded model can load."""
+    info = bundle.manifest.get("distributed") or {}
+    if info.get("sharded") and not isinstance(bundle, BundleSet):
+        raise BundleError(f"{bundle.path} holds only rank {info.get('rank')}'s FSDP shards of the model, and no "
+                          f"{INDEX} beside it to find the other ranks' parts; open the whole set (the step-<N> "
+                          "directory with every rank-<r> part) so the shards can be joined for a single-process "
+                          "replay")
