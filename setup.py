@@ -135,13 +135,18 @@ class NativeBuild(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - compiler missing or failing: fall back to numba at run time
-            if _flag("NANSCAN_REQUIRE_NATIVE") or _flag("NANSCAN_CUDA"):
+            if not ext.optional:
                 raise
             self._failed.add(self.get_ext_fullpath(ext.name))
+            # The file of an earlier build would shadow the failure at import time with stale code.
+            stale = Path(self.get_ext_fullpath(ext.name))
+            if self.inplace and stale.exists():
+                stale.unlink()
             print(f"nanscan: native extension not built ({exc}); nanscan will use its numba backend",
                   file=sys.stderr)
 
-    # An extension that failed to build has no file to copy into the wheel or the source tree.
+    # An extension that failed to build has no file to copy into the wheel or the source tree. (An optional
+    # extension's missing file is also skipped by setuptools' copy into the source tree of an editable install.)
     def run(self):
         self._failed = set()
         super().run()
@@ -168,6 +173,8 @@ def _extensions():
             extra_compile_args=cxx_flags,
             extra_link_args=["-fopenmp"],
             cxx_std=17,
+            # Optional: a failed build leaves nanscan installable (numba backend) unless asked to fail.
+            optional=not (_flag("NANSCAN_REQUIRE_NATIVE") or _flag("NANSCAN_CUDA")),
         )
     ]
 

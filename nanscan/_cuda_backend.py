@@ -117,10 +117,9 @@ def build_chunk_table(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, *
 def _describe(inputs: Sequence[ScanInput]) -> np.ndarray:
     """(address, element count, dtype code) per input: all that the work list depends on. Runs every step, so it
     is kept to one cheap pass per field."""
-    flats = [item.flat for item in inputs]
-    out = np.empty((3, len(flats)), dtype=np.int64)
-    out[0] = np.array([t.data_ptr() for t in flats], dtype=np.uint64).view(np.int64)
-    out[1] = [t.numel() for t in flats]
+    out = np.empty((3, len(inputs)), dtype=np.int64)
+    out[0] = np.array([item.data_ptr() for item in inputs], dtype=np.uint64).view(np.int64)
+    out[1] = [item.numel for item in inputs]
     out[2] = [item.scanned_code for item in inputs]
     return out
 
@@ -173,7 +172,7 @@ class AsyncScan:
     num_tensors: int
     _host_records: torch.Tensor = field(repr=False)
     _done: torch.cuda.Event = field(repr=False)
-    _keep_alive: tuple = field(default=(), repr=False)  # inputs and chunk table, until the kernel has read them
+    _keep_alive: tuple = field(default=(), repr=False)  # inputs (and compacted copies), work list: until read
 
     def ready(self) -> bool:
         """True once the scan and the copy of its records to the host have finished (never blocks)."""
@@ -265,7 +264,7 @@ class CudaBackend:
                 done = torch.cuda.Event()
                 done.record(stream)
         return AsyncScan(found_inf=found_inf, device_records=records, num_tensors=n, _host_records=host_records,
-                         _done=done, _keep_alive=(work.device_bytes, [item.flat for item in inputs]))
+                         _done=done, _keep_alive=(work.device_bytes, list(inputs)))
 
     def _device_table(self, inputs: Sequence[ScanInput], index: int, stream: torch.cuda.Stream) -> "_DeviceTable":
         """The work list on the device (pieces, then block_begin, in one buffer), copied from pinned memory

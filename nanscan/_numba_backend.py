@@ -31,6 +31,7 @@ from typing import Sequence
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
@@ -39,6 +40,7 @@ from nanscan.inputs import ScanInput
 
 _BLOCK_ELEMS = 2048  # a block of float32 is 8 KiB: it stays in L1 between the passes over it
 _NUM_TABLES = 4
+_CACHE_LINE = 64
 # Fields covered by the pair window: 5 bits of each element's offset, so a pair index has 10 bits.
 _PAIR_BITS = 5
 _PAIR_SPAN = 1 << _PAIR_BITS
@@ -110,6 +112,22 @@ def _pointer_at(typingctx, address, like):
         return builder.inttoptr(args[0], context.get_value_type(pointer_type))
 
     return pointer_type(types.int64, like), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, address):
+    """Start loading the cache line at `address` (an int64) into every cache level; a hint that never faults."""
+
+    def codegen(context, builder, signature, args):
+        pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32])
+        prefetch = builder.module.declare_intrinsic("llvm.prefetch", [pointer], fnty)
+        # read (0), keep in all cache levels (locality 3), data cache (1)
+        builder.call(prefetch, [builder.inttoptr(args[0], pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
 
 
 def _narrow(value, like):
@@ -228,7 +246,7 @@ def _block_bounds(block, abs_mask):
 
 
 @njit(cache=True)
-def _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tables):
+def _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_table):
     """Count the window offsets of element pairs (NOTE: [numba blocks]); the block's fields lie in the window."""
     shift = _narrow(mant_bits, block)
     field_mask = _narrow((1 << exp_bits) - 1, block)
@@ -238,25 +256,16 @@ def _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tab
         low = _narrow(((block[2 * k] >> shift) & field_mask) - base, block)
         high = _narrow(((block[2 * k + 1] >> shift) & field_mask) - base, block)
         pair_indices[k] = np.uint16(low | (high << _PAIR_BITS))
-    m = half - half % 2
-    for k in range(0, m, 2):
-        pair_tables[np.uint64(pair_indices[k])] += 1
-        pair_tables[_PAIR_ENTRIES + np.uint64(pair_indices[k + 1])] += 1
-    for k in range(m, half):
-        pair_tables[np.uint64(pair_indices[k])] += 1
+    for k in range(half):
+        pair_table[np.uint64(pair_indices[k])] += 1
 
 
 @njit(cache=True)
-def _fold_pairs(pair_tables, window_base, tables):
-    """Add each pair's two fields to the top-bits table (positive sign half: fields are unsigned there)."""
-    for t in range(2):
-        for high in range(_PAIR_SPAN):
-            for low in range(_PAIR_SPAN):
-                c = pair_tables[t * _PAIR_ENTRIES + (high << _PAIR_BITS) + low]
-                if c == 0:
-                    continue
-                tables[window_base + low] += c
-                tables[window_base + high] += c
+def _fold_pairs(pair_table, window_base, tables):
+    """Add each pair's two fields to the top-bits table (its positive half, where the index is the field)."""
+    pairs = pair_table.reshape((_PAIR_SPAN, _PAIR_SPAN))  # [high offset, low offset]
+    for offset in range(_PAIR_SPAN):
+        tables[window_base + offset] += pairs[offset, :].sum() + pairs[:, offset].sum()
 
 
 @njit(cache=True)
@@ -308,12 +317,18 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
         # Small chunks go element by element: zeroing and folding the tables would cost more than they save.
         use_tables = data.size >= _NUM_TABLES * stride
         tables = np.zeros(_NUM_TABLES * stride if use_tables else 0, np.int64)
-        pair_tables = np.zeros(2 * _PAIR_ENTRIES if use_tables else 0, np.int64)
+        pair_table = np.zeros(_PAIR_ENTRIES if use_tables else 0, np.int64)
         pair_indices = np.empty(_BLOCK_ELEMS // 2 if use_tables else 0, np.uint16)
         widened = np.empty(_BLOCK_ELEMS if use_tables and data.itemsize == 2 else 0, np.uint32)
         window_base = -1
         for begin in range(0, data.size, _BLOCK_ELEMS):
             block = data[begin:begin + _BLOCK_ELEMS]
+            # The counting passes below read only this block, so the hardware prefetcher stops running ahead:
+            # ask for the next block now and its loads overlap with this block's counting.
+            next_begin = min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
+            next_end = min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize
+            for byte in range(next_begin, next_end, _CACHE_LINE):
+                _prefetch(addresses[c] + byte)
             if use_tables:
                 lo, lo_nonzero, hi = _block_bounds(block, abs_mask)
                 if hi < inf_bits and lo_nonzero >= min_normal:
@@ -328,7 +343,7 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
                         field_lo_nonzero = np.int64(lo_nonzero >> mant_shift)
                         window_base = max(0, min(field_lo_nonzero, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
                     if window_base >= 0 and field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
-                        _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_tables)
+                        _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_table)
                         if block.size % 2:
                             _count_top_bits(block[block.size - 1:], mant_bits, tables, stride)
                     else:
@@ -338,7 +353,7 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
             s += block_sumsq
         if use_tables:
             if window_base >= 0:
-                _fold_pairs(pair_tables, window_base, tables)
+                _fold_pairs(pair_table, window_base, tables)
             _fold_tables(tables, stride, exp_bits, counts)
         counts[_REC_ABSMAX] = absmax
         counts[_REC_ABSMIN] = absmin

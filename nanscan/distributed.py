@@ -62,7 +62,8 @@ import torch.distributed as dist
 
 from nanscan._atomic import atomic_write_json
 from nanscan.bundle import MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, write_bundle
-from nanscan.inputs import ScanInput, prepare
+from nanscan.inputs import ScanInput
+from nanscan.scan import model_inputs
 from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
 from nanscan.stats import ScanReport
 
@@ -123,31 +124,16 @@ def has_dtensors(model: torch.nn.Module) -> bool:
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """What this rank holds of a tensor, and the name suffix saying which shard it is."""
+    return local_tensor(t), shard_suffix(t)
+
+
 def local_model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ScanInput]:
     """nanscan.scan.model_inputs for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
     global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
     Plain tensors get exactly the names model_inputs gives them."""
-    inputs: list[ScanInput] = []
-    names: dict[int, str] = {}
-
-    def add(name: str, t: torch.Tensor) -> None:
-        item = prepare(name, local_tensor(t))
-        if item is not None:
-            inputs.append(item)
-
-    for name, p in model.named_parameters():
-        names[id(p)] = name
-        add(f"param:{name}{shard_suffix(p)}", p)
-        if p.grad is not None:
-            add(f"grad:{name}{shard_suffix(p.grad)}", p.grad)
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-                        add(f"optim:{pname}{shard_suffix(value)}.{key}", value)
-    return inputs
+    return model_inputs(model, optimizer, shard=local_shard)
 
 
 def _tree_items(value: Any, path: tuple[str, ...] = ()):
@@ -433,7 +419,9 @@ class Agreement:
         if self._early is not None and self._early[0] == verdict.step:
             _, path, error = self._early
         else:
-            path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started, late=late)
+            # A late part's step-start captures (RNG, snapshot) already belong to the next step: take them now.
+            path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started and not late,
+                                           late=late)
         summaries = _all_gather_json(self._summary(report, path, error), self.group, self.device)
         first, bad = first_bad_ranks(summaries)
         verdict = dataclasses.replace(verdict, first_bad_ranks=tuple(first), bad_ranks=tuple(bad))
@@ -753,9 +741,9 @@ class BundleSet(Bundle):
             for g in groups[where["group"]]:
                 r = global_to_rank.get(g)
                 if r not in local or path not in local[r]:
-                    raise BundleError(f"{self.set_path}: the part of global rank {g} (holding a shard of {path}) is missing, "
-                                      "so the full tensor cannot be rebuilt in one process; copy the whole set, "
-                                      "every rank-<r> directory with it")
+                    raise BundleError(f"{self.set_path}: the part of global rank {g}, which holds a shard of {path}, "
+                                      "is missing, so the full tensor cannot be rebuilt in one process; copy the "
+                                      "whole set, every rank-<r> directory with it")
                 pieces.append(local[r][path])
             full = torch.cat(pieces, dim=where["dim"])
             if list(full.shape) != where["global_shape"]:

@@ -291,7 +291,7 @@ def _ranks_rows(ranks: dict) -> list[list[str]]:
         tensors = r.get("category_tensors") or []
         shown = ", ".join(tensors[:2]) + (f" +{len(tensors) - 2}" if len(tensors) > 2 else "")
         rows.append([str(r["rank"]) + (" (first)" if r["rank"] in first else ""), str(r.get("category")),
-                     str(r.get("nonfinite_count", "-")), shown or ("no part: " + r["error"] if r.get("error") else "")])
+                     shown or ("no part: " + r["error"] if r.get("error") else ""), str(r.get("nonfinite_count", "-"))])
     return rows
 
 
@@ -301,7 +301,7 @@ def _ranks_title(ranks: dict, step) -> str:
 
 
 def _ranks_table(table, ranks: dict, step):
-    t = table(_ranks_title(ranks, step), "rank", "category", "non-finite", "deciding tensors", left=2)
+    t = table(_ranks_title(ranks, step), "rank", "category", "deciding tensors", "non-finite tensors", left=3)
     for row in _ranks_rows(ranks):
         t.add_row(*row)
     return t
@@ -531,8 +531,8 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
 
     if summary.get("distributed"):
         parts.append(f"<h2>{esc(_ranks_title(summary['distributed'], summary['first_invalid_step']))}</h2>")
-        parts.append(_table(["rank", "category", "non-finite", "deciding tensors"],
-                            _ranks_rows(summary["distributed"]), left=2))
+        parts.append(_table(["rank", "category", "deciding tensors", "non-finite tensors"],
+                            _ranks_rows(summary["distributed"]), left=3))
     rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _fmt(v["grad_norm"]), v["nonfinite_tensors"]]
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]

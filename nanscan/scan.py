@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,28 +39,38 @@ def scan(tensors: Any, *, backend=None) -> ScanReport:
     return scan_inputs(inputs, skipped=skipped, backend=backend)
 
 
-def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ScanInput]:
-    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer)."""
+def _whole(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    return t, ""
+
+
+def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole) -> list[ScanInput]:
+    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer).
+
+    `shard(t) -> (local tensor, name suffix)` picks what this process holds of each tensor; nanscan.distributed
+    passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`.
+    """
     inputs: list[ScanInput] = []
     names: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        names[id(p)] = name
-        item = prepare(f"param:{name}", p)
+
+    def add(kind: str, name: str, t: torch.Tensor, key: str = "") -> None:
+        local, suffix = shard(t)
+        item = prepare(f"{kind}:{name}{suffix}{key}", local)
         if item is not None:
             inputs.append(item)
+
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        add("param", name, p)
         if p.grad is not None:
-            item = prepare(f"grad:{name}", p.grad)
-            if item is not None:
-                inputs.append(item)
+            add("grad", name, p.grad)
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-                        item = prepare(f"optim:{pname}.{key}", value)
-                        if item is not None:
-                            inputs.append(item)
+                        add("optim", pname, value, f".{key}")
     return inputs
 
 

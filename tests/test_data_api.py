@@ -135,3 +135,21 @@ def test_bad_arguments_raise_clearly():
         nanscan.data.check([], tokenizer="/nonexistent/tokenizer.json")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         nanscan.data.check_paths(["missing.jsonl"])
+
+
+def test_field_tallies_stay_bounded(monkeypatch):
+    from nanscan.data import findings
+
+    monkeypatch.setattr(findings, "MAX_FIELDS", 5)
+    monkeypatch.setattr(findings, "MAX_KEYSETS", 5)
+    monkeypatch.setattr(findings, "MAX_VARIANTS_PER_FIELD", 5)
+    checker = nanscan.data.Checker()
+    from nanscan.data.findings import RecordRef
+
+    for i in range(50):
+        ref = RecordRef("d", index=i)
+        checker.tracker.add(f"field{i}", "number", None, ref)
+        checker.tracker.add("v", "list[number]", (i,), ref)
+        checker.tracker.add_keys([f"k{i}"], 1, lambda k, ref=ref: [ref])
+    assert len(checker.tracker._fields) == 5 and len(checker.tracker._keysets) == 5
+    assert len(checker.tracker._fields["v"]) == 5 + 1  # five shapes, then the rest without a shape

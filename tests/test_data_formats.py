@@ -242,6 +242,13 @@ def test_csv_gzip_tsv_multiline_record_and_garbage(tmp_path):
     assert "no records" in only(check_paths([empty]), "empty").detail
 
 
+def test_csv_too_long(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("id,text\n1,short\n2," + " ".join(["w"] * 40) + "\n")
+    report = check_paths([path], max_tokens=10)
+    assert only(report, "too_long").record.line == 3 and report.tokens["max"] == 40
+
+
 # -- Parquet ------------------------------------------------------------------------------------------------------
 def test_parquet_findings_clean_and_garbage(tmp_path):
     clean = tmp_path / "clean.parquet"
@@ -349,6 +356,23 @@ def test_safetensors_bf16_rows_and_garbage(tmp_path):
     good = (tmp_path / "m.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(good[:-10])
     assert only(check_paths([tmp_path / "cut.safetensors"]), "unreadable")
+
+
+def test_folder_of_arrays_shape_and_dtype_consistency(tmp_path):
+    for i in range(12):
+        np.save(tmp_path / f"s{i:02d}.npy", np.ones((3, 8), dtype=np.float32))
+    np.save(tmp_path / "s12.npy", np.ones((3, 7), dtype=np.float32))
+    for i in range(10):
+        save_torch({"x": torch.ones(2, 2)}, str(tmp_path / f"t{i}.safetensors"))
+    save_torch({"x": torch.ones(2, 2, dtype=torch.float64)}, str(tmp_path / "t_odd.safetensors"))
+    save_torch({"empty": torch.ones(0, 4)}, str(tmp_path / "u.safetensors"))
+    report = check_paths([tmp_path])
+    odd = {f.record.file.rsplit("/", 1)[1]: f for f in by_category(report, "inconsistent")}
+    assert set(odd) == {"s12.npy", "t_odd.safetensors"}
+    assert "shape [3, 7] here, [3, 8]" in odd["s12.npy"].detail
+    assert odd["s12.npy"].record.sha256 == sha((tmp_path / "s12.npy").read_bytes())
+    assert "array[float64]" in odd["t_odd.safetensors"].detail
+    assert only(report, "empty").record.member == "empty"
 
 
 # -- images -------------------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def make_batch(rank: int, step: int, fault: str | None) -> dict:
     """Each rank's own data. fault "x": NaN in the model's input (it spreads to every rank's gradients through
     the gradient collectives); "aux": NaN in a batch tensor the model never reads (only rank 1 sees it)."""
     g = torch.Generator().manual_seed(1000 * rank + step)
-    batch = {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 1, generator=g), "aux": torch.randn(8, generator=g)}
+    batch = {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 1, generator=g),
+             "aux": torch.randn(8, generator=g)}
     if fault == "x" and rank == FAULT_RANK and step == FAULT_STEP:
         batch["x"][2, 1] = float("nan")
     elif fault == "aux" and rank == FAULT_RANK and step == FAULT_STEP:
@@ -93,13 +94,13 @@ def _error_fields(err: BaseException) -> dict:
             "bundle_path": str(getattr(err, "bundle_path", None))}
 
 
-def _train(rank: int, model, train_model, optimizer, mon: Monitor, fault: str | None, *, flush: bool = False,
+def _train(rank: int, model: nn.Module, optimizer, mon: Monitor, fault: str | None, *, flush: bool = False,
            step_offset: int = 0) -> dict:
     """The loop of the Monitor's docstring; returns which steps were updated and what each check said."""
     record = {"updated": [], "ok": [], "local_ok": [], "error": None, "error_at": None}
     for step in range(STEPS):
         batch = make_batch(rank, step, fault)
-        loss = step_loss(train_model, batch)
+        loss = step_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         where = "check"
@@ -137,7 +138,7 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
     bundles = out / "bundles"
     results = {}
 
-    def run(name: str, fault: str | None, **monitor_args) -> Monitor:
+    def run(name: str, fault: str | None, **monitor_args) -> None:
         model = make_model()
         ddp = DDP(model)
         optimizer = make_optimizer(ddp)
@@ -145,14 +146,14 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
                       **monitor_args)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            results[name] = _train(rank, model, ddp, optimizer, mon, fault)
+            results[name] = _train(rank, ddp, optimizer, mon, fault)
         results[name]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, NonFiniteWarning)]
         results[name]["run_id"] = mon.run_id
         results[name]["first_invalid_step"] = mon.first_invalid_step
         results[name]["bundle_path"] = str(mon.bundle_path)
         results[name]["finite"] = all(torch.isfinite(p).all().item() for p in model.parameters())
         _save_state(out / f"{name}-rank{rank}.safetensors", model)
-        return mon
+        mon.close()
 
     run("sync", "x", run_id="ddp-sync")
     dist.barrier()
@@ -162,13 +163,13 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.barrier()
     if rank == 0:
         results["rerun"]["hashes_before"], results["rerun"]["hashes_after"] = before, _file_hashes(set_dir)
-    run("async", "aux", run_id="ddp-async", agreement="async")  # run_id of rank 0 is everyone's by default
-    run("skip", "aux", on_invalid="skip")
+    run("async", "aux", agreement="async")  # no run_id: every rank takes rank 0's
+    run("skip", "aux", on_invalid="skip", run_id="ddp-skip")
     # a rank that numbers its steps differently must not leave the others waiting: all raise
     model = make_model()
     optimizer = make_optimizer(model)
     mon = Monitor(DDP(model), optimizer, bundle_dir=bundles, run_id="ddp-mismatch")
-    results["mismatch"] = _train(rank, model, model, optimizer, mon, None, step_offset=int(rank == 2))
+    results["mismatch"] = _train(rank, model, optimizer, mon, None, step_offset=int(rank == 2))
     (out / f"ddp-rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -194,7 +195,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
         optimizer = make_optimizer(model)
         mon = Monitor(model, optimizer, bundle_dir=out / "bundles", run_id=f"fsdp-{name}", config={"scenario": name},
                       replay_entry=REPLAY_ENTRY, **monitor_args)
-        results[name] = _train(rank, model, model, optimizer, mon, "x", flush=flush)
+        results[name] = _train(rank, model, optimizer, mon, "x", flush=flush)
         results[name]["bundle_path"] = str(mon.bundle_path)
         # the full tensors, gathered from the shards (a collective: every rank takes part, rank 0 keeps them)
         full = {f"model/{k}": v.full_tensor() for k, v in model.state_dict().items()}
@@ -202,7 +203,8 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
             for key, value in state.items():
                 full[f"optimizer/{index}/{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
         if rank == 0:
-            save_file({k: v.detach().clone().contiguous() for k, v in full.items()}, str(out / f"fsdp-{name}-full.safetensors"))
+            save_file({k: v.detach().clone().contiguous() for k, v in full.items()},
+                      str(out / f"fsdp-{name}-full.safetensors"))
     (out / f"fsdp-rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -315,7 +317,9 @@ def test_ddp_async_verdict_names_the_step_one_check_later(ddp):
     written = {r: bundle.part(r).manifest["distributed"]["written"] for r in range(4)}
     assert written == {0: "one_step_late", 1: "at_check", 2: "one_step_late", 3: "one_step_late"}
     assert bundle.part(0).category == OTHER_RANK and bundle.category == "input"
-    assert "one step late" in bundle.part(0).manifest["state"]["note"]
+    late = bundle.part(0).manifest
+    assert "one step late" in late["state"]["note"] and late["rng"]["captured_at"] == "check"
+    assert bundle.manifest["rng"]["captured_at"] == "step_start"  # rank 1 wrote at its own failing check
     assert [e.step for e in bundle.part(0).history()][-1] == FAULT_STEP
 
 

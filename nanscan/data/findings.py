@@ -34,6 +34,11 @@ UNIFORM_SHARE = 0.9
 # record of a rare variant, bounded when a field takes thousands of distinct shapes.
 SAMPLES_PER_SIGNATURE = 100
 SAMPLES_PER_FIELD = 20_000
+# Bounds on what is tallied, so that records with ever-new field names or shapes cannot grow memory without end:
+# past them, new fields and key sets are not compared, and a field's new shapes are tallied without the shape.
+MAX_FIELDS = 10_000
+MAX_KEYSETS = 10_000
+MAX_VARIANTS_PER_FIELD = 10_000
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -210,12 +215,22 @@ class FieldTracker:
     def add_many(self, name: str, kind: str, shape: tuple | None, count: int,
                  refs: "Callable[[int], Iterable[RecordRef]]") -> None:
         """`count` records whose field `name` has this kind and shape; `refs(k)` yields the first k of them."""
-        variant = self._fields.setdefault(name, {}).setdefault((kind, shape), _Variant())
+        variants = self._fields.get(name)
+        if variants is None:
+            if len(self._fields) >= MAX_FIELDS:
+                return
+            variants = self._fields[name] = {}
+        if (kind, shape) not in variants and len(variants) >= MAX_VARIANTS_PER_FIELD:
+            shape = None
+        variant = variants.setdefault((kind, shape), _Variant())
         variant.count += count
         self._take(variant, name, refs, count)
 
     def add_keys(self, keys: Iterable[str], count: int, refs: "Callable[[int], Iterable[RecordRef]]") -> None:
-        variant = self._keysets.setdefault(frozenset(keys), _Variant())
+        keys = frozenset(keys)
+        if keys not in self._keysets and len(self._keysets) >= MAX_KEYSETS:
+            return
+        variant = self._keysets.setdefault(keys, _Variant())
         variant.count += count
         self._take(variant, None, refs, count)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 READ_BYTES = 8 << 20  # bytes read per step; a block is this plus the unfinished line carried over
 ARROW_BLOCK = 1 << 20  # Arrow parses a block in pieces of this size on its thread pool
-PIECE_BYTES = 256 << 10  # a block Arrow refuses is re-read in pieces of about this size
+PIECE_BYTES = 1 << 20  # a block Arrow refuses is re-read in pieces of about this size, in parallel
 SPLIT_MIN = 16 << 10  # a refused piece is halved down to this size, then checked line by line
 
 class TruncatedStream(Exception):
@@ -105,18 +106,28 @@ class JsonLinesFile:
     def _consume(self, chunks: Iterator[bytes]) -> None:
         """Cut the stream into blocks of whole lines; Arrow parses block i+1 on a worker thread while block i is
         checked here (both release the GIL for most of their work, so the two cores overlap)."""
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+            self._pool = pool
             pending = None
-            for block, first_line in self._blocks(chunks):
-                prepared = pool.submit(self._prepare, block, first_line)
+            try:
+                for item in self._blocks(chunks):
+                    if isinstance(item, bytes):
+                        prepared = pool.submit(self._prepare, item)
+                        if pending is not None:
+                            self._check(pending.result())
+                        pending = prepared
+                    else:  # an over-long line: its number is known once the blocks before it are checked
+                        if pending is not None:
+                            self._check(pending.result())
+                            pending = None
+                        self._oversize(*item)
+            finally:
+                # Also when the stream breaks (a truncated gzip): what was read before the break is checked.
                 if pending is not None:
                     self._check(pending.result())
-                pending = prepared
-            if pending is not None:
-                self._check(pending.result())
 
-    def _blocks(self, chunks: Iterator[bytes]) -> Iterator[tuple[bytes, int]]:
-        """(block of whole lines, number of its first line); over-long lines are reported and skipped here."""
+    def _blocks(self, chunks: Iterator[bytes]) -> Iterator["bytes | tuple[str, int]"]:
+        """Blocks of whole lines, and (sha256, size) for each line over --max-record-bytes, skipped in passing."""
         limit = self.checker.max_record_bytes
         carry = b""
         skipping = None  # [sha256 object, bytes so far] while passing over an over-long line
@@ -128,27 +139,22 @@ class JsonLinesFile:
                     skipping[1] += len(chunk)
                     continue
                 skipping[0].update(chunk[:nl])
-                self._oversize(skipping[0].hexdigest(), skipping[1] + nl)
+                yield skipping[0].hexdigest(), skipping[1] + nl
                 skipping, chunk = None, chunk[nl + 1:]
             data = carry + chunk if carry else chunk
             cut = data.rfind(b"\n")
             if cut == -1:
                 carry = data
             else:
-                yield self._number(data[: cut + 1])
+                yield data[: cut + 1]
                 carry = data[cut + 1:]
             if len(carry) > limit:
                 skipping = [hashlib.sha256(carry), len(carry)]
                 carry = b""
         if skipping is not None:
-            self._oversize(skipping[0].hexdigest(), skipping[1])
+            yield skipping[0].hexdigest(), skipping[1]
         elif carry:
-            yield self._number(carry)  # last line without a line feed
-
-    def _number(self, block: bytes) -> tuple[bytes, int]:
-        first_line = self.line + 1
-        self.line += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-        return block, first_line
+            yield carry  # last line without a line feed
 
     def _oversize(self, digest: str, size: int) -> None:
         self.line += 1
@@ -158,7 +164,7 @@ class JsonLinesFile:
                               "not parsed")
 
     # -- one block of whole lines --------------------------------------------------------------------------------
-    def _prepare(self, block: bytes, first_line: int) -> "_Block":
+    def _prepare(self, block: bytes) -> "_Block":
         """Worker thread: find the lines, and parse each run of lines that begin with "{" with Arrow.
 
         Only such lines go to Arrow: its reader may crash the process on a line like `null`, so blank lines, bare
@@ -176,10 +182,12 @@ class JsonLinesFile:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], objects.view(np.int8), [0]])))
         runs = [(begin, end, self._parse(block[int(starts[begin]):int(ends[end - 1])]))
                 for begin, end in zip(edges[0::2].tolist(), edges[1::2].tolist())]
-        return _Block(block, starts, ends, first_line, np.flatnonzero(~objects).tolist(), runs)
+        return _Block(block, starts, ends, np.flatnonzero(~objects).tolist(), runs)
 
     def _check(self, prepared: "_Block") -> None:
-        block, starts, ends, first_line = prepared.block, prepared.starts, prepared.ends, prepared.first_line
+        block, starts, ends = prepared.block, prepared.starts, prepared.ends
+        first_line = self.line + 1
+        self.line += len(starts)
         self._slow(block, starts, ends, first_line, prepared.other_lines)
         for begin, end, table in prepared.runs:
             self._objects(block, starts[begin:end], ends[begin:end], first_line + begin, table)
@@ -200,9 +208,9 @@ class JsonLinesFile:
             parts = max(2, size // PIECE_BYTES) if size > PIECE_BYTES else 2
             cuts = np.searchsorted(starts - starts[0], np.arange(1, parts) * (size / parts))
             inner = sorted({int(c) for c in cuts if 0 < c < n}) or [n // 2]  # lines can be longer than a piece
-            bounds = [0, *inner, n]
-            for begin, end in zip(bounds[:-1], bounds[1:]):
-                piece = self._parse(block[int(starts[begin]):int(ends[end - 1])])
+            bounds = list(zip([0, *inner], [*inner, n]))
+            tables = self._pool.map(self._parse, [block[int(starts[b]):int(ends[e - 1])] for b, e in bounds])
+            for (begin, end), piece in zip(bounds, tables):
                 self._objects(block, starts[begin:end], ends[begin:end], first_line + begin, piece)
             return
 
@@ -274,7 +282,6 @@ class _Block:
     block: bytes
     starts: np.ndarray  # line i is block[starts[i]:ends[i]], without its line feed
     ends: np.ndarray
-    first_line: int
     other_lines: list[int]  # lines that are not candidates for Arrow (blank, bare values, over-long)
     runs: list  # (first line index, end line index, Arrow table or None) for runs of lines starting with "{"
 

@@ -1,0 +1,317 @@
+"""How fast is a scan? nanscan's CPU backends against the machine's read limit and against the per-tensor torch
+checks used instead, on a GPT-2-small-shaped set of float32 parameters and gradients (about 124M of each, ~300
+tensors, ~1 GB), all measured in one run and printed as a table and ratio lines such as
+
+    cpu/read_limit = 0.78
+    cpu/isfinite_loop = 14.2x
+
+`nanscan bench` and benchmarks/bench_scan.py run this module. Run it alone:
+`flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json`;
+`--scale 0.1` shrinks every tensor tenfold for a quick run. Before anything is timed, the backends' records are
+checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must
+not copy its inputs. Methods are timed in turn within each repetition, so drift in machine load falls on all of
+them alike; each reports its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan import backends
+from nanscan._atomic import atomic_write_json
+from nanscan._reference import scan_one
+from nanscan.inputs import prepare_all
+from nanscan.scan import scan
+
+# GPT-2 small (124M parameters): vocabulary, context, width, depth.
+VOCAB, CONTEXT, WIDTH, LAYERS = 50257, 1024, 768, 12
+# Elements of each tensor checked against the reference before timing.
+VALIDATION_SLICE = 1 << 16
+# A scan may use this much memory beyond its result (per-chunk partial records), as a fraction of its inputs.
+MAX_EXTRA_MEMORY_FRACTION = 0.02
+
+
+def gpt2_small_shapes(scale: float = 1.0) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes of GPT-2 small; `scale` shrinks each tensor's first dimension (at least 1)."""
+    shapes = [("wte.weight", (VOCAB, WIDTH)), ("wpe.weight", (CONTEXT, WIDTH))]
+    for i in range(LAYERS):
+        p = f"h.{i}."
+        shapes += [
+            (p + "ln_1.weight", (WIDTH,)), (p + "ln_1.bias", (WIDTH,)),
+            (p + "attn.c_attn.weight", (WIDTH, 3 * WIDTH)), (p + "attn.c_attn.bias", (3 * WIDTH,)),
+            (p + "attn.c_proj.weight", (WIDTH, WIDTH)), (p + "attn.c_proj.bias", (WIDTH,)),
+            (p + "ln_2.weight", (WIDTH,)), (p + "ln_2.bias", (WIDTH,)),
+            (p + "mlp.c_fc.weight", (WIDTH, 4 * WIDTH)), (p + "mlp.c_fc.bias", (4 * WIDTH,)),
+            (p + "mlp.c_proj.weight", (4 * WIDTH, WIDTH)), (p + "mlp.c_proj.bias", (WIDTH,)),
+        ]
+    shapes += [("ln_f.weight", (WIDTH,)), ("ln_f.bias", (WIDTH,))]
+    return [(name, (max(1, math.ceil(shape[0] * scale)),) + shape[1:]) for name, shape in shapes]
+
+
+def make_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameters as GPT-2 initialises them and gradients of a plausible mid-training step, all float32.
+
+    The values shape the scan's work, so they are realistic: weights N(0, 0.02) (output projections scaled down
+    with depth), LayerNorm weights 1 and biases 0; gradients Gaussian with per-tensor scales spread over 1e-5..1e-2,
+    and the token embedding's gradient zero in the rows of tokens absent from the batch (most of them).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in gpt2_small_shapes(scale):
+        if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            param = torch.ones(shape)
+        elif name.endswith(".bias"):
+            param = torch.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith("c_proj.weight") else 0.02
+            param = torch.randn(shape, generator=gen) * std
+        grad_scale = 10.0 ** (-5 + 3 * float(torch.rand((), generator=gen)))
+        grad = torch.randn(shape, generator=gen) * grad_scale
+        if name == "wte.weight":
+            grad[torch.rand(shape[0], generator=gen) < 0.85] = 0.0
+        out[f"param:{name}"] = param
+        out[f"grad:{name}"] = grad
+    return out
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "read_limit", "nanscan" or "torch"
+    run: Callable[[], object]
+    detail: str
+
+
+def _read_probe(tensors: list[torch.Tensor]) -> Callable[[], object] | None:
+    """nanscan._C.read_bandwidth_probe over the tensors (every byte read once, nothing else), if built."""
+    try:
+        from nanscan import _C  # noqa: PLC0415 - optional extension
+    except ImportError:
+        return None
+    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    numels = np.array([t.numel() for t in tensors], dtype=np.int64)
+    codes = np.full(len(tensors), L.FLOAT32, dtype=np.int32)
+    return lambda: _C.read_bandwidth_probe(ptrs, numels, codes, L.DEFAULT_CHUNK_ELEMS)
+
+
+def _isfinite_loop(tensors: list[torch.Tensor]) -> bool:
+    ok = True
+    for t in tensors:
+        ok &= bool(torch.isfinite(t).all())
+    return ok
+
+
+def _log2_histc_loop(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # What wandb.watch-style histograms compute; the clamp keeps log2(0) = -inf inside histc's fixed range,
+    # which also spares histc a pass to find the range.
+    return [t.abs().log2().clamp(-128, 127).histc(bins=256, min=-128, max=128) for t in tensors]
+
+
+def available_backends() -> tuple[list[str], dict[str, str]]:
+    """Names of the nanscan CPU backends that load here, and why the others do not."""
+    names, missing = [], {}
+    for name in ("cpu", "numba"):
+        try:
+            backends.load(name)
+            names.append(name)
+        except backends.BackendUnavailable as exc:
+            missing[name] = str(exc)
+    return names, missing
+
+
+def make_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
+    tensors = list(named.values())
+    methods = [Method("torch.sum loop", "read_limit", lambda: [t.sum() for t in tensors],
+                      f"t.sum() per tensor, {torch.get_num_threads()} torch threads")]
+    probe = _read_probe(tensors)
+    if probe is not None:
+        methods.append(Method("read probe", "read_limit", probe, "nanscan._C.read_bandwidth_probe, OpenMP"))
+    for name in backend_names:
+        methods.append(Method(f"nanscan {name}", "nanscan", lambda b=name: scan(named, backend=b),
+                              f"nanscan.scan(tensors, backend={name!r}), end to end"))
+    methods += [
+        Method("_foreach_norm", "torch", lambda: torch._foreach_norm(tensors), "torch._foreach_norm(tensors)"),
+        Method("isfinite loop", "torch", lambda: _isfinite_loop(tensors), "torch.isfinite(t).all() per tensor"),
+        Method("log2 histc loop", "torch", lambda: _log2_histc_loop(tensors),
+               "t.abs().log2().clamp(-128, 127).histc(256) per tensor"),
+    ]
+    return methods
+
+
+def validate(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[str]:
+    """Problems found comparing each backend with the reference on the first VALIDATION_SLICE elements of every
+    tensor: every count, extreme and histogram bin must be equal, the sum of squares equal to 1e-12."""
+    sliced = {name: t.reshape(-1)[:VALIDATION_SLICE] for name, t in named.items()}
+    inputs, _ = prepare_all(sliced)
+    expected = np.stack([scan_one(item.flat, item.scanned_code) for item in inputs])
+    problems = []
+    exact = [k for k in range(L.RECORD_WIDTH) if k != L.REC_SUMSQ]
+    for name in backend_names:
+        got = backends.load(name).scan_records(inputs)
+        for i, item in enumerate(inputs):
+            if not np.array_equal(got[i, exact], expected[i, exact]):
+                slots = [int(k) for k in np.flatnonzero(got[i] != expected[i]) if k != L.REC_SUMSQ]
+                problems.append(f"{name}: {item.name}: record slots {slots[:8]} differ from the reference")
+            s_got = got[i, L.REC_SUMSQ:L.REC_SUMSQ + 1].view(np.float64)[0]
+            s_ref = expected[i, L.REC_SUMSQ:L.REC_SUMSQ + 1].view(np.float64)[0]
+            if not math.isclose(s_got, s_ref, rel_tol=1e-12, abs_tol=0.0):
+                problems.append(f"{name}: {item.name}: sum of squares {s_got!r} != reference {s_ref!r}")
+    return problems
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
+    """Peak resident memory `fn` adds to the process, or None where Linux's peak-reset is unavailable."""
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set, to the current one
+        before = status("VmRSS")
+    except (OSError, KeyError):
+        return None
+    fn()
+    return max(0, status("VmHWM") - before)
+
+
+def time_methods(methods: list[Method], reps: int) -> dict[str, list[float]]:
+    """Seconds per run of each method; every method runs once untimed first (JIT, caches, thread pools)."""
+    for m in methods:
+        m.run()
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for _ in range(reps):
+        for m in methods:
+            start = time.perf_counter()
+            m.run()
+            times[m.name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, float]:
+    by_name = {r["name"]: r for r in results}
+    ratios: dict[str, float] = {}
+    for b in backend_names:
+        r = by_name[f"nanscan {b}"]
+        ratios[f"{b}/read_limit"] = r["fraction_of_read_limit"]
+        for other, key in (("isfinite loop", "isfinite_loop"), ("_foreach_norm", "foreach_norm"),
+                           ("log2 histc loop", "log2_histc_loop")):
+            ratios[f"{b}/{key}"] = by_name[other]["seconds"] / r["seconds"]
+    return ratios
+
+
+def format_ratio(key: str, value: float) -> str:
+    return f"{key} = {value:.2f}" if key.endswith("/read_limit") else f"{key} = {value:.2f}x"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="nanscan bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="shrink every tensor by this factor (default 1.0: ~1 GB; 0.1 for a quick run)")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per method (default 7)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH (atomically)")
+    args = parser.parse_args(argv)
+    if not 0 < args.scale <= 4:
+        parser.error(f"--scale must be in (0, 4], got {args.scale}")
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rich.console import Console  # noqa: PLC0415 - only the command needs it
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(soft_wrap=True)
+    backend_names, missing = available_backends()
+    if not backend_names:
+        console.print(f"[red]no nanscan CPU backend can run here:[/red] {missing}")
+        return 1
+    named = make_tensors(args.scale, args.seed)
+    total_bytes = sum(t.numel() * t.element_size() for t in named.values())
+    total_elems = sum(t.numel() for t in named.values())
+    build = backends.backend_info().get("build", {})
+    console.print(f"{len(named)} float32 tensors, {total_elems / 1e6:.1f}M elements, {total_bytes / 1e9:.3f} GB; "
+                  f"torch threads {torch.get_num_threads()}, OpenMP threads {build.get('max_threads', '?')}, "
+                  f"CPU kernel SIMD {build.get('cpu_simd', '?')}, {os.cpu_count()} CPUs")
+    for name, why in missing.items():
+        console.print(f"[yellow]nanscan {name} not measured:[/yellow] {why}")
+
+    problems = validate(named, backend_names)
+    if problems:
+        for p in problems[:20]:
+            console.print(f"[red]validation failed:[/red] {p}")
+        return 1
+    console.print(f"validated {', '.join(backend_names)} against the reference on {len(named)} slices of "
+                  f"{VALIDATION_SLICE} elements: equal")
+
+    memory: dict[str, float | None] = {}
+    for b in backend_names:
+        scan(named, backend=b)  # compile and warm first: the measured call is a steady-state one
+        extra = peak_extra_bytes(lambda b=b: scan(named, backend=b))
+        memory[b] = extra
+        if extra is None:
+            console.print("peak memory of a scan: not measurable here (needs Linux /proc/self/clear_refs)")
+            continue
+        console.print(f"peak extra memory of one {b} scan: {extra / 2**20:.1f} MiB for {total_bytes / 2**20:.0f} "
+                      f"MiB of inputs (result {len(named) * L.RECORD_WIDTH * 8 / 2**10:.0f} KiB)")
+        if extra > MAX_EXTRA_MEMORY_FRACTION * total_bytes:
+            console.print(f"[red]the {b} scan used more memory than its result and workspace should[/red]")
+            return 1
+
+    methods = make_methods(named, backend_names)
+    times = time_methods(methods, args.reps)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    read_limit_name = min((m.name for m in methods if m.kind == "read_limit"), key=medians.__getitem__)
+    read_limit = medians[read_limit_name]
+    iso = medians["isfinite loop"]
+    results = [{
+        "name": m.name, "kind": m.kind, "detail": m.detail, "seconds": medians[m.name],
+        "seconds_all": times[m.name], "gb_per_s": total_bytes / medians[m.name] / 1e9,
+        "fraction_of_read_limit": read_limit / medians[m.name], "speedup_vs_isfinite_loop": iso / medians[m.name],
+    } for m in methods]
+
+    table = Table(title=f"scan of {total_bytes / 1e9:.2f} GB, median of {args.reps} (read limit: {read_limit_name})")
+    for col in ("method", "seconds", "GB/s", "x read limit", "vs isfinite loop"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in results:
+        table.add_row(r["name"], f"{r['seconds']:.4f}", f"{r['gb_per_s']:.2f}", f"{r['fraction_of_read_limit']:.2f}",
+                      f"{r['speedup_vs_isfinite_loop']:.1f}x")
+    console.print(table)
+    ratios = ratio_lines(results, backend_names)
+    for key, value in ratios.items():
+        print(format_ratio(key, value))
+
+    if args.json:
+        atomic_write_json(args.json, {
+            "benchmark": "bench_scan",
+            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                        "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                        "torch_threads": torch.get_num_threads(), "build": build},
+            "config": {"scale": args.scale, "reps": args.reps, "seed": args.seed, "tensors": len(named),
+                       "elements": total_elems, "bytes": total_bytes},
+            "validation": {"backends": backend_names, "slice": VALIDATION_SLICE, "problems": problems},
+            "unavailable": missing,
+            "peak_extra_memory_bytes": memory,
+            "read_limit": read_limit_name,
+            "results": results,
+            "ratios": ratios,
+        })
+        console.print(f"wrote {args.json}")
+    return 0

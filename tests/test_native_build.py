@@ -1,0 +1,326 @@
+"""The native extension: its constants agree with Python's, each path of the CPU kernel agrees with the reference
+(csrc/cpu/scan_cpu.cpp, NOTE: [blocks] and [chunk window]), a scan reads its inputs in place, and nanscan installs
+and falls back to numba where no C++ compiler works, in a normal and an editable install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_records_match, native_extension_expected
+from nanscan import _layout as L
+from nanscan.backends import CpuBackend
+from nanscan.bench_scan import peak_extra_bytes
+from nanscan.inputs import prepare_all
+from nanscan.scan import scan
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CODES = {torch.float16: L.FLOAT16, torch.bfloat16: L.BFLOAT16, torch.float32: L.FLOAT32, torch.float64: L.FLOAT64}
+
+
+@pytest.fixture(scope="module")
+def native():
+    """nanscan._C; a build that exists but does not import fails the test instead of skipping it."""
+    try:
+        from nanscan import _C
+    except ImportError as exc:
+        if native_extension_expected():
+            pytest.fail(f"nanscan._C is built but does not import: {exc}")
+        pytest.skip(f"nanscan._C is not built here: {exc}")
+    return _C
+
+
+# -- the extension and nanscan/_layout.py describe one layout ------------------------------------------------------
+
+def test_build_info_matches_layout(native):
+    info = native.build_info()
+    assert info["record_width"] == L.RECORD_WIDTH
+    assert info["hist_bins"] == L.HIST_BINS
+    assert info["min_bin_exponent"] == L.MIN_BIN_EXPONENT
+    assert info["max_bin_exponent"] == L.MAX_BIN_EXPONENT
+    assert info["abs_min_none"] == L.ABSMIN_NONE
+    assert info["record_slots"] == {
+        "nan": L.REC_NAN, "posinf": L.REC_POSINF, "neginf": L.REC_NEGINF, "zero": L.REC_ZERO,
+        "subnormal": L.REC_SUBNORMAL, "absmax_bits": L.REC_ABSMAX_BITS, "absmin_bits": L.REC_ABSMIN_BITS,
+        "sumsq": L.REC_SUMSQ, "hist": L.REC_HIST,
+    }
+    assert info["dtype_codes"] == L.DTYPE_CODES
+    assert info["cpu_simd"] in ("avx512", "avx2", "baseline", "none")
+
+
+# One pattern per dtype code that every other code reads differently: 1.0, the largest finite value, +inf, a quiet
+# NaN, the smallest subnormal, and -0. Bins are floor(log2|x|) + 128.
+KNOWN_PATTERNS = {
+    L.FLOAT16: [(0x3C00, L.NORMAL, 128), (0x7BFF, L.NORMAL, 143), (0x7C00, L.POSINF, -1), (0x7E00, L.NAN, -1),
+                (0x0001, L.SUBNORMAL, 104), (0x8000, L.ZERO, -1)],
+    L.BFLOAT16: [(0x3F80, L.NORMAL, 128), (0x7F7F, L.NORMAL, 255), (0x7F80, L.POSINF, -1), (0x7FC0, L.NAN, -1),
+                 (0x0001, L.SUBNORMAL, 0), (0x8000, L.ZERO, -1)],
+    L.FLOAT32: [(0x3F800000, L.NORMAL, 128), (0x7F7FFFFF, L.NORMAL, 255), (0x7F800000, L.POSINF, -1),
+                (0x7FC00000, L.NAN, -1), (0x00000001, L.SUBNORMAL, 0), (0x80000000, L.ZERO, -1)],
+    L.FLOAT64: [(0x3FF0000000000000, L.NORMAL, 128), (0x7FEFFFFFFFFFFFFF, L.NORMAL, 255),
+                (0x7FF0000000000000, L.POSINF, -1), (0x7FF8000000000000, L.NAN, -1), (0x1, L.SUBNORMAL, 0),
+                (0x8000000000000000, L.ZERO, -1)],
+}
+
+
+@pytest.mark.parametrize("code", sorted(KNOWN_PATTERNS), ids=lambda c: L.DTYPE_NAMES[c])
+def test_dtype_codes_classify_as_their_format(native, code):
+    bits = np.array([p for p, _, _ in KNOWN_PATTERNS[code]], dtype=np.uint64)
+    classes, bins = native.classify_bits(bits, code)
+    assert classes.tolist() == [c for _, c, _ in KNOWN_PATTERNS[code]]
+    assert bins.tolist() == [b for _, _, b in KNOWN_PATTERNS[code]]
+    # The same patterns read as any other format must not all give the same answers.
+    for other in KNOWN_PATTERNS:
+        if other != code:
+            other_classes, other_bins = native.classify_bits(bits, other)
+            assert (other_classes.tolist(), other_bins.tolist()) != (classes.tolist(), bins.tolist())
+
+
+# -- the read probe ------------------------------------------------------------------------------------------------
+
+def _task_arrays(tensors):
+    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    numels = np.array([t.numel() for t in tensors], dtype=np.int64)
+    codes = np.array([CODES[t.dtype] for t in tensors], dtype=np.int32)
+    return ptrs, numels, codes
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 16])
+def test_read_probe_reads_every_byte(native, chunk):
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen).to(d) for n, d in
+               [(0, torch.float32), (1, torch.float32), (1001, torch.float16), (70_001, torch.float32),
+                (333, torch.float64), (4097, torch.bfloat16)]]
+    expected = 0
+    for t in tensors:
+        if t.numel():
+            expected ^= int(np.bitwise_xor.reduce(t.view(torch.uint8).numpy()))
+    assert native.read_bandwidth_probe(*_task_arrays(tensors), chunk) == expected
+
+
+def test_scan_arguments_are_checked(native):
+    t = torch.ones(4)
+    ptrs, numels, codes = _task_arrays([t])
+    records = L.empty_records(1)
+    with pytest.raises(ValueError, match="same length"):
+        native.scan_cpu(ptrs, np.array([4, 4]), codes, records, 16)
+    with pytest.raises(ValueError, match="unknown dtype code 9"):
+        native.scan_cpu(ptrs, numels, np.array([9], dtype=np.int32), records, 16)
+    with pytest.raises(ValueError, match="negative"):
+        native.scan_cpu(ptrs, np.array([-1]), codes, records, 16)
+    with pytest.raises(ValueError, match="null"):
+        native.scan_cpu(np.array([0]), numels, codes, records, 16)
+    with pytest.raises(ValueError, match="records must have shape"):
+        native.scan_cpu(ptrs, numels, codes, L.empty_records(2), 16)
+    with pytest.raises(ValueError, match="same length"):
+        native.read_bandwidth_probe(ptrs, np.array([4, 4]), codes, 16)
+
+
+# -- each path of the CPU kernel agrees with the reference ---------------------------------------------------------
+
+def _finite_range(dtype):
+    info = torch.finfo(dtype)
+    return int(np.floor(np.log2(info.tiny))), int(np.floor(np.log2(info.max)))
+
+
+def kernel_path_tensors(dtype, *, blocks: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of whole 4 KiB blocks, each steering the kernel down one path (NOTE: [blocks] in scan_cpu.cpp)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_block = 4096 // torch.tensor([], dtype=dtype).element_size()
+    n = blocks * per_block
+    lo, hi = _finite_range(dtype)
+    mid = (lo + hi) // 2
+
+    def randn(count, scale):
+        return torch.randn(count, generator=gen, dtype=torch.float64) * scale
+
+    def log_uniform(count, low, high):  # |x| spread evenly over binades low..high, random signs
+        e = low + (high - low) * torch.rand(count, generator=gen, dtype=torch.float64)
+        return torch.exp2(e) * torch.sign(torch.randn(count, generator=gen, dtype=torch.float64))
+
+    gauss = randn(n, 2.0 ** (mid // 2))
+    # Every third block of `shifting` lives 24 binades higher: the chunk's window misses it, and after two such
+    # blocks in a row (the last ones) moves.
+    shifting = randn(n, 2.0 ** (mid // 2)).reshape(blocks, per_block)
+    shifting[::3] *= 2.0 ** 24
+    shifting[-2:] *= 2.0 ** 24
+    zero_blocks = randn(n, 1.0).reshape(blocks, per_block)
+    zero_blocks[1::2] = 0.0  # blocks with nothing but zeros inside the window
+    zero_blocks[2::4, ::3] = 0.0  # and blocks with some zeros
+    smallest_subnormal = 2.0 ** (lo - torch.finfo(dtype).nmant)
+    subnormal = randn(n, 2.0 ** (lo + 8))
+    subnormal[::97] = smallest_subnormal * 3
+    subnormal[5::101] = -(2.0 ** lo) / 2  # the largest binade of subnormals
+    only_subnormal = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, smallest_subnormal) * \
+        torch.randint(1, 4, (n,), generator=gen)
+    specials = randn(n, 1.0)
+    specials[17::1500] = float("nan")
+    specials[29::2900] = float("inf")
+    specials[31::4100] = -float("inf")
+    specials[3::2000] = 0.0
+    extremes = log_uniform(n, hi - 12, hi)  # the top fields: the windows run past the last finite one
+    extremes[::50] = torch.finfo(dtype).max
+    tensors = {
+        "gauss": gauss,
+        "shifting": shifting.reshape(-1),
+        "two windows": log_uniform(n, mid - 8, mid + 14),  # 17..32 fields per block
+        "wide": log_uniform(n, lo, hi),  # more than 32 fields per block
+        "zero blocks": zero_blocks.reshape(-1),
+        "subnormal": subnormal,
+        "only subnormal": only_subnormal,
+        "specials": specials,
+        "extremes": extremes,
+        "bottom": log_uniform(n, lo, lo + 10),  # the lowest normal fields
+        "tail": gauss[: 3 * per_block + 37],  # a short last block in every chunk
+        "tiny": gauss[:5],
+    }
+    return {name: x.to(dtype) for name, x in tensors.items()}
+
+
+def scan_records(tensors, **backend_kwargs) -> np.ndarray:
+    return scan(tensors, backend=CpuBackend(**backend_kwargs)).records
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [1 << 16, 1 << 22, 3000, 7])
+def test_kernel_paths_match_the_reference(native, dtype, chunk):
+    tensors = kernel_path_tensors(dtype, blocks=6 if chunk == 7 else 24)
+    report = scan(tensors, backend=CpuBackend(chunk_elems=chunk))
+    reference = scan(tensors, backend="reference")
+    assert_records_match(report.records, reference.records, report.names, label=f"cpu, chunks of {chunk}")
+    # The data reaches the paths it is meant for.
+    assert report["specials"].nan > 0 and report["specials"].posinf > 0 and report["specials"].neginf > 0
+    assert report["only subnormal"].subnormal > 0 and report["subnormal"].subnormal > 0
+    assert report["zero blocks"].zero > len(tensors["zero blocks"]) // 3
+
+
+def test_window_counters_flush_before_they_overflow(native):
+    """A chunk of over 257 in-window blocks of float16 (NOTE: [chunk window], 16-bit counters)."""
+    gen = torch.Generator().manual_seed(2)
+    x = {"ones": torch.ones(600_000, dtype=torch.float16),  # every element in one field: the worst case
+         "gauss": (torch.randn(600_000, generator=gen) * 0.1).to(torch.float16)}
+    report = scan(x, backend=CpuBackend(chunk_elems=1 << 22))
+    assert_records_match(report.records, scan(x, backend="reference").records, report.names, label="cpu")
+    assert report["ones"].exp_hist[128] == 600_000
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_records_are_bit_identical_for_any_thread_count(native, dtype):
+    tensors = kernel_path_tensors(dtype, blocks=40, seed=5)
+    runs = [scan_records(tensors, chunk_elems=4096, num_threads=n) for n in (1, 2, 3, 8)]
+    for n, records in zip((2, 3, 8), runs[1:]):
+        assert np.array_equal(records, runs[0]), f"{n} threads changed the records (sums of squares included)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flush_to_zero_mode_of_the_caller_changes_nothing(native, dtype):
+    """NOTE: [float mode]: subnormals are squared and binned the same with torch.set_flush_denormal(True)."""
+    tensors = {k: v for k, v in kernel_path_tensors(dtype, blocks=8, seed=7).items()
+               if k in ("subnormal", "only subnormal", "bottom")}
+    plain = [scan_records(tensors, num_threads=n) for n in (1, 2)]
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals; the test needs one that can"
+    try:
+        flushed = [scan_records(tensors, num_threads=n) for n in (1, 2)]
+    finally:
+        torch.set_flush_denormal(False)
+    for records in plain[1:] + flushed:
+        assert np.array_equal(records, plain[0])
+
+
+def test_scan_allocates_only_its_result(native):
+    """64 MiB of inputs: a scan must not copy them (only per-chunk partial records, ~0.5 MiB here)."""
+    tensors = {"big": torch.randn(16 << 20), "small": torch.randn(1000)}
+    scan(tensors, backend="cpu")  # first call: thread pool, lazy imports
+    extra = peak_extra_bytes(lambda: scan(tensors, backend="cpu"))
+    if extra is None:
+        pytest.skip("peak memory is not measurable here (needs Linux /proc/self/clear_refs)")
+    assert extra < 4 << 20, f"one scan of 64 MiB raised peak memory by {extra / 2**20:.1f} MiB"
+
+
+# -- installing without a working C++ compiler ---------------------------------------------------------------------
+
+def copy_source(dest: Path) -> Path:
+    """The files a build needs, without built extensions: builds there cannot touch the working tree."""
+    ignore = shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "*.nbi", "*.nbc")
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "csrc", dest / "csrc", ignore=ignore)
+    shutil.copytree(ROOT / "nanscan", dest / "nanscan", ignore=ignore)
+    return dest
+
+
+def no_compiler_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANSCAN_")}
+    false = shutil.which("false") or "false"
+    env.update(CC=false, CXX=false, LDSHARED=f"{false} -shared", NANSCAN_CUDA="0", **extra)
+    return env
+
+
+def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+@pytest.mark.slow
+def test_install_without_a_compiler_falls_back_to_numba(tmp_path):
+    src = copy_source(tmp_path / "src")
+    target = tmp_path / "site"
+    # --target installs beside the environment, never replacing the nanscan installed in it.
+    result = run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
+                  "--target", str(target), str(src)], env=no_compiler_env())
+    assert result.returncode == 0, f"install failed without a compiler:\n{result.stdout}\n{result.stderr}"
+    assert "native extension not built" in result.stdout + result.stderr
+    assert not list((target / "nanscan").glob("_C*")), "a failed build left an extension file behind"
+
+    probe = ("import json, nanscan; info = nanscan.backend_info(); "
+             "print(json.dumps({'file': nanscan.__file__, 'info': info}, default=str))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NANSCAN_BACKEND")}
+    env["PYTHONPATH"] = str(target)
+    result = run([sys.executable, "-c", probe], env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(out["file"]).is_relative_to(target), f"imported {out['file']}, not the installed copy"
+    cpu = out["info"]["backends"]["cpu"]
+    assert cpu["available"] is False and "_C" in cpu["error"]
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        assert out["info"]["active"]["cpu"] == "reference"
+    else:
+        assert out["info"]["active"]["cpu"] == "numba"
+
+
+@pytest.mark.slow
+def test_editable_build_without_a_compiler_succeeds(tmp_path):
+    """The PEP 660 hook that `pip install -e` runs: it must not fail copying the extension it could not build."""
+    src = copy_source(tmp_path / "src")
+    out = tmp_path / "wheels"
+    out.mkdir()
+    hook = f"from setuptools import build_meta; print(build_meta.build_editable({str(out)!r}))"
+    result = run([sys.executable, "-c", hook], env=no_compiler_env(), cwd=src)
+    assert result.returncode == 0, f"editable build failed without a compiler:\n{result.stdout}\n{result.stderr}"
+    wheel = out / result.stdout.strip().splitlines()[-1]
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "_C." in n], names
+    assert not list((src / "nanscan").glob("_C*")), "an extension file appeared in the source tree"
+
+
+@pytest.mark.slow
+def test_required_native_build_fails_loudly_without_a_compiler(tmp_path):
+    src = copy_source(tmp_path / "src")
+    out = tmp_path / "wheels"
+    out.mkdir()
+    hook = f"from setuptools import build_meta; print(build_meta.build_wheel({str(out)!r}))"
+    result = run([sys.executable, "-c", hook], env=no_compiler_env(NANSCAN_REQUIRE_NATIVE="1"), cwd=src)
+    assert result.returncode != 0
+    assert not list(out.glob("*.whl"))
