@@ -138,10 +138,6 @@ class NativeBuild(build_ext):
             if not ext.optional:
                 raise
             self._failed.add(self.get_ext_fullpath(ext.name))
-            # The file of an earlier build would shadow the failure at import time with stale code.
-            stale = Path(self.get_ext_fullpath(ext.name))
-            if self.inplace and stale.exists():
-                stale.unlink()
             print(f"nanscan: native extension not built ({exc}); nanscan will use its numba backend",
                   file=sys.stderr)
 
@@ -150,6 +146,23 @@ class NativeBuild(build_ext):
     def run(self):
         self._failed = set()
         super().run()
+        if self.inplace or self.editable_mode:
+            self._remove_stale_inplace_extensions()
+
+    def _remove_stale_inplace_extensions(self):
+        """An editable install imports the extension from the source tree: one left there by an earlier build
+        would run old code instead of the numba fallback that the failure message promises."""
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            fullname = self.get_ext_fullname(ext.name)
+            filename = self.get_ext_filename(fullname)
+            if os.path.join(self.build_lib, filename) not in self._failed:
+                continue
+            package_dir = build_py.get_package_dir(".".join(fullname.split(".")[:-1]))
+            stale = Path(package_dir, os.path.basename(filename))
+            if stale.exists():
+                print(f"nanscan: removing {stale}, left by an earlier build", file=sys.stderr)
+                stale.unlink()
 
     def get_outputs(self):
         return [o for o in super().get_outputs() if o not in getattr(self, "_failed", ())]

@@ -7,8 +7,20 @@ torch._foreach_norm and a per-tensor isfinite().all() loop; prints a table, thre
     cuda/foreach_norm = 1.6x        (_foreach_norm time / scan time; target > 1x)
 
 and writes everything to --json. Results are validated (a planted NaN found exactly, records equal to the
-reference backend's on a subset) before anything is timed. Run on the GPU machine through
-benchmarks/gpu_check.sh; `--dry-run` checks argument parsing, the planned set and JSON writing without a GPU.
+reference backend's on a subset) before anything is timed.
+
+A second part (`--part monitor`) asks what Monitor.check costs a real training step in mode="async": a
+GPT-2-medium-sized model (24 layers, d_model 1024, 355M parameters; bf16 autocast, fp32 weights, fused AdamW)
+trained on random tokens, steps with the check (its found_inf passed to the optimizer) and without it timed in
+alternating blocks on the GPU's clock, one ratio line:
+
+    monitor_async_overhead = 0.8% of step     (target <= 1%)
+
+Before timing, checked steps run under torch.cuda.set_sync_debug_mode("error") (no host sync may happen) and the
+check must have scanned every parameter, gradient and optimizer state tensor and found them finite.
+
+Run on the GPU machine through benchmarks/gpu_check.sh; `--dry-run` checks argument parsing, the planned work and
+JSON writing without a GPU.
 """
 
 from __future__ import annotations
@@ -27,12 +39,18 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import nanscan
 from nanscan import _layout as L
 from nanscan.inputs import prepare
 
-TARGETS = {"cuda/read_limit": 0.85, "cuda/isfinite_loop": 10.0, "cuda/foreach_norm": 1.0}
+TARGETS = {"cuda/read_limit": 0.85, "cuda/isfinite_loop": 10.0, "cuda/foreach_norm": 1.0,
+           "monitor_async_overhead_pct": 1.0}
+PARTS = ("scan", "monitor")
+# GPT-2 medium (vocabulary padded to a multiple of 64, as nanoGPT and llm.c do).
+GPT2_MEDIUM = {"vocab": 50304, "context": 1024, "d_model": 1024, "n_layer": 24, "n_head": 16}
 
 
 def gpt_shapes(d_model: int = 2048, n_layer: int = 24, vocab: int = 50304, context: int = 2048,
@@ -229,27 +247,234 @@ def run(args) -> dict:
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
 
 
+# -- Monitor.check in a training step -------------------------------------------------------------------------
+
+class GPTBlock(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.mlp_proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 (pre-norm blocks, learned positions, output layer tied to the token embedding)."""
+
+    def __init__(self, vocab: int, context: int, d_model: int, n_layer: int, n_head: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+def monitor_plan(args) -> dict:
+    with torch.device("meta"):
+        model = GPT(**GPT2_MEDIUM)
+    params = list(model.parameters())
+    return {"model": "GPT-2 medium: 24 layers, d_model 1024, 16 heads, context 1024", "config": GPT2_MEDIUM,
+            "parameters": sum(p.numel() for p in params), "parameter_tensors": len(params),
+            "batch": args.gpt_batch, "seq": args.gpt_seq, "tokens_per_step": args.gpt_batch * args.gpt_seq,
+            "precision": "bf16 autocast, fp32 weights, fused AdamW", "monitor": "mode='async', history=64",
+            "blocks": args.gpt_blocks, "block_steps": args.gpt_block_steps}
+
+
+class TrainingStep:
+    """One GPT training step: forward, backward, AdamW; `checked` adds Monitor.check, whose found_inf the fused
+    optimizer takes (a non-finite step's update would be skipped on the GPU)."""
+
+    def __init__(self, args, device: torch.device, bundle_dir: Path):
+        from nanscan.monitor import Monitor
+
+        torch.manual_seed(0)
+        self.model = GPT(**GPT2_MEDIUM).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+        self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, run_id="bench-gpu",
+                               on_invalid="raise")
+        gen = torch.Generator(device=device).manual_seed(1)
+        self.batches = [torch.randint(0, GPT2_MEDIUM["vocab"], (args.gpt_batch, args.gpt_seq + 1), device=device,
+                                      generator=gen) for _ in range(4)]
+        self.count = 0
+        self.check_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.check_host_ms: list[float] = []
+        self.last_report = None
+
+    def __call__(self, checked: bool, *, time_check: bool = False) -> None:
+        tokens = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if checked:
+            if time_check:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                start = time.perf_counter()
+            report = self.monitor.check(batch={"tokens": tokens}, loss=loss)
+            if time_check:
+                self.check_host_ms.append((time.perf_counter() - start) * 1e3)
+                after.record()
+                self.check_events.append((before, after))
+            self.last_report = report
+            if report.ok:
+                self.optimizer.found_inf = report.found_inf
+                self.optimizer.step()
+                del self.optimizer.found_inf
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def validate_monitor(train: TrainingStep) -> dict:
+    """The check must resolve to async mode, scan every parameter, gradient and optimizer state tensor, find them
+    finite, and not synchronize the host with the GPU."""
+    train(checked=False)  # creates the optimizer state
+    train(checked=True)
+    train(checked=True)  # reads the first check's verdict; warm pinned pools and work lists
+    report = train.monitor.flush()
+    names = report.names
+    params = list(train.model.parameters())
+    state = sum(1 for p in params for v in train.optimizer.state[p].values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point())
+    counts = {prefix: sum(n.startswith(prefix) for n in names) for prefix in ("param:", "grad:", "optim:")}
+    expected = {"param:": len(params), "grad:": len(params), "optim:": state}
+    sync_error = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            train(checked=True)
+    except RuntimeError as exc:
+        sync_error = str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    verdict = train.monitor.flush()
+    scanned_bytes = int(sum(t.numel * torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+                            for t in report.tensors))
+    result = {"mode": train.monitor.mode, "scanned": counts, "expected": expected, "report_ok": report.ok,
+              "found_inf": float(report.found_inf), "tensors_scanned": len(names), "bytes_scanned": scanned_bytes,
+              "no_host_sync": sync_error is None, "sync_error": sync_error, "last_verdict_ok": verdict.ok}
+    result["ok"] = (result["mode"] == "async" and counts == expected and report.ok and result["found_inf"] == 0.0
+                    and sync_error is None and verdict.ok and "loss" in names)
+    return result
+
+
+def run_monitor(args, device: torch.device | None = None) -> dict:
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    with tempfile.TemporaryDirectory(prefix="nanscan-bench-gpu-") as tmp:
+        train = TrainingStep(args, device, Path(tmp))
+        checks = validate_monitor(train)
+        if not checks["ok"]:
+            return {"validation": checks, "error": "monitor validation failed; nothing was timed"}
+        for i in range(4):
+            train(checked=bool(i % 2))
+        torch.cuda.synchronize()
+        # Blocks of steps timed on the GPU's clock, plain and checked alternating (drift falls on both alike). The
+        # host runs ahead of the GPU inside a block, so a check that blocked the host would show as GPU idle time.
+        per_step: dict[str, list[float]] = {"plain": [], "checked": []}
+        pairs = []
+        for block in range(args.gpt_blocks):
+            order = ("plain", "checked") if block % 2 == 0 else ("checked", "plain")
+            medians = {}
+            for variant in order:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.gpt_block_steps):
+                    train(checked=variant == "checked")
+                end.record()
+                end.synchronize()
+                medians[variant] = start.elapsed_time(end) / args.gpt_block_steps
+                per_step[variant].append(medians[variant])
+            pairs.append(medians["checked"] / medians["plain"])
+        for _ in range(args.gpt_block_steps):
+            train(checked=True, time_check=True)
+        torch.cuda.synchronize()
+        check_gpu = [before.elapsed_time(after) for before, after in train.check_events]
+        final = train.monitor.flush()
+        train.monitor.close()
+    plain, checked = statistics.median(per_step["plain"]), statistics.median(per_step["checked"])
+    return {
+        "validation": checks,
+        "step_ms": {variant: {"median": statistics.median(v), "min": min(v), "blocks": v}
+                    for variant, v in per_step.items()},
+        "monitor_async_overhead_pct": 100.0 * (checked - plain) / plain,
+        "paired_overhead_pct": 100.0 * (statistics.median(pairs) - 1.0),
+        "check_gpu_ms": statistics.median(check_gpu),
+        "check_gpu_pct_of_step": 100.0 * statistics.median(check_gpu) / plain,
+        "check_host_ms": statistics.median(train.check_host_ms),
+        "scan_gb_per_s": checks["bytes_scanned"] / (statistics.median(check_gpu) * 1e-3) / 1e9,
+        "final_verdict_ok": final is not None and final.ok,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+    }
+
+
+def print_monitor(result: dict) -> None:
+    steps = result["step_ms"]
+    print(f"{'training step':<24}{'median ms':>12}{'min ms':>10}")
+    for variant in ("plain", "checked"):
+        print(f"{variant:<24}{steps[variant]['median']:>12.2f}{steps[variant]['min']:>10.2f}")
+    print(f"check on the GPU: {result['check_gpu_ms']:.3f} ms ({result['check_gpu_pct_of_step']:.2f}% of a plain "
+          f"step, {result['scan_gb_per_s']:.0f} GB/s over {result['validation']['bytes_scanned'] / 1e9:.2f} GB); "
+          f"on the host: {result['check_host_ms']:.2f} ms, overlapped with the GPU's work")
+    print(f"adjacent blocks: median checked/plain = {result['paired_overhead_pct']:+.2f}%")
+    print(f"monitor_async_overhead = {result['monitor_async_overhead_pct']:.2f}% of step")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here (atomically)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per contender per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all contenders")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink the model widths (1.0: 1.3B parameters)")
+    parser.add_argument("--part", choices=("all", *PARTS), default="all",
+                        help="scan: the kernel against torch; monitor: Monitor.check in a GPT-2-medium training step")
+    parser.add_argument("--gpt-batch", type=int, default=16, help="sequences per training step (default 16)")
+    parser.add_argument("--gpt-seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    parser.add_argument("--gpt-blocks", type=int, default=8, help="timed blocks, alternating plain/checked")
+    parser.add_argument("--gpt-block-steps", type=int, default=5, help="training steps per timed block")
     parser.add_argument("--dry-run", action="store_true", help="plan and write JSON without touching a GPU")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.rounds < 1 or not 0 < args.scale <= 1.0:
         parser.error("--repeats and --rounds must be >= 1 and --scale in (0, 1]")
+    if min(args.gpt_batch, args.gpt_blocks, args.gpt_block_steps) < 1 or not 1 <= args.gpt_seq <= 1024:
+        parser.error("--gpt-batch, --gpt-blocks and --gpt-block-steps must be >= 1, --gpt-seq in [1, 1024]")
+    parts = PARTS if args.part == "all" else (args.part,)
 
-    out = {"benchmark": "bench_gpu", "plan": plan(args), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "python": platform.python_version(), "nanscan": nanscan.__version__, "targets": TARGETS,
-           "dry_run": args.dry_run}
+    out = {"benchmark": "bench_gpu", "parts": list(parts), "plan": plan(args), "torch": torch.__version__,
+           "torch_cuda": torch.version.cuda, "python": platform.python_version(), "nanscan": nanscan.__version__,
+           "targets": TARGETS, "dry_run": args.dry_run}
+    if "monitor" in parts:
+        out["monitor_plan"] = monitor_plan(args)
     try:
         out["build"] = dict(nanscan.backend_info().get("build", {}))
     except Exception as exc:  # noqa: BLE001 - the report says what is missing instead of failing
         out["build"] = {"error": f"{type(exc).__name__}: {exc}"}
     plan_line = (f"{out['plan']['model']}: {out['plan']['tensors']} bf16 tensors, "
                  f"{out['plan']['bytes'] / 1e9:.2f} GB")
-    print(plan_line)
+    if "scan" in parts:
+        print(plan_line)
+    if "monitor" in parts:
+        mp = out["monitor_plan"]
+        print(f"{mp['model']}: {mp['parameters'] / 1e6:.0f}M parameters, {mp['tokens_per_step']} tokens per step, "
+              f"{mp['precision']}")
     status = 0
     if args.dry_run:
         print("dry run: nothing timed")
@@ -258,25 +483,39 @@ def main(argv=None) -> int:
         print(out["error"], file=sys.stderr)
         status = 2
     else:
-        out.update(run(args))
-        if "error" in out:
-            print(f"error: {out['error']}: {json.dumps(out['validation'])}", file=sys.stderr)
-            status = 1
-        else:
-            print(f"{'contender':<24}{'median ms':>12}{'GB/s':>10}")
-            for key, value in out["results"].items():
-                if "gb_per_s" in value:
-                    print(f"{key:<24}{value['median_ms']:>12.3f}{value['gb_per_s']:>10.0f}")
-            print(f"scan_async launch (host): {out['results']['scan_async_launch_host']['median_ms']:.3f} ms")
-            ratios = out["ratios"]
-            print(f"cuda/read_limit = {ratios['cuda/read_limit']:.2f}")
-            print(f"cuda/isfinite_loop = {ratios['cuda/isfinite_loop']:.1f}x")
-            print(f"cuda/isfinite_no_sync = {ratios['cuda/isfinite_no_sync']:.1f}x")
-            print(f"cuda/foreach_norm = {ratios['cuda/foreach_norm']:.2f}x")
+        if "scan" in parts:
+            status = max(status, scan_part(out, args))
+        if "monitor" in parts:
+            out["monitor"] = run_monitor(args)
+            if "error" in out["monitor"]:
+                print(f"error: {out['monitor']['error']}: {json.dumps(out['monitor']['validation'])}",
+                      file=sys.stderr)
+                status = 1
+            else:
+                print_monitor(out["monitor"])
     if args.json:
         write_json(args.json, out)
         print(f"wrote {args.json}")
     return status
+
+
+def scan_part(out: dict, args) -> int:
+    """The scan against torch's reductions: fills `out` and prints the table; 1 when validation failed."""
+    out.update(run(args))
+    if "error" in out:
+        print(f"error: {out['error']}: {json.dumps(out['validation'])}", file=sys.stderr)
+        return 1
+    print(f"{'contender':<24}{'median ms':>12}{'GB/s':>10}")
+    for key, value in out["results"].items():
+        if "gb_per_s" in value:
+            print(f"{key:<24}{value['median_ms']:>12.3f}{value['gb_per_s']:>10.0f}")
+    print(f"scan_async launch (host): {out['results']['scan_async_launch_host']['median_ms']:.3f} ms")
+    ratios = out["ratios"]
+    print(f"cuda/read_limit = {ratios['cuda/read_limit']:.2f}")
+    print(f"cuda/isfinite_loop = {ratios['cuda/isfinite_loop']:.1f}x")
+    print(f"cuda/isfinite_no_sync = {ratios['cuda/isfinite_no_sync']:.1f}x")
+    print(f"cuda/foreach_norm = {ratios['cuda/foreach_norm']:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@
 #   env.txt          nvidia-smi, python, torch, nvcc versions
 #   build.log        pip install output; ptxas.txt: registers, shared memory and spills of each kernel
 #   pytest.log       the CUDA tests (pytest -k cuda: the `cuda` marker and the cuda backend parameter)
-#   bench.log        the benchmark's table and ratio lines; bench_gpu.json: its results
+#   bench.log        the benchmark's tables and ratio lines (the scan against torch, then Monitor.check in
+#                    mode="async" in a GPT-2-medium training step: monitor_async_overhead); bench_gpu.json
 #   sass_sm90.txt    the scan kernel's machine code, for reading its inner loop offline
-# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh   (about 3 minutes expected; the step limits add up to
-# 565 s, inside the device tool's 600 s per command)
+# Usage: OUT=/some/dir bash benchmarks/gpu_check.sh   (about 4 minutes expected; the step limits add up to
+# 585 s, inside the device tool's 600 s per command)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -57,14 +58,14 @@ sass_report() {
 export -f env_report register_report sass_report
 export PY CUDA_BUILD_DIR
 step env 20 "$OUT/env.txt" bash -c env_report
-step build 150 "$OUT/build.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
+step build 140 "$OUT/build.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
 step import 30 "$OUT/build.log" "$PY" -c 'import nanscan._C as C, torch
 info = C.build_info(); print(info); assert info["cuda"], "built without CUDA"
 C.cuda_probe(torch.cuda.current_device()); print("cuda_probe ok", C.cuda_layout())'
 step ptxas 45 "$OUT/ptxas.txt" bash -c register_report
 # -k cuda: the `cuda`-marked tests and every other test parametrized over the cuda backend
-step pytest 150 "$OUT/pytest.log" "$PY" -m pytest -k cuda -q -rs -p no:cacheprovider tests
-step bench 150 "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json"
+step pytest 130 "$OUT/pytest.log" "$PY" -m pytest -k cuda -q -rs -p no:cacheprovider tests
+step bench 200 "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --part all --json "$OUT/bench_gpu.json"
 step sass 20 "$OUT/sass_sm90.txt" bash -c sass_report
 
 echo "--- summary"

@@ -6,10 +6,10 @@ from nanscan.headroom import headroom
 from nanscan.inputs import UnsupportedTensorError
 from nanscan.monitor import Monitor, NonFiniteError, NonFiniteWarning
 from nanscan.scan import check, first_invalid, scan
-from nanscan.stats import ScanReport, TensorStats
+from nanscan.stats import PendingReport, ScanReport, TensorStats
 
 __all__ = [
-    "BackendUnavailable", "ScanReport", "TensorStats", "UnsupportedTensorError",
+    "BackendUnavailable", "PendingReport", "ScanReport", "TensorStats", "UnsupportedTensorError",
     "backend_info", "check", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
 ]

@@ -164,24 +164,27 @@ class AsyncScan:
     `found_inf` is a float32 device tensor of shape (), 1.0 when any scanned value is NaN or infinite, else 0.0:
     pass it to a fused optimizer (`optimizer.found_inf = scan.found_inf` before `optimizer.step()` for torch's
     fused Adam/AdamW/SGD) to skip the update without reading it on the host. `records()` waits for the scan and
-    returns the (n, record width) int64 records (NOTE: [stats record]).
+    returns the (n, record width) int64 records (NOTE: [stats record]); without a host copy (records_to_host=False)
+    it copies them from `device_records` then.
     """
 
     found_inf: torch.Tensor
     device_records: torch.Tensor
     num_tensors: int
-    _host_records: torch.Tensor = field(repr=False)
+    _host_records: torch.Tensor | None = field(repr=False)
     _done: torch.cuda.Event = field(repr=False)
     _keep_alive: tuple = field(default=(), repr=False)  # inputs (and compacted copies), work list: until read
 
     def ready(self) -> bool:
-        """True once the scan and the copy of its records to the host have finished (never blocks)."""
+        """True once the scan (and the copy of its records to the host, if asked for) has finished; never blocks."""
         return self._done.query()
 
     def records(self) -> np.ndarray:
         """The records in host memory, waiting for the GPU if it has not finished yet."""
         self._done.synchronize()
         self._keep_alive = ()
+        if self._host_records is None:
+            self._host_records = self.device_records.cpu()
         return self._host_records.numpy()
 
 
@@ -230,11 +233,16 @@ class CudaBackend:
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
         return self.scan_async(inputs).records()
 
-    def scan_async(self, inputs: Sequence[ScanInput], stream: torch.cuda.Stream | None = None) -> AsyncScan:
+    def scan_async(self, inputs: Sequence[ScanInput], stream: torch.cuda.Stream | None = None, *,
+                   records_to_host: bool = True, keep_inputs: bool = True) -> AsyncScan:
         """Enqueue a scan of `inputs` (all on one CUDA device) on `stream` (default: the current stream).
 
         The kernel reads the tensors when the stream reaches it, so they must not be modified by other streams
-        until then (the usual torch stream rule); the returned AsyncScan keeps them alive.
+        until then (the usual torch stream rule); the returned AsyncScan keeps them alive until its records are
+        read. records_to_host=False leaves the records on the device (only `found_inf` and `device_records` are
+        written). keep_inputs=False holds no reference to the inputs: right when the scan runs on the stream that
+        produced them, whose later allocations are ordered after the scan (holding a step's gradients until the
+        next step would keep two sets alive at once).
         """
         devices = {item.device for item in inputs}
         if len(devices) > 1:
@@ -259,12 +267,14 @@ class CudaBackend:
                 base = work.device_bytes.data_ptr()
                 self._C.scan_cuda(base, work.num_chunks, base + work.block_begin_offset, work.num_blocks,
                                   records.data_ptr(), n, found_inf.data_ptr(), stream.cuda_stream, index)
-                host_records = torch.empty((n, L.RECORD_WIDTH), dtype=torch.int64, pin_memory=True)
-                host_records.copy_(records, non_blocking=True)
+                host_records = None
+                if records_to_host:
+                    host_records = torch.empty((n, L.RECORD_WIDTH), dtype=torch.int64, pin_memory=True)
+                    host_records.copy_(records, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
         return AsyncScan(found_inf=found_inf, device_records=records, num_tensors=n, _host_records=host_records,
-                         _done=done, _keep_alive=(work.device_bytes, list(inputs)))
+                         _done=done, _keep_alive=(work.device_bytes, list(inputs)) if keep_inputs else ())
 
     def _device_table(self, inputs: Sequence[ScanInput], index: int, stream: torch.cuda.Stream) -> "_DeviceTable":
         """The work list on the device (pieces, then block_begin, in one buffer), copied from pinned memory

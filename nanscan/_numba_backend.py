@@ -6,17 +6,18 @@ scan_cpu.cpp): one partial record per chunk, merged per tensor in chunk order, s
 float64 sum of squares is the same on every run and for every thread count.
 
 NOTE: [numba blocks]
-A chunk is read in blocks of _BLOCK_ELEMS elements. A vectorised pass finds the block's largest |x| bits and its
-smallest |x| bits, with and without zeros. When these show that the block holds no inf, NaN or subnormal, every
-element is a zero or a normal value whose bin depends on its exponent field alone, so the block is summed (squares,
-vectorised) and its exponent fields are counted; only other blocks are classified element by element, mirroring
-classify.h. Counting, not memory, bounds the speed, so it has two ways:
-  - pairs: when all fields of the block lie in the chunk's window of _PAIR_SPAN fields (placed by the first such
-    block), a vectorised pass packs each pair of elements' window offsets into one index and a scalar pass counts the
-    indices: one table update per two elements. The pair table is folded into fields once per chunk.
-  - top bits: otherwise each element's sign and exponent field (bits >> mant_bits) is counted into four tables,
-    filled in turn so that runs of equal exponents do not wait on each other's stores.
-Both kinds of table are folded into bins once per chunk.
+A chunk is read in blocks of _BLOCK_ELEMS elements. A vectorised pass counts the block's zeros and finds its smallest
+non-zero and largest |x| bits. When these show that the block holds no inf, NaN or subnormal, every other element is
+a normal value whose bin depends on its exponent field alone, so the block is summed (squares, vectorised) and only
+its exponent fields are counted; any other block is classified element by element, mirroring classify.h. Counting,
+not memory, bounds the speed, so it has two ways:
+  - pairs: when the block's non-zero fields lie in the chunk's window of _PAIR_SPAN fields (placed by the first such
+    block), a vectorised pass packs the window offsets of each pair of elements into one index (zeros at offset 0,
+    taken out again from their known number) and a scalar pass counts the indices: one table update per two
+    elements.
+  - fields: otherwise each element's exponent field is counted, into _NUM_TABLES tables filled in turn so that runs
+    of equal exponents do not wait on each other's stores.
+Both tables are folded into bins once per chunk. Their int32 counters hold any chunk below 2**31 elements.
 
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
 nanscan/_layout.py change: after such a change, delete the cache (nanscan/__pycache__/_numba_backend*.nbi/.nbc).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numba
@@ -75,22 +77,17 @@ class _Format:
     def bias(self) -> int:
         return (1 << (self.exp_bits - 1)) - 1
 
-    @property
+    @cached_property
     def masks(self) -> np.ndarray:
         """abs mask, smallest normal, +inf: in the format's own unsigned type, so bit operations keep its width."""
         return np.array([(1 << (self.exp_bits + self.mant_bits)) - 1, 1 << self.mant_bits,
                          ((1 << self.exp_bits) - 1) << self.mant_bits], dtype=self.bits_dtype)
 
-    @property
+    @cached_property
     def scale(self) -> np.ndarray:
         """scale[field] = 2**(field - bias - mant_bits), scale[0] that of field 1: |x| = significand * scale[field]."""
         fields = np.maximum(np.arange(1 << self.exp_bits), 1)
         return np.ldexp(1.0, fields - self.bias - self.mant_bits)
-
-    @property
-    def table_stride(self) -> int:
-        """Entries of one top-bits table: every value of bits >> mant_bits (sign and exponent field)."""
-        return 1 << (8 * np.dtype(self.bits_dtype).itemsize - self.mant_bits)
 
 
 _FORMATS = {
@@ -233,76 +230,77 @@ def _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin):
 
 @njit(cache=True)
 def _block_bounds(block, abs_mask):
-    """Smallest |x| bits, smallest non-zero |x| bits (abs_mask when none) and largest |x| bits of a block."""
-    lo = abs_mask
+    """Number of zeros, smallest non-zero |x| bits (abs_mask when none) and largest |x| bits of a block."""
+    zeros = _narrow(0, block)  # in the block's own width, like everything here (blocks are far below 2**16)
     lo_nonzero = abs_mask
     hi = _narrow(0, block)
     for i in range(block.size):
         a = _narrow(block[i] & abs_mask, block)
-        lo = min(lo, a)
+        zeros = _narrow(zeros + _narrow(a == 0, block), block)
         lo_nonzero = min(lo_nonzero, a if a != 0 else abs_mask)
         hi = max(hi, a)
-    return lo, lo_nonzero, hi
+    return zeros, lo_nonzero, hi  # converting zeros to int64 here would widen the whole loop to 64-bit lanes
 
 
 @njit(cache=True)
 def _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_table):
-    """Count the window offsets of element pairs (NOTE: [numba blocks]); the block's fields lie in the window."""
+    """Count the window offsets of element pairs (NOTE: [numba blocks]). The block's non-zero fields lie in the
+    window; zeros (field 0) are counted at offset 0, and the caller takes them out again."""
     shift = _narrow(mant_bits, block)
     field_mask = _narrow((1 << exp_bits) - 1, block)
     base = _narrow(window_base, block)
     half = block.size // 2
     for k in range(half):
-        low = _narrow(((block[2 * k] >> shift) & field_mask) - base, block)
-        high = _narrow(((block[2 * k + 1] >> shift) & field_mask) - base, block)
+        low = _narrow(max((block[2 * k] >> shift) & field_mask, base) - base, block)
+        high = _narrow(max((block[2 * k + 1] >> shift) & field_mask, base) - base, block)
         pair_indices[k] = np.uint16(low | (high << _PAIR_BITS))
     for k in range(half):
         pair_table[np.uint64(pair_indices[k])] += 1
 
 
 @njit(cache=True)
-def _fold_pairs(pair_table, window_base, tables):
-    """Add each pair's two fields to the top-bits table (its positive half, where the index is the field)."""
+def _fold_pairs(pair_table, window_base, zeros_counted, field_table):
+    """Add each pair's two fields to the field table, less the zeros that were counted at the window's base."""
     pairs = pair_table.reshape((_PAIR_SPAN, _PAIR_SPAN))  # [high offset, low offset]
     for offset in range(_PAIR_SPAN):
-        tables[window_base + offset] += pairs[offset, :].sum() + pairs[:, offset].sum()
+        field_table[window_base + offset] += pairs[offset, :].sum() + pairs[:, offset].sum()
+    field_table[window_base] -= zeros_counted
 
 
 @njit(cache=True)
-def _count_top_bits(block, mant_bits, tables, stride):
-    """Count each element's sign and exponent field (bits >> mant_bits) into four interleaved tables."""
+def _count_fields(block, mant_bits, exp_bits, field_tables):
+    """Count each element's exponent field into _NUM_TABLES interleaved tables of 2**exp_bits entries."""
     shift = _narrow(mant_bits, block)
+    field_mask = _narrow((1 << exp_bits) - 1, block)
+    stride = 1 << exp_bits
     n = block.size
     m = n - n % 4
     for i in range(0, m, 4):
-        tables[np.int64(block[i] >> shift)] += 1
-        tables[stride + np.int64(block[i + 1] >> shift)] += 1
-        tables[2 * stride + np.int64(block[i + 2] >> shift)] += 1
-        tables[3 * stride + np.int64(block[i + 3] >> shift)] += 1
+        field_tables[np.int64((block[i] >> shift) & field_mask)] += 1
+        field_tables[stride + np.int64((block[i + 1] >> shift) & field_mask)] += 1
+        field_tables[2 * stride + np.int64((block[i + 2] >> shift) & field_mask)] += 1
+        field_tables[3 * stride + np.int64((block[i + 3] >> shift) & field_mask)] += 1
     for i in range(m, n):
-        tables[np.int64(block[i] >> shift)] += 1
+        field_tables[np.int64((block[i] >> shift) & field_mask)] += 1
 
 
 @njit(cache=True)
-def _fold_tables(tables, stride, exp_bits, counts):
-    """Turn top-bits counts of zeros and normal values into zero counts and histogram bins."""
+def _fold_fields(field_tables, exp_bits, counts):
+    """Histogram bins of normal values from their exponent-field counts. Field 0 is skipped: those are zeros, counted
+    by _block_bounds (blocks with subnormals never reach the tables)."""
     bias = (1 << (exp_bits - 1)) - 1
-    exp_max = (1 << exp_bits) - 1
-    for t in range(_NUM_TABLES):
-        for index in range(stride):
-            c = tables[t * stride + index]
-            if c == 0:
-                continue
-            field = index & exp_max  # tables hold no inf or NaN (NOTE: [numba blocks])
-            if field == 0:
-                counts[_REC_ZERO] += c
-            else:
-                counts[_REC_HIST + _bin(field - bias)] += c
+    stride = 1 << exp_bits
+    for field in range(1, stride - 1):
+        c = 0
+        for t in range(_NUM_TABLES):
+            c += field_tables[t * stride + field]
+        if c:
+            counts[_REC_HIST + _bin(field - bias)] += c
 
 
 @njit(parallel=True, cache=True)
 def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale, widen_shift, widen_offset,
-                 stride, partial_counts, partial_sumsq):
+                 partial_counts, partial_sumsq):
     """One partial record per chunk (NOTE: [chunking], NOTE: [numba blocks]); chunks are scanned in parallel."""
     abs_mask, min_normal, inf_bits = masks[0], masks[1], masks[2]
     shift = np.uint32(widen_shift)
@@ -315,12 +313,13 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
         absmin = np.int64(_ABSMIN_NONE)
         s = 0.0
         # Small chunks go element by element: zeroing and folding the tables would cost more than they save.
-        use_tables = data.size >= _NUM_TABLES * stride
-        tables = np.zeros(_NUM_TABLES * stride if use_tables else 0, np.int64)
-        pair_table = np.zeros(_PAIR_ENTRIES if use_tables else 0, np.int64)
+        use_tables = data.size >= _NUM_TABLES << exp_bits
+        field_tables = np.zeros(_NUM_TABLES << exp_bits if use_tables else 0, np.int32)
+        pair_table = np.zeros(_PAIR_ENTRIES if use_tables else 0, np.int32)
         pair_indices = np.empty(_BLOCK_ELEMS // 2 if use_tables else 0, np.uint16)
         widened = np.empty(_BLOCK_ELEMS if use_tables and data.itemsize == 2 else 0, np.uint32)
         window_base = -1
+        zeros_in_pairs = 0
         for begin in range(0, data.size, _BLOCK_ELEMS):
             block = data[begin:begin + _BLOCK_ELEMS]
             # The counting passes below read only this block, so the hardware prefetcher stops running ahead:
@@ -330,31 +329,34 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
             for byte in range(next_begin, next_end, _CACHE_LINE):
                 _prefetch(addresses[c] + byte)
             if use_tables:
-                lo, lo_nonzero, hi = _block_bounds(block, abs_mask)
+                block_zeros, lo_nonzero, hi = _block_bounds(block, abs_mask)
+                zeros = np.int64(block_zeros)
                 if hi < inf_bits and lo_nonzero >= min_normal:
+                    counts[_REC_ZERO] += zeros
+                    if zeros == block.size:
+                        continue
                     absmax = max(absmax, np.int64(hi))
-                    if lo_nonzero != abs_mask:
-                        absmin = min(absmin, np.int64(lo_nonzero))
+                    absmin = min(absmin, np.int64(lo_nonzero))
                     s += _block_sumsq(block, widened, shift, offset)
-                    field_lo = np.int64(lo >> mant_shift)
+                    field_lo = np.int64(lo_nonzero >> mant_shift)
                     field_hi = np.int64(hi >> mant_shift)
-                    if window_base < 0 and lo_nonzero != abs_mask:
-                        # Placed by non-zero values: a leading run of zeros must not pin the window to field 0.
-                        field_lo_nonzero = np.int64(lo_nonzero >> mant_shift)
-                        window_base = max(0, min(field_lo_nonzero, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
-                    if window_base >= 0 and field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
+                    if window_base < 0:
+                        window_base = max(0, min(field_lo, field_hi + _PAIR_HEADROOM + 1 - _PAIR_SPAN))
+                    if field_lo >= window_base and field_hi < window_base + _PAIR_SPAN:
                         _count_pairs(block, mant_bits, exp_bits, window_base, pair_indices, pair_table)
-                        if block.size % 2:
-                            _count_top_bits(block[block.size - 1:], mant_bits, tables, stride)
+                        zeros_in_pairs += zeros
+                        if block.size % 2:  # the odd last element; a zero there lands in field 0, never read
+                            _count_fields(block[block.size - 1:], mant_bits, exp_bits, field_tables)
+                            zeros_in_pairs -= block[block.size - 1] & abs_mask == 0
                     else:
-                        _count_top_bits(block, mant_bits, tables, stride)
+                        _count_fields(block, mant_bits, exp_bits, field_tables)
                     continue
             absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
             s += block_sumsq
         if use_tables:
             if window_base >= 0:
-                _fold_pairs(pair_table, window_base, tables)
-            _fold_tables(tables, stride, exp_bits, counts)
+                _fold_pairs(pair_table, window_base, zeros_in_pairs, field_tables)
+            _fold_fields(field_tables, exp_bits, counts)
         counts[_REC_ABSMAX] = absmax
         counts[_REC_ABSMIN] = absmin
         partial_sumsq[c] = s
@@ -386,8 +388,9 @@ class NumbaBackend:
     _launch_lock = threading.Lock()
 
     def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS):
-        if chunk_elems < 1:
-            raise ValueError(f"chunk_elems must be a positive number of elements, got {chunk_elems}")
+        if not 1 <= chunk_elems < 2**31:
+            raise ValueError(f"chunk_elems must be a number of elements from 1 to 2**31 - 1 (the per-chunk counters "
+                             f"are int32), got {chunk_elems}")
         self.chunk_elems = int(chunk_elems)
 
     def supports(self, device: torch.device) -> bool:
@@ -422,6 +425,5 @@ class NumbaBackend:
         partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
         with self._launch_lock:
             _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
-                         fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, fmt.table_stride, partial_counts,
-                         partial_sumsq)
+                         fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, partial_counts, partial_sumsq)
         _merge(tasks[chunk_task], partial_counts, partial_sumsq, records, sumsq)

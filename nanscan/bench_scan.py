@@ -1,16 +1,15 @@
 """How fast is a scan? nanscan's CPU backends against the machine's read limit and against the per-tensor torch
 checks used instead, on a GPT-2-small-shaped set of float32 parameters and gradients (about 124M of each, ~300
-tensors, ~1 GB), all measured in one run and printed as a table and ratio lines such as
+tensors, ~1 GB), all measured in one run.
 
-    cpu/read_limit = 0.78
-    cpu/isfinite_loop = 14.2x
-
-`nanscan bench` and benchmarks/bench_scan.py run this module. Run it alone:
-`flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json`;
-`--scale 0.1` shrinks every tensor tenfold for a quick run. Before anything is timed, the backends' records are
-checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must
-not copy its inputs. Methods are timed in turn within each repetition, so drift in machine load falls on all of
-them alike; each reports its median.
+It prints a table and ratio lines such as `cpu/read_limit = 0.78` and `cpu/isfinite_loop = 14.2x`, and with
+--json writes the same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
+`flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json`
+(`--scale 0.1` shrinks every tensor tenfold for a quick run). Before anything is timed, the backends' records are
+checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must not
+copy its inputs. Methods are timed in turn within each repetition, so drift in machine load falls on all of them
+alike; each reports its median. The read limit is the faster of a torch.sum per tensor and nanscan's own read
+probe (every byte read once, nothing else).
 """
 
 from __future__ import annotations

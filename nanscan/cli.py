@@ -71,7 +71,7 @@ def info(as_json):
     console.print(f"build: {data['build']}")
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)
 @click.pass_context
 def bench(ctx):
     """Run the scan benchmark (benchmarks/bench_scan.py); extra arguments are passed through."""

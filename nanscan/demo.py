@@ -327,6 +327,8 @@ class DemoContext:
     summary: dict | None = None  # nanscan.report.summarize(bundle)
     replay: Any = None  # nanscan.replay.ReplayResult
     ablation: Any = None  # nanscan.ablate.AblationResult
+    data_check: dict | None = None
+    conclusion: str | None = None
 
 
 @dataclass
@@ -465,6 +467,66 @@ def stage_ablate(ctx: DemoContext) -> StageResult:
                        {"fixes": fixes, "no_effect": kept})
 
 
+def _record_id_at(path: str, line: int) -> str | None:
+    """The `id` field of the JSON Lines record at a 1-based line number."""
+    with open(path, encoding="utf-8") as f:
+        for number, text in enumerate(f, start=1):
+            if number == line:
+                return json.loads(text).get("id")
+    return None
+
+
+def stage_check_data(ctx: DemoContext) -> StageResult:
+    """Check the whole dataset file, as one would before the next long run."""
+    from nanscan.data import check_paths
+
+    report = check_paths([ctx.config["data_path"]])
+    failing = report.failing()
+    extreme = report.largest_magnitude
+    ctx.data_check = {"findings": sum(report.counts.values()), "failing": failing, "largest": None}
+    headline = f"{report.records} records: " + (", ".join(f"{n} {c}" for c, n in failing.items()) or
+                                                "no non-finite, empty, unreadable or inconsistent record")
+    if extreme is not None and extreme.record.line is not None:
+        record_id = _record_id_at(ctx.config["data_path"], extreme.record.line)
+        ctx.data_check["largest"] = {"value": extreme.value, "line": extreme.record.line, "field": extreme.field,
+                                     "id": record_id}
+        headline += (f"; largest magnitude {extreme.value:.4g} in field {extreme.field!r} of {record_id} "
+                     f"(line {extreme.record.line})")
+    return StageResult("check data", True, headline, ctx.data_check)
+
+
+def stage_conclude(ctx: DemoContext) -> StageResult:
+    """Put the evidence of every stage side by side, record it in the bundle, and say what it points at."""
+    replay, ablation, data = ctx.replay, ctx.ablation, ctx.data_check or {}
+    subset = (replay.bisect.sample_ids or []) if replay is not None and replay.bisect is not None else []
+    fixes = [r.factor.key for r in ablation.fixes] if ablation is not None else []
+    no_effect = [r.factor.key for r in ablation.rows if not r.fixes] if ablation is not None else []
+    largest = data.get("largest") or {}
+    agree = len(subset) == 1 and largest.get("id") == subset[0]
+    evidence = [
+        f"- detected: step {ctx.error.step}, category `{ctx.error.category}`",
+        f"- replay: {replay.headline()}" if replay is not None else "- replay: not run",
+        f"- bisection: smallest failing subset {', '.join(map(str, subset)) or 'not found'}",
+        f"- one factor at a time: fixes {', '.join(fixes) or 'nothing'}; no effect: {', '.join(no_effect) or '-'}",
+        f"- data check: largest magnitude {largest.get('value', float('nan')):.4g} in `{largest.get('field')}` of "
+        f"{largest.get('id')}" if largest else "- data check: no extreme record",
+    ]
+    if agree and fixes == ["drop-suspicious"]:
+        verdict = (f"record {subset[0]} is the cause: its `{largest.get('field')}` values are "
+                   f"{largest['value']:.4g}, the float32 maximum (a missing-value sentinel), and the step is "
+                   "finite without it; learning rate, precision and clipping changes do not fix it, so this is a "
+                   "data problem, not a mixed-precision one. Fix the record (or validate the field) and rerun.")
+    else:
+        verdict = "the stages do not point at one cause; review the evidence above and the bundle's findings"
+    body = "\n".join(evidence) + "\n\n**Conclusion:** " + verdict
+    if ctx.bundle is not None:
+        ctx.bundle.add_finding("demo:conclusion", "Conclusion of the ordered workflow", body,
+                               {"subset": subset, "fixes": fixes, "no_effect": no_effect, "data": largest,
+                                "agree": agree})
+    ctx.conclusion = verdict
+    return StageResult("conclude", agree, verdict, {"agree": agree, "verdict": verdict})
+
+
 STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("data", stage_data),
     ("detect", stage_detect),
@@ -472,6 +534,8 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
     ("report", stage_report),
     ("localize", stage_localize),
     ("ablate", stage_ablate),
+    ("check data", stage_check_data),
+    ("conclude", stage_conclude),
 ]
 
 

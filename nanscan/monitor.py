@@ -12,11 +12,38 @@ bundle (nanscan.bundle) before applying the `on_invalid` policy.
             continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    mon.close()                  # in mode="async", reads the last step's verdict
+
+Modes. In mode="sync" (the default on CPU) check() waits for the scan and decides the step before returning. In
+mode="async" (the default when the model is on a GPU) check() only enqueues the scan on the current CUDA stream,
+copies a 4-byte flag to pinned memory behind an event, and returns a PendingReport; the verdict for step s is read
+at step s+1's check (or at flush() / close()) and still names step s as the first invalid step, with step s's
+batch, loss, sample ids, step-start RNG state and (snapshot="cpu") pre-step state in its bundle. Until then the
+Monitor keeps step s's batch: CPU tensors as copies, GPU tensors by reference (not copied: do not modify them in
+place before the next check). Per step, nothing synchronizes the host with the GPU: no `.item()`, no float(loss),
+no record copy (the history stays on the GPU, nanscan.pending NOTE: [history ring]). The only wait, at step s+1's
+check, is for step s's scan, which was enqueued before step s's update and step s+1's forward and backward, so the
+GPU's queue never runs dry. On CPU tensors the scan finishes inside check() but its verdict takes the same path.
+
+Skipping a non-finite step's update without a host sync: `report.found_inf` (1.0 when the step holds a NaN or an
+infinity, else 0.0; on the GPU for a GPU scan) in the form torch's fused optimizers take. Adam, AdamW, SGD and
+Adagrad built with fused=True read the optimizer attributes `found_inf` and `grad_scale` in step() (the contract
+torch.amp.GradScaler uses, `optimizer._step_supports_amp_scaling`), and skip the whole update on the device when
+found_inf is 1.0 (Adam's step count included):
+
+        report = mon.check(batch=batch, loss=loss)
+        optimizer.found_inf = report.found_inf    # torch.optim.AdamW(..., fused=True)
+        optimizer.step()
+        del optimizer.found_inf                   # as GradScaler does: a stale flag would skip later steps
+
+Non-fused optimizers raise on a found_inf attribute. GradScaler.step() sets and deletes found_inf itself; with a
+scaler, let it skip (its own check covers the gradients).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import re
@@ -24,7 +51,6 @@ import secrets
 import sys
 import warnings
 import weakref
-from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,9 +62,10 @@ from nanscan import _layout as L
 from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
                             write_bundle)
 from nanscan.inputs import prepare
+from nanscan.pending import HistoryRing, StepScan, launch
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
-from nanscan.scan import model_inputs, scan_inputs
-from nanscan.stats import ScanReport
+from nanscan.scan import model_inputs
+from nanscan.stats import PendingReport, ScanReport
 
 log = logging.getLogger("nanscan")
 
@@ -48,6 +75,7 @@ log = logging.getLogger("nanscan")
 CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
 ON_INVALID = ("raise", "warn", "skip")
 SNAPSHOTS = ("none", "cpu")
+MODES = ("auto", "sync", "async")
 BUNDLE_DIR_ENV = "NANSCAN_BUNDLE_DIR"
 DEFAULT_BUNDLE_DIR = "nanscan-bundles"
 _RNG_KEYS = {"torch": "torch_cpu", "numpy": "numpy", "python": "python"}  # a source's key in capture_rng's dict
@@ -129,6 +157,59 @@ def _scalar(value: Any) -> float | None:
     return float(value)
 
 
+def _kept_scalar(value: Any) -> Any:
+    """A loss or learning rate as the history keeps it: a float, or for a GPU scalar a device copy (reading it
+    would wait for the GPU; _scalar reads it when the history is read)."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.detach().reshape(()).clone() if value.numel() == 1 else None
+    return _scalar(value)
+
+
+def _retained(value: Any) -> Any:
+    """A batch (or sample ids) as kept until the verdict of its step arrives one step later: CPU tensors and numpy
+    arrays are copied (cheap, and the loop may refill its buffers in place), GPU tensors are kept by reference,
+    not copied (a copy would cost GPU memory and bandwidth every step), so they must not be modified in place
+    before the next check. Containers are rebuilt as the bundle stores them: mappings as dicts, tuples as tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.device.type == "cpu" else value.detach()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, Mapping):
+        return {k: _retained(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_retained(v) for v in value)
+    if isinstance(value, list):
+        return [_retained(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kept = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(kept, f.name, _retained(getattr(value, f.name)))
+        return kept
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepStart:
+    """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state)."""
+
+    rng: dict | None
+    snapshot: "_CpuSnapshot | None"
+
+
+@dataclasses.dataclass(frozen=True)
+class _PendingStep:
+    """A checked step whose verdict has not been read yet (mode="async"), with what its bundle needs."""
+
+    step: int
+    report: PendingReport
+    scan: StepScan
+    slot: int  # its slot in the history ring
+    batch: Any
+    sample_ids: Any
+    started: bool
+    start: _StepStart
+
+
 class _CpuSnapshot:
     """Copies of the model and optimizer state in CPU buffers that are allocated once and overwritten each step
     (pinned when the source is on a GPU, so the copy runs asynchronously)."""
@@ -207,9 +288,10 @@ class Monitor:
     run_id: names the run's bundle directory; default: UTC time plus a random suffix. With a process group (below)
         every rank must use the same run_id (default: rank 0's); independent processes that may fail at the same
         step and share a bundle_dir need one run_id each.
-    history: how many steps of statistics to keep. Memory is bounded by
-        history x tensors x 264 x 8 bytes (one 264-slot int64 record per scanned tensor per step), e.g.
-        64 steps x 300 tensors = about 39 MiB.
+    history: how many steps of statistics to keep, in one ring allocated once on the scan's device (on the GPU
+        for GPU scans; nanscan.pending NOTE: [history ring]). Memory is bounded by history x tensors x 264 x 8
+        bytes (one 264-slot int64 record per scanned tensor per step), e.g. 64 steps x 300 tensors = about
+        39 MiB. Reading `history` copies it to the host (on a GPU, that waits for the GPU).
     log_files: log files whose last 200 lines (at most 64 KiB) are copied into the bundle.
     on_invalid: what check() does when a step is non-finite, after writing the bundle of the first one:
         "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set every gradient to None,
@@ -233,6 +315,15 @@ class Monitor:
         optimizer.step()) or "async" (the verdict for step s arrives at step s+1's check, after step s's update;
         `flush()` waits for it at once). Either way the report's `.ok` is the ranks' agreed answer, the same on
         every rank, so the loop below keeps them in lockstep.
+    mode: "sync" (check() waits for the scan and decides the step), "async" (check() returns at once; see the
+        module docstring) or "auto" (the default): "async" when the model's parameters are on a GPU at the first
+        check, else "sync"; `mode` holds the choice after the first check. In async mode check() returns a
+        PendingReport whose `.ok` is False only at the check after a non-finite step (when on_invalid did not
+        raise there), and on_invalid acts for step s at step s+1's check: "raise" raises NonFiniteError naming
+        step s, "skip" drops step s+1's gradients; step s's own update has happened by then unless its
+        `report.found_inf` went to a fused optimizer or `flush()` was called before optimizer.step(). With a
+        process group the scan is always read at the check (the ranks' agreement needs each rank's answer on
+        the host): use agreement="async" there, not mode="async".
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -244,7 +335,7 @@ class Monitor:
                  history: int = 64, log_files: Sequence[str | os.PathLike] = (),
                  on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
-                 agreement: str = "sync"):
+                 agreement: str = "sync", mode: str = "auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -257,6 +348,9 @@ class Monitor:
                              "'async' (the verdict arrives one step later)")
         if snapshot not in SNAPSHOTS:
             raise ValueError(f"snapshot={snapshot!r}: use 'none' or 'cpu'")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use 'sync' (check waits for the scan), 'async' (the verdict is read at "
+                             "the next check) or 'auto' (async when the model is on a GPU)")
         if not isinstance(history, int) or history < 1:
             raise ValueError(f"history={history!r}: keep at least 1 step (the failing one)")
         if replay_entry is not None and not _REPLAY_ENTRY.match(replay_entry):
@@ -277,9 +371,11 @@ class Monitor:
         self.replay_entry = replay_entry
         self.snapshot = snapshot
         self.backend = backend
+        self.mode = mode
         self.source = capture_source()  # at start-up: the code that runs is the code that was imported
 
-        self._history: deque[HistoryEntry] = deque(maxlen=history)
+        self._ring = HistoryRing(history)
+        self._pending: _PendingStep | None = None  # mode="async": the last checked step, verdict not yet read
         self._next_step = 0
         self.first_invalid_step: int | None = None
         self.bundle_path: Path | None = None
@@ -291,6 +387,7 @@ class Monitor:
         self._started = False
         self._rng: dict | None = None
         self._snapshot = _CpuSnapshot() if snapshot == "cpu" else None
+        self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
         self._hook = model.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
 
@@ -303,6 +400,10 @@ class Monitor:
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.distributed import Agreement  # noqa: PLC0415
 
+            if mode == "async":
+                raise ValueError("mode='async' with a process group: the ranks' agreement reads every rank's scan at "
+                                 "its check; pass agreement='async' (the verdict arrives one step later) and leave "
+                                 "mode at 'auto' or 'sync'")
             self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
 
     # -- public state ---------------------------------------------------------------------------------------
@@ -320,14 +421,27 @@ class Monitor:
 
     @property
     def history(self) -> tuple[HistoryEntry, ...]:
-        """The last `history` steps, oldest first (the first failing step included)."""
-        return tuple(self._history)
+        """The last `history` steps, oldest first (the first failing step included), copied from the ring."""
+        return tuple(self._history_entries())
+
+    def _history_entries(self) -> list[HistoryEntry]:
+        # grad_norm comes from the records once they are on the host, never on the every-step path.
+        return [HistoryEntry(entry.step, _scalar(entry.loss), _scalar(entry.lr), grad_norm(report), report)
+                for entry, report in self._ring.entries()]
 
     def flush(self):
-        """With a process group and agreement="async": wait for the verdict of the last checked step and apply
-        on_invalid now (call it before optimizer.step() to keep a failing step's update from being applied).
-        Returns the latest nanscan.distributed.Verdict; None without a process group."""
-        return self._agreement.flush(self) if self._agreement is not None else None
+        """Wait for the verdict of the last checked step and apply on_invalid now: call it before optimizer.step()
+        to keep a failing step's update from being applied (mode="async", or agreement="async").
+
+        Returns, with a process group, the latest nanscan.distributed.Verdict; in mode="async", the finished
+        ScanReport of the step whose verdict it read (None when none was pending); in mode="sync", None."""
+        if self._agreement is not None:
+            return self._agreement.flush(self)
+        pending = self._pending
+        if pending is None:
+            return None
+        self._read_verdict(read_at="flush")
+        return pending.report.result()
 
     def close(self) -> None:
         """Act on a pending verdict (flush()), then remove the forward pre-hook from the model."""
@@ -340,9 +454,22 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and self._agreement is not None:
-            self._agreement.discard()  # already failing: start no collective that other ranks may not join
+        if exc_type is not None:
+            if self._agreement is not None:
+                self._agreement.discard()  # already failing: start no collective that other ranks may not join
+            elif self._pending is not None:
+                self._read_verdict_quietly()
         self.close()
+
+    def _read_verdict_quietly(self) -> None:
+        """The loop is already failing: still bundle the last step if it was non-finite (the failure may be its
+        consequence), but do not replace the loop's exception with on_invalid's."""
+        try:
+            self._read_verdict(read_at="close")
+        except Exception as exc:  # noqa: BLE001 - logged; the exception leaving the with-block is the loop's
+            text = str(exc) if isinstance(exc, NonFiniteError) else \
+                f"nanscan: on_invalid raised {type(exc).__name__}: {exc}"
+            log.error("%s (not raised: the loop is already failing)", text)
 
     # -- the step -------------------------------------------------------------------------------------------
     def _on_step_start(self, module: torch.nn.Module) -> None:
@@ -364,7 +491,8 @@ class Monitor:
             `input:tokens`, `input:0.x`); all of them are stored in the bundle of a failing step.
         loss: the loss tensor (or float), scanned as `loss`. sample_ids: ids of the batch's samples (stored).
         lr: the learning rate (default: the optimizer's first param group). step: overrides the step counter.
-        Returns the ScanReport; see the class docstring for what happens when it is not ok.
+        Returns the ScanReport (in mode="async" a PendingReport, before the scan has finished); see the class
+        docstring for what happens when it is not ok.
         """
         model = self.model
         if step is None:
@@ -385,67 +513,133 @@ class Monitor:
             if item is not None:
                 inputs.append(item)
         inputs += self._model_inputs(model, self.optimizer)
-        report = scan_inputs(inputs, skipped=skipped, backend=self.backend, step=step)
-
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
-        entry = HistoryEntry(step, _scalar(loss), _scalar(lr), grad_norm(report), report)
-        self._history.append(entry)
         started, self._started, self._armed = self._started, False, True
+        if self.mode == "auto":
+            self.mode = self._auto_mode(model)
+        if self.mode == "async":
+            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
+
+        scan = launch(inputs, backend=self.backend)
+        tensors = [item.identity for item in inputs]
+        report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
+                            found_inf=None if scan.on_host else scan.found_inf)
+        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr))
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             return report
         return self._invalid(report, step, batch, sample_ids, started)
 
+    def _auto_mode(self, model: torch.nn.Module) -> str:
+        if self._agreement is not None:
+            return "sync"
+        first = next(iter(model.parameters()), None)
+        return "async" if first is not None and first.device.type == "cuda" else "sync"
+
+    def _check_async(self, inputs: list, skipped: list[str], step: int, batch: Any, loss: Any, sample_ids: Any,
+                     lr: Any, started: bool) -> PendingReport:
+        """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
+        decided_step, decided_ok = self._read_verdict(read_at="next_check")
+        scan = launch(inputs, backend=self.backend)
+        tensors = [item.identity for item in inputs]
+        slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
+                                 verdict=True)
+        report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
+                               decided_step=decided_step)
+        start = _StepStart(self._rng, self._snapshot) if started else _StepStart(None, None)
+        self._pending = _PendingStep(step, report, scan, slot, _retained(batch), _retained(sample_ids), started,
+                                     start)
+        if started and self._snapshot is not None:
+            # The pending step's snapshot must survive the next step's start: capture into the other buffer.
+            spare = self._spare_snapshot if self._spare_snapshot is not None else type(self._snapshot)()
+            self._snapshot, self._spare_snapshot = spare, self._snapshot
+        return report
+
+    def _read_verdict(self, *, read_at: str) -> tuple[int | None, bool]:
+        """Read the pending step's verdict (waiting for its flag only) and act on it as check() does in sync mode.
+        Returns (that step or None, whether it was finite)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None, True
+        if not self._ring.verdict(pending.slot, pending.scan):
+            return pending.step, True
+        self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids, pending.started,
+                      start=pending.start, read_at=read_at)
+        return pending.step, False
+
     # -- the incident ---------------------------------------------------------------------------------------
-    def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
+    def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
+                 start: _StepStart | None = None, read_at: str | None = None) -> ScanReport:
+        """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
+        check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures)."""
         category, tensors = categorize(report)
         first = self.first_invalid_step is None
         if first:
             self.first_invalid_step = step
             try:
                 self.bundle_path = write_bundle(self._incident(report, step, category, tensors, batch, sample_ids,
-                                                               started), self.bundle_dir)
+                                                               started, start=start, read_at=read_at),
+                                                self.bundle_dir)
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                           type(exc).__name__, exc)
         else:
             self.invalid_steps += 1
-        self._apply_policy(report, step, category, tensors, first)
+        self._apply_policy(report, step, category, tensors, first, read_at=read_at)
         return report
 
     def _incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
-                  sample_ids: Any, started: bool) -> Incident:
+                  sample_ids: Any, started: bool, *, start: _StepStart | None = None,
+                  read_at: str | None = None) -> Incident:
         model = self.model
-        rng = dict(self._rng) if started and self._rng is not None else {}
+        if start is None:
+            start = _StepStart(self._rng, self._snapshot)
+        rng = dict(start.rng) if started and start.rng is not None else {}
         rng_at = {source: "step_start" for source in RNG_SOURCES if _RNG_KEYS[source] in rng}
         late = tuple(source for source in RNG_SOURCES if source not in rng_at)
         rng.update(capture_rng(late))
-        rng_at.update({source: "check" for source in late})
-        if started and self._snapshot is not None:
-            model_state, optimizer_state = self._snapshot.result()
+        # Taken now: at the step's own check, or (async) where its verdict was read.
+        rng_at.update({source: "next_check" if read_at == "next_check" else "check" for source in late})
+        if started and start.snapshot is not None:
+            model_state, optimizer_state = start.snapshot.result()
             pre_step, note = True, ""
         else:
             model_state = model.state_dict()
             optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
             pre_step = False
-            note = ("snapshot='cpu' but no training forward of the model was seen since the previous check"
-                    if self._snapshot is not None else
-                    "snapshot='none': weights and optimizer state before this step's update; buffers updated by "
-                    "the forward pass (e.g. BatchNorm statistics) already include this batch")
+            if self._snapshot is not None:
+                note = "snapshot='cpu' but no training forward of the model was seen since the previous check"
+            elif read_at == "next_check":
+                note = (f"mode='async', snapshot='none': the verdict arrived at the next check, so weights and "
+                        f"optimizer state include step {step}'s update unless it was skipped (report.found_inf "
+                        "given to a fused optimizer, or no optimizer.step()), and buffers updated by the forward "
+                        "pass (e.g. BatchNorm statistics) include the next batch; snapshot='cpu' keeps the exact "
+                        "pre-step state")
+            elif read_at is not None:
+                note = (f"mode='async', snapshot='none': the verdict was read at {read_at}(); weights and optimizer "
+                        f"state include step {step}'s update if optimizer.step() ran after its check; buffers "
+                        "updated by the forward pass (e.g. BatchNorm statistics) already include this batch")
+            else:
+                note = ("snapshot='none': weights and optimizer state before this step's update; buffers updated "
+                        "by the forward pass (e.g. BatchNorm statistics) already include this batch")
         return Incident(
             run_id=self.run_id, step=step, category=category, tensors=tensors, report=report, detected_at=_now(),
-            history=list(self._history), batch=batch, sample_ids=sample_ids, config=self.config,
+            history=self._history_entries(), batch=batch, sample_ids=sample_ids, config=self.config,
             source=self.source, environment=environment(report.backend), rng=rng, rng_captured_at=rng_at,
             model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
         )
 
-    def _message(self, step: int, category: str, tensors: list[str]) -> str:
+    def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None) -> str:
         shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
         text = f"nanscan: non-finite values at step {step} (category {category}: {shown})"
+        if read_at == "next_check":
+            text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
+                     "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
+                     "before optimizer.step() to decide each step before its update)")
         if self.bundle_path is not None:
             where = "evidence" if step == self.first_invalid_step else \
                 f"first incident at step {self.first_invalid_step}, evidence"
@@ -454,17 +648,18 @@ class Monitor:
             return f"{text}; the evidence bundle could not be written: {self.bundle_error}"
         return text
 
-    def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool) -> None:
+    def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
+                      read_at: str | None = None) -> None:
         policy = self.on_invalid
         if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors), bundle_path=self.bundle_path, step=step,
-                                 category=category, tensors=tensors) from self.bundle_error
+            raise NonFiniteError(self._message(step, category, tensors, read_at), bundle_path=self.bundle_path,
+                                 step=step, category=category, tensors=tensors) from self.bundle_error
         if policy == "skip":
             for p in self.model.parameters():
                 p.grad = None
         if policy in ("warn", "skip"):
             if first:
-                _warn_user(self._message(step, category, tensors))
+                _warn_user(self._message(step, category, tensors, read_at))
             return
         policy(report, self.bundle_path)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan.data.cli import data_options
 from nanscan.entry import EntryError, ReplaySpec, build_spec
 from nanscan.headroom import headroom
 from nanscan.stats import ScanReport
@@ -464,12 +465,6 @@ def _load_config(path: str | None) -> dict:
     return config
 
 
-def _preflight_options(func):
-    from nanscan.data.cli import data_options
-
-    return data_options(func)
-
-
 @click.command("preflight")
 @click.option("--entry", required=True, help="Replay entry 'package.module:function' returning a ReplaySpec.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
@@ -482,7 +477,7 @@ def _preflight_options(func):
               help="How many of the entry's batches to consider for the review sample.")
 @click.option("--seed", type=int, default=0, show_default=True, help="torch.manual_seed before building the entry.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@_preflight_options
+@data_options
 def preflight_command(entry, config_path, steps, data_paths, sample_batches, seed, as_json, max_tokens, tokenizer,
                       text_fields, fail_on, max_findings, max_record_bytes):
     """Before a long run: data checks, then a few training steps with every-step checks, a canary that must be

@@ -1,12 +1,14 @@
-"""Result types of a scan: per-tensor statistics (TensorStats) and the report over many tensors (ScanReport)."""
+"""Result types of a scan: per-tensor statistics (TensorStats), the report over many tensors (ScanReport) and the
+report of a scan that may still be running on a GPU (PendingReport)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from nanscan import _layout as L
 
@@ -104,29 +106,52 @@ class ScannedTensor(NamedTuple):
     scanned_code: int  # the format its elements were scanned as (nanscan._layout dtype code)
 
 
+def _check_records(records: np.ndarray, tensors: Sequence[ScannedTensor]) -> np.ndarray:
+    if records.shape != (len(tensors), L.RECORD_WIDTH):
+        raise ValueError(f"records has shape {records.shape}, expected ({len(tensors)}, {L.RECORD_WIDTH})")
+    return records
+
+
+def _flag(nonfinite: bool) -> torch.Tensor:
+    return torch.tensor(1.0 if nonfinite else 0.0, dtype=torch.float32)
+
+
 class ScanReport:
     """Statistics of every tensor of one scan, kept as the raw records; TensorStats are decoded on demand.
 
     The every-step path asks only `.ok` and `.nonfinite`, which read the record array directly, so a healthy step
     never builds hundreds of Python objects.
+
+    `found_inf`: a float32 tensor of shape (), 1.0 when any scanned value is NaN or infinite, else 0.0, in the form
+    torch's fused optimizers take to skip an update without a host sync (see `Monitor`): the CUDA kernel's device
+    flag when the Monitor scanned on a GPU, else a CPU tensor made from the records.
     """
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
-                 backend: str = "", step: int | None = None):
-        if records.shape != (len(tensors), L.RECORD_WIDTH):
-            raise ValueError(f"records has shape {records.shape}, expected ({len(tensors)}, {L.RECORD_WIDTH})")
+                 backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None):
         self.tensors = list(tensors)
-        self.records = records
+        self.records = _check_records(records, self.tensors)
         self.skipped = list(skipped)
         self.backend = backend
         self.step = step
-        self._index = {t.name: i for i, t in enumerate(self.tensors)}
+        self._found_inf = found_inf
+
+    @cached_property
+    def _index(self) -> dict[str, int]:  # built on first lookup by name, not on the every-step path
+        return {t.name: i for i, t in enumerate(self.tensors)}
 
     # -- every-step questions: vectorised over the record array --------------------------------------------
     @property
     def ok(self) -> bool:
         """True when no scanned tensor holds a NaN or an infinity."""
         return not self.records[:, L.REC_NAN : L.REC_NEGINF + 1].any()
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 (float32, shape ()) when this scan saw a NaN or an infinity, else 0.0; see the class docstring."""
+        if self._found_inf is None:
+            self._found_inf = _flag(bool(self.records[:, L.REC_NAN : L.REC_NEGINF + 1].any()))
+        return self._found_inf
 
     @property
     def nonfinite(self) -> list[str]:
@@ -187,3 +212,73 @@ class ScanReport:
     def __repr__(self) -> str:
         state = "ok" if self.ok else f"non-finite in {len(self.nonfinite)} tensor(s): {self.nonfinite[:5]}"
         return f"ScanReport({len(self)} tensors, {state}, backend={self.backend!r}, step={self.step})"
+
+
+class PendingScan(Protocol):
+    """A launched scan (nanscan.pending): its flag at once, `ready()` without blocking, `records()` waiting."""
+
+    found_inf: torch.Tensor
+
+    def ready(self) -> bool: ...
+
+    def records(self) -> np.ndarray: ...
+
+
+class PendingReport(ScanReport):
+    """What Monitor.check returns in mode="async": the report of a scan that may still be running on the GPU.
+    Nothing here waits for the GPU unless asked to.
+
+    Known at once: `step`, `tensors`, `names`, `skipped`, `backend`, `found_inf` (this step's flag, on the GPU
+    for a GPU scan: pass it to a fused optimizer), `ready()` and `ok`.
+
+    `ok` is the verdict the Monitor acted on at this check: False when the step it decided here (`decided_step`,
+    the previous one, whose scan has finished by now) was non-finite and on_invalid did not raise, else True.
+    This step's own verdict arrives at the next check, or at Monitor.flush().
+
+    Waiting for the scan (a host sync on a GPU): `records` and all that is decoded from it (`stats`, `nonfinite`,
+    `totals`, `report[name]`, `to_dict()`), and `result()`, the finished ScanReport of this step.
+    """
+
+    def __init__(self, tensors: Sequence[ScannedTensor], scan: PendingScan, *, skipped: Sequence[str] = (),
+                 backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None):
+        self.tensors = list(tensors)
+        self.skipped = list(skipped)
+        self.backend = backend
+        self.step = step
+        self.decided_step = decided_step
+        self._scan = scan
+        self._records: np.ndarray | None = None
+        self._verdict_ok = ok
+
+    @property
+    def records(self) -> np.ndarray:
+        """This step's records, waiting for the scan if it is still running."""
+        if self._records is None:
+            self._records = _check_records(self._scan.records(), self.tensors)
+        return self._records
+
+    @property
+    def ok(self) -> bool:
+        return self._verdict_ok
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        return self._scan.found_inf
+
+    def ready(self) -> bool:
+        """True once the scan has finished, so reading `records` will not wait (never blocks)."""
+        return self._records is not None or self._scan.ready()
+
+    def result(self) -> ScanReport:
+        """This step's finished report (waits for the scan); its `ok` is this step's own verdict."""
+        return ScanReport(self.tensors, self.records, skipped=self.skipped, backend=self.backend, step=self.step,
+                          found_inf=self.found_inf)
+
+    def __repr__(self) -> str:
+        if self.ready():
+            bad = self.nonfinite
+            scan = f"non-finite in {len(bad)} tensor(s): {bad[:5]}" if bad else "finite"
+        else:
+            scan = "scan still running"
+        return (f"PendingReport({len(self)} tensors, step {self.step}: {scan}; ok={self.ok} (decided step "
+                f"{self.decided_step}), backend={self.backend!r})")

@@ -95,9 +95,8 @@ class BackendUnderTest:
         return report
 
 
-@pytest.fixture(scope="session", params=BACKENDS_UNDER_TEST)
-def backend_under_test(request) -> BackendUnderTest:
-    name = request.param
+def backend_or_skip(name: str) -> BackendUnderTest:
+    """The named backend, ready to check; skips, saying why, when it cannot run here."""
     try:
         backends.load(name)
     except backends.BackendUnavailable as exc:
@@ -105,6 +104,23 @@ def backend_under_test(request) -> BackendUnderTest:
             pytest.fail(f"nanscan._C is built but the cpu backend does not load: {exc}")
         pytest.skip(f"the {name} backend cannot run here: {exc}")
     return BackendUnderTest(name, torch.device("cuda" if name == "cuda" else "cpu"))
+
+
+@pytest.fixture(scope="session",
+                params=[pytest.param(name, marks=[pytest.mark.cuda] if name == "cuda" else []) for name in
+                        BACKENDS_UNDER_TEST])
+def backend_under_test(request) -> BackendUnderTest:
+    return backend_or_skip(request.param)
+
+
+@pytest.fixture(scope="session")
+def cpu_backend() -> BackendUnderTest:
+    return backend_or_skip("cpu")
+
+
+@pytest.fixture(scope="session")
+def numba_backend() -> BackendUnderTest:
+    return backend_or_skip("numba")
 
 
 @pytest.fixture

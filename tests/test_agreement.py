@@ -87,7 +87,7 @@ def test_random_data_with_planted_specials(backend_under_test, dtype, tiny_chunk
 def block_segments(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Block-sized segments that each take a different way through a blocked kernel: plain normals, normals with
     zeros, all zeros, more binades than a pair window holds, values far above the window the first block placed,
-    one subnormal, one NaN, one infinity, negatives only; and an odd tail."""
+    one subnormal, one NaN, one infinity, negatives only; and an odd-sized last block ending in a zero."""
     gen = torch.Generator().manual_seed(9)
     finfo = torch.finfo(dtype)
     lo_exp, hi_exp = int(np.log2(finfo.tiny)), int(np.log2(finfo.max))
@@ -117,8 +117,9 @@ def block_segments(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "one nan": with_value(float("nan")),
         "one inf": with_value(float("-inf")),
         "negatives": -normals().abs(),
-        "odd tail": normals()[:1001],
+        "odd tail ending in zero": torch.cat([normals(), normals()[:1001]]),
     }
+    segments["odd tail ending in zero"][-1] = 0.0
     return {name: x.to(dtype) for name, x in segments.items()}
 
 
@@ -200,9 +201,7 @@ def big_mixed_tensors() -> dict[str, torch.Tensor]:
             "bf16": torch.randn(200_001, generator=gen).bfloat16()}
 
 
-def test_cpu_records_are_bit_identical_for_any_thread_count(backend_under_test):
-    if backend_under_test.name != "cpu":
-        pytest.skip("thread count is a cpu backend setting")
+def test_cpu_records_are_bit_identical_for_any_thread_count(cpu_backend):
     tensors = big_mixed_tensors()
     one = nanscan.scan(tensors, backend=backends.CpuBackend(num_threads=1)).records
     two = nanscan.scan(tensors, backend=backends.CpuBackend(num_threads=2)).records
@@ -211,13 +210,11 @@ def test_cpu_records_are_bit_identical_for_any_thread_count(backend_under_test):
     np.testing.assert_array_equal(two, again)
 
 
-def test_numba_records_are_bit_identical_for_any_thread_count(backend_under_test):
-    if backend_under_test.name != "numba":
-        pytest.skip("numba's thread count is a numba backend setting")
+def test_numba_records_are_bit_identical_for_any_thread_count(numba_backend):
     import numba
 
     tensors = big_mixed_tensors()
-    backend = backend_under_test.create()
+    backend = numba_backend.create()
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
@@ -229,13 +226,11 @@ def test_numba_records_are_bit_identical_for_any_thread_count(backend_under_test
     np.testing.assert_array_equal(one, many)
 
 
-def test_numba_scans_from_several_threads_at_once(backend_under_test):
-    if backend_under_test.name != "numba":
-        pytest.skip("checks the numba backend's launch lock")
+def test_numba_scans_from_several_threads_at_once(numba_backend):
     from concurrent.futures import ThreadPoolExecutor
 
     tensors = big_mixed_tensors()
-    backend = backend_under_test.create()
+    backend = numba_backend.create()
     expected = nanscan.scan(tensors, backend=backend).records
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: nanscan.scan(tensors, backend=backend).records, range(8)))

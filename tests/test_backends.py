@@ -97,7 +97,7 @@ def test_numba_backend_checks_its_arguments():
         pytest.skip("needs the numba backend")
     from nanscan._numba_backend import NumbaBackend
 
-    with pytest.raises(ValueError, match="chunk_elems must be a positive"):
+    with pytest.raises(ValueError, match="chunk_elems must be a number of elements from 1"):
         NumbaBackend(chunk_elems=0)
     backend = NumbaBackend()
     assert backend.supports(torch.device("cpu")) and not backend.supports(torch.device("cuda"))

@@ -50,8 +50,12 @@ def test_list_of_dicts_every_category():
     records[6] = {"text": "a", "x": None, "v": []}
     report = nanscan.data.check(records, max_tokens=10)
     got = sorted((f.category, f.record.index, f.field) for f in report.findings)
-    assert got == [("empty", 1, "text"), ("empty", 5, None), ("empty", 6, "v"), ("empty", 6, "x"),
-                   ("inconsistent", 4, "x"), ("nonfinite", 2, "v"), ("nonfinite", 2, "x"), ("too_long", 3, None)]
+    # A null is an absent field: reported because 19 of 20 records have "x".
+    assert got == [("empty", 1, "text"), ("empty", 5, None), ("empty", 6, "v"), ("inconsistent", 4, "x"),
+                   ("inconsistent", 6, "x"), ("nonfinite", 2, "v"), ("nonfinite", 2, "x"), ("too_long", 3, None)]
+    missing = [f for f in report.findings if f.record.index == 6 and f.category == "inconsistent"][0]
+    assert "missing field(s) 'x'" in missing.detail
+    assert nanscan.data.check([{"a": None}, None]).counts["empty"] == 2
     assert report.tokens["max"] == 100 and report.tokens["p50"] == 3
 
 

@@ -161,6 +161,6 @@ def test_parquet_fast_path_matches_definition(tmp_path, monkeypatch):
     pq.write_table(table, path, row_group_size=100)
     fast, slow = _both_paths(monkeypatch, path, max_tokens=6)
     assert _summary(fast) == _summary(slow)
-    assert fast.counts["nonfinite"] == 2 and fast.counts["empty"] == 3
-    assert fast.counts["inconsistent"] == 1 and fast.counts["too_long"] > 0
+    assert fast.counts["nonfinite"] == 2 and fast.counts["empty"] == 2
+    assert fast.counts["inconsistent"] == 2 and fast.counts["too_long"] > 0  # vec[20] short, text[60] absent
     assert fast.largest_magnitude.value == slow.largest_magnitude.value

@@ -13,7 +13,6 @@ import zipfile
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
@@ -254,14 +253,21 @@ def test_parquet_findings_clean_and_garbage(tmp_path):
     clean = tmp_path / "clean.parquet"
     pq.write_table(pa.table({"x": [1.0, 2.0], "t": ["a b", "c"]}), clean)
     assert check_paths([clean]).ok
-    table = pa.table({"x": [1.0, float("nan"), 3.0, 4.0, 5.0, 6.0],
-                      "v": [[1.0, 2.0], [1.0, 2.0], [1.0, float("inf")], [], [1.0, 2.0], [1.0, 2.0]],
-                      "t": ["a", "b", "c", "d", None, "  "]})
+    n = 20
+    x = [float(i) for i in range(n)]
+    x[1] = float("nan")
+    v = [[1.0, 2.0] for _ in range(n)]
+    v[2] = [1.0, float("inf")]
+    v[3] = []
+    t = ["a"] * n
+    t[4] = None  # absent: most rows have "t"
+    t[5] = "  "
     path = tmp_path / "bad.parquet"
-    pq.write_table(table, path)
+    pq.write_table(pa.table({"x": x, "v": v, "t": t}), path)
     report = check_paths([path])
     assert {(f.category, f.record.index, f.field) for f in report.findings} == {
-        ("nonfinite", 1, "x"), ("nonfinite", 2, "v"), ("empty", 3, "v"), ("empty", 4, "t"), ("empty", 5, "t")}
+        ("nonfinite", 1, "x"), ("nonfinite", 2, "v"), ("empty", 3, "v"), ("inconsistent", 4, "t"),
+        ("empty", 5, "t")}
     assert all(f.record.sha256 and len(f.record.sha256) == 64 for f in report.findings)
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(GARBAGE)
@@ -464,3 +470,14 @@ def test_findings_listing_is_capped_but_counts_are_exact(tmp_path):
     np.save(tmp_path / "nan.npy", a)
     report = check_paths([tmp_path / "nan.npy"], max_findings=7)
     assert report.counts["nonfinite"] == 500 and len(report.findings) == 7
+
+
+def test_fields_are_compared_within_each_given_path(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for i in range(12):
+        (tmp_path / "a" / f"{i}.jsonl").write_text('{"x": 1.0, "text": "t"}\n')
+    (tmp_path / "a" / "odd.jsonl").write_text('{"x": "one", "text": "t"}\n')
+    (tmp_path / "b" / "other.jsonl").write_text('{"label": 3}\n{"label": 4}\n')
+    report = check_paths([tmp_path / "a", tmp_path / "b"])
+    assert [f.record.file.rsplit("/", 1)[1] for f in by_category(report, "inconsistent")] == ["odd.jsonl"]

@@ -50,6 +50,12 @@ def test_kernel_equals_str_split(texts, offset, large):
     assert WhitespaceTokenizer().count_arrow(pa.chunked_array([arr, arr])).tolist() == expected * 2
 
 
+def test_empty_and_all_null_columns():
+    assert WhitespaceTokenizer().count_arrow(pa.array([], pa.string())).tolist() == []
+    assert WhitespaceTokenizer().count_arrow(pa.array([None, None], pa.string())).tolist() == [0, 0]
+    assert WhitespaceTokenizer().count_arrow(pa.chunked_array([], pa.string())).tolist() == []
+
+
 def test_without_numba_the_same_counts(monkeypatch):
     monkeypatch.setattr(tokens_module, "_kernel", None)
     monkeypatch.setattr(tokens_module, "_kernel_error", ImportError("no numba"))

@@ -1,5 +1,5 @@
-// scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, vectorised passes over
-// 4 KiB blocks, and classify.h's exact per-element path for blocks that hold special values.
+// scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, one vectorised pass per 4 KiB
+// block, and classify.h's exact per-element path for blocks that hold an inf or NaN.
 #include "scan_cpu.h"
 
 #include <algorithm>
@@ -21,11 +21,25 @@
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// GCC 12's AVX-512 header trips -Wmaybe-uninitialized on its own "undefined" placeholders (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define NANSCAN_AVX512 1
 #else
 #define NANSCAN_AVX512 0
 #endif
+
+// One vector register: the width of every vector in the passes (NOTE: [vector types]).
+#if NANSCAN_AVX512
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX2__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;  // SSE2, NEON
+#endif
+
 
 namespace nanscan {
 namespace {
@@ -61,10 +75,9 @@ constexpr int64_t kBlockBytes = 4096;
 // NOTE: [prefetch]
 // Pass 1 asks for the bytes kPrefetchBytes ahead as it reads, into L2. Without it the hardware prefetcher fell
 // behind whenever the core was busy counting, and the scan's memory traffic and arithmetic took turns instead of
-// overlapping (2 threads, 1 GB of float32: 0.45 of the read limit without, 0.77 with). A prefetch never faults, so
-// reading past the end of a tensor is harmless.
+// overlapping (2-core development machine, 2 threads, 200 MB of float32: 0.45 of the read limit without, 0.75
+// with). A prefetch never faults, so asking past the end of a tensor is harmless.
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int kVectorBytes = 64;  // one AVX-512 register; narrower machines split each vector into several registers
 
 // The widest exponent field is float64's; one per-thread set of counters fits every format.
 constexpr int kMaxFields = 1 << Float64::kExpBits;
@@ -142,52 +155,45 @@ To bits_as(const From& from) {
 // The passes are written once with GCC/Clang vector extensions: element-wise operators on fixed-size vectors,
 // which the compiler lowers to AVX-512, AVX2, SSE or NEON registers, or to scalar code where a target lacks an
 // operation, so every target builds the same source. Plain loops left to the auto-vectoriser stayed scalar
-// (nested lane loops, variable shifts). Where the lowering of an operation is poor or the instruction set offers a
+// (nested lane loops, variable shifts). A vector is one register wide (kVectorBytes): GCC kept wider ones in
+// memory, at half the speed. Where the lowering of an operation is poor or the instruction set offers a
 // better one (widening floats to doubles; a 16-entry table lookup for the field counters), an AVX-512 version
 // (NANSCAN_AVX512) replaces it; the two compute the same result. Every floating-point sum keeps one accumulator
 // per lane and adds the lanes in a fixed order, so no reassociation is involved.
 #if !defined(__GNUC__) && !defined(__clang__)
 #error "csrc/cpu/scan_cpu.cpp needs GCC or Clang (vector extensions, see NOTE: [vector types])"
 #endif
-typedef uint16_t U16x32 __attribute__((vector_size(kVectorBytes)));
-typedef uint32_t U32x16 __attribute__((vector_size(kVectorBytes)));
-typedef uint64_t U64x8 __attribute__((vector_size(kVectorBytes)));
-typedef int16_t I16x32 __attribute__((vector_size(kVectorBytes)));
-typedef int32_t I32x16 __attribute__((vector_size(kVectorBytes)));
-typedef int64_t I64x8 __attribute__((vector_size(kVectorBytes)));
-typedef double F64x8 __attribute__((vector_size(kVectorBytes)));
-typedef float F32x16 __attribute__((vector_size(kVectorBytes)));
-typedef float F32x8 __attribute__((vector_size(kVectorBytes / 2)));
-typedef uint16_t U16x16 __attribute__((vector_size(kVectorBytes / 2)));
+typedef uint16_t VU16 __attribute__((vector_size(kVectorBytes)));
+typedef uint32_t VU32 __attribute__((vector_size(kVectorBytes)));
+typedef uint64_t VU64 __attribute__((vector_size(kVectorBytes)));
+typedef float VF32 __attribute__((vector_size(kVectorBytes)));
+typedef double VF64 __attribute__((vector_size(kVectorBytes)));
+// Pieces that widen into one full vector: half a vector of floats or 32-bit integers, a quarter of 16-bit ones.
+typedef float VF32Half __attribute__((vector_size(kVectorBytes / 2)));
+typedef uint32_t VU32Half __attribute__((vector_size(kVectorBytes / 2)));
+typedef uint16_t VU16Quarter __attribute__((vector_size(kVectorBytes / 4)));
 
-// Piece `part` of vector v as a Part (e.g. 8 of 16 floats, to widen to doubles).
-template <typename Part, typename V>
-Part part_of(const V& v, int part) {
-  return load_bits<Part>(reinterpret_cast<const unsigned char*>(&v) + part * sizeof(Part));
-}
-
-// Per format: the unsigned and signed vectors one load fills, and how the squares of the elements at `p` (one
-// vector's worth) are added, as doubles, to kSquareVectors accumulators. Signs do not matter to a square, so the
-// raw elements are read. Only normal values and zeros reach it on the fast path, and for them every square here is
-// exact, subnormals included (NOTE: [float mode]).
+// Per format: the vector one load fills, and how the squares of the elements at `p` (one vector's worth) are
+// added, as doubles, to kSquareVectors accumulators. Signs do not matter to a square, so the raw elements are
+// read, each piece straight from memory into the width it is widened from. Finite values reach it on the fast
+// path, and for them every square here is exact, subnormals included (NOTE: [float mode]).
 template <typename F>
 struct VectorOps;
 
 template <>
 struct VectorOps<Float32> {
-  using V = U32x16;
-  using SignedV = I32x16;
+  using V = VU32;
   static constexpr int kSquareVectors = 2;
-  static void add_squares(const uint32_t* p, F64x8* acc) {
+  static void add_squares(const uint32_t* p, VF64* acc) {
 #if NANSCAN_AVX512
-    // Widening straight from memory saves moving the upper half down first.
     const __m512d lo = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p)));
     const __m512d hi = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8));
-    acc[0] = bits_as<F64x8>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[0])));
-    acc[1] = bits_as<F64x8>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[1])));
+    acc[0] = bits_as<VF64>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[0])));
+    acc[1] = bits_as<VF64>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[1])));
 #else
+    constexpr int kHalf = sizeof(VF32Half) / sizeof(float);
     for (int h = 0; h < 2; ++h) {
-      const F64x8 v = __builtin_convertvector(load_bits<F32x8>(p + 8 * h), F64x8);
+      const VF64 v = __builtin_convertvector(load_bits<VF32Half>(p + kHalf * h), VF64);
       acc[h] += v * v;  // exact: a 24-bit significand squares into 48 bits
     }
 #endif
@@ -196,21 +202,19 @@ struct VectorOps<Float32> {
 
 template <>
 struct VectorOps<Float64> {
-  using V = U64x8;
-  using SignedV = I64x8;
+  using V = VU64;
   static constexpr int kSquareVectors = 1;
-  static void add_squares(const uint64_t* p, F64x8* acc) {
-    const F64x8 v = load_bits<F64x8>(p);
+  static void add_squares(const uint64_t* p, VF64* acc) {
+    const VF64 v = load_bits<VF64>(p);
     acc[0] += v * v;
   }
 };
 
 template <>
 struct VectorOps<BFloat16> {
-  using V = U16x32;
-  using SignedV = I16x32;
+  using V = VU16;
   static constexpr int kSquareVectors = 4;
-  static void add_squares(const uint16_t* p, F64x8* acc) {
+  static void add_squares(const uint16_t* p, VF64* acc) {
     // bfloat16 is the top half of a float32. (The AVX-512 interleave takes the elements in another order, which
     // only changes which lane adds which square.)
 #if NANSCAN_AVX512
@@ -221,17 +225,15 @@ struct VectorOps<BFloat16> {
     for (int h = 0; h < 2; ++h) {
       const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(halves[h]));
       const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(halves[h]), 1)));
-      acc[2 * h] = bits_as<F64x8>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[2 * h])));
-      acc[2 * h + 1] = bits_as<F64x8>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[2 * h + 1])));
+      acc[2 * h] = bits_as<VF64>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[2 * h])));
+      acc[2 * h + 1] = bits_as<VF64>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[2 * h + 1])));
     }
 #else
-    for (int h = 0; h < 2; ++h) {
-      const U32x16 widened = __builtin_convertvector(load_bits<U16x16>(p + 16 * h), U32x16) << 16;
-      const F32x16 x = bits_as<F32x16>(widened);
-      for (int q = 0; q < 2; ++q) {
-        const F64x8 v = __builtin_convertvector(part_of<F32x8>(x, q), F64x8);
-        acc[2 * h + q] += v * v;
-      }
+    constexpr int kQuarter = sizeof(VU16Quarter) / sizeof(uint16_t);
+    for (int q = 0; q < 4; ++q) {
+      const VU32Half widened = __builtin_convertvector(load_bits<VU16Quarter>(p + kQuarter * q), VU32Half) << 16;
+      const VF64 v = __builtin_convertvector(bits_as<VF32Half>(widened), VF64);
+      acc[q] += v * v;
     }
 #endif
   }
@@ -239,27 +241,27 @@ struct VectorOps<BFloat16> {
 
 template <>
 struct VectorOps<Float16> {
-  using V = U16x32;
-  using SignedV = I16x32;
+  using V = VU16;
   static constexpr int kSquareVectors = 4;
   // Squares are taken in float: 11-bit significands square into 22 bits, and 65504^2 is far below float's limit.
-  static void add_squares(const uint16_t* p, F64x8* acc) {
+  static void add_squares(const uint16_t* p, VF64* acc) {
 #if NANSCAN_AVX512
     for (int h = 0; h < 2; ++h) {
       const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
       const __m512 sq = _mm512_mul_ps(x, x);
       const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(sq));
       const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1)));
-      acc[2 * h] = bits_as<F64x8>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h]), lo));
-      acc[2 * h + 1] = bits_as<F64x8>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h + 1]), hi));
+      acc[2 * h] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h]), lo));
+      acc[2 * h + 1] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h + 1]), hi));
     }
 #else
-    for (int h = 0; h < 2; ++h) {
+    constexpr int kQuarter = sizeof(VU16Quarter) / sizeof(uint16_t);
+    for (int q = 0; q < 4; ++q) {
       // The float16 fields moved into float32 positions encode |x| * 2^-112 (the bias difference): rescale exactly.
-      const U32x16 moved = (__builtin_convertvector(load_bits<U16x16>(p + 16 * h), U32x16) & 0x7fff) << 13;
-      const F32x16 x = bits_as<F32x16>(moved) * 0x1p112f;
-      const F32x16 sq = x * x;
-      for (int q = 0; q < 2; ++q) acc[2 * h + q] += __builtin_convertvector(part_of<F32x8>(sq, q), F64x8);
+      const VU32Half moved = (__builtin_convertvector(load_bits<VU16Quarter>(p + kQuarter * q), VU32Half) & 0x7fff)
+                             << 13;
+      const VF32Half x = bits_as<VF32Half>(moved) * 0x1p112f;
+      acc[q] += __builtin_convertvector(x * x, VF64);
     }
 #endif
   }
@@ -274,7 +276,9 @@ struct VectorOps<Float16> {
 // to the field counters. Zeros (field 0) land on residue 0 with the zero padding of a short tail: both are counted
 // on the side and taken back out of the window's field that is 0 mod 16.
 constexpr int kWindowFields = 16;
-constexpr int kChains = 2;  // vectors per step, each with its own counters: independent dependency chains
+// Vectors per step, each with its own counters (independent dependency chains): a step is 128 bytes on any target,
+// so the counter limits below hold for every vector width.
+constexpr int kChains = 128 / kVectorBytes;
 constexpr int kWordsPerVector = kVectorBytes / 8;
 constexpr uint64_t kNibbles = 0x0f0f0f0f0f0f0f0full;
 constexpr uint64_t kByteSlots = 0x00ff00ff00ff00ffull;
@@ -290,24 +294,31 @@ struct Words {
   static constexpr int shift(int j) { return j * 8 * static_cast<int>(sizeof(typename F::Bits)) + F::kMantBits; }
 };
 
+#if NANSCAN_AVX512
+// The increments 1 << 4 * r of the 16 counters, as the two table halves that permutex2var looks up. It reads the
+// low 4 bits of each index word and ignores the rest, so a word shifted to put a field at bit 0 is an index.
+struct ResidueTable {
+  __m512i lo = _mm512_set_epi64(1ll << 28, 1ll << 24, 1ll << 20, 1ll << 16, 1ll << 12, 1ll << 8, 1ll << 4, 1);
+  __m512i hi = _mm512_set_epi64(1ll << 60, 1ll << 56, 1ll << 52, 1ll << 48, 1ll << 44, 1ll << 40, 1ll << 36,
+                                1ll << 32);
+  __m512i lookup(__m512i index) const { return _mm512_permutex2var_epi64(lo, index, hi); }
+};
+#endif
+
 // Per word of w: the sum over its elements of 1 << 4 * (field mod 16).
 template <typename F>
-inline U64x8 residue_increments(U64x8 w) {
+inline VU64 residue_increments(VU64 w) {
   using W = Words<F>;
 #if NANSCAN_AVX512
-  // permutex2var reads the low 4 bits of each index word and ignores the rest, so the shifted word is the index.
-  const __m512i table_lo = _mm512_set_epi64(1ll << 28, 1ll << 24, 1ll << 20, 1ll << 16, 1ll << 12, 1ll << 8, 1ll << 4, 1);
-  const __m512i table_hi = _mm512_set_epi64(1ll << 60, 1ll << 56, 1ll << 52, 1ll << 48, 1ll << 44, 1ll << 40,
-                                            1ll << 36, 1ll << 32);
+  const ResidueTable table;
   const __m512i bits = bits_as<__m512i>(w);
-  __m512i sum = _mm512_permutex2var_epi64(table_lo, _mm512_srli_epi64(bits, W::shift(0)), table_hi);
-  for (int j = 1; j < W::kPerWord; ++j)
-    sum = _mm512_add_epi64(sum, _mm512_permutex2var_epi64(table_lo, _mm512_srli_epi64(bits, W::shift(j)), table_hi));
-  return bits_as<U64x8>(sum);
+  __m512i sum = table.lookup(_mm512_srli_epi64(bits, W::shift(0)));
+  for (int j = 1; j < W::kPerWord; ++j) sum = _mm512_add_epi64(sum, table.lookup(_mm512_srli_epi64(bits, W::shift(j))));
+  return bits_as<VU64>(sum);
 #else
   // The field sits at bit 2 of (word >> (shift - 2)): masking bits 2..5 gives 4 * (field mod 16).
-  const U64x8 one = U64x8{} + 1;
-  U64x8 sum = one << ((w >> (W::shift(0) - 2)) & 0x3c);
+  const VU64 one = VU64{} + 1;
+  VU64 sum = one << ((w >> (W::shift(0) - 2)) & 0x3c);
   for (int j = 1; j < W::kPerWord; ++j) sum += one << ((w >> (W::shift(j) - 2)) & 0x3c);
   return sum;
 #endif
@@ -316,30 +327,28 @@ inline U64x8 residue_increments(U64x8 w) {
 // Like residue_increments for the 32 fields from `lo`: fields lo..lo+15 count in `low` (slot field - lo), the
 // others in `high` (slot field - lo - 16). Zeros land on slot (0 - lo) mod 32.
 template <typename F>
-inline void window32_increments(U64x8 w, int lo, U64x8& low, U64x8& high) {
+inline void window32_increments(VU64 w, int lo, VU64& low, VU64& high) {
   using W = Words<F>;
 #if NANSCAN_AVX512
-  const __m512i table_lo = _mm512_set_epi64(1ll << 28, 1ll << 24, 1ll << 20, 1ll << 16, 1ll << 12, 1ll << 8, 1ll << 4, 1);
-  const __m512i table_hi = _mm512_set_epi64(1ll << 60, 1ll << 56, 1ll << 52, 1ll << 48, 1ll << 44, 1ll << 40,
-                                            1ll << 36, 1ll << 32);
+  const ResidueTable table;
   const __m512i bits = bits_as<__m512i>(w);
   __m512i l = bits_as<__m512i>(low), h = bits_as<__m512i>(high);
   for (int j = 0; j < W::kPerWord; ++j) {
     const __m512i offset = _mm512_sub_epi64(_mm512_srli_epi64(bits, W::shift(j)), _mm512_set1_epi64(lo));
-    const __m512i add = _mm512_permutex2var_epi64(table_lo, offset, table_hi);
+    const __m512i add = table.lookup(offset);
     const __mmask8 upper = _mm512_test_epi64_mask(offset, _mm512_set1_epi64(16));
     l = _mm512_mask_add_epi64(l, static_cast<__mmask8>(~upper), l, add);
     h = _mm512_mask_add_epi64(h, upper, h, add);
   }
-  low = bits_as<U64x8>(l);
-  high = bits_as<U64x8>(h);
+  low = bits_as<VU64>(l);
+  high = bits_as<VU64>(h);
 #else
-  const U64x8 one = U64x8{} + 1;
+  const VU64 one = VU64{} + 1;
   const uint64_t lo4 = static_cast<uint64_t>(lo) * 4;
   for (int j = 0; j < W::kPerWord; ++j) {
-    const U64x8 s = ((w >> (W::shift(j) - 2)) - lo4) & 0x7c;  // 4 * ((field - lo) mod 32)
-    const U64x8 upper = s >> 6;
-    const U64x8 add = one << (s & 63);
+    const VU64 s = ((w >> (W::shift(j) - 2)) - lo4) & 0x7c;  // 4 * ((field - lo) mod 32)
+    const VU64 upper = s >> 6;
+    const VU64 add = one << (s & 63);
     low += add & (upper - 1);
     high += add & (0 - upper);
   }
@@ -349,13 +358,13 @@ inline void window32_increments(U64x8 w, int lo, U64x8& low, U64x8& high) {
 // The 16 counters of a window over one block, as bytes: even[c] holds counters 0, 2, .., 14 of chain c, odd[c]
 // counters 1, 3, .., 15.
 struct ByteCounts {
-  U64x8 even[kChains];
-  U64x8 odd[kChains];
+  VU64 even[kChains];
+  VU64 odd[kChains];
 
   void clear() {
-    for (int c = 0; c < kChains; ++c) even[c] = odd[c] = U64x8{};
+    for (int c = 0; c < kChains; ++c) even[c] = odd[c] = VU64{};
   }
-  void add_nibbles(const U64x8 (&nibbles)[kChains]) {
+  void add_nibbles(const VU64 (&nibbles)[kChains]) {
     for (int c = 0; c < kChains; ++c) {
       even[c] += nibbles[c] & kNibbles;
       odd[c] += (nibbles[c] >> 4) & kNibbles;
@@ -365,11 +374,11 @@ struct ByteCounts {
 
 // The 16 counters of a window over many blocks, in 16-bit slots: slot s of quad[k][c] holds counter 4 * s + k.
 struct WideCounts {
-  U64x8 quad[4][kChains];
+  VU64 quad[4][kChains];
 
   void clear() {
     for (int k = 0; k < 4; ++k)
-      for (int c = 0; c < kChains; ++c) quad[k][c] = U64x8{};
+      for (int c = 0; c < kChains; ++c) quad[k][c] = VU64{};
   }
   void add(const ByteCounts& b) {
     for (int c = 0; c < kChains; ++c) {
@@ -384,7 +393,8 @@ struct WideCounts {
       for (int s = 0; s < 4; ++s) {
         int64_t total = 0;
         for (int c = 0; c < kChains; ++c)
-          for (int l = 0; l < kWordsPerVector; ++l) total += static_cast<int64_t>((quad[k][c][l] >> (16 * s)) & 0xffff);
+          for (int l = 0; l < kWordsPerVector; ++l)
+            total += static_cast<int64_t>((quad[k][c][l] >> (16 * s)) & 0xffff);
         out[4 * s + k] = total;
       }
     }
@@ -399,7 +409,7 @@ struct BlockScan {
   Bits max_abs;          // valid only without zeros; with them, zeros_and_max tells
   bool maybe_zero;       // a zero, or the zero padding of a short tail: zeros_and_max finds out
   int64_t padding;       // zeros appended to a short tail, counted in `residues`
-  F64x8 sumsq[kChains][VectorOps<F>::kSquareVectors];
+  VF64 sumsq[kChains][VectorOps<F>::kSquareVectors];
   ByteCounts residues;  // fields mod 16 (NOTE: [window counters]); used only if the block fits the chunk's window
 };
 
@@ -415,7 +425,7 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
   constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
   V umin = ~V{}, umax = V{};
-  F64x8 sumsq[kChains][Ops::kSquareVectors] = {};
+  VF64 sumsq[kChains][Ops::kSquareVectors] = {};
   s.residues.clear();
   // The block in one or two runs of whole steps: the steps in place, then a short tail copied into a zero-padded
   // step.
@@ -433,7 +443,7 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
     const Bits* elems = run_start[r];
     const int64_t steps = run_steps[r];
     for (int64_t step = 0; step < steps;) {
-      U64x8 nibbles[kChains] = {};
+      VU64 nibbles[kChains] = {};
       const int64_t stop = std::min(steps, step + W::kFlushEvery);
       for (; step < stop; ++step) {
         for (int c = 0; c < kChains; ++c) {
@@ -445,7 +455,7 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
           umin = umin < b ? umin : b;
           umax = umax > b ? umax : b;
           Ops::add_squares(at, sumsq[c]);
-          nibbles[c] += residue_increments<F>(bits_as<U64x8>(raw));
+          nibbles[c] += residue_increments<F>(bits_as<VU64>(raw));
         }
       }
       s.residues.add_nibbles(nibbles);
@@ -498,7 +508,7 @@ int64_t bin_subnormals(const typename F::Bits* p, int64_t n, int64_t* hist, type
   using Bits = typename F::Bits;
   using V = typename VectorOps<F>::V;
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
-  constexpr Bits kSmallestNormal = Bits(1) << F::kMantBits;
+  constexpr Bits kSmallestNormal = F::kSmallestNormalAbsBits;
   int64_t count = 0;
   V min_normal = ~V{};
   auto bin_one = [&](Bits a) {
@@ -512,7 +522,7 @@ int64_t bin_subnormals(const typename F::Bits* p, int64_t n, int64_t* hist, type
     const V a = load_bits<V>(p + i) & F::kAbsMask;
     // Subnormals have a - 1 below kSmallestNormal - 1; zeros wrap to all ones. The words of the comparison tell
     // cheaply whether any lane needs binning.
-    const U64x8 subnormal = bits_as<U64x8>(a - 1 < static_cast<Bits>(kSmallestNormal - 1));
+    const VU64 subnormal = bits_as<VU64>(a - 1 < static_cast<Bits>(kSmallestNormal - 1));
     uint64_t found = 0;
     for (int l = 0; l < kWordsPerVector; ++l) found |= subnormal[l];
     if (found)
@@ -567,11 +577,11 @@ void count_fields_window(const typename F::Bits* p, int64_t n, int lo, int64_t f
     const Bits* elems = run_start[r];
     const int64_t steps = run_steps[r];
     for (int64_t step = 0; step < steps;) {
-      U64x8 nibbles[kWindows][kChains] = {};
+      VU64 nibbles[kWindows][kChains] = {};
       const int64_t stop = std::min(steps, step + W::kFlushEvery);
       for (; step < stop; ++step) {
         for (int c = 0; c < kChains; ++c) {
-          const U64x8 w = load_bits<U64x8>(elems + (step * kChains + c) * (kVectorBytes / sizeof(Bits)));
+          const VU64 w = load_bits<VU64>(elems + (step * kChains + c) * (kVectorBytes / sizeof(Bits)));
           if (kWindows == 1) nibbles[0][c] += residue_increments<F>(w);
           else window32_increments<F>(w, lo, nibbles[0][c], nibbles[kWindows - 1][c]);
         }
@@ -611,11 +621,15 @@ void count_fields_scalar(const typename F::Bits* p, int64_t n, int lo, int hi, b
 
 // NOTE: [chunk window]
 // Pass 1 counts every block into one window of 16 fields per chunk, chosen from the chunk's first block with
-// non-zero values: from its largest field less 14 (room for the largest value to double; a block of Gaussian
-// values spans about 12 fields, mostly below its maximum). A block whose fields fit the window adds its counters;
-// one that does not is counted again by pass 2, while its counters are dropped. Two such blocks in a row move the
-// window to the latest one. The window's 16-bit counters are added to the field counters when it moves, when the
-// chunk ends, and before they could overflow.
+// normal values: from its largest field less 14 (room for the largest value to double; a block of Gaussian
+// values spans about 12 fields, mostly below its maximum). A block whose fields fit the window adds its counters,
+// and so does one without normal values; any other is counted again by pass 2, while its counters are dropped.
+// Two such blocks in a row move the window to the latest one. The window's 16-bit counters are added to the field
+// counters when it moves, when the chunk ends, and before they could overflow.
+
+// Blocks whose byte counters (at most 255 per slot, Words::kPerLanePerBlock) a 16-bit slot can hold.
+constexpr int kMaxWindowBlocks = 0xffff / 255;
+
 struct ChunkWindow {
   bool open = false;
   int first = 0;
@@ -624,6 +638,16 @@ struct ChunkWindow {
   int64_t field0 = 0;  // zeros, subnormals and padding counted on residue 0
   WideCounts wide;
 
+  // Opens the window so that a block whose largest field is `hi` fits it with one field to spare above.
+  void open_below(int hi) { open_from(std::max(1, hi - (kWindowFields - 2))); }
+  void open_from(int first_field) {
+    open = true;
+    first = first_field;
+    misfits = 0;
+    blocks = 0;
+    field0 = 0;
+    wide.clear();
+  }
   template <typename F>
   void close(FieldCounts& counts) {
     if (!open) return;
@@ -632,16 +656,19 @@ struct ChunkWindow {
     add_window<F>(window, first, field0, counts);
     open = false;
   }
-  void open_at(int hi) {
-    open = true;
-    first = std::max(1, hi - (kWindowFields - 2));
+  // Keeps the counters of a block that fits; `uncounted` of them (on residue 0) are no normal values.
+  template <typename F>
+  void add(const ByteCounts& residues, int64_t uncounted, FieldCounts& counts) {
+    wide.add(residues);
+    field0 += uncounted;
     misfits = 0;
-    blocks = 0;
-    field0 = 0;
-    wide.clear();
+    if (++blocks == kMaxWindowBlocks) {
+      const int keep = first;
+      close<F>(counts);
+      open_from(keep);
+    }
   }
 };
-constexpr int kMaxWindowBlocks = 0xffff / 255;  // blocks whose byte counters a 16-bit slot can hold
 
 // Running state of one chunk; `record` is the chunk's partial record.
 struct ChunkState {
@@ -692,13 +719,13 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
                 FieldCounts& counts) {
   using Bits = typename F::Bits;
   constexpr int64_t kBlockElems = kBlockBytes / sizeof(Bits);
-  constexpr Bits kSmallestNormal = Bits(1) << F::kMantBits;
-  constexpr Bits kInfBits = Bits(F::kExpMax) << F::kMantBits;
+  constexpr Bits kSmallestNormal = F::kSmallestNormalAbsBits;
+  constexpr Bits kInfBits = F::kInfAbsBits;
   constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
   constexpr int kSquareVectors = VectorOps<F>::kSquareVectors;
   ChunkState st{record};
   ChunkWindow window;
-  F64x8 lanes[kChains][kSquareVectors] = {};
+  VF64 lanes[kChains][kSquareVectors] = {};
   BlockScan<F> s;
   for (int64_t b = begin; b < end; b += kBlockElems) {
     const Bits* p = data + b;
@@ -727,22 +754,13 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
       st.absmin = std::min<uint64_t>(st.absmin, s.min_nonzero_abs);
     }
     if (min_normal_abs == kAllOnes) {  // no normal value: everything counted sits on residue 0
-      if (window.open) {
-        window.wide.add(s.residues);
-        window.field0 += field0 + s.padding;
-      }
+      if (window.open) window.add<F>(s.residues, field0 + s.padding, counts);
       continue;
     }
     const int lo = exponent_field<F>(min_normal_abs);
     const int hi = exponent_field<F>(s.max_abs);
     if (window.open && lo >= window.first && hi < window.first + kWindowFields) {
-      window.wide.add(s.residues);
-      window.field0 += field0 + s.padding;
-      window.misfits = 0;
-      if (++window.blocks == kMaxWindowBlocks) {
-        window.close<F>(counts);
-        window.open_at(hi);
-      }
+      window.add<F>(s.residues, field0 + s.padding, counts);
       continue;
     }
     if (hi - lo < kWindowFields) count_fields_window<F, 1>(p, n, lo, field0, counts);
@@ -750,7 +768,7 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
     else count_fields_scalar<F>(p, n, lo, hi, field0 > 0, counts);
     if (!window.open || ++window.misfits == 2) {
       window.close<F>(counts);
-      window.open_at(hi);
+      window.open_below(hi);
     }
   }
   window.close<F>(counts);
@@ -760,7 +778,7 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
   double sumsq = 0.0;
   for (int c = 0; c < kChains; ++c)
     for (int k = 0; k < kSquareVectors; ++k)
-      for (size_t l = 0; l < sizeof(F64x8) / sizeof(double); ++l) sumsq += lanes[c][k][l];
+      for (size_t l = 0; l < sizeof(VF64) / sizeof(double); ++l) sumsq += lanes[c][k][l];
   sumsq_out = sumsq + st.exact_sumsq;
 }
 
@@ -812,11 +830,26 @@ std::vector<Chunk> make_chunks(const ScanTask* tasks, int64_t num_tasks, int64_t
   return chunks;
 }
 
-int resolve_threads(int num_threads) {
+// Bytes of input per thread below which OpenMP's default thread count is reduced: waking a thread (tens of
+// microseconds, far more on a busy machine, where the region waits for a core) costs more than reading this much.
+constexpr int64_t kMinBytesPerThread = int64_t(1) << 20;
+
+// `num_threads` as asked for, or for 0 OpenMP's default, limited by the work there is. The records do not depend on
+// the thread count (NOTE: [chunking]).
+int resolve_threads(int num_threads, const ScanTask* tasks, int64_t num_tasks, int64_t num_chunks) {
+  int64_t threads = num_threads;
+  if (threads <= 0) {
 #ifdef _OPENMP
-  if (num_threads <= 0) num_threads = omp_get_max_threads();
+    threads = omp_get_max_threads();
+#else
+    threads = 1;
 #endif
-  return std::max(num_threads, 1);
+    int64_t bytes = 0;
+    for (int64_t t = 0; t < num_tasks; ++t) bytes += tasks[t].numel * element_bytes(tasks[t].dtype);
+    threads = std::min(threads, bytes / kMinBytesPerThread + 1);
+  }
+  threads = std::min(threads, num_chunks);
+  return static_cast<int>(std::max<int64_t>(threads, 1));
 }
 
 }  // namespace
@@ -825,7 +858,7 @@ void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_
   const std::vector<Chunk> chunks = make_chunks(tasks, num_tasks, chunk_elems);
   std::vector<Partial> partials(chunks.size());
   const int64_t n = static_cast<int64_t>(chunks.size());
-  num_threads = resolve_threads(num_threads);
+  num_threads = resolve_threads(num_threads, tasks, num_tasks, n);
 #pragma omp parallel num_threads(num_threads)
   {
     const ExactFloatMode float_mode;  // NOTE: [float mode]
@@ -844,7 +877,8 @@ uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t 
   const std::vector<Chunk> chunks = make_chunks(tasks, num_tasks, chunk_elems);
   const int64_t n = static_cast<int64_t>(chunks.size());
   uint64_t checksum = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(resolve_threads(num_threads)) reduction(^ : checksum)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(resolve_threads(num_threads, tasks, num_tasks, n)) \
+    reduction(^ : checksum)
   for (int64_t i = 0; i < n; ++i) {
     const ScanTask& task = tasks[chunks[i].task];
     const int64_t width = element_bytes(task.dtype);
@@ -852,10 +886,10 @@ uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t 
     const int64_t size = (chunks[i].end - chunks[i].begin) * width;
     // XOR of 64-bit words in independent lanes: one cheap vector op per load, so only memory limits the loop.
     constexpr int kLanes = 16;
-    U64x8 acc[kLanes / kWordsPerVector] = {};
+    VU64 acc[kLanes / kWordsPerVector] = {};
     int64_t off = 0;
     for (; off + 8 * kLanes <= size; off += 8 * kLanes)
-      for (int v = 0; v < kLanes / kWordsPerVector; ++v) acc[v] ^= load_bits<U64x8>(bytes + off + kVectorBytes * v);
+      for (int v = 0; v < kLanes / kWordsPerVector; ++v) acc[v] ^= load_bits<VU64>(bytes + off + kVectorBytes * v);
     uint64_t word = 0;
     for (int v = 0; v < kLanes / kWordsPerVector; ++v)
       for (int l = 0; l < kWordsPerVector; ++l) word ^= acc[v][l];

@@ -4,21 +4,33 @@
 `nanscan.data.check_paths(paths)` checks JSON Lines, CSV, Parquet, .npy/.npz, safetensors and image folders.
 Both return a DataReport whose findings (`nonfinite`, `empty`, `too_long`, `corrupt_image`, `unreadable`,
 `inconsistent`) each name a record by file, line or index, and the sha256 of its bytes.
+
+Names are loaded on first use, so that `nanscan preflight` and `nanscan runs` work without the readers'
+dependencies (pyarrow, Pillow, tokenizers) installed.
 """
 
-try:
-    import pyarrow  # noqa: F401 - the columnar readers and the token counter need it
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("nanscan.data needs pyarrow (and Pillow, tokenizers for images and --tokenizer); install "
-                      "them with: pip install 'nanscan[data]'") from exc
+from __future__ import annotations
 
-from nanscan.data.check import Checker, check, check_paths
-from nanscan.data.findings import (
-    CATEGORIES, DEFAULT_FAIL_ON, Boundary, DataReport, Finding, RecordId,
-)
-from nanscan.data.runs import RunsReport, check_runs
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CATEGORIES", "DEFAULT_FAIL_ON", "Boundary", "Checker", "DataReport", "Finding", "RecordId", "RunsReport",
-    "check", "check_paths", "check_runs",
-]
+_EXPORTS = {
+    "Checker": "api", "check": "api", "check_paths": "api",
+    "CATEGORIES": "findings", "DEFAULT_FAIL_ON": "findings", "Boundary": "findings", "DataReport": "findings",
+    "Finding": "findings", "RecordId": "findings",
+    "RunsReport": "runs", "check_runs": "runs",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from nanscan.data.api import Checker, check, check_paths
+    from nanscan.data.findings import CATEGORIES, DEFAULT_FAIL_ON, Boundary, DataReport, Finding, RecordId
+    from nanscan.data.runs import RunsReport, check_runs
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nanscan.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nanscan.data.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -46,9 +46,10 @@ class RichProgress:
         )
 
         console = Console(stderr=True)
+        self.enabled = enabled and console.is_terminal
         self.progress = Progress(TextColumn("{task.description}", style="dim"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                                 disable=not (enabled and console.is_terminal))
+                                 disable=not self.enabled)
         self.task = self.progress.add_task("checking", total=0)
 
     def __enter__(self):
@@ -70,6 +71,7 @@ class RichProgress:
 
 
 def _render(report, fail_on: tuple[str, ...], console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     failing = report.failing(fail_on)
@@ -85,8 +87,6 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
     console.print(summary)
     if report.findings:
         # One line per finding, never wrapped, so that a record id can be copied or grepped whole.
-        from rich.markup import escape
-
         console.print("[bold]findings[/bold]")
         for f in report.findings:
             field = f" field {escape(f.field)}" if f.field else ""
@@ -104,14 +104,16 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
                       f"over {t['records']} records" + (f"; --max-tokens {report.max_tokens}"
                                                         if report.max_tokens is not None else ""))
     if report.longest is not None:
-        console.print(f"longest record: {report.longest.record} ({report.longest.value} tokens)", soft_wrap=True)
+        console.print(f"longest record: {escape(str(report.longest.record))} ({report.longest.value} tokens)",
+                      soft_wrap=True)
     if report.largest_magnitude is not None:
         b = report.largest_magnitude
-        console.print(f"largest finite magnitude: {b.value:.6g} in {b.record}" + (f" field {b.field}" if b.field
-                                                                                   else ""), soft_wrap=True)
-    if report.skipped:
-        shown = ", ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else "")
-        console.print(f"[dim]skipped {len(report.skipped)} file(s) of unknown format: {shown}[/dim]")
+        console.print(f"largest finite magnitude: {b.value:.6g} in {escape(str(b.record))}"
+                      + (f" field {escape(b.field)}" if b.field else ""), soft_wrap=True)
+    if report.skipped_count:
+        shown = ", ".join(report.skipped[:5]) + (" ..." if report.skipped_count > 5 else "")
+        console.print(f"[dim]skipped {report.skipped_count} file(s) of unknown format: {escape(shown)}[/dim]",
+                      soft_wrap=True)
     if failing:
         console.print("[bold red]FAIL[/bold red]: " + ", ".join(f"{n} {c}" for c, n in failing.items()))
     else:
@@ -143,7 +145,7 @@ def data_options(func):
 
 def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, max_record_bytes, show_progress):
     """check_paths with CLI error handling: a bad tokenizer is a usage error (exit 2)."""
-    from nanscan.data.check import check_paths
+    from nanscan.data.api import check_paths
     from nanscan.data.tokens import TokenizerError
 
     try:
@@ -165,6 +167,8 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
     Formats: JSON Lines (.jsonl/.ndjson/.json, optionally .gz), CSV/TSV (optionally .gz), Parquet, .npy, .npz,
     safetensors, and folders of images (png, jpeg, webp, bmp, tiff, gif). Every finding names its record by
     file, line or index and the sha256 of the record's bytes.
+
+    Exit status: 0 clean, 1 findings in a --fail-on category, 2 usage errors (e.g. a path that does not exist).
     """
     fail_on = parse_fail_on(fail_on)
     report = run_data_check(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
@@ -184,7 +188,10 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
               help="A key every record must have (repeatable; dotted paths like metrics.loss reach into objects).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def runs_command(directory, required, as_json):
-    """Check a folder of run records (*.json): empty files, invalid JSON, missing required keys."""
+    """Check a folder of run records (*.json, recursively): empty files, invalid JSON, missing required keys.
+
+    Exit status: 0 no problems, 1 problems (each listed with its path), 2 usage errors.
+    """
     from nanscan.data.runs import check_runs
 
     report = check_runs(directory, required)

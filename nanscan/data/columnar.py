@@ -19,7 +19,7 @@ from nanscan.data.findings import RecordRef
 from nanscan.data.records import as_scannable, scan_tensors
 
 if TYPE_CHECKING:
-    from nanscan.data.check import Checker
+    from nanscan.data.api import Checker
 
 
 def _scalar_kind(t: pa.DataType) -> str | None:
@@ -97,19 +97,16 @@ def _float_leaves(arr: pa.Array, field: str, rows: Callable[[], np.ndarray] | No
 class TableCheck:
     """Checks one Arrow table whose rows are records `ref(i)`; `inspect_row(i)` runs the per-record definition.
 
-    A null in a column is either an absent key (JSON Lines: Arrow fills a column for keys some rows lack) or an
-    explicit null (an `empty` finding). `null_rows()`, when given, returns the rows that may hold an explicit
-    null (their text contains "null"); only those are sent to the per-record check for their nulls. Without it
-    (Parquet, where every row has every column) every null is explicit.
+    A null is an absent value, as in the per-record definition: whether Arrow filled the column for a key a JSON
+    line lacks or the line says null, the row simply does not have that field.
     """
 
     def __init__(self, checker: "Checker", table: pa.Table, ref: Callable[[int], RecordRef],
-                 inspect_row: Callable[[int], None], null_rows: Callable[[], np.ndarray] | None = None):
+                 inspect_row: Callable[[int], None]):
         self.checker = checker
         self.table = table
         self.ref = ref
         self.inspect_row = inspect_row
-        self.null_rows = null_rows
         self.n = table.num_rows
         self.flagged = np.zeros(self.n, dtype=bool)
 
@@ -133,22 +130,15 @@ class TableCheck:
         text_fields = checker.text_fields
         any_value = np.zeros(n, dtype=bool)
         has_text = np.zeros(n, dtype=bool)  # rows with a text field present: only those have a token length
-        explicit_null = None
         for name, chunked in zip(self.table.column_names, self.table.columns):
             arr = _decode(chunked.combine_chunks())
+            if pa.types.is_null(arr.type):
+                continue  # null in every row: no row has this field
             kind = arrow_kind(arr.type)
-            if kind is None or pa.types.is_null(arr.type):
+            if kind is None:
                 self.flagged[:] = True  # a type this path does not model: every row gets the full check
                 continue
-            valid = None
-            if arr.null_count:
-                valid = arr.is_valid().to_numpy(zero_copy_only=False)
-                if self.null_rows is None:
-                    self.flagged |= ~valid
-                else:
-                    if explicit_null is None:
-                        explicit_null = self.null_rows()
-                    self.flagged |= ~valid & explicit_null
+            valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
             present = np.ones(n, dtype=bool) if valid is None else valid
             any_value |= present
             lengths = None
@@ -184,7 +174,7 @@ class TableCheck:
                     self.flagged |= all_null  # maybe {}: the per-record check decides
             columns.append((name, kind, lengths, valid))
             _float_leaves(arr, name, None, leaves)
-        self.flagged |= ~any_value  # {} or a row of nulls
+        self.flagged |= ~any_value  # {} or only nulls: an empty record
         self._scan(leaves)
         tokens = None
         if token_parts:

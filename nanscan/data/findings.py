@@ -323,6 +323,7 @@ class DataReport:
     tokenizer: str = "whitespace"
     listed_per_category: int = 0
     skipped: list[str] = field(default_factory=list)  # files of unknown formats found in folders (not checked)
+    skipped_count: int = 0  # all of them; `skipped` lists the first ones
 
     def failing(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> dict[str, int]:
         """Counts of the categories in `fail_on` that have findings."""
@@ -344,6 +345,6 @@ class DataReport:
                 "largest_magnitude": self.largest_magnitude.to_dict() if self.largest_magnitude else None,
             },
             "listed_per_category": self.listed_per_category,
-            "skipped": self.skipped,
+            "skipped": self.skipped, "skipped_count": self.skipped_count,
             "findings": [f.to_dict() for f in self.findings],
         }

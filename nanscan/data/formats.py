@@ -3,19 +3,21 @@
 Formats are chosen by suffix (".jsonl", ".csv.gz", ".parquet", ".npy", ".png", ...), or for a file named
 explicitly with an unknown suffix, by its first bytes. Each reader streams: JSON Lines in blocks (jsonl.py), CSV
 record by record, Parquet by record batches, arrays in slices of at most SCAN_BYTES of their memory, images one
-file at a time on a small thread pool (Pillow releases the GIL while decoding). Whatever is wrong with a file
+file at a time. Whatever is wrong with a file
 becomes a finding; no reader raises on bad content.
+
+What a record is: a line (JSON Lines), a row after the header (CSV; its lines when quoted text spans several), a
+row (Parquet), a row along axis 0 of each array (.npy, .npz members, safetensors tensors; the whole array when it
+is compared with the arrays of other files or members), an image file.
 """
 
 from __future__ import annotations
 
 import csv
-import io
 import math
 import os
 import warnings
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -30,7 +32,7 @@ from nanscan.data.jsonl import check_jsonl
 from nanscan.data.records import as_scannable, describe_nonfinite, digest_object, inspect_record, scan_tensors
 
 if TYPE_CHECKING:
-    from nanscan.data.check import Checker
+    from nanscan.data.api import Checker
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
 TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
@@ -38,8 +40,6 @@ BINARY_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".npz
                    ".safetensors": "safetensors"}
 SCAN_BYTES = 16 << 20  # array memory per core-scan call: enough for the thread team, little to re-read
 PARQUET_BATCH_ROWS = 64 << 10
-IMAGE_BATCH = 64  # images decoded per round on the thread pool
-IMAGE_IN_MEMORY_BYTES = 16 << 20  # smaller image files are read whole (one read, hashed and decoded from memory)
 
 
 def format_of(path: Path) -> str | None:
@@ -107,21 +107,31 @@ def walk_total_bytes(path: Path) -> int:
         return 0
 
 
+# Formats whose records have comparable fields: records (dicts), stored arrays, images.
+FAMILIES = {"jsonl": "records", "csv": "records", "parquet": "records", "npy": "arrays", "npz": "arrays",
+            "safetensors": "arrays", "image": "images"}
+
+
 def check_path(checker: "Checker", path: Path) -> None:
-    """Check a file or every known file under a folder (files of unknown formats in folders are skipped)."""
-    images = _ImageQueue(checker)
-    try:
+    """Check a file or every known file under a folder (files of unknown formats in folders are skipped).
+
+    A path given to the check is one dataset: its records are compared field by field with each other (per family
+    of formats), not with the records of another path.
+    """
+    with _Images(checker, (str(path), FAMILIES["image"])) as images:
         if path.is_dir():
             for p in _visible_files(path):
                 fmt = format_of(p)
                 if fmt is None:
-                    checker.skipped.append(str(p))
+                    checker.skip(p)
                 elif fmt == "image":
                     images.add(p)
                 else:
+                    checker.scope = (str(path), FAMILIES[fmt])
                     check_file(checker, p, fmt)
         else:
             fmt = format_of(path) or sniff_format(path)
+            checker.scope = (str(path), FAMILIES.get(fmt, ""))
             if fmt == "image":
                 images.add(path)
             elif fmt is None:
@@ -132,8 +142,6 @@ def check_path(checker: "Checker", path: Path) -> None:
                                  "suffix")
             else:
                 check_file(checker, path, fmt)
-    finally:
-        images.close()
 
 
 def _count_file(checker: "Checker", path: Path) -> int:
@@ -147,7 +155,7 @@ def _count_file(checker: "Checker", path: Path) -> int:
 
 
 def _file_ref(path: Path, member: str | None = None) -> RecordRef:
-    from nanscan.data.check import file_digest
+    from nanscan.data.api import file_digest
 
     return RecordRef(str(path), member=member, digest=lambda: file_digest(path), lazy=True)
 
@@ -279,11 +287,7 @@ def check_csv(checker: "Checker", path: Path) -> None:
 
 
 def _csv_ref(display: str, lines: _CsvLines) -> RecordRef:
-    if lines.digest is not None:
-        digest = lines.digest
-    else:
-        raw = lines.raw()
-        digest = lambda: sha256_hex(raw)  # noqa: E731
+    digest = lines.digest if lines.digest is not None else sha256_hex(lines.raw())
     return RecordRef(display, line=lines.record_first_line, digest=digest)
 
 
@@ -455,7 +459,8 @@ class ArrayCheck:
             data = self.row(row) if self.shape else self.row(0)
             path = f"{name}[{row}]" if self.shape else name
             if data is None:
-                detail = "non-finite value(s) in this row (row too large to re-read for details)"
+                detail = "non-finite value(s) in this row (a row streamed from a compressed archive across scan " \
+                         "slices is not read again for details)"
             else:
                 count, text = describe_nonfinite(data, path)
                 detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
@@ -709,30 +714,21 @@ def _check_safetensor(checker: "Checker", handle, name: str, display: str) -> No
 
 # -- images -------------------------------------------------------------------------------------------------------
 def _decode_image(path: Path) -> dict:
-    """Read, hash and fully decode one image file (every frame). Runs on a pool thread."""
+    """Fully decode one image file (every frame). The file's digest is taken later, and only for the files that a
+    finding or a sample names."""
     from PIL import Image
 
-    from nanscan._atomic import sha256_file
-
-    out: dict = {"path": path, "error": None, "sha256": None, "size": 0}
+    out: dict = {"error": None, "size": 0}
     try:
-        size = path.stat().st_size
-        out["size"] = size
-        if size <= IMAGE_IN_MEMORY_BYTES:
-            data = path.read_bytes()
-            out["sha256"] = sha256_hex(data)
-            source = io.BytesIO(data)
-        else:
-            out["sha256"] = sha256_file(path)
-            source = path
+        out["size"] = os.stat(path).st_size
     except OSError as exc:
         out["error"] = f"cannot read the file ({exc})"
         return out
-    if size == 0:
+    if out["size"] == 0:
         out["error"] = "zero bytes"
         return out
     try:
-        with Image.open(source) as im:
+        with Image.open(path) as im:
             out["mode"], out["height"], out["width"] = im.mode, im.height, im.width
             for frame in range(getattr(im, "n_frames", 1)):
                 if frame:
@@ -745,57 +741,54 @@ def _decode_image(path: Path) -> dict:
     return out
 
 
-class _ImageQueue:
-    """Images collected from a walk and decoded in rounds on a thread pool; findings are added in file order."""
+class _Images:
+    """Decodes images one by one, strictly: within it a truncated image fails to decode (Pillow must never pad it
+    silently), and Pillow's warnings (e.g. DecompressionBombWarning: size alone is not a defect) are not printed
+    per file.
 
-    def __init__(self, checker: "Checker"):
+    One loop in this process: decoding small images is mostly Python work inside Pillow, and on the 2-core dev
+    machine neither threads nor a process pool beat it (measured with 64-128 px PNG/JPEG files).
+    """
+
+    def __init__(self, checker: "Checker", scope: tuple[str, str]):
         self.checker = checker
-        self.pending: list[Path] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self.scope = scope
 
-    def add(self, path: Path) -> None:
-        self.pending.append(path)
-        if len(self.pending) >= IMAGE_BATCH * 4:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
+    def __enter__(self):
         from PIL import ImageFile
 
-        paths, self.pending = self.pending, []
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)))
-        # A truncated image must fail to decode; never let Pillow pad it silently.
-        strict, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # e.g. DecompressionBombWarning: size alone is not a defect
-                results = list(self._pool.map(_decode_image, paths))
-        finally:
-            ImageFile.LOAD_TRUNCATED_IMAGES = strict
-        for result in results:
-            self._record(result)
+        self._strict = ImageFile.LOAD_TRUNCATED_IMAGES
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", module=r"PIL\.")  # Pillow's own warnings only; a broken file is a finding
+        return self
 
-    def _record(self, result: dict) -> None:
+    def __exit__(self, *exc):
+        from PIL import ImageFile
+
+        self._warnings.__exit__(*exc)
+        ImageFile.LOAD_TRUNCATED_IMAGES = self._strict
+        return False
+
+    def add(self, path: Path) -> None:
+        result = _decode_image(path)
+        scope, self.checker.scope = self.checker.scope, self.scope
+        try:
+            self._record(path, result)
+        finally:
+            self.checker.scope = scope
+
+    def _record(self, path: Path, result: dict) -> None:
         checker = self.checker
-        path = result["path"]
         checker.files += 1
         checker.bytes += result["size"]
         checker.records += 1
         checker.progress.advance(result["size"])
-        ref = RecordRef(str(path), digest=result["sha256"])
+        ref = _file_ref(path)
         if result["error"]:
             checker.sink.add(CORRUPT_IMAGE, ref, result["error"], "image")
             return
         checker.tracker.add("image", f"image[{result['mode']}]", (result["height"], result["width"]), ref)
         if "pixels" in result:
             checker.numbers.add_array(ref, "image", result["pixels"])
-
-    def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None

@@ -1,6 +1,6 @@
 """JSON Lines (optionally gzip-compressed), streamed in blocks of whole lines with bounded memory.
 
-Each block is parsed by Arrow's multi-threaded JSON reader and checked column by column (columnar.TableCheck);
+Each block is parsed by Arrow's JSON reader and checked column by column (columnar.TableCheck);
 only the lines that might hold a finding are parsed again with `json.loads` and checked one by one. A block Arrow
 refuses (a line that is not valid JSON, a field whose type changes) is re-read in pieces, and refused pieces in
 halves, until the bad lines are isolated, so one broken line does not send its neighbours down the slow path.
@@ -16,6 +16,7 @@ import io
 import json
 import os
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,14 @@ from nanscan.data.findings import EMPTY, UNREADABLE, RecordRef, sha256_hex
 from nanscan.data.records import inspect_record
 
 if TYPE_CHECKING:
-    from nanscan.data.check import Checker
+    from nanscan.data.api import Checker
 
 READ_BYTES = 8 << 20  # bytes read per step; a block is this plus the unfinished line carried over
-ARROW_BLOCK = 1 << 20  # Arrow parses a block in pieces of this size on its thread pool
+ARROW_BLOCK = 4 << 20  # Arrow's own unit of parsing
 PIECE_BYTES = 1 << 20  # a block Arrow refuses is re-read in pieces of about this size, in parallel
 SPLIT_MIN = 16 << 10  # a refused piece is halved down to this size, then checked line by line
+PARSE_AHEAD = 2  # blocks being parsed while one is checked: enough to keep two cores busy
+
 
 class TruncatedStream(Exception):
     """A compressed stream that ends before its end marker."""
@@ -78,6 +81,8 @@ def is_gzip(path: Path) -> bool:
 
 
 class JsonLinesFile:
+    """One JSON Lines file, checked block by block."""
+
     def __init__(self, checker: "Checker", path: Path, display: str):
         self.checker = checker
         self.path = path
@@ -92,39 +97,37 @@ class JsonLinesFile:
         try:
             self._consume(chunks)
         except TruncatedStream as exc:
-            self._file_finding(f"{exc}; lines 1-{self.line} were checked")
+            self._file_finding(f"{exc}; the {self.line} lines before the break were checked")
         except zlib.error as exc:
             self._file_finding(f"corrupt gzip data after line {self.line} ({exc})")
         except OSError as exc:
             self._file_finding(f"cannot read the file after line {self.line} ({exc})")
 
     def _file_finding(self, detail: str) -> None:
-        from nanscan.data.check import file_digest
+        from nanscan.data.api import file_digest
 
         self.checker.sink.add(UNREADABLE, RecordRef(self.display, digest=lambda: file_digest(self.path)), detail)
 
     def _consume(self, chunks: Iterator[bytes]) -> None:
-        """Cut the stream into blocks of whole lines; Arrow parses block i+1 on a worker thread while block i is
-        checked here (both release the GIL for most of their work, so the two cores overlap)."""
-        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        """Cut the stream into blocks of whole lines; worker threads parse the next PARSE_AHEAD blocks with Arrow
+        while this thread checks the current one (both release the GIL for most of their work)."""
+        with ThreadPoolExecutor(max_workers=max(PARSE_AHEAD, os.cpu_count() or 1)) as pool:
             self._pool = pool
-            pending = None
+            pending: deque = deque()
             try:
                 for item in self._blocks(chunks):
                     if isinstance(item, bytes):
-                        prepared = pool.submit(self._prepare, item)
-                        if pending is not None:
-                            self._check(pending.result())
-                        pending = prepared
+                        pending.append(pool.submit(self._prepare, item))
+                        if len(pending) > PARSE_AHEAD:
+                            self._check(pending.popleft().result())
                     else:  # an over-long line: its number is known once the blocks before it are checked
-                        if pending is not None:
-                            self._check(pending.result())
-                            pending = None
+                        while pending:
+                            self._check(pending.popleft().result())
                         self._oversize(*item)
             finally:
                 # Also when the stream breaks (a truncated gzip): what was read before the break is checked.
-                if pending is not None:
-                    self._check(pending.result())
+                while pending:
+                    self._check(pending.popleft().result())
 
     def _blocks(self, chunks: Iterator[bytes]) -> Iterator["bytes | tuple[str, int]"]:
         """Blocks of whole lines, and (sha256, size) for each line over --max-record-bytes, skipped in passing."""
@@ -221,19 +224,7 @@ class JsonLinesFile:
         def inspect_row(row: int) -> None:
             self._slow(block, starts, ends, first_line, [row])
 
-        def null_rows() -> np.ndarray:
-            # Rows whose text contains "null" may hold an explicit null; in the others a null is an absent key.
-            data = block[int(starts[0]):int(ends[-1])]
-            hits, at = [], data.find(b"null")
-            while at != -1:
-                hits.append(at)
-                at = data.find(b"null", at + 4)
-            rows = np.zeros(n, dtype=bool)
-            if hits:
-                rows[np.searchsorted(starts - starts[0], np.array(hits), side="right") - 1] = True
-            return rows
-
-        TableCheck(self.checker, table, ref, inspect_row, null_rows).run()
+        TableCheck(self.checker, table, ref, inspect_row).run()
 
     def _parse(self, data: bytes) -> pa.Table | None:
         try:
@@ -246,7 +237,7 @@ class JsonLinesFile:
             retyped = {}
             for name, t in zip(table.column_names, table.schema.types):
                 as_text = _timestamps_as_strings(t)
-                if as_text is not None and name not in self.string_fields:
+                if as_text is not None:
                     retyped[name] = as_text
             if retyped:
                 # Arrow reads date-like strings as timestamps; json.loads keeps them strings. Read them as text.
@@ -257,10 +248,12 @@ class JsonLinesFile:
             return None
 
     def _read(self, data: bytes) -> pa.Table:
-        parse = pj.ParseOptions(
-            explicit_schema=pa.schema(list(self.string_fields.items())) if self.string_fields else None,
-            unexpected_field_behavior="infer")
-        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=ARROW_BLOCK),
+        known = dict(self.string_fields)  # a snapshot: other threads may add fields meanwhile
+        parse = pj.ParseOptions(explicit_schema=pa.schema(list(known.items())) if known else None,
+                                unexpected_field_behavior="infer")
+        # Single-threaded: the parse already runs beside the checks of the previous block, and Arrow's own thread
+        # pool would only compete with them for the same cores (measured: a third more CPU per byte).
+        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=ARROW_BLOCK, use_threads=False),
                             parse_options=parse)
 
     # -- the per-line definition ----------------------------------------------------------------------------------
@@ -268,7 +261,8 @@ class JsonLinesFile:
         checker = self.checker
         for i in which:
             raw = block[starts[i]:ends[i]]
-            ref = RecordRef(self.display, line=first_line + i, digest=lambda raw=raw: sha256_hex(raw))
+            # Hashed now (cheap beside json.loads) so that pending scans never keep lines alive.
+            ref = RecordRef(self.display, line=first_line + i, digest=sha256_hex(raw))
             if len(raw) > checker.max_record_bytes:
                 checker.records += 1
                 checker.sink.add(UNREADABLE, ref, f"line of {len(raw)} bytes exceeds --max-record-bytes "

@@ -23,7 +23,7 @@ import torch
 from nanscan.data.findings import EMPTY, NONFINITE, TOO_LONG, UNREADABLE, RecordRef
 
 if TYPE_CHECKING:
-    from nanscan.data.check import Checker
+    from nanscan.data.api import Checker
 
 ROOT_FIELD = "(record)"  # the field name of a record that is not a mapping or a tuple (a bare array, a JSON list)
 
@@ -98,9 +98,9 @@ def _is_pil_image(value: Any) -> bool:
 
 
 def empty_reason(value: Any) -> str | None:
-    """Why a value counts as empty, or None."""
+    """Why a value counts as empty, or None. (A null field is not empty but absent: see inspect_record.)"""
     if value is None:
-        return "null value"
+        return "null"
     if isinstance(value, str):
         return ("empty text" if not value else "whitespace-only text") if not value.strip() else None
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -255,6 +255,8 @@ class NumericBatch:
 
     MAX_ITEMS = 4096
     MAX_BYTES = 64 << 20
+    # Pending records: a reference may hold its record until the digest is taken, so few are kept waiting.
+    MAX_RECORDS = 1024
 
     def __init__(self, checker: "Checker"):
         self.checker = checker
@@ -262,27 +264,37 @@ class NumericBatch:
         self._scalars: list[float] = []
         self._scalar_owners: list[tuple[RecordRef, str]] = []
         self._bytes = 0
+        self._records = 0
+        self._last_ref: RecordRef | None = None
+
+    def _owner(self, ref: RecordRef) -> None:
+        """Flush when full, but only between records, so that one record's numbers are judged together."""
+        if ref is not self._last_ref:
+            if (self._records >= self.MAX_RECORDS or len(self._arrays) >= self.MAX_ITEMS
+                    or self._bytes >= self.MAX_BYTES or len(self._scalars) >= self.MAX_ITEMS * 16):
+                self.flush()
+            self._last_ref = ref
+            self._records += 1
 
     def add_array(self, ref: RecordRef, path: str, array: Any) -> None:
         t = as_scannable(array)
         if t is None or t.numel() == 0:
             return
+        self._owner(ref)
         self._arrays.append((ref, path, t))
         self._bytes += t.numel() * t.element_size()
-        if len(self._arrays) >= self.MAX_ITEMS or self._bytes >= self.MAX_BYTES:
-            self.flush()
 
     def add_scalar(self, ref: RecordRef, path: str, value: float) -> None:
+        self._owner(ref)
         self._scalars.append(value)
         self._scalar_owners.append((ref, path))
-        if len(self._scalars) >= self.MAX_ITEMS * 16:
-            self.flush()
 
     def flush(self) -> None:
         if not self._arrays and not self._scalars:
             return
         arrays, scalars, owners = self._arrays, self._scalars, self._scalar_owners
         self._arrays, self._scalars, self._scalar_owners, self._bytes = [], [], [], 0
+        self._records, self._last_ref = 0, None
         tensors = [t for _, _, t in arrays]
         if scalars:
             tensors.append(torch.tensor(scalars, dtype=torch.float64))
@@ -362,11 +374,13 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
 def inspect_record(checker: "Checker", record: Any, ref: RecordRef) -> None:
     """Check one record: empty fields, numbers (via the batch), token length, field kinds and shapes, keys."""
     checker.records += 1
-    reason = empty_reason(record)
+    # A null field is absent, like a missing key (Arrow cannot tell them apart, and neither matters by itself): it
+    # is reported only when most records have that field (`inconsistent`), or when no field is left.
+    fields = [(name, value) for name, value in record_fields(record) if value is not None]
+    reason = empty_reason(record) or (None if fields else "every field is null")
     if reason is not None:
         checker.sink.add(EMPTY, ref, f"empty record ({reason})")
         return
-    fields = record_fields(record)
     tracker = checker.tracker
     text_fields = checker.text_fields
     texts: list[str] = []

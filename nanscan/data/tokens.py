@@ -67,6 +67,8 @@ class WhitespaceTokenizer:
         if isinstance(arr, pa.ChunkedArray):
             parts = [self.count_arrow(c) for c in arr.chunks]
             return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(arr) == 0:
+            return np.zeros(0, dtype=np.int64)
         kernel = _numba_kernel()
         if kernel is None:
             return self.count(["" if s is None else s for s in arr.to_pylist()])

@@ -30,6 +30,11 @@ struct FloatFormat {
   static constexpr Bits kSignMask = Bits(1) << (kExpBitsV + kMantBitsV);
   static constexpr Bits kAbsMask = Bits(kSignMask - 1);
   static constexpr Bits kMantMask = Bits((Bits(1) << kMantBitsV) - 1);
+  // Abs bit patterns order like the values they encode, so two thresholds classify a whole vector of them at once,
+  // as classify() does one by one: |x| bits >= kInfAbsBits is inf or NaN, 0 < |x| bits < kSmallestNormalAbsBits
+  // is subnormal.
+  static constexpr Bits kInfAbsBits = Bits(Bits(kExpMax) << kMantBitsV);
+  static constexpr Bits kSmallestNormalAbsBits = Bits(Bits(1) << kMantBitsV);
 };
 
 using Float16 = FloatFormat<uint16_t, 5, 10, kFloat16>;

@@ -12,6 +12,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+try:
+    import pyarrow  # noqa: F401 - the columnar readers and the token counter need it
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("nanscan's dataset checks need pyarrow (and Pillow for images, tokenizers for --tokenizer); "
+                      "install them with: pip install 'nanscan[data]'") from exc
+
 from nanscan.data.findings import (
     CATEGORIES, SAMPLES_PER_SIGNATURE, UNREADABLE, Boundary, DataReport, FieldTracker, FindingSink, RecordRef,
     TokenLengths,
@@ -21,10 +27,13 @@ from nanscan.data.tokens import WhitespaceTokenizer, load_tokenizer
 
 DEFAULT_MAX_FINDINGS = 1000
 DEFAULT_MAX_RECORD_BYTES = 64 << 20
+MAX_SKIPPED_LISTED = 100
 
 
 class NullProgress:
     """The progress interface readers report to; the CLI supplies a rich progress bar."""
+
+    enabled = False  # when True, the check first walks the paths to learn the total size
 
     def add_total(self, nbytes: int) -> None:
         pass
@@ -53,7 +62,10 @@ class Checker:
         self.text_fields = frozenset(text_fields) if text_fields else None
         self.max_record_bytes = max_record_bytes
         self.sink = FindingSink(max_findings)
-        self.tracker = FieldTracker(max(1, min(SAMPLES_PER_SIGNATURE, max_findings)))
+        self._samples = max(1, min(SAMPLES_PER_SIGNATURE, max_findings))
+        # Fields are compared within one dataset: one path given to the check, one family of formats.
+        self._trackers: dict[tuple[str, str], FieldTracker] = {}
+        self.scope: tuple[str, str] = ("", "")
         self.tokens = TokenLengths()
         self.numbers = NumericBatch(self)
         self.progress = progress if progress is not None else NullProgress()
@@ -62,8 +74,16 @@ class Checker:
         self.bytes = 0
         self.longest: Boundary | None = None
         self.largest_magnitude: Boundary | None = None
-        self.skipped: list[str] = []
+        self.skipped: list[str] = []  # the first MAX_SKIPPED_LISTED files of unknown format met in folders
+        self.skipped_count = 0
         self._report: DataReport | None = None
+
+    @property
+    def tracker(self) -> FieldTracker:
+        tracker = self._trackers.get(self.scope)
+        if tracker is None:
+            tracker = self._trackers[self.scope] = FieldTracker(self._samples)
+        return tracker
 
     def note_tokens(self, lengths: np.ndarray, ref_of: Callable[[int], RecordRef]) -> None:
         """Token counts of some records; `ref_of(i)` names the record of lengths[i] (asked only for the longest)."""
@@ -74,6 +94,11 @@ class Checker:
         if self.longest is None or lengths[i] > self.longest.value:
             self.longest = Boundary(int(lengths[i]), ref_of(i).id())
 
+    def skip(self, path: Path) -> None:
+        self.skipped_count += 1
+        if len(self.skipped) < MAX_SKIPPED_LISTED:
+            self.skipped.append(str(path))
+
     def note_magnitude(self, value: float, ref: RecordRef, field: str | None) -> None:
         if self.largest_magnitude is None or value > self.largest_magnitude.value:
             self.largest_magnitude = Boundary(float(value), ref.id(), field)
@@ -82,14 +107,15 @@ class Checker:
         """Flush pending scans, decide the inconsistent records, and build the report (once)."""
         if self._report is None:
             self.numbers.flush()
-            self.tracker.report(self.sink)
+            for tracker in self._trackers.values():
+                tracker.report(self.sink)
             findings = sorted(self.sink.findings(), key=_finding_order)
             self._report = DataReport(
                 findings=findings, counts={c: self.sink.counts.get(c, 0) for c in CATEGORIES},
                 records=self.records, files=self.files, bytes=self.bytes, tokens=self.tokens.summary(),
                 longest=self.longest, largest_magnitude=self.largest_magnitude, max_tokens=self.max_tokens,
                 tokenizer=self.tokenizer.name, listed_per_category=self.sink.max_findings,
-                skipped=list(self.skipped))
+                skipped=list(self.skipped), skipped_count=self.skipped_count)
         return self._report
 
 
@@ -132,8 +158,8 @@ def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
     field types or shapes.
 
     `dataset`: a map-style dataset (len() and [i], e.g. a torch Dataset or a list of dicts), any iterable of
-    records, or a path (str or Path) or list of Path objects (then the same as `check_paths`). A record may be a dict, a tuple, a
-    tensor, an array, a string or a number; arrays and tensors are scanned by the core scan.
+    records, or a path (str or Path) or a list of Path objects (then the same as `check_paths`). A record may
+    be a dict, a tuple, a tensor, an array, a string or a number; arrays and tensors are scanned by the core scan.
     `max_tokens`: report records with more tokens (whitespace tokens, or `tokenizer`: a tokenizer.json path).
     `text_fields`: the fields whose text is counted (default: every top-level string field).
     `limit`: check only the first `limit` records.
@@ -190,8 +216,9 @@ def check_paths(paths: Iterable[str | os.PathLike], *, max_tokens: int | None = 
             raise FileNotFoundError(f"data path {str(p)!r} does not exist")
     checker = Checker(max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
                       max_findings=max_findings, max_record_bytes=max_record_bytes, progress=progress)
-    for p in paths:
-        checker.progress.add_total(walk_total_bytes(p))
+    if getattr(checker.progress, "enabled", True):
+        for p in paths:
+            checker.progress.add_total(walk_total_bytes(p))
     for p in paths:
         check_path(checker, p)
     return checker.finish()

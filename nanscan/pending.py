@@ -1,0 +1,267 @@
+"""Scans launched without waiting for them, and the Monitor's history ring.
+
+A pending scan (nanscan.stats.PendingScan) gives its flag at once (`found_inf`), says without blocking whether it
+has finished (`ready()`) and waits only when its records are asked for (`records()`). There are two kinds:
+
+- CompletedScan: a scan that ran on the host (CPU tensors, or a backend without an asynchronous path, such as the
+  reference backend on a GPU). There is nothing to wait for.
+- nanscan._cuda_backend.AsyncScan: the CUDA kernel enqueued on the current stream. Nothing has waited for it.
+
+`launch` returns a StepScan with one such part per device. Monitor(mode="async") reads each step's verdict one
+step later through the same calls for both kinds, so the CPU tests run the code path that a GPU takes. Only the
+flag copy to pinned memory and its event (HistoryRing) are specific to the GPU.
+
+NOTE: [history ring]
+The Monitor's last `size` steps live in one preallocated int64 tensor [size, capacity, 264] on the scan's device
+(capacity: the most tensors one check has scanned). A step's records are copied into its slot on that device (a
+device-to-device copy on a GPU), never to the host. On a GPU, each step copies only its verdict flag (4 bytes) to
+pinned host memory and records an event after it. Reading the history (Monitor.history, a bundle) copies the ring
+to the host once. Memory stays at size x capacity x 264 x 8 bytes however long the run is. The ring is reallocated
+only when a check scans more tensors than any check before it, or scans on another device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan import backends
+from nanscan.inputs import ScanInput
+from nanscan.stats import PendingScan, ScannedTensor, ScanReport
+
+
+class CompletedScan:
+    """A scan that already ran on the host: its records are known, so nothing waits."""
+
+    def __init__(self, records: np.ndarray):
+        self._records = records
+        self._found_inf: torch.Tensor | None = None
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self._records[:, L.REC_NAN : L.REC_NEGINF + 1].any())
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        if self._found_inf is None:  # made on first use: the sync path on CPU rarely asks for it
+            self._found_inf = torch.tensor(1.0 if self.nonfinite else 0.0, dtype=torch.float32)
+        return self._found_inf
+
+    def ready(self) -> bool:
+        return True
+
+    def records(self) -> np.ndarray:
+        return self._records
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPart:
+    """The scan of one device's tensors. `rows`: the rows of the step's records that it fills, in order (None:
+    all of them)."""
+
+    rows: np.ndarray | None
+    scan: PendingScan
+
+
+class StepScan:
+    """One check's scan, made of one part per device that its tensors are on. It is itself a PendingScan."""
+
+    def __init__(self, num_tensors: int, parts: list[ScanPart], backend: str):
+        self.num_tensors = num_tensors
+        self.parts = parts
+        self.backend = backend
+        self._records: np.ndarray | None = None
+        self._found_inf: torch.Tensor | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """True when every part ran on the host, so the verdict is already known."""
+        return all(isinstance(part.scan, CompletedScan) for part in self.parts)
+
+    @property
+    def nonfinite_on_host(self) -> bool:
+        """The verdict of a scan whose parts all ran on the host (see on_host)."""
+        if not self.on_host:
+            raise RuntimeError("this scan is still running on a GPU; read its verdict through HistoryRing.verdict")
+        return any(part.scan.nonfinite for part in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the records are: on the first part that runs on a GPU, else on the CPU."""
+        for part in self.parts:
+            if not isinstance(part.scan, CompletedScan):
+                return part.scan.device_records.device
+        return torch.device("cpu")
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 when any part saw a NaN or an infinity, on `device`. Parts on other devices are combined there
+        without a host sync (a device-to-device copy, or a flag made on the device from a host verdict)."""
+        if self._found_inf is None:
+            self._found_inf = self._combined_flag()
+        return self._found_inf
+
+    def _combined_flag(self) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].scan.found_inf
+        device, flag, host_nonfinite = self.device, None, False
+        for part in self.parts:
+            if isinstance(part.scan, CompletedScan):
+                host_nonfinite |= part.scan.nonfinite
+            else:
+                theirs = part.scan.found_inf.to(device, non_blocking=True)
+                flag = theirs if flag is None else torch.maximum(flag, theirs)
+        if flag is None:
+            return torch.tensor(1.0 if host_nonfinite else 0.0, dtype=torch.float32)
+        return torch.ones((), dtype=torch.float32, device=device) if host_nonfinite else flag
+
+    def ready(self) -> bool:
+        return self._records is not None or all(part.scan.ready() for part in self.parts)
+
+    def records(self) -> np.ndarray:
+        """The records on the host, in input order (waits for every part)."""
+        if self._records is None:
+            if len(self.parts) == 1 and self.parts[0].rows is None:
+                self._records = self.parts[0].scan.records()
+            else:
+                records = L.empty_records(self.num_tensors)
+                for part in self.parts:
+                    records[part.rows] = part.scan.records()
+                self._records = records
+        return self._records
+
+
+def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
+    """Scan `inputs` without waiting for any GPU. Each device's tensors go to that device's backend in one call.
+    A backend with `scan_async` (CUDA) only enqueues its kernel on the current stream and leaves the records on the
+    device. Every other backend scans at once on the host."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, item in enumerate(inputs):
+        by_device.setdefault(item.device, []).append(i)
+    whole = len(by_device) == 1
+    parts, used = [], []
+    for device, rows in by_device.items():
+        chosen = backends.select(device, backend)
+        used.append(chosen.name)
+        group = inputs if whole else [inputs[i] for i in rows]
+        scan_async = getattr(chosen, "scan_async", None)
+        if scan_async is not None:
+            # The current stream produced these tensors, so memory they free is reused only after the scan ran.
+            # Holding them (keep_inputs) would keep a step's gradients alive beside the next step's.
+            scan = scan_async(group, records_to_host=False, keep_inputs=False)
+        else:
+            scan = CompletedScan(chosen.scan_records(group))
+        parts.append(ScanPart(None if whole else np.asarray(rows, dtype=np.int64), scan))
+    name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
+    return StepScan(len(inputs), parts, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingEntry:
+    """What the ring keeps about one step besides its records. `loss` and `lr` are floats, None, or 0-dim tensor
+    copies on the GPU, read only when the history is read."""
+
+    step: int
+    tensors: list[ScannedTensor]
+    skipped: list[str]
+    backend: str
+    loss: Any
+    lr: Any
+
+
+def _copy_rows(dest: torch.Tensor, rows: np.ndarray | None, source: torch.Tensor) -> None:
+    """dest[rows] = source, with one copy per run of consecutive rows (a device's tensors usually form one or two
+    runs: the batch first, then the model)."""
+    if rows is None:
+        dest.copy_(source, non_blocking=True)
+        return
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    for begin, end in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(rows)]))):
+        first = int(rows[begin])
+        dest[first : first + int(end - begin)].copy_(source[begin:end], non_blocking=True)
+
+
+class HistoryRing:
+    """The last `size` steps' records and scalars, in preallocated memory (NOTE: [history ring])."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"history={size!r}: keep at least 1 step (the failing one)")
+        self.size = size
+        self._records: torch.Tensor | None = None  # [size, capacity, RECORD_WIDTH] int64 on the scan's device
+        self._entries: list[RingEntry | None] = [None] * size
+        self._count = 0  # steps appended so far; the newest is in slot (_count - 1) % size
+        self._flags: torch.Tensor | None = None  # pinned float32 [size]: each slot's verdict flag, for GPU scans
+        self._events: list[torch.cuda.Event] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for records (the ring's whole memory, whatever the number of steps)."""
+        return 0 if self._records is None else self._records.numel() * self._records.element_size()
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._records is None else self._records.device
+
+    def __len__(self) -> int:
+        return min(self._count, self.size)
+
+    def append(self, step: int, scan: StepScan, tensors: Sequence[ScannedTensor], skipped: Sequence[str], *,
+               loss: Any = None, lr: Any = None, verdict: bool = False) -> int:
+        """Store one step in the next slot (the oldest step's) and return the slot. verdict=True also copies the
+        scan's flag to pinned host memory (GPU scans) for `verdict(slot)`."""
+        slot = self._count % self.size
+        self._fit(scan.device, scan.num_tensors)
+        dest = self._records[slot, : scan.num_tensors]
+        for part in scan.parts:
+            source = getattr(part.scan, "device_records", None)
+            if source is None:
+                source = torch.from_numpy(part.scan.records())
+            _copy_rows(dest, part.rows, source)
+        if verdict and not scan.on_host:
+            self._flags[slot].copy_(scan.found_inf, non_blocking=True)
+            self._events[slot].record(torch.cuda.current_stream(self._records.device))
+        self._entries[slot] = RingEntry(step, list(tensors), list(skipped), scan.backend, loss, lr)
+        self._count += 1
+        return slot
+
+    def verdict(self, slot: int, scan: StepScan) -> bool:
+        """True when the step stored in `slot` (by append(..., verdict=True)) saw a NaN or an infinity. Waits for
+        that step's flag only, not for its records and not for work enqueued after it."""
+        if scan.on_host:
+            return scan.nonfinite_on_host
+        self._events[slot].synchronize()
+        return bool(self._flags[slot].item() > 0)  # pinned host memory, written by the GPU before the event
+
+    def entries(self) -> list[tuple[RingEntry, ScanReport]]:
+        """Every stored step, oldest first, with a ScanReport that owns a host copy of its records. A GPU ring is
+        copied to the host once, which waits for the GPU."""
+        count = len(self)
+        if count == 0:
+            return []
+        host = self._records.cpu().numpy()
+        out = []
+        for k in range(count):
+            slot = (self._count - count + k) % self.size
+            entry = self._entries[slot]
+            records = host[slot, : len(entry.tensors)].copy()
+            out.append((entry, ScanReport(entry.tensors, records, skipped=entry.skipped, backend=entry.backend,
+                                          step=entry.step)))
+        return out
+
+    def _fit(self, device: torch.device, num_tensors: int) -> None:
+        old = self._records
+        if old is not None and old.device == device and old.shape[1] >= num_tensors:
+            return
+        capacity = num_tensors if old is None else max(num_tensors, old.shape[1])
+        ring = torch.empty((self.size, capacity, L.RECORD_WIDTH), dtype=torch.int64, device=device)
+        if old is not None:
+            ring[:, : old.shape[1]].copy_(old)  # keep the steps stored so far
+        self._records = ring
+        if device.type == "cuda" and self._flags is None:
+            self._flags = torch.zeros(self.size, dtype=torch.float32, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.size)]
