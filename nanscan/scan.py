@@ -82,7 +82,9 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     and returned by `first_invalid(model)`. Behind it is a default nanscan.Monitor per model (see
     nanscan.monitor.default_monitor): the first non-finite step also writes an evidence bundle to
     $NANSCAN_BUNDLE_DIR (default "nanscan-bundles") and issues a NonFiniteWarning; use a Monitor directly to
-    include the batch and loss, raise instead, or choose the bundle directory.
+    include the batch and loss, raise instead, or choose the bundle directory. On a GPU the default Monitor
+    checks asynchronously (no host sync): the verdict for a step arrives with the next call, still naming the
+    step, so `first_invalid(model)` is set one call later than on the CPU.
     """
     from nanscan.monitor import default_monitor  # noqa: PLC0415 - nanscan.monitor imports this module
 

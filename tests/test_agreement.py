@@ -39,7 +39,7 @@ def test_every_16_bit_pattern_as_one_tensor(backend_under_test, dtype, order, ti
         t = t[torch.randperm(t.numel(), generator=torch.Generator().manual_seed(5))]
     report = backend_under_test.check({"patterns": t.to(backend_under_test.device)}, tiny_chunks=tiny_chunks)
     stats = report["patterns"]
-    exp_bits, mant_bits = bit_tables.FIELDS[dtype]
+    _, mant_bits = bit_tables.FIELDS[dtype]
     assert (stats.nan, stats.posinf, stats.neginf, stats.zero) == (2 * ((1 << mant_bits) - 1), 1, 1, 2)
     assert stats.subnormal == 2 * ((1 << mant_bits) - 1)
     assert stats.absmax == torch.finfo(dtype).max

@@ -69,8 +69,9 @@ constexpr int64_t kMaxChunkElems = int64_t(1) << 30;
 //  - fields inside the chunk's window (NOTE: [chunk window]): the counters are kept. This is the common case.
 //  - otherwise a second pass counts the fields on the block, now hot in L1: count_fields_window when they span at
 //    most 2 * kWindowFields fields, count_fields_scalar beyond.
-// Zeros and subnormals (field 0) take a further look at the block only when pass 1 saw some: zeros_and_max counts
-// zeros, bin_subnormals bins subnormals one by one (they are few) and finds the smallest normal value.
+// Zeros and subnormals (field 0) take a further look at the block only when pass 1 saw some: zeros_and_min counts
+// zeros and finds the smallest non-zero |x|, bin_subnormals bins subnormals one by one (they are few) and finds the
+// smallest normal |x|.
 constexpr int64_t kBlockBytes = 4096;
 // NOTE: [prefetch]
 // Pass 1 asks for the bytes kPrefetchBytes ahead as it reads, into L2. Without it the hardware prefetcher fell
@@ -405,16 +406,14 @@ struct WideCounts {
 template <typename F>
 struct BlockScan {
   using Bits = typename F::Bits;
-  Bits min_nonzero_abs;  // all ones when the block holds no non-zero value
-  Bits max_abs;          // valid only without zeros; with them, zeros_and_max tells
-  bool maybe_zero;       // a zero, or the zero padding of a short tail: zeros_and_max finds out
+  Bits max_abs;
+  Bits min_abs;     // 0 for a block with a zero, or with the zero padding of a short tail: zeros_and_min tells
   int64_t padding;       // zeros appended to a short tail, counted in `residues`
   VF64 sumsq[kChains][VectorOps<F>::kSquareVectors];
   ByteCounts residues;  // fields mod 16 (NOTE: [window counters]); used only if the block fits the chunk's window
 };
 
-// Pass 1 (NOTE: [blocks]). With b = |x| - 1, zero wraps to all ones, so the unsigned minimum of b skips zeros and
-// the unsigned maximum of b is either the largest |x| less one or, if there is a zero, all ones.
+// Pass 1 (NOTE: [blocks]).
 // (No lambda or variable index touches the accumulators: either would keep them in memory instead of registers.)
 template <typename F>
 void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
@@ -424,7 +423,7 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
   using W = Words<F>;
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
   constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
-  V umin = ~V{}, umax = V{};
+  V vmin = ~V{}, vmax = V{};
   VF64 sumsq[kChains][Ops::kSquareVectors] = {};
   s.residues.clear();
   // The block in one or two runs of whole steps: the steps in place, then a short tail copied into a zero-padded
@@ -451,9 +450,9 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
           // Keep the next blocks streaming in while this one is worked on (NOTE: [prefetch]).
           __builtin_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, 0, 2);
           const V raw = load_bits<V>(at);
-          const V b = (raw & F::kAbsMask) - 1;
-          umin = umin < b ? umin : b;
-          umax = umax > b ? umax : b;
+          const V a = raw & F::kAbsMask;
+          vmin = vmin < a ? vmin : a;
+          vmax = vmax > a ? vmax : a;
           Ops::add_squares(at, sumsq[c]);
           nibbles[c] += residue_increments<F>(bits_as<VU64>(raw));
         }
@@ -463,42 +462,45 @@ void scan_block_fast(const typename F::Bits* p, int64_t n, BlockScan<F>& s) {
   }
   Bits mn = kAllOnes, mx = 0;
   for (int64_t l = 0; l < L; ++l) {
-    mn = std::min<Bits>(mn, umin[l]);
-    mx = std::max<Bits>(mx, umax[l]);
+    mn = std::min<Bits>(mn, vmin[l]);
+    mx = std::max<Bits>(mx, vmax[l]);
   }
-  s.min_nonzero_abs = mn == kAllOnes ? mn : static_cast<Bits>(mn + 1);
-  s.maybe_zero = mx == kAllOnes;
-  s.max_abs = static_cast<Bits>(mx + 1);
+  s.min_abs = mn;
+  s.max_abs = mx;
   for (int c = 0; c < kChains; ++c)
     for (int k = 0; k < Ops::kSquareVectors; ++k) s.sumsq[c][k] = sumsq[c][k];
 }
 
-// For a block with zeros, the second look pass 1 leaves to it: how many zeros, and the largest |x|.
+// For a block with zeros, the look pass 1 leaves to it: how many zeros, and the smallest non-zero |x| (all ones if
+// none). With b = |x| - 1, zero wraps to all ones, so the minimum of b skips zeros without a branch.
 template <typename F>
-void zeros_and_max(const typename F::Bits* p, int64_t n, int64_t& zeros, typename F::Bits& max_abs) {
+void zeros_and_min(const typename F::Bits* p, int64_t n, int64_t& zeros, typename F::Bits& min_nonzero_abs) {
   using Bits = typename F::Bits;
   using V = typename VectorOps<F>::V;
   constexpr int64_t L = sizeof(V) / sizeof(Bits);
+  constexpr Bits kAllOnes = static_cast<Bits>(~Bits(0));
   static_assert(kBlockBytes / kVectorBytes <= 0xffff, "each lane counts one element per vector of a block");
-  V count = V{}, mx = V{};
+  V count = V{}, bmin = ~V{};
   int64_t i = 0;
   for (; i + L <= n; i += L) {
     const V a = load_bits<V>(p + i) & F::kAbsMask;
     count -= bits_as<V>(a == 0);  // true is all ones, i.e. -1
-    mx = mx > a ? mx : a;
+    const V b = a - 1;
+    bmin = bmin < b ? bmin : b;
   }
   int64_t total = 0;
-  Bits largest = 0;
+  Bits mn = kAllOnes;
   for (int64_t l = 0; l < L; ++l) {
     total += count[l];
-    largest = std::max<Bits>(largest, mx[l]);
+    mn = std::min<Bits>(mn, bmin[l]);
   }
   for (; i < n; ++i) {
-    total += abs_bits<F>(p[i]) == 0;
-    largest = std::max<Bits>(largest, abs_bits<F>(p[i]));
+    const Bits a = abs_bits<F>(p[i]);
+    total += a == 0;
+    mn = std::min(mn, static_cast<Bits>(a - 1));
   }
   zeros = total;
-  max_abs = largest;
+  min_nonzero_abs = mn == kAllOnes ? mn : static_cast<Bits>(mn + 1);
 }
 
 // For a block with subnormals (and no inf or NaN): bins each subnormal, exactly as exponent_bin does, and finds the
@@ -731,27 +733,27 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
     const Bits* p = data + b;
     const int64_t n = std::min(kBlockElems, end - b);
     scan_block_fast<F>(p, n, s);
-    const bool any_nonzero = s.min_nonzero_abs != kAllOnes;
-    int64_t zeros = 0;
-    if (s.maybe_zero) zeros_and_max<F>(p, n, zeros, s.max_abs);
     if (s.max_abs >= kInfBits) {
       scan_block_exact<F>(p, n, st, counts);
       continue;
     }
     for (int c = 0; c < kChains; ++c)
       for (int k = 0; k < kSquareVectors; ++k) lanes[c][k] += s.sumsq[c][k];
+    int64_t zeros = 0;
+    Bits min_nonzero_abs = s.min_abs;
+    if (s.min_abs == 0) zeros_and_min<F>(p, n, zeros, min_nonzero_abs);
     record[record::kZero] += zeros;
     // Elements that count on field 0 (residue 0 of the window counters) without being normal values.
     int64_t field0 = zeros;
-    Bits min_normal_abs = s.min_nonzero_abs;
-    if (any_nonzero && s.min_nonzero_abs < kSmallestNormal) {
-      const int64_t subnormals = bin_subnormals<F>(p, n, record + record::kHist, min_normal_abs);
-      record[record::kSubnormal] += subnormals;
-      field0 += subnormals;
-    }
-    if (any_nonzero) {
+    Bits min_normal_abs = min_nonzero_abs;
+    if (min_nonzero_abs != kAllOnes) {
       st.absmax = std::max<uint64_t>(st.absmax, s.max_abs);
-      st.absmin = std::min<uint64_t>(st.absmin, s.min_nonzero_abs);
+      st.absmin = std::min<uint64_t>(st.absmin, min_nonzero_abs);
+      if (min_nonzero_abs < kSmallestNormal) {
+        const int64_t subnormals = bin_subnormals<F>(p, n, record + record::kHist, min_normal_abs);
+        record[record::kSubnormal] += subnormals;
+        field0 += subnormals;
+      }
     }
     if (min_normal_abs == kAllOnes) {  // no normal value: everything counted sits on residue 0
       if (window.open) window.add<F>(s.residues, field0 + s.padding, counts);
