@@ -21,6 +21,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_ratio(key, value))
 
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.json, {
             "benchmark": "bench_scan",
             "machine": {"platform": platform.platform(), "processor": platform.processor(),

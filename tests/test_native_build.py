@@ -268,6 +268,20 @@ def test_scan_allocates_only_its_result(native):
     assert extra < 4 << 20, f"one scan of 64 MiB raised peak memory by {extra / 2**20:.1f} MiB"
 
 
+def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
+    from nanscan import bench_scan
+
+    out = tmp_path / "results" / "bench.json"
+    assert bench_scan.main(["--scale", "0.002", "--reps", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["validation"]["problems"] == []
+    assert {r["name"] for r in data["results"]} >= {"nanscan cpu", "read probe", "_foreach_norm", "isfinite loop"}
+    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm"):
+        assert data["ratios"][key] > 0
+        assert f"{key} = " in printed
+
+
 # -- installing without a working C++ compiler ---------------------------------------------------------------------
 
 def copy_source(dest: Path) -> Path:
