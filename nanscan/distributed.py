@@ -129,11 +129,12 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
     return local_tensor(t), shard_suffix(t)
 
 
-def local_model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ScanInput]:
+def local_model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                       cache=None) -> list[ScanInput]:
     """nanscan.scan.model_inputs for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
     global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
     Plain tensors get exactly the names model_inputs gives them."""
-    return model_inputs(model, optimizer, shard=local_shard)
+    return model_inputs(model, optimizer, shard=local_shard, cache=cache)
 
 
 def _tree_items(value: Any, path: tuple[str, ...] = ()):

@@ -4,6 +4,7 @@ copying: every backend then sees 1-D views of the tensors' own memory and a dtyp
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -147,6 +148,42 @@ def prepare(name: str, t: Any) -> ScanInput | None:
             "float64 and complex64/complex128 (cast the tensor, e.g. t.float(), to scan it)")
     layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if _is_dense_permutation(t) else GAPPED
     return ScanInput(name, own, t, code, layout)
+
+
+class InputCache:
+    """How each tensor was prepared at earlier steps, so the every-step path re-prepares only new tensors.
+
+    Parameters and optimizer state are the same tensor objects step after step (and gradients too when the loop
+    zeroes them instead of setting them to None). Entries hold weak references only, so a tensor the loop drops
+    (a gradient set to None) is freed exactly as without nanscan, and its entry goes with it.
+    """
+
+    __slots__ = ("_seen", "__weakref__")
+
+    def __init__(self):
+        self._seen: dict[int, tuple[weakref.ref, ScanInput]] = {}
+
+    def get(self, t: torch.Tensor) -> ScanInput | None:
+        hit = self._seen.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        template = hit[1]
+        if template.numel != t.numel() or (template.layout == CONTIGUOUS and not t.is_contiguous()):
+            return None  # resized or restrided in place
+        item = ScanInput.__new__(ScanInput)
+        item.name, item.dtype, item.scanned_code = template.name, template.dtype, template.scanned_code
+        item.layout, item.identity, item.tensor, item._compacted = template.layout, template.identity, t, None
+        return item
+
+    def put(self, t: torch.Tensor, item: ScanInput) -> None:
+        if item.tensor is not t:
+            return  # a derived tensor (complex parts, sparse values, a shard): not stable across steps
+        key = id(t)
+        template = ScanInput.__new__(ScanInput)
+        template.name, template.dtype, template.scanned_code = item.name, item.dtype, item.scanned_code
+        template.layout, template.identity, template.tensor, template._compacted = item.layout, item.identity, None, None
+        seen = self._seen
+        self._seen[key] = (weakref.ref(t, lambda _ref, key=key: seen.pop(key, None)), template)
 
 
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:

@@ -61,7 +61,7 @@ import torch
 from nanscan import _layout as L
 from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
                             write_bundle)
-from nanscan.inputs import prepare
+from nanscan.inputs import InputCache, prepare
 from nanscan.pending import HistoryRing, StepScan, launch
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.scan import model_inputs
@@ -392,6 +392,7 @@ class Monitor:
         weakref.finalize(self, self._hook.remove)
 
         self._model_inputs = model_inputs
+        self._input_cache = InputCache()  # tensors seen at earlier steps (weak references only)
         self._agreement = None
         if _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
@@ -512,7 +513,7 @@ class Monitor:
             item = prepare("loss", loss)
             if item is not None:
                 inputs.append(item)
-        inputs += self._model_inputs(model, self.optimizer)
+        inputs += self._model_inputs(model, self.optimizer, cache=self._input_cache)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         started, self._started, self._armed = self._started, False, True

@@ -8,7 +8,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan import backends
-from nanscan.inputs import ScanInput, prepare, prepare_all
+from nanscan.inputs import InputCache, ScanInput, prepare, prepare_all
 from nanscan.stats import ScanReport
 
 
@@ -44,20 +44,27 @@ def _whole(t: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 
 def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole) -> list[ScanInput]:
+                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole,
+                 cache: InputCache | None = None) -> list[ScanInput]:
     """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer).
 
     `shard(t) -> (local tensor, name suffix)` picks what this process holds of each tensor; nanscan.distributed
-    passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`.
+    passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`. `cache` (the Monitor
+    keeps one) skips re-preparing tensors already seen at an earlier step.
     """
     inputs: list[ScanInput] = []
     names: dict[int, str] = {}
 
     def add(kind: str, name: str, t: torch.Tensor, key: str = "") -> None:
-        local, suffix = shard(t)
-        item = prepare(f"{kind}:{name}{suffix}{key}", local)
-        if item is not None:
-            inputs.append(item)
+        item = cache.get(t) if cache is not None else None
+        if item is None:
+            local, suffix = shard(t)
+            item = prepare(f"{kind}:{name}{suffix}{key}", local)
+            if item is None:
+                return
+            if cache is not None:
+                cache.put(t, item)
+        inputs.append(item)
 
     for name, p in model.named_parameters():
         names[id(p)] = name
