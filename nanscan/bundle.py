@@ -972,8 +972,8 @@ class Bundle:
     def add_finding(self, key: str, title: str, body_markdown: str, record: Mapping) -> bool:
         """Record an automatic finding (ledger.jsonl and INCIDENT.md's "Automatic findings").
 
-        The same key is stored once: adding identical content again changes nothing, different content replaces
-        the earlier finding in place. Returns True when the bundle changed.
+        The same key is stored once: adding the same title and body again changes nothing (the first record is
+        kept), a different title or body replaces the earlier finding in place. Returns True when the bundle changed.
         """
         if not isinstance(key, str) or not key.strip() or "\n" in key or "--" in key:
             raise ValueError(f"finding key {key!r} must be a non-empty single-line string without '--'")
@@ -983,7 +983,10 @@ class Bundle:
         def update(ledger: list[dict]) -> list[dict] | None:
             for i, old in enumerate(ledger):
                 if old.get("kind") == "finding" and old.get("key") == key:
-                    if all(old.get(k) == entry[k] for k in ("title", "body", "record")):
+                    # What a reader sees (title and body) decides whether the finding changed. The record is
+                    # supporting data whose floats (a replayed loss, a gradient norm) may differ in the last bits
+                    # between runs on a loaded machine; rewriting for those would break idempotent reruns.
+                    if all(old.get(k) == entry[k] for k in ("title", "body")):
                         return None
                     return ledger[:i] + [entry] + ledger[i + 1:]
             return ledger + [entry]
