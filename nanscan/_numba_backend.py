@@ -127,6 +127,13 @@ def _prefetch(typingctx, address):
     return types.none(types.int64), codegen
 
 
+@njit(cache=True)
+def _prefetch_lines(address, begin, end):
+    """Prefetch the cache lines of bytes [begin, end) from `address` (a range past its end asks for nothing)."""
+    for byte in range(begin, end, _CACHE_LINE):
+        _prefetch(address + byte)
+
+
 def _narrow(value, like):
     """`value` converted to the element type of the array `like` (jitted code only)."""
 
@@ -322,22 +329,26 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
         zeros_in_pairs = 0
         for begin in range(0, data.size, _BLOCK_ELEMS):
             block = data[begin:begin + _BLOCK_ELEMS]
-            # The counting passes below read only this block, so the hardware prefetcher stops running ahead:
-            # ask for the next block now and its loads overlap with this block's counting.
-            next_begin = min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
-            next_end = min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize
-            for byte in range(next_begin, next_end, _CACHE_LINE):
-                _prefetch(addresses[c] + byte)
+            # The passes over this block read only it, so the hardware prefetcher stops running ahead: ask for the
+            # next block meanwhile, a quarter before each pass (a whole block's lines at once would stall on the
+            # core's few slots for outstanding misses).
+            ahead = addresses[c] + min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
+            ahead_size = addresses[c] + min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize - ahead
+            quarter = -(-ahead_size // (4 * _CACHE_LINE)) * _CACHE_LINE
+            _prefetch_lines(ahead, 0, quarter)
             if use_tables:
                 block_zeros, lo_nonzero, hi = _block_bounds(block, abs_mask)
                 zeros = np.int64(block_zeros)
+                _prefetch_lines(ahead, quarter, 2 * quarter)
                 if hi < inf_bits and lo_nonzero >= min_normal:
                     counts[_REC_ZERO] += zeros
                     if zeros == block.size:
+                        _prefetch_lines(ahead, 2 * quarter, ahead_size)
                         continue
                     absmax = max(absmax, np.int64(hi))
                     absmin = min(absmin, np.int64(lo_nonzero))
                     s += _block_sumsq(block, widened, shift, offset)
+                    _prefetch_lines(ahead, 2 * quarter, 3 * quarter)
                     field_lo = np.int64(lo_nonzero >> mant_shift)
                     field_hi = np.int64(hi >> mant_shift)
                     if window_base < 0:
@@ -350,7 +361,9 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
                             zeros_in_pairs -= block[block.size - 1] & abs_mask == 0
                     else:
                         _count_fields(block, mant_bits, exp_bits, field_tables)
+                    _prefetch_lines(ahead, 3 * quarter, ahead_size)
                     continue
+            _prefetch_lines(ahead, quarter, ahead_size)
             absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
             s += block_sumsq
         if use_tables:

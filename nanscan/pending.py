@@ -139,13 +139,13 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
     """Scan `inputs` without waiting for any GPU. Each device's tensors go to that device's backend in one call.
     A backend with `scan_async` (CUDA) only enqueues its kernel on the current stream and leaves the records on the
     device. Every other backend scans at once on the host."""
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[str, list[int]] = {}
     for i, item in enumerate(inputs):
-        by_device.setdefault(item.device, []).append(i)
+        by_device.setdefault(item.identity.device, []).append(i)  # a cached string: no device object per tensor
     whole = len(by_device) == 1
     parts, used = [], []
     for device, rows in by_device.items():
-        chosen = backends.select(device, backend)
+        chosen = backends.select(torch.device(device), backend)
         used.append(chosen.name)
         group = inputs if whole else [inputs[i] for i in rows]
         scan_async = getattr(chosen, "scan_async", None)

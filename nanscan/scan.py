@@ -6,26 +6,17 @@ from typing import Any, Callable
 
 import torch
 
-from nanscan import _layout as L
-from nanscan import backends
 from nanscan.inputs import InputCache, ScanInput, prepare, prepare_all
+from nanscan.pending import launch
 from nanscan.stats import ScanReport
 
 
 def scan_inputs(inputs: list[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
-    """Scan prepared inputs; tensors on different devices go to each device's backend in one call per device."""
-    records = L.empty_records(len(inputs))
-    by_device: dict[torch.device, list[int]] = {}
-    for i, item in enumerate(inputs):
-        by_device.setdefault(item.device, []).append(i)
-    used = []
-    for device, idx in by_device.items():
-        chosen = backends.select(device, backend)
-        used.append(chosen.name)
-        records[idx] = chosen.scan_records([inputs[i] for i in idx])
-    tensors = [item.identity for item in inputs]
-    name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
-    return ScanReport(tensors, records, skipped=skipped, backend=name, step=step)
+    """Scan prepared inputs and wait for the result; tensors on different devices go to each device's backend in
+    one call per device (nanscan.pending.launch, which the Monitor uses without waiting)."""
+    started = launch(inputs, backend=backend)
+    return ScanReport([item.identity for item in inputs], started.records(), skipped=skipped,
+                      backend=started.backend, step=step)
 
 
 def scan(tensors: Any, *, backend=None) -> ScanReport:
