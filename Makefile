@@ -37,7 +37,7 @@ test: install
 	NANSCAN_BACKEND=numba $(PY) -m pytest -q
 
 bench: install
-	$(PY) benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json
+	$(PY) benchmarks/bench_scan.py --json benchmarks/results/bench_scan_cpu.json
 
 bench-all: bench
 	$(PY) benchmarks/bench_overhead.py --json benchmarks/results/bench_overhead.json
