@@ -129,7 +129,8 @@ def _prefetch(typingctx, address):
 
 @njit(cache=True)
 def _prefetch_lines(address, begin, end):
-    """Prefetch the cache lines of bytes [begin, end) from `address` (a range past its end asks for nothing)."""
+    """Prefetch the cache lines of bytes [begin, end) after `address`; a prefetch never faults, so the last line may
+    reach past the data."""
     for byte in range(begin, end, _CACHE_LINE):
         _prefetch(address + byte)
 
@@ -155,6 +156,8 @@ def _block_sumsq_impl(block, widened, shift, offset):
     # deterministic: the same compiled loop always adds in the same order. Only finite values reach it.
     if block.dtype.bitwidth == 16:
         def widen_then_sum(block, widened, shift, offset):
+            # numba has no float16 or bfloat16 arithmetic: each value becomes the float32 of the same magnitude
+            # (_Format.widen_shift), exact for zeros and normal values, the only ones that reach this sum.
             n = block.size
             for i in range(n):
                 a = np.uint32(block[i] & np.uint16(0x7FFF))
