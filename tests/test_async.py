@@ -23,7 +23,7 @@ from nanscan import _layout as L
 from nanscan.monitor import CATEGORIES
 from nanscan.pending import CompletedScan, HistoryRing, ScanPart, StepScan
 from nanscan.stats import PendingReport, ScannedTensor, ScanReport
-from test_monitor import EXPECTED_TENSORS, FAULT_STEP, make_batch, make_model, plant
+from test_monitor import EXPECTED_TENSORS, FAULT_STEP, forward_backward, make_batch, make_model, plant
 
 try:
     from nanscan import _C
@@ -54,16 +54,7 @@ def step_once(mon: Monitor, model, optimizer, step: int, fault: str | None = Non
               losses: list | None = None):
     """One training step of test_monitor's regression loop (a `fault` planted before it); returns the report and
     appends the loss to `losses`."""
-    batch = make_batch(step)
-    plant(fault, model, optimizer, batch)
-    out = model(batch["x"])
-    y = batch["y"]
-    if fault == "gradient":
-        y = y.clone()
-        y[0] = out[0].detach()
-    loss = torch.sqrt((out - y) ** 2).mean() * torch.log(batch["scale"])
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    batch, loss = forward_backward(model, optimizer, step, fault)
     if losses is not None:
         losses.append(float(loss.detach()))
     report = mon.check(batch={k: batch[k] for k in ("x", "y", "scale")}, loss=loss, sample_ids=batch["ids"])

@@ -51,22 +51,28 @@ def plant(fault: str | None, model: nn.Module, optimizer, batch: dict) -> None:
         optimizer.state[model[2].weight]["exp_avg_sq"][0, 0] = float("nan")
 
 
+def forward_backward(model: nn.Module, optimizer, step: int, fault: str | None = None):
+    """One step of the regression loop up to the check: its batch (with `fault` planted), forward and backward.
+    Returns (batch, loss)."""
+    batch = make_batch(step)
+    plant(fault, model, optimizer, batch)
+    out = model(batch["x"])
+    y = batch["y"]
+    if fault == "gradient":
+        # One row's target equals its prediction exactly: sqrt(0) is finite forward, its gradient is not.
+        y = y.clone()
+        y[0] = out[0].detach()
+    loss = torch.sqrt((out - y) ** 2).mean() * torch.log(batch["scale"])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    return batch, loss
+
+
 def train(mon: Monitor, model, optimizer, steps: int, fault: str | None = None, fault_step: int = FAULT_STEP):
     """A small regression loop; returns the reports. A `fault` is planted at `fault_step`."""
     reports = []
     for step in range(steps):
-        batch = make_batch(step)
-        planted = fault if step == fault_step else None
-        plant(planted, model, optimizer, batch)
-        out = model(batch["x"])
-        y = batch["y"]
-        if planted == "gradient":
-            # One row's target equals its prediction exactly: sqrt(0) is finite forward, its gradient is not.
-            y = y.clone()
-            y[0] = out[0].detach()
-        loss = torch.sqrt((out - y) ** 2).mean() * torch.log(batch["scale"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        batch, loss = forward_backward(model, optimizer, step, fault if step == fault_step else None)
         report = mon.check(batch={k: batch[k] for k in ("x", "y", "scale")}, loss=loss,
                            sample_ids=batch["ids"])
         reports.append(report)

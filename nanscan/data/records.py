@@ -53,14 +53,7 @@ def _scalar_kind(value: Any) -> str | None:
 
 def _element_kind(value: Any) -> str:
     """The kind of a list element, one level deep (a nested list is "list", a mapping "object")."""
-    kind = _scalar_kind(value)
-    if kind is not None:
-        return kind
-    if isinstance(value, Mapping):
-        return "object"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    return kind_of(value)
+    return "list" if isinstance(value, (list, tuple)) else kind_of(value)
 
 
 def kind_of(value: Any) -> str:
