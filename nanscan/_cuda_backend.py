@@ -16,7 +16,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.backends import _native_module
-from nanscan.inputs import ScanInput
+from nanscan.inputs import ScanInput, ScanInputs, as_scan_inputs
 
 # One row of the kernel's chunk table (csrc/cuda/scan_cuda.h, struct ChunkMeta); checked against
 # _C.cuda_layout() before first use.
@@ -114,14 +114,10 @@ def build_chunk_table(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, *
     return table, block_begin
 
 
-def _describe(inputs: Sequence[ScanInput]) -> np.ndarray:
-    """(address, element count, dtype code) per input: all that the work list depends on. Runs every step, so it
-    is kept to one cheap pass per field."""
-    out = np.empty((3, len(inputs)), dtype=np.int64)
-    out[0] = np.array([item.data_ptr() for item in inputs], dtype=np.uint64).view(np.int64)
-    out[1] = [item.numel for item in inputs]
-    out[2] = [item.scanned_code for item in inputs]
-    return out
+def _describe(inputs: ScanInputs) -> np.ndarray:
+    """(address, element count, dtype code) per input: all that the work list depends on (NOTE: [input table])."""
+    ptrs, numels, codes = inputs.table()
+    return np.stack([ptrs, numels, codes.astype(np.int64)])
 
 
 def _table_for(described: np.ndarray, max_blocks: int, max_chunk_elems: int,
@@ -148,7 +144,8 @@ def scan_records_on_host(inputs: Sequence[ScanInput], *, max_blocks: int = 8,
     if not hasattr(C, "scan_cuda_on_host"):
         raise RuntimeError("nanscan._C was built without its CUDA part (nvcc was not found at build time)")
     layout = _check_layout(C)
-    if any(item.device.type != "cpu" for item in inputs):
+    inputs = as_scan_inputs(inputs)
+    if any(torch.device(device).type != "cpu" for device in inputs.devices):
         raise ValueError("scan_records_on_host reads tensors through host addresses: pass CPU tensors")
     table, block_begin = _table_for(_describe(inputs), max_blocks, int(layout["max_chunk_elems"]),
                                     min_block_bytes=min_block_bytes)
@@ -244,11 +241,12 @@ class CudaBackend:
         produced them, whose later allocations are ordered after the scan (holding a step's gradients until the
         next step would keep two sets alive at once).
         """
-        devices = {item.device for item in inputs}
+        inputs = as_scan_inputs(inputs)
+        devices = inputs.devices
         if len(devices) > 1:
-            raise ValueError(f"scan_async scans one device at a time; got tensors on {sorted(map(str, devices))}")
-        device = devices.pop() if devices else (stream.device if stream is not None
-                                                else torch.device("cuda", torch.cuda.current_device()))
+            raise ValueError(f"scan_async scans one device at a time; got tensors on {sorted(devices)}")
+        device = torch.device(devices[0]) if devices else (stream.device if stream is not None
+                                                           else torch.device("cuda", torch.cuda.current_device()))
         if device.type != "cuda":
             raise ValueError(f"the cuda backend scans CUDA tensors; got tensors on {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -276,7 +274,7 @@ class CudaBackend:
         return AsyncScan(found_inf=found_inf, device_records=records, num_tensors=n, _host_records=host_records,
                          _done=done, _keep_alive=(work.device_bytes, list(inputs)) if keep_inputs else ())
 
-    def _device_table(self, inputs: Sequence[ScanInput], index: int, stream: torch.cuda.Stream) -> "_DeviceTable":
+    def _device_table(self, inputs: ScanInputs, index: int, stream: torch.cuda.Stream) -> "_DeviceTable":
         """The work list on the device (pieces, then block_begin, in one buffer), copied from pinned memory
         without blocking; reused when the same tensors were scanned on this stream recently."""
         described = _describe(inputs)

@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from nanscan import _layout as L
-from nanscan.inputs import ScanInput
+from nanscan.inputs import ScanInput, as_scan_inputs
 
 _BLOCK_ELEMS = 2048  # a block of float32 is 8 KiB: it stays in L1 between the passes over it
 _NUM_TABLES = 4
@@ -413,25 +413,24 @@ class NumbaBackend:
         return device.type == "cpu"
 
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
+        inputs = as_scan_inputs(inputs)
+        for device in inputs.devices:
+            if torch.device(device).type != "cpu":
+                name = next(item.name for item in inputs if item.identity.device == device)
+                raise ValueError(f"the numba backend scans CPU tensors only; {name!r} is on {device}")
         records = L.empty_records(len(inputs))
         sumsq = np.zeros(len(inputs), dtype=np.float64)
-        by_format: dict[int, list[int]] = {}
-        for i, item in enumerate(inputs):
-            if item.device.type != "cpu":
-                raise ValueError(f"the numba backend scans CPU tensors only; {item.name!r} is on {item.device}")
-            if item.numel:
-                by_format.setdefault(item.scanned_code, []).append(i)
-        for code, tasks in by_format.items():
-            self._scan_format(_FORMATS[code], [inputs[i] for i in tasks], np.asarray(tasks, np.int64), records, sumsq)
+        ptrs, numels, codes = inputs.table()
+        for code in np.unique(codes[numels > 0]):
+            tasks = np.flatnonzero((codes == code) & (numels > 0))
+            self._scan_format(_FORMATS[int(code)], ptrs[tasks], numels[tasks], tasks, records, sumsq)
         records[:, L.REC_SUMSQ] = sumsq.view(np.int64)
         return records
 
-    def _scan_format(self, fmt: _Format, inputs: list[ScanInput], tasks: np.ndarray, records: np.ndarray,
-                     sumsq: np.ndarray) -> None:
-        numels = np.fromiter((item.numel for item in inputs), dtype=np.int64, count=len(inputs))
-        bases = np.fromiter((item.data_ptr() for item in inputs), dtype=np.int64, count=len(inputs))
+    def _scan_format(self, fmt: _Format, bases: np.ndarray, numels: np.ndarray, tasks: np.ndarray,
+                     records: np.ndarray, sumsq: np.ndarray) -> None:
         chunks_per_task = -(-numels // self.chunk_elems)
-        chunk_task = np.repeat(np.arange(len(inputs)), chunks_per_task)
+        chunk_task = np.repeat(np.arange(len(numels)), chunks_per_task)
         first_chunk = np.cumsum(chunks_per_task) - chunks_per_task
         begins = (np.arange(chunk_task.size) - first_chunk[chunk_task]) * self.chunk_elems
         chunk_numels = np.minimum(numels[chunk_task] - begins, self.chunk_elems)

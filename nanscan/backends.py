@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.inputs import ScanInput
+from nanscan.inputs import ScanInput, as_scan_inputs
 
 log = logging.getLogger("nanscan")
 
@@ -56,13 +56,9 @@ class CpuBackend:
         return device.type == "cpu"
 
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
-        n = len(inputs)
-        # One pass over the inputs (this runs every step for hundreds of tensors).
-        table = np.array([(item.data_ptr(), item.identity.numel, item.scanned_code) for item in inputs],
-                         dtype=np.int64).reshape(n, 3)
-        records = L.empty_records(n)
-        self._C.scan_cpu(table[:, 0], table[:, 1], table[:, 2].astype(np.int32), records, self.chunk_elems,
-                         self.num_threads)
+        ptrs, numels, codes = as_scan_inputs(inputs).table()  # NOTE: [input table]
+        records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # scan_cpu sets every slot
+        self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
         return records
 
 
@@ -87,6 +83,7 @@ BACKEND_NAMES = tuple(_LOADERS)
 _loaded: dict[str, Backend] = {}
 _load_errors: dict[str, BaseException] = {}
 _announced: set[str] = set()
+_auto_chosen: dict[str, Backend] = {}  # device type -> what auto chose (backends do not come and go in a process)
 
 
 def load(name: str) -> Backend:
@@ -121,6 +118,9 @@ def select(device: torch.device, backend: "str | Backend | None" = None) -> Back
         if not chosen.supports(device):
             raise BackendUnavailable(f"nanscan backend {name!r} cannot scan tensors on {device}")
         return chosen
+    chosen = _auto_chosen.get(device.type)
+    if chosen is not None:
+        return chosen  # every step asks again
     order = AUTO_ORDER.get(device.type, ("reference",))
     for candidate in order:
         try:
@@ -129,6 +129,7 @@ def select(device: torch.device, backend: "str | Backend | None" = None) -> Back
             continue
         if chosen.supports(device):
             _announce(device, candidate, order)
+            _auto_chosen[device.type] = chosen
             return chosen
     raise BackendUnavailable(f"no nanscan backend can scan tensors on {device}")  # reference always loads
 

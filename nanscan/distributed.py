@@ -63,7 +63,7 @@ import torch.distributed as dist
 from nanscan._atomic import atomic_write_json
 from nanscan.bundle import MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, write_bundle
 from nanscan.inputs import ScanInput
-from nanscan.scan import model_inputs
+from nanscan.scan import ModelScanPlan
 from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
 from nanscan.stats import ScanReport
 
@@ -129,12 +129,11 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
     return local_tensor(t), shard_suffix(t)
 
 
-def local_model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                       cache=None) -> list[ScanInput]:
-    """nanscan.scan.model_inputs for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
+def local_scan_plan() -> ModelScanPlan:
+    """nanscan.scan.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
     global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
-    Plain tensors get exactly the names model_inputs gives them."""
-    return model_inputs(model, optimizer, shard=local_shard, cache=cache)
+    Plain tensors get exactly the names a plain plan gives them."""
+    return ModelScanPlan(local_shard)
 
 
 def _tree_items(value: Any, path: tuple[str, ...] = ()):

@@ -4,9 +4,11 @@ copying: every backend then sees 1-D views of the tensors' own memory and a dtyp
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Iterable, Mapping
+import ctypes
+import struct
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from nanscan import _layout as L
@@ -27,6 +29,7 @@ class UnsupportedTensorError(TypeError):
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_UNSCANNED_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 # How a tensor's elements sit in memory (NOTE: [flat views]).
 CONTIGUOUS, PERMUTED, GAPPED = 0, 1, 2
@@ -83,6 +86,22 @@ class ScanInput:
         """Address of the first of numel dense elements (NOTE: [flat views])."""
         return self.tensor.data_ptr() if self.layout != GAPPED else self.flat.data_ptr()
 
+    def host_scalar(self) -> float:
+        """The value of a one-element input in host memory, read where the scan reads it: Tensor.item() goes
+        through torch's dispatcher, which costs tens of microseconds in a training step (the loss, every step)."""
+        if self.numel != 1 or self.tensor.device.type != "cpu":
+            raise ValueError(f"{self.name!r}: host_scalar reads one-element CPU inputs; this one has "
+                             f"{self.numel} elements on {self.tensor.device}")
+        address = self.data_ptr()
+        if self.scanned_code == L.FLOAT32:
+            return ctypes.c_float.from_address(address).value
+        if self.scanned_code == L.FLOAT64:
+            return ctypes.c_double.from_address(address).value
+        bits = ctypes.c_uint16.from_address(address).value
+        if self.scanned_code == L.FLOAT16:
+            return struct.unpack("<e", struct.pack("<H", bits))[0]
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bfloat16: the top half of a float32
+
     def bits(self) -> torch.Tensor:
         """The same memory reinterpreted as unsigned integers of the element width (no copy)."""
         return self.flat.view({2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[self.tensor.element_size()])
@@ -108,7 +127,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 _DTYPE_NAMES = {dtype: _dtype_name(dtype) for dtype in (*_SCANNED_CODES, *_COMPLEX_PARTS)}
 
 
-def _is_dense_permutation(t: torch.Tensor) -> bool:
+def is_dense_permutation(t: torch.Tensor) -> bool:
     """True when the tensor's elements fill one gap-free span of storage in some dimension order."""
     expected = 1
     dims = sorted(((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1))
@@ -121,11 +140,15 @@ def _is_dense_permutation(t: torch.Tensor) -> bool:
 
 def prepare(name: str, t: Any) -> ScanInput | None:
     """A ScanInput for one tensor, or None for tensors that are skipped (integer and bool tensors)."""
-    code = _SCANNED_CODES.get(getattr(t, "dtype", None))
-    if code is not None and type(t) in _PLAIN_TENSOR_TYPES and t.layout == torch.strided and not t.is_meta:
-        # The every-step case, kept short: a plain dense floating tensor.
-        layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if _is_dense_permutation(t) else GAPPED
-        return ScanInput(name, _DTYPE_NAMES[t.dtype], t, code, layout)
+    dtype = getattr(t, "dtype", None)
+    code = _SCANNED_CODES.get(dtype)
+    if type(t) in _PLAIN_TENSOR_TYPES and t.layout == torch.strided and not t.is_meta:
+        # The every-step cases, kept short: a plain dense floating tensor, or an integer one (token ids).
+        if code is not None:
+            layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if is_dense_permutation(t) else GAPPED
+            return ScanInput(name, _DTYPE_NAMES[dtype], t, code, layout)
+        if dtype in _UNSCANNED_DTYPES:
+            return None
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor; pass tensors only")
     if t.is_meta:
@@ -146,44 +169,107 @@ def prepare(name: str, t: Any) -> ScanInput | None:
         raise UnsupportedTensorError(
             f"{name!r} has dtype {own}, which nanscan cannot scan; supported: float16, bfloat16, float32, "
             "float64 and complex64/complex128 (cast the tensor, e.g. t.float(), to scan it)")
-    layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if _is_dense_permutation(t) else GAPPED
+    layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if is_dense_permutation(t) else GAPPED
     return ScanInput(name, own, t, code, layout)
 
 
-class InputCache:
-    """How each tensor was prepared at earlier steps, so the every-step path re-prepares only new tensors.
+def bind(template: ScanInput, t: torch.Tensor) -> ScanInput:
+    """A ScanInput for tensor `t`, described by `template` (same name, format, element count and layout)."""
+    item = ScanInput.__new__(ScanInput)
+    item.name, item.dtype, item.scanned_code = template.name, template.dtype, template.scanned_code
+    item.layout, item.identity, item.tensor, item._compacted = template.layout, template.identity, t, None
+    return item
 
-    Parameters and optimizer state are the same tensor objects step after step (and gradients too when the loop
-    zeroes them instead of setting them to None). Entries hold weak references only, so a tensor the loop drops
-    (a gradient set to None) is freed exactly as without nanscan, and its entry goes with it.
+
+class ScanInputs(Sequence[ScanInput]):
+    """The inputs of one scan, with the table the native backends read: a data pointer, an element count and a
+    format code per input, as int64/int32 arrays (`table()`), plus each input's identity and the devices.
+
+    NOTE: [input table]
+    A training step scans hundreds of tensors, most of them the same tensors as at the step before. Building a
+    ScanInput per tensor and then reading it back into a table costs microseconds per tensor, which on a small
+    model is more than the kernel itself. So the every-step path (nanscan.scan.ModelScanPlan) keeps the counts,
+    codes and identities from the step where it first prepared the tensors, reads only the data pointers again,
+    and hands the backends this object: the native ones read `table()` and never touch the ScanInput objects,
+    which are made only if something iterates (the reference backend, multi-device grouping). `tensors` given,
+    item i is `bind(templates[i], tensors[i])`; an item given in full has tensors[i] None. It holds the step's
+    tensors (gradients included), so it is made per scan and not kept after it.
     """
 
-    __slots__ = ("_seen", "__weakref__")
+    __slots__ = ("_templates", "_tensors", "_items", "_ptrs", "_numels", "_codes", "_identities", "_devices")
 
-    def __init__(self):
-        self._seen: dict[int, tuple[weakref.ref, ScanInput]] = {}
+    def __init__(self, items: Sequence[ScanInput] = (), *, tensors: Sequence[torch.Tensor | None] | None = None,
+                 ptrs: np.ndarray | None = None, numels: np.ndarray | None = None, codes: np.ndarray | None = None,
+                 identities: list[ScannedTensor] | None = None, devices: tuple[str, ...] | None = None):
+        self._templates = items
+        self._tensors = tensors
+        self._items: list[ScanInput] | None = list(items) if tensors is None else None
+        self._ptrs, self._numels, self._codes = ptrs, numels, codes
+        self._identities = identities
+        self._devices = devices
 
-    def get(self, t: torch.Tensor) -> ScanInput | None:
-        hit = self._seen.get(id(t))
-        if hit is None or hit[0]() is not t:
-            return None
-        template = hit[1]
-        if template.numel != t.numel() or (template.layout == CONTIGUOUS and not t.is_contiguous()):
-            return None  # resized or restrided in place
-        item = ScanInput.__new__(ScanInput)
-        item.name, item.dtype, item.scanned_code = template.name, template.dtype, template.scanned_code
-        item.layout, item.identity, item.tensor, item._compacted = template.layout, template.identity, t, None
-        return item
+    def __len__(self) -> int:
+        return len(self._templates)
 
-    def put(self, t: torch.Tensor, item: ScanInput) -> None:
-        if item.tensor is not t:
-            return  # a derived tensor (complex parts, sparse values, a shard): not stable across steps
-        key = id(t)
-        template = ScanInput.__new__(ScanInput)
-        template.name, template.dtype, template.scanned_code = item.name, item.dtype, item.scanned_code
-        template.layout, template.identity, template.tensor, template._compacted = item.layout, item.identity, None, None
-        seen = self._seen
-        self._seen[key] = (weakref.ref(t, lambda _ref, key=key: seen.pop(key, None)), template)
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return ScanInputs(self.items()[index])
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __repr__(self) -> str:
+        return f"ScanInputs({len(self)} inputs)"
+
+    def items(self) -> list[ScanInput]:
+        if self._items is None:
+            self._items = [template if t is None else bind(template, t)
+                           for template, t in zip(self._templates, self._tensors)]
+        return self._items
+
+    @property
+    def identities(self) -> list[ScannedTensor]:
+        if self._identities is None:
+            self._identities = [item.identity for item in self._templates]
+        return self._identities
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices of the inputs, each once, in order of first appearance."""
+        if self._devices is None:
+            self._devices = tuple(dict.fromkeys(identity.device for identity in self.identities))
+        return self._devices
+
+    def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(data pointers int64, element counts int64, format codes int32), one entry per input."""
+        if self._numels is None:
+            self._numels = np.array([identity.numel for identity in self.identities], dtype=np.int64)
+            self._codes = np.array([identity.scanned_code for identity in self.identities], dtype=np.int32)
+        if self._ptrs is None:
+            self._ptrs = np.array([item.data_ptr() for item in self.items()], dtype=np.uint64).view(np.int64)
+        return self._ptrs, self._numels, self._codes
+
+    @classmethod
+    def join(cls, parts: Sequence["ScanInputs"]) -> "ScanInputs":
+        """The inputs of `parts`, in order, with their tables joined rather than rebuilt."""
+        parts = [part for part in parts if len(part)]
+        if len(parts) == 1:
+            return parts[0]
+        tables = [part.table() for part in parts]
+        joined = cls([item for part in parts for item in part._templates],
+                     tensors=[t for part in parts for t in
+                              (part._tensors if part._tensors is not None else [None] * len(part))],
+                     ptrs=np.concatenate([t[0] for t in tables]) if tables else None,
+                     numels=np.concatenate([t[1] for t in tables]) if tables else None,
+                     codes=np.concatenate([t[2] for t in tables]) if tables else None,
+                     identities=[identity for part in parts for identity in part.identities],
+                     devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
+        return joined
+
+
+def as_scan_inputs(inputs: Sequence[ScanInput]) -> ScanInputs:
+    return inputs if isinstance(inputs, ScanInputs) else ScanInputs(inputs)
 
 
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:

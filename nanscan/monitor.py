@@ -61,10 +61,10 @@ import torch
 from nanscan import _layout as L
 from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
                             write_bundle)
-from nanscan.inputs import InputCache, prepare
+from nanscan.inputs import ScanInput, prepare
 from nanscan.pending import HistoryRing, StepScan, launch
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
-from nanscan.scan import model_inputs
+from nanscan.scan import ModelScanPlan
 from nanscan.stats import PendingReport, ScanReport
 
 log = logging.getLogger("nanscan")
@@ -157,11 +157,15 @@ def _scalar(value: Any) -> float | None:
     return float(value)
 
 
-def _kept_scalar(value: Any) -> Any:
+def _kept_scalar(value: Any, scanned: ScanInput | None = None) -> Any:
     """A loss or learning rate as the history keeps it: a float, or for a GPU scalar a device copy (reading it
-    would wait for the GPU; _scalar reads it when the history is read)."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.detach().reshape(()).clone() if value.numel() == 1 else None
+    would wait for the GPU; _scalar reads it when the history is read). `scanned`: the value's scan input, whose
+    memory is read directly for a one-element CPU tensor (ScanInput.host_scalar)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            return value.detach().reshape(()).clone() if value.numel() == 1 else None
+        if scanned is not None and scanned.numel == 1:
+            return scanned.host_scalar()
     return _scalar(value)
 
 
@@ -391,13 +395,12 @@ class Monitor:
         self._hook = model.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
 
-        self._model_inputs = model_inputs
-        self._input_cache = InputCache()  # tensors seen at earlier steps (weak references only)
+        self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._agreement = None
         if _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
 
-            self._model_inputs = distributed.local_model_inputs  # FSDP2 shards are DTensors: scan the local part
+            self._plan = distributed.local_scan_plan()  # FSDP2 shards are DTensors: scan the local part
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.distributed import Agreement  # noqa: PLC0415
 
@@ -499,21 +502,21 @@ class Monitor:
         if step is None:
             step = self._next_step
         self._next_step = step + 1
-        inputs, skipped = [], []
+        step_inputs, skipped, loss_input = [], [], None
         if batch is not None:
             for path, tensor in iter_batch_tensors(batch):
                 item = prepare(f"input:{path}", tensor)
                 if item is None:
                     skipped.append(f"input:{path}")
                 else:
-                    inputs.append(item)
+                    step_inputs.append(item)
         if loss is not None:
             if not isinstance(loss, torch.Tensor):
                 loss = torch.tensor(float(loss), dtype=torch.float64)
-            item = prepare("loss", loss)
-            if item is not None:
-                inputs.append(item)
-        inputs += self._model_inputs(model, self.optimizer, cache=self._input_cache)
+            loss_input = prepare("loss", loss)
+            if loss_input is not None:
+                step_inputs.append(loss_input)
+        inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         started, self._started, self._armed = self._started, False, True
@@ -523,10 +526,10 @@ class Monitor:
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
 
         scan = launch(inputs, backend=self.backend)
-        tensors = [item.identity for item in inputs]
+        tensors = inputs.identities
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                             found_inf=None if scan.on_host else scan.found_inf)
-        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr))
+        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss, loss_input), lr=_kept_scalar(lr))
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
@@ -544,7 +547,7 @@ class Monitor:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
         decided_step, decided_ok = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self.backend)
-        tensors = [item.identity for item in inputs]
+        tensors = inputs.identities
         slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
                                  verdict=True)
         report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,

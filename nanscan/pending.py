@@ -12,12 +12,14 @@ step later through the same calls for both kinds, so the CPU tests run the code 
 flag copy to pinned memory and its event (HistoryRing) are specific to the GPU.
 
 NOTE: [history ring]
-The Monitor's last `size` steps live in one preallocated int64 tensor [size, capacity, 264] on the scan's device
-(capacity: the most tensors one check has scanned). A step's records are copied into its slot on that device (a
-device-to-device copy on a GPU), never to the host. On a GPU, each step copies only its verdict flag (4 bytes) to
-pinned host memory and records an event after it. Reading the history (Monitor.history, a bundle) copies the ring
-to the host once. Memory stays at size x capacity x 264 x 8 bytes however long the run is. The ring is reallocated
-only when a check scans more tensors than any check before it, or scans on another device.
+The Monitor keeps its last `size` steps as references to each step's records, where the scan left them: the
+numpy array a host scan returned, or the int64 tensor a GPU scan wrote on the device. Nothing is copied per step
+(a copy of a few hundred KiB into a preallocated ring cost more than the scan of a small model), and nothing
+leaves the GPU: a step's slot is simply replaced `size` steps later. On a GPU, each step copies only its verdict
+flag (4 bytes) to pinned host memory and records an event after it. Reading the history (Monitor.history, a
+bundle) copies each kept step to the host once. Memory stays at size x tensors x 264 x 8 bytes however long the
+run is. Host records are made read-only when the scan returns them, because the report handed to the caller and
+the history share the array.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan import backends
-from nanscan.inputs import ScanInput
+from nanscan.inputs import ScanInput, ScanInputs, as_scan_inputs
 from nanscan.stats import PendingScan, ScannedTensor, ScanReport
 
 
@@ -38,6 +40,7 @@ class CompletedScan:
     """A scan that already ran on the host: its records are known, so nothing waits."""
 
     def __init__(self, records: np.ndarray):
+        records.flags.writeable = False  # shared by the report and the history (NOTE: [history ring])
         self._records = records
         self._found_inf: torch.Tensor | None = None
 
@@ -139,15 +142,19 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
     """Scan `inputs` without waiting for any GPU. Each device's tensors go to that device's backend in one call.
     A backend with `scan_async` (CUDA) only enqueues its kernel on the current stream and leaves the records on the
     device. Every other backend scans at once on the host."""
-    by_device: dict[str, list[int]] = {}
-    for i, item in enumerate(inputs):
-        by_device.setdefault(item.identity.device, []).append(i)  # a cached string: no device object per tensor
-    whole = len(by_device) == 1
+    inputs = as_scan_inputs(inputs)
+    if len(inputs.devices) == 1:  # the usual case: no grouping, and the inputs' table goes to the backend as it is
+        groups = [(inputs.devices[0], None, inputs)]
+    else:
+        by_device: dict[str, list[int]] = {}
+        for i, identity in enumerate(inputs.identities):
+            by_device.setdefault(identity.device, []).append(i)
+        groups = [(device, np.asarray(rows, dtype=np.int64), ScanInputs([inputs[i] for i in rows]))
+                  for device, rows in by_device.items()]
     parts, used = [], []
-    for device, rows in by_device.items():
+    for device, rows, group in groups:
         chosen = backends.select(torch.device(device), backend)
         used.append(chosen.name)
-        group = inputs if whole else [inputs[i] for i in rows]
         scan_async = getattr(chosen, "scan_async", None)
         if scan_async is not None:
             # The current stream produced these tensors, so memory they free is reused only after the scan ran.
@@ -155,7 +162,7 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
             scan = scan_async(group, records_to_host=False, keep_inputs=False)
         else:
             scan = CompletedScan(chosen.scan_records(group))
-        parts.append(ScanPart(None if whole else np.asarray(rows, dtype=np.int64), scan))
+        parts.append(ScanPart(rows, scan))
     name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
     return StepScan(len(inputs), parts, name)
 
@@ -173,59 +180,65 @@ class RingEntry:
     lr: Any
 
 
-def _copy_rows(dest: torch.Tensor, rows: np.ndarray | None, source: torch.Tensor) -> None:
-    """dest[rows] = source, with one copy per run of consecutive rows (a device's tensors usually form one or two
-    runs: the batch first, then the model)."""
-    if rows is None:
-        dest.copy_(source, non_blocking=True)
-        return
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    for begin, end in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(rows)]))):
-        first = int(rows[begin])
-        dest[first : first + int(end - begin)].copy_(source[begin:end], non_blocking=True)
+def _host_records(num_tensors: int, parts: list[tuple[np.ndarray | None, Any]]) -> np.ndarray:
+    """A step's records on the host, in input order, from the parts the ring kept (a copy, never the kept array)."""
+    def host(records: Any) -> np.ndarray:
+        return records.cpu().numpy() if isinstance(records, torch.Tensor) else np.array(records)
+
+    if len(parts) == 1 and parts[0][0] is None:
+        return host(parts[0][1])
+    out = L.empty_records(num_tensors)
+    for rows, records in parts:
+        out[rows] = host(records)
+    return out
 
 
 class HistoryRing:
-    """The last `size` steps' records and scalars, in preallocated memory (NOTE: [history ring])."""
+    """The last `size` steps' records and scalars, kept by reference (NOTE: [history ring])."""
 
     def __init__(self, size: int):
         if size < 1:
             raise ValueError(f"history={size!r}: keep at least 1 step (the failing one)")
         self.size = size
-        self._records: torch.Tensor | None = None  # [size, capacity, RECORD_WIDTH] int64 on the scan's device
-        self._entries: list[RingEntry | None] = [None] * size
+        # Per slot: what the step was, and its records as (rows, host array or device tensor) per device.
+        self._slots: list[tuple[RingEntry, list[tuple[np.ndarray | None, Any]]] | None] = [None] * size
         self._count = 0  # steps appended so far; the newest is in slot (_count - 1) % size
         self._flags: torch.Tensor | None = None  # pinned float32 [size]: each slot's verdict flag, for GPU scans
         self._events: list[torch.cuda.Event] = []
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for records (the ring's whole memory, whatever the number of steps)."""
-        return 0 if self._records is None else self._records.numel() * self._records.element_size()
+        """Bytes of records kept (at most size x tensors x 264 x 8)."""
+        return sum(records.nbytes for kept in self._slots if kept is not None for _, records in kept[1])
 
     @property
     def device(self) -> torch.device | None:
-        return None if self._records is None else self._records.device
+        """Where the newest step's records are (the first device's part)."""
+        if self._count == 0:
+            return None
+        records = self._slots[(self._count - 1) % self.size][1][0][1]
+        return records.device if isinstance(records, torch.Tensor) else torch.device("cpu")
 
     def __len__(self) -> int:
         return min(self._count, self.size)
 
     def append(self, step: int, scan: StepScan, tensors: Sequence[ScannedTensor], skipped: Sequence[str], *,
                loss: Any = None, lr: Any = None, verdict: bool = False) -> int:
-        """Store one step in the next slot (the oldest step's) and return the slot. verdict=True also copies the
+        """Keep one step in the next slot (the oldest step's) and return the slot. verdict=True also copies the
         scan's flag to pinned host memory (GPU scans) for `verdict(slot)`."""
         slot = self._count % self.size
-        self._fit(scan.device, scan.num_tensors)
-        dest = self._records[slot, : scan.num_tensors]
+        parts = []
         for part in scan.parts:
-            source = getattr(part.scan, "device_records", None)
-            if source is None:
-                source = torch.from_numpy(part.scan.records())
-            _copy_rows(dest, part.rows, source)
+            records = getattr(part.scan, "device_records", None)
+            parts.append((part.rows, part.scan.records() if records is None else records))
         if verdict and not scan.on_host:
-            self._flags[slot].copy_(scan.found_inf, non_blocking=True)
-            self._events[slot].record(torch.cuda.current_stream(self._records.device))
-        self._entries[slot] = RingEntry(step, list(tensors), list(skipped), scan.backend, loss, lr)
+            flag = scan.found_inf
+            if self._flags is None:
+                self._flags = torch.zeros(self.size, dtype=torch.float32, pin_memory=True)
+                self._events = [torch.cuda.Event() for _ in range(self.size)]
+            self._flags[slot].copy_(flag, non_blocking=True)
+            self._events[slot].record(torch.cuda.current_stream(flag.device))
+        self._slots[slot] = (RingEntry(step, list(tensors), list(skipped), scan.backend, loss, lr), parts)
         self._count += 1
         return slot
 
@@ -238,30 +251,13 @@ class HistoryRing:
         return bool(self._flags[slot].item() > 0)  # pinned host memory, written by the GPU before the event
 
     def entries(self) -> list[tuple[RingEntry, ScanReport]]:
-        """Every stored step, oldest first, with a ScanReport that owns a host copy of its records. A GPU ring is
-        copied to the host once, which waits for the GPU."""
+        """Every kept step, oldest first, with a ScanReport that owns a host copy of its records. GPU records are
+        copied to the host, which waits for the GPU."""
         count = len(self)
-        if count == 0:
-            return []
-        host = self._records.cpu().numpy()
         out = []
         for k in range(count):
-            slot = (self._count - count + k) % self.size
-            entry = self._entries[slot]
-            records = host[slot, : len(entry.tensors)].copy()
+            entry, parts = self._slots[(self._count - count + k) % self.size]
+            records = _host_records(len(entry.tensors), parts)
             out.append((entry, ScanReport(entry.tensors, records, skipped=entry.skipped, backend=entry.backend,
                                           step=entry.step)))
         return out
-
-    def _fit(self, device: torch.device, num_tensors: int) -> None:
-        old = self._records
-        if old is not None and old.device == device and old.shape[1] >= num_tensors:
-            return
-        capacity = num_tensors if old is None else max(num_tensors, old.shape[1])
-        ring = torch.empty((self.size, capacity, L.RECORD_WIDTH), dtype=torch.int64, device=device)
-        if old is not None:
-            ring[:, : old.shape[1]].copy_(old)  # keep the steps stored so far
-        self._records = ring
-        if device.type == "cuda" and self._flags is None:
-            self._flags = torch.zeros(self.size, dtype=torch.float32, pin_memory=True)
-            self._events = [torch.cuda.Event() for _ in range(self.size)]

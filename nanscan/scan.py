@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
-from nanscan.inputs import InputCache, ScanInput, prepare, prepare_all
+from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, as_scan_inputs, bind, is_dense_permutation,
+                            prepare, prepare_all)
 from nanscan.pending import launch
-from nanscan.stats import ScanReport
+from nanscan.stats import ScannedTensor, ScanReport
 
 
-def scan_inputs(inputs: list[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
+def scan_inputs(inputs: Sequence[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
     """Scan prepared inputs and wait for the result; tensors on different devices go to each device's backend in
     one call per device (nanscan.pending.launch, which the Monitor uses without waiting)."""
+    inputs = as_scan_inputs(inputs)
     started = launch(inputs, backend=backend)
-    return ScanReport([item.identity for item in inputs], started.records(), skipped=skipped,
-                      backend=started.backend, step=step)
+    return ScanReport(inputs.identities, started.records(), skipped=skipped, backend=started.backend, step=step)
 
 
 def scan(tensors: Any, *, backend=None) -> ScanReport:
@@ -34,42 +37,186 @@ def _whole(t: torch.Tensor) -> tuple[torch.Tensor, str]:
     return t, ""
 
 
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_MODULE_WALK = (torch.nn.Module.named_parameters, torch.nn.Module._named_members, torch.nn.Module.named_modules)
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _uses_module_walk(module: torch.nn.Module) -> bool:
+    """Whether named_parameters() of this module is torch's own walk (no subclass overrides how it is found)."""
+    cls = type(module)
+    return (cls.named_parameters, cls._named_members, cls.named_modules) == _MODULE_WALK
+
+
+class ModelScanPlan:
+    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs of a model (and its optimizer), step after step.
+
+    NOTE: [model scan plan]
+    The Monitor asks for these inputs every step, and they are nearly always the same: the same parameter and
+    optimizer-state tensors (updated in place), and gradients that are new tensors (zero_grad(set_to_none=True))
+    but have their parameter's dtype and shape, which autograd and the `.grad` setter enforce. So the plan prepares
+    every tensor once (a rebuild) and afterwards, per step, only checks that nothing changed:
+      - the module tree: every module's children are the objects they were (the plan holds them, so their ids
+        cannot be reused), and so are the entries of every module's parameter dict, which is all that
+        named_parameters() reads; without walking it again (the walk costs more than the rest of the check);
+      - the same parameters have gradients, and the optimizer's state values are the same tensor objects;
+      - the parameters and state tensors point where they did (a `.data` swap, `model.half()` or `model.to()`
+        moves them), and every gradient has the layout it had.
+    Anything else (a new tensor, a dtype or layout change, a strided view, a DTensor shard, a module class that
+    overrides how its parameters are found) rebuilds the plan, so a step costs the full preparation only when
+    something changed. The result is a ScanInputs (NOTE: [input table]) whose counts, codes and identities are the
+    rebuild's. Inputs come in three runs: parameters, gradients, optimizer state.
+    """
+
+    def __init__(self, shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole):
+        self._shard = shard
+        self._fast = False  # whether the last rebuild allows the per-step checks above
+        # The module tree as dictionaries (each module's _modules), not modules: holding the root module would keep
+        # a model alive that only the default Monitor's weak dictionary refers to.
+        self._child_dicts: list[dict] = []
+        self._children: list[torch.nn.Module] = []
+        self._param_dicts: list[dict] = []
+        self._raw_params: list = []  # every value of every module's parameter dict, duplicates and None included
+        self._params: list[torch.Tensor] = []  # as named_parameters() gives them
+        self._param_ptrs: list[int] = []
+        self._grad_absent: list[bool] = []
+        self._grad_contiguous: list[bool] = []  # per gradient with an input: whether it was contiguous
+        self._permuted_grads: list[int] = []  # the others (dense in another dimension order, e.g. channels_last)
+        self._state_values: list[torch.Tensor] = []
+        self._state_tensors: list[torch.Tensor] = []  # the scanned ones, in input order
+        self._state_ptrs: list[int] = []
+        self._templates: list[ScanInput] = []
+        self._numels = self._codes = None
+        self._identities: list[ScannedTensor] = []
+        self._devices: tuple[str, ...] = ()
+        self._extra_shapes: list[tuple[int, int]] | None = None  # the table of the last step's extra inputs ...
+        self._extra_numels = self._extra_codes = None  # ... joined with the model's
+        self.rebuilds = 0
+
+    def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               extra: Sequence[ScanInput] = ()) -> ScanInputs:
+        """The inputs to scan this step: `extra` (the batch and the loss, prepared by the caller), then the model's
+        parameters, gradients and optimizer state."""
+        state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()
+                                                      if isinstance(v, torch.Tensor)]
+        if self._fast and model._modules is self._child_dicts[0] and self._same_parameters():
+            inputs = self._reuse(state_values, extra)
+            if inputs is not None:
+                return inputs
+        inputs = self._rebuild(model, list(model.named_parameters()), optimizer, state_values)
+        return ScanInputs.join([ScanInputs(extra), inputs]) if extra else inputs
+
+    def _same_parameters(self) -> bool:
+        return (_same_objects([c for d in self._child_dicts for c in d.values()], self._children)
+                and _same_objects([p for d in self._param_dicts for p in d.values()], self._raw_params))
+
+    def _reuse(self, state_values: list, extra: Sequence[ScanInput]) -> ScanInputs | None:
+        """This step's inputs from the rebuild's descriptions, or None when something changed."""
+        params, state = self._params, self._state_tensors
+        grads = [p.grad for p in params]
+        if [g is None for g in grads] != self._grad_absent or not _same_objects(state_values, self._state_values):
+            return None
+        grads = [g for g in grads if g is not None]
+        if list(map(_is_contiguous, grads)) != self._grad_contiguous or \
+                not all(is_dense_permutation(grads[i]) for i in self._permuted_grads):
+            return None
+        param_ptrs, state_ptrs = list(map(_data_ptr, params)), list(map(_data_ptr, state))
+        if param_ptrs != self._param_ptrs or state_ptrs != self._state_ptrs:
+            return None
+        ptrs = param_ptrs + list(map(_data_ptr, grads)) + state_ptrs
+        if not extra:
+            return ScanInputs(self._templates, tensors=params + grads + state, ptrs=np.array(ptrs, dtype=np.int64),
+                              numels=self._numels, codes=self._codes, identities=self._identities,
+                              devices=self._devices)
+        # The batch and the loss, joined here so that the table is built once: their counts and codes change
+        # only with the batch's shapes.
+        shapes = [(item.identity.numel, item.scanned_code) for item in extra]
+        if shapes != self._extra_shapes:
+            self._extra_shapes = shapes
+            self._extra_numels = np.concatenate([np.array([n for n, _ in shapes], np.int64), self._numels])
+            self._extra_codes = np.concatenate([np.array([c for _, c in shapes], np.int32), self._codes])
+        devices = self._devices
+        if any(item.identity.device not in devices for item in extra):
+            devices = tuple(dict.fromkeys([*(item.identity.device for item in extra), *devices]))
+        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + params + grads + state,
+                          ptrs=np.array([item.data_ptr() for item in extra] + ptrs, dtype=np.int64),
+                          numels=self._extra_numels, codes=self._extra_codes,
+                          identities=[item.identity for item in extra] + self._identities, devices=devices)
+
+    def _rebuild(self, model: torch.nn.Module, named: list, optimizer: torch.optim.Optimizer | None,
+                 state_values: list) -> ScanInputs:
+        """Prepare every tensor (the uncached path), and keep what the next steps' checks compare against."""
+        self.rebuilds += 1
+        items: list[ScanInput] = []
+        fast = True
+
+        def add(kind: str, name: str, t: torch.Tensor, key: str = "") -> bool:
+            nonlocal fast
+            local, suffix = self._shard(t)
+            item = prepare(f"{kind}:{name}{suffix}{key}", local)
+            if item is None or item.tensor is not t or item.layout == GAPPED:
+                fast = False  # skipped (integer), derived (complex parts, sparse values, a shard) or compacted
+            if item is not None:
+                items.append(item)
+            return item is not None
+
+        grads = [p.grad for _, p in named]
+        for name, p in named:
+            add("param", name, p)
+        for (name, _), g in zip(named, grads):
+            if g is not None:
+                add("grad", name, g)
+        state_tensors = []
+        if optimizer is not None:
+            names = {id(p): name for name, p in named}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
+                    for key, value in optimizer.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                            if add("optim", pname, value, f".{key}"):
+                                state_tensors.append(value)
+        inputs = ScanInputs(items)
+        modules = list(model.modules())
+        self._fast = fast and all(map(_uses_module_walk, modules))
+        if self._fast:
+            params = [p for _, p in named]
+            self._child_dicts = [m._modules for m in modules]
+            self._children = [c for d in self._child_dicts for c in d.values()]
+            self._param_dicts = [m._parameters for m in modules]
+            self._raw_params = [p for d in self._param_dicts for p in d.values()]
+            self._params, self._param_ptrs = params, list(map(_data_ptr, params))
+            self._grad_absent = [g is None for g in grads]
+            present = [g for g in grads if g is not None]
+            grad_items = items[len(params) : len(params) + len(present)]
+            self._grad_contiguous = [item.layout == CONTIGUOUS for item in grad_items]
+            self._permuted_grads = [i for i, contiguous in enumerate(self._grad_contiguous) if not contiguous]
+            self._state_values, self._state_tensors = state_values, state_tensors
+            self._state_ptrs = list(map(_data_ptr, state_tensors))
+            self._templates = [bind(item, None) for item in items]  # descriptions only: no tensor kept
+            _, self._numels, self._codes = inputs.table()
+            self._identities = inputs.identities
+            self._devices = inputs.devices
+            self._extra_shapes = None
+        else:  # nothing is kept: the next step prepares everything again
+            self._child_dicts, self._children, self._param_dicts, self._raw_params = [], [], [], []
+            self._params, self._state_values, self._state_tensors, self._templates = [], [], [], []
+        return inputs
+
+
 def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole,
-                 cache: InputCache | None = None) -> list[ScanInput]:
-    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer).
+                 shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole) -> ScanInputs:
+    """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer), once; the
+    Monitor keeps a ModelScanPlan instead, which prepares them again only when they change.
 
     `shard(t) -> (local tensor, name suffix)` picks what this process holds of each tensor; nanscan.distributed
-    passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`. `cache` (the Monitor
-    keeps one) skips re-preparing tensors already seen at an earlier step.
+    passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`.
     """
-    inputs: list[ScanInput] = []
-    names: dict[int, str] = {}
-
-    def add(kind: str, name: str, t: torch.Tensor, key: str = "") -> None:
-        item = cache.get(t) if cache is not None else None
-        if item is None:
-            local, suffix = shard(t)
-            item = prepare(f"{kind}:{name}{suffix}{key}", local)
-            if item is None:
-                return
-            if cache is not None:
-                cache.put(t, item)
-        inputs.append(item)
-
-    for name, p in model.named_parameters():
-        names[id(p)] = name
-        add("param", name, p)
-        if p.grad is not None:
-            add("grad", name, p.grad)
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-                        add("optim", pname, value, f".{key}")
-    return inputs
+    return ModelScanPlan(shard).inputs(model, optimizer)
 
 
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,

@@ -312,7 +312,7 @@ def test_nanscan_check_default_monitor_bundles_into_env_dir(tmp_path):
     with pytest.warns(NonFiniteWarning, match="grad:weight"):
         report = nanscan.check(model)
     assert report.step == 1 and not report.ok
-    assert report.names == ["param:weight", "grad:weight", "param:bias", "grad:bias"]
+    assert report.names == ["param:weight", "param:bias", "grad:weight", "grad:bias"]
     assert nanscan.first_invalid(model) == 1
     bundles = list(nanscan.bundle.iter_bundles(tmp_path / "env-bundles"))
     assert len(bundles) == 1 and load_bundle(bundles[0]).category == "gradient"

@@ -1,0 +1,192 @@
+"""The Monitor's every-step inputs (nanscan.scan.ModelScanPlan, NOTE: [model scan plan]): reused while nothing
+changed, rebuilt as soon as anything did, and always equal to preparing every tensor from scratch.
+
+Each test changes the model or optimizer the way training code does (a layer replaced, weights cast, state
+reloaded, a gradient assigned by hand) and compares the plan's scan, step by step, with a scan of freshly prepared
+inputs: same names in the same order, and records equal with `==`.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def backward(model: nn.Module, optimizer=None, *, set_to_none: bool = True) -> None:
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+    else:
+        model.zero_grad(set_to_none=set_to_none)
+    x = torch.randn(5, 6, dtype=next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+
+
+def assert_plan_matches_fresh(plan: ModelScanPlan, model: nn.Module, optimizer=None) -> nanscan.ScanReport:
+    planned = scan_inputs(plan.inputs(model, optimizer))
+    fresh = scan_inputs(model_inputs(model, optimizer))
+    assert planned.names == fresh.names
+    assert np.array_equal(planned.records, fresh.records), "the plan scanned other memory than the tensors"
+    return planned
+
+
+def test_a_training_loop_prepares_once_and_scans_the_new_gradients_each_step():
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = ModelScanPlan()
+    for step in range(4):
+        backward(model, optimizer)  # new gradient tensors every step
+        report = assert_plan_matches_fresh(plan, model, optimizer)
+        optimizer.step()
+    assert plan.rebuilds == 2, "one rebuild for the first step, one when Adam's state appeared, none after"
+    params = [n for n, _ in model.named_parameters()]
+    assert report.names[: 2 * len(params)] == [f"param:{n}" for n in params] + [f"grad:{n}" for n in params]
+    assert all(n.startswith("optim:") for n in report.names[2 * len(params):])
+
+
+def test_in_place_gradient_zeroing_reuses_the_plan():
+    model = make_model()
+    plan = ModelScanPlan()
+    for _ in range(3):
+        backward(model, set_to_none=False)
+        assert_plan_matches_fresh(plan, model)
+    assert plan.rebuilds == 1
+
+
+def test_a_nan_planted_in_a_gradient_between_steps_is_seen():
+    model = make_model()
+    plan = ModelScanPlan()
+    backward(model)
+    assert scan_inputs(plan.inputs(model)).ok
+    backward(model)
+    model[3].weight.grad[0, 0] = float("nan")
+    report = assert_plan_matches_fresh(plan, model)
+    assert report.nonfinite == ["grad:3.weight"] and plan.rebuilds == 1
+
+
+@pytest.mark.parametrize("change", ["replace layer", "new parameter", "delete layer", "tie weights", "half",
+                                    "data swap", "freeze", "reload optimizer", "new state tensor"])
+def test_every_change_to_the_tensor_set_rebuilds(change):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plan = ModelScanPlan()
+    backward(model, optimizer)
+    optimizer.step()
+    backward(model, optimizer)
+    assert_plan_matches_fresh(plan, model, optimizer)
+    assert_plan_matches_fresh(plan, model, optimizer)
+    assert plan.rebuilds == 1
+    if change == "replace layer":
+        model[3] = nn.Linear(8, 3)
+    elif change == "new parameter":
+        model[1].register_parameter("extra", nn.Parameter(torch.full((2,), float("inf"))))
+    elif change == "delete layer":
+        del model[1]
+    elif change == "tie weights":
+        model[3].weight = nn.Parameter(torch.ones(3, 8))
+        model.add_module("head", nn.Linear(8, 3))
+        model.head.weight = model[3].weight
+    elif change == "half":
+        model.double()  # same Parameter objects, new memory and dtype
+    elif change == "data swap":
+        model[0].weight.data = torch.full_like(model[0].weight, float("nan"))
+    elif change == "freeze":
+        model[0].weight.requires_grad_(False)
+        model[0].weight.grad = None
+    elif change == "reload optimizer":
+        state = copy.deepcopy(optimizer.state_dict())  # as from a checkpoint file: new tensors
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer.load_state_dict(state)
+    elif change == "new state tensor":
+        p = model[0].weight
+        optimizer.state[p]["momentum_buffer"] = torch.full_like(p, float("-inf"))
+    if change in ("delete layer", "tie weights", "half", "new parameter", "replace layer"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if change == "half":
+            backward(model, optimizer)
+    report = assert_plan_matches_fresh(plan, model, optimizer)
+    assert plan.rebuilds == 2
+    if change in ("new parameter", "data swap", "new state tensor"):
+        assert not report.ok
+    assert_plan_matches_fresh(plan, model, optimizer)
+    assert plan.rebuilds == 2, "the changed model is planned once, then reused"
+
+
+def test_gradients_assigned_with_other_layouts_are_scanned_correctly():
+    model = make_model()
+    plan = ModelScanPlan()
+    backward(model)
+    assert_plan_matches_fresh(plan, model)
+    weight = model[0].weight
+    weight.grad = torch.randn(weight.shape[1], weight.shape[0]).t()  # dense, transposed
+    weight.grad[0, 0] = float("inf")
+    assert assert_plan_matches_fresh(plan, model).nonfinite == ["grad:0.weight"]
+    rebuilds = plan.rebuilds
+    weight.grad = torch.ones(1, 1).expand_as(weight)  # one element seen through stride 0: must not be read flat
+    report = assert_plan_matches_fresh(plan, model)
+    assert plan.rebuilds > rebuilds and report["grad:0.weight"].numel == weight.numel() and report.ok
+
+
+def test_channels_last_gradients_keep_the_plan():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)
+    plan = ModelScanPlan()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+        assert not model[0].weight.grad.is_contiguous()
+        assert_plan_matches_fresh(plan, model)
+    assert plan.rebuilds == 1
+
+
+def test_a_module_that_finds_its_parameters_its_own_way_is_walked_every_step():
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 2)
+
+        def named_parameters(self, *args, **kwargs):
+            for name, p in super().named_parameters(*args, **kwargs):
+                yield name.replace("inner.", ""), p
+
+    model = Renamed()
+    plan = ModelScanPlan()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model.inner(torch.randn(4, 3)).sum().backward()
+        report = assert_plan_matches_fresh(plan, model)
+    assert report.names[:2] == ["param:weight", "param:bias"] and plan.rebuilds == 2
+
+
+def test_the_plan_does_not_keep_gradients_alive():
+    model = make_model()
+    plan = ModelScanPlan()
+    backward(model)
+    scan_inputs(plan.inputs(model))
+    grad = weakref.ref(model[0].weight.grad)
+    model.zero_grad(set_to_none=True)
+    assert grad() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [2.5, -0.0, -3.0e-5, 65504.0, float("nan"), float("-inf")])
+def test_host_scalar_reads_the_loss_as_item_does(dtype, value):
+    from nanscan.inputs import prepare
+
+    t = torch.tensor(value, dtype=dtype)
+    read = prepare("loss", t).host_scalar()
+    expected = t.item()
+    assert (read == expected and np.signbit(read) == np.signbit(expected)) or (np.isnan(read) and np.isnan(expected))
+    with pytest.raises(ValueError, match="one-element CPU inputs"):
+        prepare("two", torch.ones(2, dtype=dtype)).host_scalar()
