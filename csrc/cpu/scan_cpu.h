@@ -13,8 +13,9 @@ struct ScanTask {
 };
 
 // Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), which the
-// caller initialises to the identity record. `chunk_elems` is the work unit (NOTE: [chunking]), clamped to
-// [1, 2^30]; the records depend on it (the sum of squares, in its last bits) but never on the thread count.
+// caller initialises to the identity record: a tensor that fits one chunk is scanned straight into it.
+// `chunk_elems` is the work unit (NOTE: [chunking]), clamped to [1, 2^30]; the records depend on it (the sum of
+// squares, in its last bits) but never on the thread count.
 // `num_threads` 0 means OpenMP's default, fewer for small inputs; any other value is used as given (at most one
 // thread per chunk). Runs each thread with flush-to-zero off (NOTE: [float mode]).
 void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads);
