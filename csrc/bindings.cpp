@@ -101,6 +101,99 @@ py::tuple classify_bits_py(CArray<uint64_t> bits, int32_t dtype) {
   return py::make_tuple(classes, bins);
 }
 
+// NOTE: [plan check]
+// The per-step check of nanscan.scan.ModelScanPlan (NOTE: [model scan plan] in nanscan/scan.py), done here because
+// in a training step the same check in Python cost more than the scan of a small model: between two checks the
+// forward and backward passes evict the interpreter's code and data from the caches, so each Python function on
+// the path costs tens of microseconds. Only identities are compared (the plan holds every object it compares
+// with, so no id can have been reused) and torch is reached through the methods the caller passes
+// (Tensor.data_ptr, Tensor.is_contiguous), so this file needs no torch headers.
+
+// Whether the values of the dictionaries in `dicts`, in order, are exactly the objects in `expected`. With
+// `nested`, each value of each dictionary is itself a dictionary whose values are compared (optimizer.state).
+bool same_dict_values(PyObject* dicts, PyObject* expected, bool nested, Py_ssize_t& k) {
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  if (!PyDict_Check(dicts)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(expected);
+  while (PyDict_Next(dicts, &pos, &key, &value)) {
+    if (nested) {
+      if (!same_dict_values(value, expected, false, k)) return false;
+    } else {
+      if (k >= n || value != PyList_GET_ITEM(expected, k)) return false;
+      ++k;
+    }
+  }
+  return true;
+}
+
+bool same_values_of_all(const py::list& dicts, const py::list& expected) {
+  Py_ssize_t k = 0;
+  for (py::handle d : dicts)
+    if (!same_dict_values(d.ptr(), expected.ptr(), false, k)) return false;
+  return k == PyList_GET_SIZE(expected.ptr());
+}
+
+int64_t call_data_ptr(PyObject* data_ptr, PyObject* tensor) {
+  PyObject* result = PyObject_CallOneArg(data_ptr, tensor);
+  if (result == nullptr) throw py::error_already_set();
+  const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(result)));
+  Py_DECREF(result);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return address;
+}
+
+// Returns None when anything differs from the plan's rebuild, else (pointers, gradients): the int64 data pointers
+// of extra inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
+py::object plan_check(const py::list& child_dicts, const py::list& children, const py::list& param_dicts,
+                      const py::list& raw_params, const py::object& optimizer_state, const py::list& state_values,
+                      const py::list& params, const py::list& grad_absent, const py::list& state_tensors,
+                      const py::array_t<int64_t, py::array::c_style>& stable_ptrs, const py::list& extra_ptrs,
+                      const py::object& data_ptr, const py::object& is_contiguous) {
+  if (!same_values_of_all(child_dicts, children) || !same_values_of_all(param_dicts, raw_params)) return py::none();
+  Py_ssize_t k = 0;
+  if (!optimizer_state.is_none() &&
+      (!same_dict_values(optimizer_state.ptr(), state_values.ptr(), true, k) || k != py::len(state_values)))
+    return py::none();
+  if (optimizer_state.is_none() && py::len(state_values) != 0) return py::none();
+  const Py_ssize_t num_params = py::len(params), num_state = py::len(state_tensors);
+  if (py::len(grad_absent) != num_params || stable_ptrs.size() != num_params + num_state) return py::none();
+  static PyObject* grad_name = PyUnicode_InternFromString("grad");
+  py::list grads;
+  for (Py_ssize_t i = 0; i < num_params; ++i) {
+    PyObject* grad = PyObject_GetAttr(PyList_GET_ITEM(params.ptr(), i), grad_name);
+    if (grad == nullptr) throw py::error_already_set();
+    py::object owned = py::reinterpret_steal<py::object>(grad);
+    const bool absent = grad == Py_None;
+    if (absent != (PyList_GET_ITEM(grad_absent.ptr(), i) == Py_True)) return py::none();
+    if (absent) continue;
+    // The plan uses this check only when every gradient was contiguous at the rebuild.
+    PyObject* contiguous = PyObject_CallOneArg(is_contiguous.ptr(), grad);
+    if (contiguous == nullptr) throw py::error_already_set();
+    Py_DECREF(contiguous);
+    if (contiguous != Py_True) return py::none();
+    grads.append(owned);
+  }
+  const Py_ssize_t num_extra = py::len(extra_ptrs), num_grads = py::len(grads);
+  py::array_t<int64_t> ptrs(num_extra + num_params + num_grads + num_state);
+  int64_t* out = ptrs.mutable_data();
+  const int64_t* expected = stable_ptrs.data();
+  for (Py_ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
+  out += num_extra;
+  for (Py_ssize_t i = 0; i < num_params; ++i) {
+    out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(params.ptr(), i));
+    if (out[i] != expected[i]) return py::none();
+  }
+  out += num_params;
+  for (Py_ssize_t i = 0; i < num_grads; ++i) out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(grads.ptr(), i));
+  out += num_grads;
+  for (Py_ssize_t i = 0; i < num_state; ++i) {
+    out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(state_tensors.ptr(), i));
+    if (out[i] != expected[num_params + i]) return py::none();
+  }
+  return py::make_tuple(ptrs, grads);
+}
+
 py::dict build_info_py() {
   py::dict info;
 #ifdef _OPENMP
@@ -265,6 +358,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("classify_bits", &classify_bits_py, py::arg("bits"), py::arg("dtype"),
         "Classify bit patterns with classify.h: returns (value classes, exponent bins or -1).");
   m.def("build_info", &build_info_py, "How the extension was built.");
+  m.def("plan_check", &plan_check, py::arg("child_dicts"), py::arg("children"), py::arg("param_dicts"),
+        py::arg("raw_params"), py::arg("optimizer_state"), py::arg("state_values"), py::arg("params"),
+        py::arg("grad_absent"), py::arg("state_tensors"), py::arg("stable_ptrs"), py::arg("extra_ptrs"),
+        py::arg("data_ptr"), py::arg("is_contiguous"),
+        "The per-step check of nanscan.scan.ModelScanPlan: None if anything changed, else (pointers, gradients).");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

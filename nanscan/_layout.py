@@ -40,6 +40,11 @@ ABSMIN_NONE = np.iinfo(np.int64).max
 DEFAULT_CHUNK_ELEMS = 1 << 16
 
 
+def any_nonfinite(records: np.ndarray) -> bool:
+    """Whether any record counts a NaN or an infinity (asked every step: count_nonzero is the cheapest reduction)."""
+    return np.count_nonzero(records[:, REC_NAN : REC_NEGINF + 1]) > 0
+
+
 def empty_records(n: int) -> np.ndarray:
     """Records for n tensors in their identity state: all counts 0, absmin 'none'."""
     records = np.zeros((n, RECORD_WIDTH), dtype=np.int64)

@@ -282,7 +282,7 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
         yield prefix or "batch", batch
     elif isinstance(batch, np.ndarray) and batch.dtype.kind in "fciub":
         yield prefix or "batch", torch.from_numpy(np.ascontiguousarray(batch))
-    elif isinstance(batch, Mapping):
+    elif type(batch) is dict or isinstance(batch, Mapping):  # the abstract-class check is slow: dicts skip it
         for key, value in batch.items():
             yield from iter_batch_tensors(value, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(batch, (list, tuple)):

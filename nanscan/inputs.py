@@ -89,7 +89,7 @@ class ScanInput:
     def host_scalar(self) -> float:
         """The value of a one-element input in host memory, read where the scan reads it: Tensor.item() goes
         through torch's dispatcher, which costs tens of microseconds in a training step (the loss, every step)."""
-        if self.numel != 1 or self.tensor.device.type != "cpu":
+        if self.numel != 1 or not self.tensor.is_cpu:
             raise ValueError(f"{self.name!r}: host_scalar reads one-element CPU inputs; this one has "
                              f"{self.numel} elements on {self.tensor.device}")
         address = self.data_ptr()

@@ -59,9 +59,10 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan import backends
 from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
                             write_bundle)
-from nanscan.inputs import ScanInput, prepare
+from nanscan.inputs import ScanInput, ScanInputs, prepare
 from nanscan.pending import HistoryRing, StepScan, launch
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.scan import ModelScanPlan
@@ -162,7 +163,7 @@ def _kept_scalar(value: Any, scanned: ScanInput | None = None) -> Any:
     would wait for the GPU; _scalar reads it when the history is read). `scanned`: the value's scan input, whose
     memory is read directly for a one-element CPU tensor (ScanInput.host_scalar)."""
     if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
+        if not value.is_cpu:
             return value.detach().reshape(()).clone() if value.numel() == 1 else None
         if scanned is not None and scanned.numel == 1:
             return scanned.host_scalar()
@@ -396,6 +397,7 @@ class Monitor:
         weakref.finalize(self, self._hook.remove)
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
+        self._chosen_backends: dict[tuple[str, str | None], Any] = {}  # see _backend_for
         self._agreement = None
         if _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
@@ -525,7 +527,7 @@ class Monitor:
         if self.mode == "async":
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
 
-        scan = launch(inputs, backend=self.backend)
+        scan = launch(inputs, backend=self._backend_for(inputs))
         tensors = inputs.identities
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                             found_inf=None if scan.on_host else scan.found_inf)
@@ -535,6 +537,19 @@ class Monitor:
         if report.ok:
             return report
         return self._invalid(report, step, batch, sample_ids, started)
+
+    def _backend_for(self, inputs: ScanInputs) -> Any:
+        """The backend for a check's inputs. On one device it is chosen once per device and `backend` setting, by
+        nanscan.backends.select's policy (NANSCAN_BACKEND is read at the first check on the device), because
+        choosing again every step costs as much as a tenth of a small model's scan."""
+        backend = self.backend
+        if len(inputs.devices) != 1 or not (backend is None or isinstance(backend, str)):
+            return backend
+        key = (inputs.devices[0], backend)
+        chosen = self._chosen_backends.get(key)
+        if chosen is None:
+            chosen = self._chosen_backends[key] = backends.select(torch.device(key[0]), backend)
+        return chosen
 
     def _auto_mode(self, model: torch.nn.Module) -> str:
         if self._agreement is not None:
@@ -546,7 +561,7 @@ class Monitor:
                      lr: Any, started: bool) -> PendingReport:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
         decided_step, decided_ok = self._read_verdict(read_at="next_check")
-        scan = launch(inputs, backend=self.backend)
+        scan = launch(inputs, backend=self._backend_for(inputs))
         tensors = inputs.identities
         slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
                                  verdict=True)

@@ -24,8 +24,7 @@ the history share the array.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -40,13 +39,13 @@ class CompletedScan:
     """A scan that already ran on the host: its records are known, so nothing waits."""
 
     def __init__(self, records: np.ndarray):
-        records.flags.writeable = False  # shared by the report and the history (NOTE: [history ring])
+        records.setflags(write=False)  # shared by the report and the history (NOTE: [history ring])
         self._records = records
         self._found_inf: torch.Tensor | None = None
 
     @property
     def nonfinite(self) -> bool:
-        return bool(self._records[:, L.REC_NAN : L.REC_NEGINF + 1].any())
+        return L.any_nonfinite(self._records)
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -61,10 +60,9 @@ class CompletedScan:
         return self._records
 
 
-@dataclasses.dataclass(frozen=True)
-class ScanPart:
+class ScanPart(NamedTuple):
     """The scan of one device's tensors. `rows`: the rows of the step's records that it fills, in order (None:
-    all of them)."""
+    all of them). (Tuples: made every step, and cheaper to make than frozen dataclasses.)"""
 
     rows: np.ndarray | None
     scan: PendingScan
@@ -167,8 +165,7 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
     return StepScan(len(inputs), parts, name)
 
 
-@dataclasses.dataclass(frozen=True)
-class RingEntry:
+class RingEntry(NamedTuple):
     """What the ring keeps about one step besides its records. `loss` and `lr` are floats, None, or 0-dim tensor
     copies on the GPU, read only when the history is read."""
 

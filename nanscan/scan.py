@@ -52,6 +52,14 @@ def _uses_module_walk(module: torch.nn.Module) -> bool:
     return (cls.named_parameters, cls._named_members, cls.named_modules) == _MODULE_WALK
 
 
+def _native_plan_check():
+    try:
+        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
+    except ImportError:
+        return None
+    return getattr(_C, "plan_check", None)
+
+
 class ModelScanPlan:
     """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs of a model (and its optimizer), step after step.
 
@@ -82,13 +90,13 @@ class ModelScanPlan:
         self._param_dicts: list[dict] = []
         self._raw_params: list = []  # every value of every module's parameter dict, duplicates and None included
         self._params: list[torch.Tensor] = []  # as named_parameters() gives them
-        self._param_ptrs: list[int] = []
         self._grad_absent: list[bool] = []
         self._grad_contiguous: list[bool] = []  # per gradient with an input: whether it was contiguous
         self._permuted_grads: list[int] = []  # the others (dense in another dimension order, e.g. channels_last)
-        self._state_values: list[torch.Tensor] = []
+        self._state_values: list[Any] = []  # every value of every parameter's state, in optimizer.state's order
         self._state_tensors: list[torch.Tensor] = []  # the scanned ones, in input order
-        self._state_ptrs: list[int] = []
+        self._stable_ptrs = np.empty(0, dtype=np.int64)  # data pointers of the parameters, then the state tensors
+        self._native_check = _native_plan_check()
         self._templates: list[ScanInput] = []
         self._numels = self._codes = None
         self._identities: list[ScannedTensor] = []
@@ -101,39 +109,49 @@ class ModelScanPlan:
                extra: Sequence[ScanInput] = ()) -> ScanInputs:
         """The inputs to scan this step: `extra` (the batch and the loss, prepared by the caller), then the model's
         parameters, gradients and optimizer state."""
-        state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()
-                                                      if isinstance(v, torch.Tensor)]
-        if self._fast and model._modules is self._child_dicts[0] and self._same_parameters():
-            inputs = self._reuse(state_values, extra)
-            if inputs is not None:
-                return inputs
+        if self._fast and model._modules is self._child_dicts[0]:
+            checked = self._check(optimizer, [item.data_ptr() for item in extra])
+            if checked is not None:
+                return self._step_inputs(*checked, extra)
+        state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
         inputs = self._rebuild(model, list(model.named_parameters()), optimizer, state_values)
         return ScanInputs.join([ScanInputs(extra), inputs]) if extra else inputs
 
-    def _same_parameters(self) -> bool:
-        return (_same_objects([c for d in self._child_dicts for c in d.values()], self._children)
-                and _same_objects([p for d in self._param_dicts for p in d.values()], self._raw_params))
-
-    def _reuse(self, state_values: list, extra: Sequence[ScanInput]) -> ScanInputs | None:
-        """This step's inputs from the rebuild's descriptions, or None when something changed."""
-        params, state = self._params, self._state_tensors
+    def _check(self, optimizer: torch.optim.Optimizer | None, extra_ptrs: list[int]) -> tuple | None:
+        """(data pointers of the extra inputs, parameters, gradients and state; the gradients) when nothing changed
+        since the rebuild, else None. nanscan._C.plan_check does it in C++ (NOTE: [plan check] in
+        csrc/bindings.cpp); this is the same check in Python, for gradients with permuted layouts and for
+        installations without the extension."""
+        state = None if optimizer is None else optimizer.state
+        if self._native_check is not None and not self._permuted_grads:
+            return self._native_check(self._child_dicts, self._children, self._param_dicts, self._raw_params, state,
+                                      self._state_values, self._params, self._grad_absent, self._state_tensors,
+                                      self._stable_ptrs, extra_ptrs, _data_ptr, _is_contiguous)
+        if not (_same_objects([c for d in self._child_dicts for c in d.values()], self._children)
+                and _same_objects([p for d in self._param_dicts for p in d.values()], self._raw_params)
+                and _same_objects([] if state is None else [v for d in state.values() for v in d.values()],
+                                  self._state_values)):
+            return None
+        params, tensors = self._params, self._state_tensors
         grads = [p.grad for p in params]
-        if [g is None for g in grads] != self._grad_absent or not _same_objects(state_values, self._state_values):
+        if [g is None for g in grads] != self._grad_absent:
             return None
         grads = [g for g in grads if g is not None]
         if list(map(_is_contiguous, grads)) != self._grad_contiguous or \
                 not all(is_dense_permutation(grads[i]) for i in self._permuted_grads):
             return None
-        param_ptrs, state_ptrs = list(map(_data_ptr, params)), list(map(_data_ptr, state))
-        if param_ptrs != self._param_ptrs or state_ptrs != self._state_ptrs:
+        param_ptrs, state_ptrs = list(map(_data_ptr, params)), list(map(_data_ptr, tensors))
+        if not np.array_equal(param_ptrs + state_ptrs, self._stable_ptrs):
             return None
-        ptrs = param_ptrs + list(map(_data_ptr, grads)) + state_ptrs
+        return np.array(extra_ptrs + param_ptrs + list(map(_data_ptr, grads)) + state_ptrs, dtype=np.int64), grads
+
+    def _step_inputs(self, ptrs: np.ndarray, grads: list[torch.Tensor], extra: Sequence[ScanInput]) -> ScanInputs:
+        tensors = self._params + grads + self._state_tensors
         if not extra:
-            return ScanInputs(self._templates, tensors=params + grads + state, ptrs=np.array(ptrs, dtype=np.int64),
-                              numels=self._numels, codes=self._codes, identities=self._identities,
-                              devices=self._devices)
-        # The batch and the loss, joined here so that the table is built once: their counts and codes change
-        # only with the batch's shapes.
+            return ScanInputs(self._templates, tensors=tensors, ptrs=ptrs, numels=self._numels, codes=self._codes,
+                              identities=self._identities, devices=self._devices)
+        # The batch and the loss come first; their counts and codes change only with the batch's shapes, so the
+        # joined table is kept until they do.
         shapes = [(item.identity.numel, item.scanned_code) for item in extra]
         if shapes != self._extra_shapes:
             self._extra_shapes = shapes
@@ -142,8 +160,7 @@ class ModelScanPlan:
         devices = self._devices
         if any(item.identity.device not in devices for item in extra):
             devices = tuple(dict.fromkeys([*(item.identity.device for item in extra), *devices]))
-        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + params + grads + state,
-                          ptrs=np.array([item.data_ptr() for item in extra] + ptrs, dtype=np.int64),
+        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + tensors, ptrs=ptrs,
                           numels=self._extra_numels, codes=self._extra_codes,
                           identities=[item.identity for item in extra] + self._identities, devices=devices)
 
@@ -189,14 +206,14 @@ class ModelScanPlan:
             self._children = [c for d in self._child_dicts for c in d.values()]
             self._param_dicts = [m._parameters for m in modules]
             self._raw_params = [p for d in self._param_dicts for p in d.values()]
-            self._params, self._param_ptrs = params, list(map(_data_ptr, params))
+            self._params = params
             self._grad_absent = [g is None for g in grads]
             present = [g for g in grads if g is not None]
             grad_items = items[len(params) : len(params) + len(present)]
             self._grad_contiguous = [item.layout == CONTIGUOUS for item in grad_items]
             self._permuted_grads = [i for i, contiguous in enumerate(self._grad_contiguous) if not contiguous]
             self._state_values, self._state_tensors = state_values, state_tensors
-            self._state_ptrs = list(map(_data_ptr, state_tensors))
+            self._stable_ptrs = np.array(list(map(_data_ptr, params + state_tensors)), dtype=np.int64)
             self._templates = [bind(item, None) for item in items]  # descriptions only: no tensor kept
             _, self._numels, self._codes = inputs.table()
             self._identities = inputs.identities

@@ -144,13 +144,13 @@ class ScanReport:
     @property
     def ok(self) -> bool:
         """True when no scanned tensor holds a NaN or an infinity."""
-        return not self.records[:, L.REC_NAN : L.REC_NEGINF + 1].any()
+        return not L.any_nonfinite(self.records)
 
     @property
     def found_inf(self) -> torch.Tensor:
         """1.0 (float32, shape ()) when this scan saw a NaN or an infinity, else 0.0; see the class docstring."""
         if self._found_inf is None:
-            self._found_inf = _flag(bool(self.records[:, L.REC_NAN : L.REC_NEGINF + 1].any()))
+            self._found_inf = _flag(L.any_nonfinite(self.records))
         return self._found_inf
 
     @property

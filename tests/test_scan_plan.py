@@ -20,6 +20,19 @@ import nanscan
 from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
 
 
+@pytest.fixture(params=["native", "python"])
+def new_plan(request):
+    """Plans whose per-step check runs in C++ (nanscan._C.plan_check) or in Python: both must agree."""
+    def make() -> ModelScanPlan:
+        plan = ModelScanPlan()
+        if request.param == "python":
+            plan._native_check = None
+        elif plan._native_check is None:
+            pytest.skip("nanscan._C is not built")
+        return plan
+    return make
+
+
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
@@ -42,10 +55,10 @@ def assert_plan_matches_fresh(plan: ModelScanPlan, model: nn.Module, optimizer=N
     return planned
 
 
-def test_a_training_loop_prepares_once_and_scans_the_new_gradients_each_step():
+def test_a_training_loop_prepares_once_and_scans_the_new_gradients_each_step(new_plan):
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    plan = ModelScanPlan()
+    plan = new_plan()
     for step in range(4):
         backward(model, optimizer)  # new gradient tensors every step
         report = assert_plan_matches_fresh(plan, model, optimizer)
@@ -56,18 +69,18 @@ def test_a_training_loop_prepares_once_and_scans_the_new_gradients_each_step():
     assert all(n.startswith("optim:") for n in report.names[2 * len(params):])
 
 
-def test_in_place_gradient_zeroing_reuses_the_plan():
+def test_in_place_gradient_zeroing_reuses_the_plan(new_plan):
     model = make_model()
-    plan = ModelScanPlan()
+    plan = new_plan()
     for _ in range(3):
         backward(model, set_to_none=False)
         assert_plan_matches_fresh(plan, model)
     assert plan.rebuilds == 1
 
 
-def test_a_nan_planted_in_a_gradient_between_steps_is_seen():
+def test_a_nan_planted_in_a_gradient_between_steps_is_seen(new_plan):
     model = make_model()
-    plan = ModelScanPlan()
+    plan = new_plan()
     backward(model)
     assert scan_inputs(plan.inputs(model)).ok
     backward(model)
@@ -78,10 +91,10 @@ def test_a_nan_planted_in_a_gradient_between_steps_is_seen():
 
 @pytest.mark.parametrize("change", ["replace layer", "new parameter", "delete layer", "tie weights", "half",
                                     "data swap", "freeze", "reload optimizer", "new state tensor"])
-def test_every_change_to_the_tensor_set_rebuilds(change):
+def test_every_change_to_the_tensor_set_rebuilds(change, new_plan):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    plan = ModelScanPlan()
+    plan = new_plan()
     backward(model, optimizer)
     optimizer.step()
     backward(model, optimizer)
@@ -124,9 +137,9 @@ def test_every_change_to_the_tensor_set_rebuilds(change):
     assert plan.rebuilds == 2, "the changed model is planned once, then reused"
 
 
-def test_gradients_assigned_with_other_layouts_are_scanned_correctly():
+def test_gradients_assigned_with_other_layouts_are_scanned_correctly(new_plan):
     model = make_model()
-    plan = ModelScanPlan()
+    plan = new_plan()
     backward(model)
     assert_plan_matches_fresh(plan, model)
     weight = model[0].weight
@@ -139,9 +152,9 @@ def test_gradients_assigned_with_other_layouts_are_scanned_correctly():
     assert plan.rebuilds > rebuilds and report["grad:0.weight"].numel == weight.numel() and report.ok
 
 
-def test_channels_last_gradients_keep_the_plan():
+def test_channels_last_gradients_keep_the_plan(new_plan):
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)
-    plan = ModelScanPlan()
+    plan = new_plan()
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
@@ -150,7 +163,7 @@ def test_channels_last_gradients_keep_the_plan():
     assert plan.rebuilds == 1
 
 
-def test_a_module_that_finds_its_parameters_its_own_way_is_walked_every_step():
+def test_a_module_that_finds_its_parameters_its_own_way_is_walked_every_step(new_plan):
     class Renamed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -161,7 +174,7 @@ def test_a_module_that_finds_its_parameters_its_own_way_is_walked_every_step():
                 yield name.replace("inner.", ""), p
 
     model = Renamed()
-    plan = ModelScanPlan()
+    plan = new_plan()
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         model.inner(torch.randn(4, 3)).sum().backward()
@@ -169,9 +182,9 @@ def test_a_module_that_finds_its_parameters_its_own_way_is_walked_every_step():
     assert report.names[:2] == ["param:weight", "param:bias"] and plan.rebuilds == 2
 
 
-def test_the_plan_does_not_keep_gradients_alive():
+def test_the_plan_does_not_keep_gradients_alive(new_plan):
     model = make_model()
-    plan = ModelScanPlan()
+    plan = new_plan()
     backward(model)
     scan_inputs(plan.inputs(model))
     grad = weakref.ref(model[0].weight.grad)
