@@ -41,6 +41,7 @@ bench: install
 
 bench-all: bench
 	$(PY) benchmarks/bench_overhead.py --json benchmarks/results/bench_overhead.json
+	$(PY) benchmarks/bench_many_tensors.py --json benchmarks/results/bench_many_tensors.json
 	$(PY) benchmarks/bench_data.py --json benchmarks/results/bench_data.json
 
 gpu-check:
