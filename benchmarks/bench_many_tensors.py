@@ -38,6 +38,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan import demo as D
+from nanscan._atomic import write_results_json
 from nanscan._reference import scan_one
 
 try:
@@ -265,11 +266,7 @@ def main(argv=None) -> int:
     for key, value in result["ratios"].items():
         print(f"{key} = {value:.2f}x")
     if args.json:
-        from nanscan._atomic import atomic_write_json
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, result)
-        print(f"wrote {args.json}")
+        print(f"wrote {write_results_json(args.json, result)}")
     return 0
 
 

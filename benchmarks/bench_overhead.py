@@ -28,6 +28,7 @@ import torch
 
 from nanscan import backend_info
 from nanscan import demo as D
+from nanscan._atomic import write_results_json
 from nanscan.monitor import Monitor
 
 MODES = ("plain", "check")
@@ -199,11 +200,7 @@ def main(argv=None) -> int:
     if result["profile"]:
         print(result["profile"])
     if args.json:
-        from nanscan._atomic import atomic_write_json
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, result)
-        print(f"wrote {args.json}")
+        print(f"wrote {write_results_json(args.json, result)}")
     return 0
 
 

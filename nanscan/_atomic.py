@@ -101,6 +101,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_bytes(path, json_bytes(obj))
 
 
+def write_results_json(path: str | os.PathLike, results: Any) -> Path:
+    """A benchmark's results file: atomic_write_json, creating its directory first."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_json(path, results)
+
+
 def sha256_file(path: str | os.PathLike, *, block: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

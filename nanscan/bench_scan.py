@@ -21,7 +21,6 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan import backends
-from nanscan._atomic import atomic_write_json
+from nanscan._atomic import write_results_json
 from nanscan._reference import scan_one
 from nanscan.inputs import prepare_all
 from nanscan.scan import scan
@@ -299,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_ratio(key, value))
 
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, {
+        write_results_json(args.json, {
             "benchmark": "bench_scan",
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "cpu_count": os.cpu_count(), "torch": torch.__version__,

@@ -685,38 +685,45 @@ struct ChunkState {
   double exact_sumsq = 0.0;  // blocks that took scan_block_exact
 };
 
-// The per-element path for a block holding a subnormal, inf or NaN: classify.h decides every element.
-template <typename F>
-void scan_block_exact(const typename F::Bits* p, int64_t n, ChunkState& st, FieldCounts& counts) {
+// The per-element path, for blocks holding a subnormal, inf or NaN and for small chunks holding an inf or NaN:
+// classify.h decides every element. Specials and subnormals are counted into `record` directly, each normal value's
+// exponent field goes to count_normal(i, field), and the |x| extremes and the squares (in element order) of the
+// finite values are accumulated.
+template <typename F, typename CountNormal>
+void classify_each(const typename F::Bits* p, int64_t n, int64_t* record, uint64_t& absmax, uint64_t& absmin,
+                   double& sumsq, CountNormal&& count_normal) {
   using Bits = typename F::Bits;
-  int64_t* c = st.record;
-  int lo = INT_MAX, hi = -1;
-  double sumsq = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const Bits bits = p[i];
     switch (classify<F>(bits)) {
-      case kNaN: c[record::kNaN]++; continue;
-      case kPosInf: c[record::kPosInf]++; continue;
-      case kNegInf: c[record::kNegInf]++; continue;
-      case kZero: c[record::kZero]++; continue;
+      case kNaN: record[record::kNaN]++; continue;
+      case kPosInf: record[record::kPosInf]++; continue;
+      case kNegInf: record[record::kNegInf]++; continue;
+      case kZero: record[record::kZero]++; continue;
       case kSubnormal:
-        c[record::kSubnormal]++;
-        c[record::kHist + bin_of_subnormal<F>(bits)]++;
+        record[record::kSubnormal]++;
+        record[record::kHist + bin_of_subnormal<F>(bits)]++;
         break;
-      case kNormal: {
-        const int field = exponent_field<F>(bits);
-        counts.table[i % kFieldTables][field]++;
-        lo = std::min(lo, field);
-        hi = std::max(hi, field);
-        break;
-      }
+      case kNormal: count_normal(i, exponent_field<F>(bits)); break;
     }
     const uint64_t a = static_cast<uint64_t>(abs_bits<F>(bits));
-    st.absmax = std::max(st.absmax, a);
-    st.absmin = std::min(st.absmin, a);
+    absmax = std::max(absmax, a);
+    absmin = std::min(absmin, a);
     const double v = abs_to_double<F>(bits);
     sumsq += v * v;
   }
+}
+
+// A block holding a subnormal, inf or NaN: normal values count into the chunk's field tables.
+template <typename F>
+void scan_block_exact(const typename F::Bits* p, int64_t n, ChunkState& st, FieldCounts& counts) {
+  int lo = INT_MAX, hi = -1;
+  double sumsq = 0.0;
+  classify_each<F>(p, n, st.record, st.absmax, st.absmin, sumsq, [&](int64_t i, int field) {
+    counts.table[i % kFieldTables][field]++;
+    lo = std::min(lo, field);
+    hi = std::max(hi, field);
+  });
   if (hi >= 0) counts.touch(lo, hi);
   st.exact_sumsq += sumsq;
 }
@@ -840,29 +847,11 @@ void copy_padded(const typename F::Bits* p, int64_t n, typename F::Bits* tail) {
 // A small chunk holding an inf or NaN: every element decided by classify(), squares added in element order.
 template <typename F>
 void scan_small_exact(const typename F::Bits* p, int64_t n, int64_t* record, double& sumsq_out) {
-  using Bits = typename F::Bits;
   int64_t* hist = record + record::kHist;
   uint64_t absmax = 0, absmin = UINT64_MAX;
   double sumsq = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Bits bits = p[i];
-    switch (classify<F>(bits)) {
-      case kNaN: record[record::kNaN]++; continue;
-      case kPosInf: record[record::kPosInf]++; continue;
-      case kNegInf: record[record::kNegInf]++; continue;
-      case kZero: record[record::kZero]++; continue;
-      case kSubnormal:
-        record[record::kSubnormal]++;
-        hist[bin_of_subnormal<F>(bits)]++;
-        break;
-      case kNormal: hist[bin_of_normal_field<F>(exponent_field<F>(bits))]++; break;
-    }
-    const uint64_t a = static_cast<uint64_t>(abs_bits<F>(bits));
-    absmax = std::max(absmax, a);
-    absmin = std::min(absmin, a);
-    const double v = abs_to_double<F>(bits);
-    sumsq += v * v;
-  }
+  classify_each<F>(p, n, record, absmax, absmin, sumsq,
+                   [&](int64_t, int field) { hist[bin_of_normal_field<F>(field)]++; });
   record[record::kAbsMaxBits] = static_cast<int64_t>(absmax);
   if (absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(absmin);
   sumsq_out = sumsq;
