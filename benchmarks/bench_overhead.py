@@ -94,9 +94,10 @@ def validate(trainer: Trainer, batch: dict) -> int:
     return len(names)
 
 
-def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int) -> dict:
+def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1) -> dict:
     load_before = os.getloadavg()[0]  # other processes on a shared machine inflate both variants' times
     config = dict(D.DEFAULT_CONFIG)
+    config["d_model"] *= width  # --width: the same model, wider (the scan grows with parameters, the step faster)
     batches = healthy_batches(config, 64)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
         trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp))
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
     parser.add_argument("--history", type=int, default=64, help="Monitor history length (default 64)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N checks with cProfile and print where the time goes")
+    parser.add_argument("--width", type=int, default=1,
+                        help="multiply the demo model's d_model by this (default 1: the demo model itself)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as `nanscan demo` runs this model; 0 keeps torch's default)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile)
+    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width)
     med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
