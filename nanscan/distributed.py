@@ -48,6 +48,7 @@ into full tensors, so the failing rank's step can be replayed in a single proces
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import re
@@ -68,6 +69,9 @@ from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user
 from nanscan.stats import ScanReport
 
 log = logging.getLogger("nanscan")
+
+# How long a Monitor closed by an exception waits for its last agreement collective (Agreement.discard).
+DISCARD_WAIT = datetime.timedelta(seconds=60)
 
 INDEX = "index.json"
 INDEX_SCHEMA = "nanscan.bundle-index/1"
@@ -403,9 +407,16 @@ class Agreement:
         return self.verdict
 
     def discard(self) -> None:
-        """Forget an unread verdict (the Monitor is closed by an exception). Every rank issued that collective,
-        so dropping the handle leaves no rank waiting."""
-        self._pending = None
+        """Forget an unread verdict (the Monitor is closed by an exception). Every rank issued that collective, so
+        waiting for it blocks no rank; it is waited for all the same, because a collective still in flight when the
+        process group is destroyed or the process exits can abort the process (gloo's worker threads then still
+        hold the work: "terminate called without an active exception")."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.work.wait(timeout=DISCARD_WAIT)  # bounded: a rank that died before issuing it never will
+            except Exception as exc:  # noqa: BLE001 - the loop's own exception is the one leaving; keep it
+                log.warning("nanscan: the last agreement collective failed while the Monitor closed: %s", exc)
 
     # -- the failure path ------------------------------------------------------------------------------------------
     def _failed(self, monitor, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,

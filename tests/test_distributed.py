@@ -478,3 +478,27 @@ def test_process_group_without_torch_distributed_is_refused():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         Monitor(make_model(), process_group=object())
+
+
+def test_a_monitor_closed_by_an_exception_still_waits_for_its_last_collective(caplog):
+    """A collective in flight when the process group is destroyed can abort the process (gloo), so discarding the
+    unread async verdict waits for it, bounded; a failure there is logged, never raised over the loop's error."""
+    from nanscan.distributed import DISCARD_WAIT, Agreement, _Pending
+
+    class Work:
+        def __init__(self, error=None):
+            self.waited, self.error = [], error
+
+        def wait(self, timeout=None):
+            self.waited.append(timeout)
+            if self.error:
+                raise self.error
+            return True
+
+    agreement = Agreement.__new__(Agreement)
+    for work in (Work(), Work(RuntimeError("connection closed"))):
+        agreement._pending = _Pending(work, torch.zeros(4), 3, None, None, None, False)
+        agreement.discard()
+        assert work.waited == [DISCARD_WAIT] and agreement._pending is None
+    assert "connection closed" in caplog.text
+    agreement.discard()  # nothing pending: nothing to wait for
