@@ -209,11 +209,27 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _guarded(rank: int, worker, world: int, store: str, out: str) -> None:
+    """Run one rank's worker; whatever it raises is written to `error-rank<r>.txt` and the process group is always
+    destroyed. (A rank that exits with gloo's threads still running can die of SIGABRT at interpreter exit, which
+    hides the exception that ended it.)"""
+    import traceback
+
+    try:
+        worker(rank, world, store, out)
+    except BaseException:
+        (Path(out) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _spawn(worker, world: int, out: Path) -> list[dict]:
     """Run `worker` on `world` processes; every rank's results. Killed after SPAWN_TIMEOUT_S."""
     out.mkdir(parents=True, exist_ok=True)
     store = out / "store"
-    context = mp.start_processes(worker, args=(world, str(store), str(out)), nprocs=world, join=False,
+    context = mp.start_processes(_guarded, args=(worker, world, str(store), str(out)), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
@@ -221,6 +237,9 @@ def _spawn(worker, world: int, out: Path) -> list[dict]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{worker.__name__} on {world} processes did not finish in {SPAWN_TIMEOUT_S} s: "
                                    "a rank is blocked")
+    except Exception as exc:
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-rank*.txt")))
+        raise RuntimeError(f"{worker.__name__} failed: {exc}\n{errors}") from exc
     finally:
         for process in context.processes:
             if process.is_alive():
