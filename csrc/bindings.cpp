@@ -151,11 +151,10 @@ py::object plan_check(const py::list& child_dicts, const py::list& children, con
                       const py::array_t<int64_t, py::array::c_style>& stable_ptrs, const py::list& extra_ptrs,
                       const py::object& data_ptr, const py::object& is_contiguous) {
   if (!same_values_of_all(child_dicts, children) || !same_values_of_all(param_dicts, raw_params)) return py::none();
-  Py_ssize_t k = 0;
-  if (!optimizer_state.is_none() &&
-      (!same_dict_values(optimizer_state.ptr(), state_values.ptr(), true, k) || k != py::len(state_values)))
+  Py_ssize_t k = 0;  // state values matched; no optimizer has none
+  if (!optimizer_state.is_none() && !same_dict_values(optimizer_state.ptr(), state_values.ptr(), true, k))
     return py::none();
-  if (optimizer_state.is_none() && py::len(state_values) != 0) return py::none();
+  if (k != py::len(state_values)) return py::none();
   const Py_ssize_t num_params = py::len(params), num_state = py::len(state_tensors);
   if (py::len(grad_absent) != num_params || stable_ptrs.size() != num_params + num_state) return py::none();
   static PyObject* grad_name = PyUnicode_InternFromString("grad");

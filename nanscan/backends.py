@@ -83,7 +83,6 @@ BACKEND_NAMES = tuple(_LOADERS)
 _loaded: dict[str, Backend] = {}
 _load_errors: dict[str, BaseException] = {}
 _announced: set[str] = set()
-_auto_chosen: dict[str, Backend] = {}  # device type -> what auto chose (backends do not come and go in a process)
 
 
 def load(name: str) -> Backend:
@@ -118,9 +117,6 @@ def select(device: torch.device, backend: "str | Backend | None" = None) -> Back
         if not chosen.supports(device):
             raise BackendUnavailable(f"nanscan backend {name!r} cannot scan tensors on {device}")
         return chosen
-    chosen = _auto_chosen.get(device.type)
-    if chosen is not None:
-        return chosen  # every step asks again
     order = AUTO_ORDER.get(device.type, ("reference",))
     for candidate in order:
         try:
@@ -129,7 +125,6 @@ def select(device: torch.device, backend: "str | Backend | None" = None) -> Back
             continue
         if chosen.supports(device):
             _announce(device, candidate, order)
-            _auto_chosen[device.type] = chosen
             return chosen
     raise BackendUnavailable(f"no nanscan backend can scan tensors on {device}")  # reference always loads
 

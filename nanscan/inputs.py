@@ -254,18 +254,15 @@ class ScanInputs(Sequence[ScanInput]):
     def join(cls, parts: Sequence["ScanInputs"]) -> "ScanInputs":
         """The inputs of `parts`, in order, with their tables joined rather than rebuilt."""
         parts = [part for part in parts if len(part)]
-        if len(parts) == 1:
-            return parts[0]
-        tables = [part.table() for part in parts]
-        joined = cls([item for part in parts for item in part._templates],
-                     tensors=[t for part in parts for t in
-                              (part._tensors if part._tensors is not None else [None] * len(part))],
-                     ptrs=np.concatenate([t[0] for t in tables]) if tables else None,
-                     numels=np.concatenate([t[1] for t in tables]) if tables else None,
-                     codes=np.concatenate([t[2] for t in tables]) if tables else None,
-                     identities=[identity for part in parts for identity in part.identities],
-                     devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
-        return joined
+        if len(parts) <= 1:
+            return parts[0] if parts else cls()
+        ptrs, numels, codes = (np.concatenate(column) for column in zip(*(part.table() for part in parts)))
+        return cls([item for part in parts for item in part._templates],
+                   tensors=[t for part in parts for t in
+                            (part._tensors if part._tensors is not None else [None] * len(part))],
+                   ptrs=ptrs, numels=numels, codes=codes,
+                   identities=[identity for part in parts for identity in part.identities],
+                   devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 
 def as_scan_inputs(inputs: Sequence[ScanInput]) -> ScanInputs:

@@ -115,7 +115,7 @@ class ModelScanPlan:
                 return self._step_inputs(*checked, extra)
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
         inputs = self._rebuild(model, list(model.named_parameters()), optimizer, state_values)
-        return ScanInputs.join([ScanInputs(extra), inputs]) if extra else inputs
+        return ScanInputs.join([ScanInputs(extra), inputs])
 
     def _check(self, optimizer: torch.optim.Optimizer | None, extra_ptrs: list[int]) -> tuple | None:
         """(data pointers of the extra inputs, parameters, gradients and state; the gradients) when nothing changed

@@ -129,7 +129,6 @@ def clean_backend_state(monkeypatch):
     monkeypatch.setattr(backends, "_loaded", {})
     monkeypatch.setattr(backends, "_load_errors", {})
     monkeypatch.setattr(backends, "_announced", set())
-    monkeypatch.setattr(backends, "_auto_chosen", {})
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     return backends
 
