@@ -631,6 +631,8 @@ void count_fields_scalar(const typename F::Bits* p, int64_t n, int lo, int hi, b
 // normal values: from its largest field less 14 (room for the largest value to double; a block of Gaussian
 // values spans about 12 fields, mostly below its maximum). A block whose fields fit the window adds its counters,
 // and so does one without normal values; any other is counted again by pass 2, while its counters are dropped.
+// The first block's own counters are kept when it fits the window it opened, so a chunk of a few blocks (most
+// weight matrices of a small model) is read once, not its first block twice.
 // Two such blocks in a row move the window to the latest one. The window's 16-bit counters are added to the field
 // counters when it moves, when the chunk ends, and before they could overflow.
 
@@ -773,14 +775,15 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
     }
     const int lo = exponent_field<F>(min_normal_abs);
     const int hi = exponent_field<F>(s.max_abs);
-    if (window.open && lo >= window.first && hi < window.first + kWindowFields) {
+    if (!window.open) window.open_below(hi);  // the chunk's first block with normal values sets the window
+    if (lo >= window.first && hi < window.first + kWindowFields) {
       window.add<F>(s.residues, field0 + s.padding, counts);
       continue;
     }
     if (hi - lo < kWindowFields) count_fields_window<F, 1>(p, n, lo, field0, counts);
     else if (hi - lo < 2 * kWindowFields) count_fields_window<F, 2>(p, n, lo, field0, counts);
     else count_fields_scalar<F>(p, n, lo, hi, field0 > 0, counts);
-    if (!window.open || ++window.misfits == 2) {
+    if (++window.misfits == 2) {
       window.close<F>(counts);
       window.open_below(hi);
     }
