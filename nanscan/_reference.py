@@ -7,7 +7,8 @@ and takes floor(log2|x|) from torch.frexp, where the kernels work on raw bits (c
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +66,29 @@ def scan_one(flat: torch.Tensor, dtype_code: int) -> np.ndarray:
     return record
 
 
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU float ops read subnormals as zero (torch.set_flush_denormal(True)). torch has
+    no getter for the mode, so the smallest subnormal double is put through one operation and looked at. It is
+    made from its bits: a float literal would be parsed under the mode too (and kept so in the .pyc)."""
+    smallest = torch.ones(1, dtype=torch.int64).view(torch.float64)
+    return bool((smallest * 1.0).item() == 0.0)
+
+
+@contextlib.contextmanager
+def _denormals_kept() -> Iterator[None]:
+    """Runs the block with subnormals read as themselves, then restores the caller's mode. Under flush-to-zero
+    every subnormal would be classified, binned and squared as a zero (the kernels keep them too: NOTE: [float
+    mode] in csrc/cpu/scan_cpu.cpp)."""
+    flushing = _flushes_denormals()
+    if flushing:
+        torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(True)
+
+
 class ReferenceBackend:
     """Slow and obvious; runs on any torch device."""
 
@@ -75,7 +99,8 @@ class ReferenceBackend:
 
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
         records = L.empty_records(len(inputs))
-        for i, item in enumerate(inputs):
-            if item.numel:
-                records[i] = scan_one(item.flat, item.scanned_code)
+        with _denormals_kept():
+            for i, item in enumerate(inputs):
+                if item.numel:
+                    records[i] = scan_one(item.flat, item.scanned_code)
         return records

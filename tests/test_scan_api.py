@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nanscan
+from nanscan import backends
 from nanscan.inputs import prepare
 
 
@@ -101,6 +102,32 @@ def test_an_all_zero_tensor():
     stats = nanscan.scan({"z": torch.zeros(1000, dtype=torch.float64)})["z"]
     assert (stats.zero, stats.absmin, stats.absmax, stats.sumsq, stats.subnormal) == (1000, 0.0, 0.0, 0.0, 0)
     assert stats.exp_hist.sum() == 0 and stats.ok
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "numba"])
+def test_flush_to_zero_mode_changes_no_record(backend):
+    """torch.set_flush_denormal(True) (common in CPU inference) makes float ops read subnormals as zeros; no
+    host backend may count, bin or square them so, and each leaves the caller's mode as it was."""
+    try:
+        backends.load(backend)
+    except backends.BackendUnavailable as exc:
+        pytest.skip(f"{backend} backend not available here: {exc}")
+    tensors = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        tiny = torch.finfo(dtype).tiny  # made before the mode is set: arithmetic on subnormals is what it changes
+        tensors[f"mixed {dtype}"] = (torch.tensor([0.25, -0.5, 1.0, 0.0], dtype=torch.float64) * tiny).to(dtype)
+        tensors[f"only subnormals {dtype}"] = (torch.tensor([0.5, -0.25], dtype=torch.float64) * tiny).to(dtype)
+    plain = nanscan.scan(tensors, backend=backend)
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals; the test needs one that can"
+    try:
+        flushed = nanscan.scan(tensors, backend=backend)
+        mode_kept = bool((torch.ones(1, dtype=torch.int64).view(torch.float64) * 1.0).item() == 0.0)
+    finally:
+        torch.set_flush_denormal(False)
+    assert mode_kept, f"the {backend} backend turned the caller's flush-to-zero mode off"
+    for name in tensors:
+        assert flushed[name].subnormal == plain[name].subnormal == 2, name
+    assert (flushed.records == plain.records).all()
 
 
 def test_finite_is_numel_minus_nan_and_infinities():
