@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -119,18 +120,61 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(TEMP_PREFIX)
 
 
+def _writer_tag() -> str:
+    """Who writes a temporary directory: `<pid>@<host>`, so a later write can tell a dead writer's leftovers."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _process_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive but someone else's (EPERM), or a platform without signal 0
+        return False
+    return False
+
+
+def remove_dead_writers_temps(final: Path) -> list[Path]:
+    """Remove the temporary directories that writes of `final` left when their process died (kill -9, a crash).
+
+    NOTE: [dead writers]
+    A temporary directory is named `.tmp-<name>-<pid>@<host>-XXXX` (atomic_directory). Only those of writers on
+    this host whose process no longer exists are removed: a live writer's directory (another rank, another
+    process writing the same bundle) is never touched, and neither is one from another host sharing the file
+    system, where a process id says nothing. A reused pid keeps a leftover alive, which is the safe side.
+    Returns what was removed."""
+    prefix, host = f"{TEMP_PREFIX}{final.name}-", socket.gethostname()
+    removed = []
+    try:
+        entries = list(final.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir():
+            continue
+        tag = entry.name[len(prefix):].rsplit("-", 1)[0]  # mkdtemp's random suffix has no '-'
+        pid, _, where = tag.partition("@")
+        if where == host and pid.isdigit() and _process_is_gone(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Build a directory under a temporary name and rename it to `final` when the block succeeds.
 
-    The temporary directory sits beside `final` (`.tmp-<name>-XXXX`). If the block raises, it is removed; if the
-    process dies, it stays behind under its temporary name, which readers ignore. If `final` already exists and is
-    not empty when the block ends (another process got there first), the temporary directory is removed and
+    The temporary directory sits beside `final` (`.tmp-<name>-<pid>@<host>-XXXX`). If the block raises, it is
+    removed; if the process dies, it stays behind under its temporary name, which readers ignore, until the next
+    write of `final` on the same host removes it (NOTE: [dead writers]). If `final` already exists and is not
+    empty when the block ends (another process got there first), the temporary directory is removed and
     FileExistsError is raised: the caller decides whether the existing one is acceptable.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    remove_dead_writers_temps(final)
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-{_writer_tag()}-", dir=final.parent))
     try:
         os.chmod(temp, DIR_MODE)
         yield temp

@@ -14,8 +14,9 @@ Layout (schema "nanscan.bundle/1"):
   INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
 
 Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
-Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last) and idempotent
-(an existing valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
+Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
+writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
+valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
 a small journal: new files are written under `.pending-*` names and the new manifest's arrival is the commit
 point, so an interrupted update is either finished or discarded the next time the bundle is opened.
 """

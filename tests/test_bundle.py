@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from torch import nn
 
 import nanscan.bundle as B
 from nanscan import BundleError, Monitor, NonFiniteWarning, load_bundle
+from nanscan._atomic import atomic_directory, remove_dead_writers_temps
 from nanscan.cli import main as cli_main
 from nanscan.provenance import capture_rng
 
@@ -292,6 +294,32 @@ def test_kill_during_write_leaves_no_valid_looking_bundle(tmp_path):
         mon.check(loss=float("nan"))
     assert load_bundle(run_dir).path == run_dir / "step-0" == mon.bundle_path
     assert list(B.iter_bundles(bundle_dir)) == [run_dir / "step-0"]
+    # The next write of the same bundle removed the dead writer's leftover (NOTE: [dead writers]).
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-0"]
+    assert leftovers[0].name.startswith(f".tmp-step-0-{proc.pid}@")
+
+
+def test_only_dead_writers_leftovers_are_removed(tmp_path):
+    final = tmp_path / "step-3"
+    host = socket.gethostname()
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    dead_pid = int(finished.stdout)
+    dead = tmp_path / f".tmp-step-3-{dead_pid}@{host}-abc123"
+    alive = tmp_path / f".tmp-step-3-{os.getpid()}@{host}-def456"  # a write still running (this process)
+    elsewhere = tmp_path / f".tmp-step-3-{dead_pid}@not-{host}-ghi789"  # another host on a shared file system
+    neighbour = tmp_path / f".tmp-step-30-{dead_pid}@{host}-jkl012"  # a leftover of another bundle
+    old_style = tmp_path / ".tmp-step-3-mno345"  # written before writers were named: its writer is unknown
+    for d in (dead, alive, elsewhere, neighbour, old_style):
+        d.mkdir()
+        (d / "history.safetensors").write_bytes(b"partial")
+    assert remove_dead_writers_temps(final) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in (alive, elsewhere, neighbour,
+                                                                                 old_style))
+    with atomic_directory(final) as temp:
+        assert temp.name.startswith(f".tmp-step-3-{os.getpid()}@{host}-")
+        (temp / "a").write_bytes(b"x")
+    assert (final / "a").read_bytes() == b"x" and alive.exists()
 
 
 def test_findings_are_stored_once_per_key(run):
