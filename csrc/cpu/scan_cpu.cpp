@@ -83,7 +83,15 @@ constexpr int64_t kBlockBytes = 4096;
 // overlapping (2-core development machine, 2 threads, 200 MB of float32: 0.45 of the read limit without, 0.75
 // with; distances from 2 to 16 KiB and prefetching into L1 instead measured alike). A prefetch never faults, so
 // asking past the end of a tensor is harmless.
+// Each tensor is a separate allocation, so the start of the next chunk is rarely where the hardware prefetcher
+// looks: before a chunk is scanned, the first kChunkPrefetchBytes of each of the next kChunksAhead are asked for.
+// It matters for the many small tensors of a model (biases, norms), each of which would otherwise wait for its
+// few cache lines: 100 tensors of 1-256 float32 with the caches cleared before each scan, one thread, 45 -> 34 us
+// (with data in cache, unchanged at 18 us). Asking for the next chunk alone, or for one two ahead alone, left
+// most of the wait.
 constexpr int64_t kPrefetchBytes = 4096;
+constexpr int kChunksAhead = 2;
+constexpr int64_t kChunkPrefetchBytes = 1024;
 
 // The widest exponent field is float64's; one per-thread set of counters fits every format.
 constexpr int kMaxFields = 1 << Float64::kExpBits;
@@ -1001,6 +1009,15 @@ void merge(int64_t* rec, double& sumsq, const Partial& p) {
 
 int64_t element_bytes(int32_t dtype) { return dtype == kFloat64 ? 8 : dtype == kFloat32 ? 4 : 2; }
 
+// Asks for the first bytes of a chunk that is about to be scanned (NOTE: [prefetch]). Inlined: as a call it
+// measured slower, apparently by the prefetches' timing.
+__attribute__((always_inline)) inline void prefetch_chunk_start(const ScanTask& task, const Chunk& chunk) {
+  const int64_t width = element_bytes(task.dtype);
+  const char* start = static_cast<const char*>(task.data) + chunk.begin * width;
+  const int64_t bytes = std::min((chunk.end - chunk.begin) * width, kChunkPrefetchBytes);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 2);
+}
+
 // The work list (NOTE: [chunking]); `num_partials` chunks belong to tasks of more than one chunk.
 struct WorkList {
   std::vector<Chunk> chunks;
@@ -1058,6 +1075,8 @@ void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Chunk& chunk = chunks[i];
+      for (int64_t next = i + 1; next <= i + kChunksAhead && next < n; ++next)
+        prefetch_chunk_start(tasks[chunks[next].task], chunks[next]);
       if (chunk.partial == kOwnRecord) {
         int64_t* own = records + chunk.task * record::kWidth;
         double sumsq = 0.0;
