@@ -1,6 +1,7 @@
 """`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
 replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
-number. Unreadable bundles are listed separately with the reason.
+number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part.
+Unreadable bundles are listed separately with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import click
 
 from nanscan._atomic import is_temp_name
 from nanscan.bundle import MANIFEST, PENDING_PREFIX, Bundle, BundleError, load_bundle
+from nanscan.distributed import INDEX, BundleSet
 
 NOT_REPLAYED = "(not replayed)"
 
@@ -27,6 +29,8 @@ class TriageEntry:
     source: str  # which finding named the module: "replay", "ablate:baseline" or ""
     verdict: str | None  # persistent / transient / intermittent, when replay ran
     detected_at: str | None
+    first_bad_ranks: list[int] | None = None  # a distributed incident's first bad rank(s); None for one process
+    world_size: int | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,11 +64,12 @@ class TriageResult:
 
 def find_bundle_dirs(root: str | os.PathLike) -> list[Path]:
     """Every directory under `root` (root included) that holds a bundle manifest (or an interrupted update of
-    one), skipping the `.tmp-*` directories of interrupted writes. A bundle's own subdirectories are not searched."""
+    one) or a bundle set's index, skipping the `.tmp-*` directories of interrupted writes. A bundle's own
+    subdirectories are not searched, so a set's per-rank parts are not listed beside the set."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not is_temp_name(d))
-        if MANIFEST in filenames or any(f.startswith(PENDING_PREFIX) for f in filenames):
+        if MANIFEST in filenames or INDEX in filenames or any(f.startswith(PENDING_PREFIX) for f in filenames):
             found.append(Path(dirpath))
             dirnames[:] = []
     return sorted(found)
@@ -98,8 +103,9 @@ def triage(root: str | os.PathLike) -> TriageResult:
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
             continue
+        ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
         entries.append(TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
-                                   module, source, verdict, bundle.manifest.get("detected_at")))
+                                   module, source, verdict, bundle.manifest.get("detected_at"), *ranks))
     return TriageResult(str(root), entries, unreadable)
 
 
@@ -117,11 +123,13 @@ def print_triage(result: TriageResult, console) -> None:
     console.print(summary)
     for cat, mods in groups.items():
         table = Table(title=f"category {cat}")
-        for column in ("first bad module", "run", "step", "verdict", "bundle"):
+        for column in ("first bad module", "run", "step", "first bad ranks", "verdict", "bundle"):
             table.add_column(column, overflow="fold")
         for mod, items in mods.items():
             for e in items:
-                table.add_row(mod, e.run_id, str(e.step), e.verdict or "", e.path)
+                ranks = "" if e.world_size is None else \
+                    f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
+                table.add_row(mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)
         console.print(table)
     if result.unreadable:
         console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")

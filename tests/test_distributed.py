@@ -31,6 +31,7 @@ from nanscan.bundle import BundleError
 from nanscan.cli import main
 from nanscan.distributed import INDEX, OTHER_RANK, BundleSet
 from nanscan.entry import ReplaySpec
+from nanscan.triage import triage
 
 FAULT_RANK = 1
 FAULT_STEP = 7
@@ -385,6 +386,18 @@ def test_report_reads_the_whole_set(ddp):
     assert text.exit_code == 0, text.output
     assert "ranks at step 7" in text.output and "1 (first)" in text.output
     assert "1 (first)" in (out / "report.html").read_text()
+
+
+def test_triage_counts_a_set_once_as_its_first_bad_rank(ddp):
+    out, _ranks = ddp
+    set_dir = _set_dir(out, "ddp-sync")
+    result = triage(out / "bundles")
+    assert not result.unreadable and not any("rank-" in e.path for e in result.entries)
+    (entry,) = [e for e in result.entries if e.path == str(set_dir)]
+    assert (entry.category, entry.step, entry.first_bad_ranks, entry.world_size) == ("input", FAULT_STEP, [1], 4)
+    text = CliRunner().invoke(main, ["triage", str(out / "bundles")])
+    assert text.exit_code == 0, text.output
+    assert "1 of 4" in text.output
 
 
 def test_damaged_sets_are_refused_with_a_clear_message(ddp, tmp_path):
