@@ -513,6 +513,8 @@ def main(argv=None) -> int:
     else:
         if "scan" in parts:
             status = max(status, scan_part(out, args))
+            if args.json and "monitor" in parts:  # kept if the monitor part runs out of time
+                write_json(args.json, out)
         if "monitor" in parts:
             out["monitor"] = run_monitor(args)
             if "error" in out["monitor"]:

@@ -176,6 +176,11 @@ class AsyncScan:
         """True once the scan (and the copy of its records to the host, if asked for) has finished; never blocks."""
         return self._done.query()
 
+    @property
+    def done_event(self) -> torch.cuda.Event:
+        """Recorded on the scan's stream after it: a reader of `device_records` on another stream waits for it."""
+        return self._done
+
     def records(self) -> np.ndarray:
         """The records in host memory, waiting for the GPU if it has not finished yet."""
         self._done.synchronize()
@@ -250,13 +255,13 @@ class CudaBackend:
         if device.type != "cuda":
             raise ValueError(f"the cuda backend scans CUDA tensors; got tensors on {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._probed:
-            self._C.cuda_probe(index)
-            self._probed.add(index)
-        if index not in self._grid:
-            self._grid[index] = int(self._C.cuda_grid(index))
         n = len(inputs)
-        with torch.cuda.device(index):
+        with torch.cuda.device(index):  # the probe and grid query select the device; this restores the caller's
+            if index not in self._probed:
+                self._C.cuda_probe(index)
+                self._probed.add(index)
+            if index not in self._grid:
+                self._grid[index] = int(self._C.cuda_grid(index))
             stream = stream if stream is not None else torch.cuda.current_stream(index)
             with torch.cuda.stream(stream):
                 work = self._device_table(inputs, index, stream)

@@ -250,6 +250,18 @@ class ScanInputs(Sequence[ScanInput]):
             self._ptrs = np.array([item.data_ptr() for item in self.items()], dtype=np.uint64).view(np.int64)
         return self._ptrs, self._numels, self._codes
 
+    def take(self, rows: np.ndarray) -> "ScanInputs":
+        """The inputs at `rows` (int64 indices, in that order), with their table sliced rather than rebuilt: the
+        inputs of one device when a check spans several (e.g. CUDA weights and AdamW's CPU step counters)."""
+        ptrs, numels, codes = self.table()
+        picked = rows.tolist()
+        identities = self.identities
+        table = {"ptrs": ptrs[rows], "numels": numels[rows], "codes": codes[rows],
+                 "identities": [identities[i] for i in picked]}
+        if self._items is not None:  # bound items travel as they are: a compacted copy's pointer is in the table
+            return ScanInputs([self._items[i] for i in picked], **table)
+        return ScanInputs([self._templates[i] for i in picked], tensors=[self._tensors[i] for i in picked], **table)
+
     @classmethod
     def join(cls, parts: Sequence["ScanInputs"]) -> "ScanInputs":
         """The inputs of `parts`, in order, with their tables joined rather than rebuilt."""

@@ -31,7 +31,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan import backends
-from nanscan.inputs import ScanInput, ScanInputs, as_scan_inputs
+from nanscan.inputs import ScanInput, as_scan_inputs
 from nanscan.stats import PendingScan, ScannedTensor, ScanReport
 
 
@@ -147,22 +147,40 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
         by_device: dict[str, list[int]] = {}
         for i, identity in enumerate(inputs.identities):
             by_device.setdefault(identity.device, []).append(i)
-        groups = [(device, np.asarray(rows, dtype=np.int64), ScanInputs([inputs[i] for i in rows]))
-                  for device, rows in by_device.items()]
+        groups = []
+        for device, rows in by_device.items():
+            rows = np.asarray(rows, dtype=np.int64)
+            groups.append((device, rows, inputs.take(rows)))
     parts, used = [], []
     for device, rows, group in groups:
-        chosen = backends.select(torch.device(device), backend)
+        chosen = _select_for_part(torch.device(device), backend, mixed=len(groups) > 1)
         used.append(chosen.name)
         scan_async = getattr(chosen, "scan_async", None)
         if scan_async is not None:
-            # The current stream produced these tensors, so memory they free is reused only after the scan ran.
-            # Holding them (keep_inputs) would keep a step's gradients alive beside the next step's.
-            scan = scan_async(group, records_to_host=False, keep_inputs=False)
+            # The caching allocator orders the reuse of freed memory after the work of the stream that allocated
+            # it. The scan runs on the current stream: when that is the default stream, which produced the
+            # gradients, their memory is reused only after the scan ran, and holding them (keep_inputs) would keep a
+            # step's gradients alive beside the next step's. A check made on a side stream holds them until read.
+            index = torch.device(device).index
+            side_stream = torch.cuda.current_stream(index) != torch.cuda.default_stream(index)
+            scan = scan_async(group, records_to_host=False, keep_inputs=side_stream)
         else:
             scan = CompletedScan(chosen.scan_records(group))
         parts.append(ScanPart(rows, scan))
     name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
     return StepScan(len(inputs), parts, name)
+
+
+def _select_for_part(device: torch.device, backend: Any, *, mixed: bool) -> Any:
+    """The backend for one device's inputs. A backend named for a check whose inputs span several devices scans
+    those it can; the others (typically AdamW's CPU step counters beside CUDA weights, or a Python-float loss)
+    go to the automatic choice, where refusing would fail every check. Inputs on one device keep the error."""
+    try:
+        return backends.select(device, backend)
+    except backends.BackendUnavailable:
+        if not mixed:
+            raise
+        return backends.select(device, "auto")
 
 
 class RingEntry(NamedTuple):
@@ -177,16 +195,26 @@ class RingEntry(NamedTuple):
     lr: Any
 
 
-def _host_records(num_tensors: int, parts: list[tuple[np.ndarray | None, Any]]) -> np.ndarray:
-    """A step's records on the host, in input order, from the parts the ring kept (a copy, never the kept array)."""
-    def host(records: Any) -> np.ndarray:
-        return records.cpu().numpy() if isinstance(records, torch.Tensor) else np.array(records)
+# What the ring keeps of one device's part of a step: its rows (None: all), its records (a host array or a device
+# tensor) and, for a device tensor, the event recorded after the scan that wrote it.
+KeptPart = tuple[np.ndarray | None, Any, Any]
+
+
+def _host_records(num_tensors: int, parts: list[KeptPart]) -> np.ndarray:
+    """A step's records on the host, in input order, from the parts the ring kept (a copy, never the kept array).
+    A device part is copied after its scan's event: the scan may have run on another stream than the reader's."""
+    def host(records: Any, done: Any) -> np.ndarray:
+        if not isinstance(records, torch.Tensor):
+            return np.array(records)
+        if done is not None:
+            done.synchronize()
+        return records.cpu().numpy()
 
     if len(parts) == 1 and parts[0][0] is None:
-        return host(parts[0][1])
+        return host(parts[0][1], parts[0][2])
     out = L.empty_records(num_tensors)
-    for rows, records in parts:
-        out[rows] = host(records)
+    for rows, records, done in parts:
+        out[rows] = host(records, done)
     return out
 
 
@@ -197,8 +225,8 @@ class HistoryRing:
         if size < 1:
             raise ValueError(f"history={size!r}: keep at least 1 step (the failing one)")
         self.size = size
-        # Per slot: what the step was, and its records as (rows, host array or device tensor) per device.
-        self._slots: list[tuple[RingEntry, list[tuple[np.ndarray | None, Any]]] | None] = [None] * size
+        # Per slot: what the step was, and its records per device (KeptPart).
+        self._slots: list[tuple[RingEntry, list[KeptPart]] | None] = [None] * size
         self._count = 0  # steps appended so far; the newest is in slot (_count - 1) % size
         self._flags: torch.Tensor | None = None  # pinned float32 [size]: each slot's verdict flag, for GPU scans
         self._events: list[torch.cuda.Event] = []
@@ -206,7 +234,7 @@ class HistoryRing:
     @property
     def nbytes(self) -> int:
         """Bytes of records kept (at most size x tensors x 264 x 8)."""
-        return sum(records.nbytes for kept in self._slots if kept is not None for _, records in kept[1])
+        return sum(records.nbytes for kept in self._slots if kept is not None for _, records, _ in kept[1])
 
     @property
     def device(self) -> torch.device | None:
@@ -227,7 +255,10 @@ class HistoryRing:
         parts = []
         for part in scan.parts:
             records = getattr(part.scan, "device_records", None)
-            parts.append((part.rows, part.scan.records() if records is None else records))
+            if records is None:
+                parts.append((part.rows, part.scan.records(), None))
+            else:
+                parts.append((part.rows, records, part.scan.done_event))
         if verdict and not scan.on_host:
             flag = scan.found_inf
             if self._flags is None:

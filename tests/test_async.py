@@ -468,3 +468,40 @@ def test_gpu_history_ring_holds_the_exact_records(tmp_path):
         assert np.array_equal(entry.report.records, report.records)
         assert entry.loss is not None and math.isfinite(entry.loss)
     assert mon._ring.nbytes == 3 * len(reports[-1]) * L.RECORD_WIDTH * 8
+
+
+@gpu_test
+@pytest.mark.parametrize("named", [None, "cuda"])
+def test_gpu_default_adamw_keeps_its_step_counters_on_the_cpu(tmp_path, monkeypatch, named):
+    """torch's default (non-fused) AdamW keeps each `step` as a CPU tensor beside CUDA weights: the check spans two
+    devices, each scanned by its own backend (with NANSCAN_BACKEND=cuda, the CPU part by the host's choice)."""
+    if named is not None:
+        monkeypatch.setenv("NANSCAN_BACKEND", named)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # found_inf is for fused optimizers only
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid="warn", mode="sync")
+    x = torch.randn(32, 64, device="cuda")
+
+    def step(nan_grad: bool = False):
+        optimizer.zero_grad(set_to_none=True)
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        if nan_grad:
+            model[0].weight.grad[1, 2] = float("nan")
+        report = mon.check(batch={"x": x}, loss=loss)
+        if report.ok:
+            optimizer.step()
+        return report
+
+    reports = [step() for _ in range(3)]
+    report = reports[-1]
+    assert all(r.ok for r in reports) and "cuda" in report.backend
+    assert {t.device for t in report.tensors} == {"cuda:0", "cpu"}
+    counters = [t for t in report.tensors if t.name.endswith(".step")]
+    assert counters and all(t.device == "cpu" for t in counters)
+    assert report[counters[0].name].absmax == 2.0  # two updates before the third check
+    with pytest.warns(NonFiniteWarning):
+        bad = step(nan_grad=True)
+    assert not bad.ok and bad.nonfinite == ["grad:0.weight"]
+    assert load_bundle(mon.bundle_path).category == "gradient"

@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 import nanscan
+from nanscan.backends import BackendUnavailable
+from nanscan.inputs import ScanInputs, prepare
+from nanscan.pending import _select_for_part
 from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
 
 
@@ -203,3 +206,39 @@ def test_host_scalar_reads_the_loss_as_item_does(dtype, value):
     assert (read == expected and np.signbit(read) == np.signbit(expected)) or (np.isnan(read) and np.isnan(expected))
     with pytest.raises(ValueError, match="one-element CPU inputs"):
         prepare("two", torch.ones(2, dtype=dtype)).host_scalar()
+
+
+def test_the_inputs_of_one_device_are_taken_with_their_table():
+    """ScanInputs.take, as launch() cuts a check that spans devices (CUDA weights beside AdamW's CPU step
+    counters): the sliced table is the one the taken inputs build themselves, and a compacted view keeps the copy
+    its pointer names."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backward(model, optimizer)
+    optimizer.step()
+    plan = ModelScanPlan()
+    for step in range(2):  # the rebuild's joined inputs, then the plan's every-step inputs
+        backward(model, optimizer)
+        extra = [prepare("input:x", torch.arange(20.0)[::2]), prepare("loss", torch.tensor(1.5))]
+        inputs = plan.inputs(model, optimizer, extra=extra)
+        rows = np.array([5, 0, 2, len(inputs) - 1, 1], dtype=np.int64)
+        taken = inputs.take(rows)
+        fresh = ScanInputs([inputs[i] for i in rows.tolist()])
+        assert [item.name for item in taken] == [inputs[i].name for i in rows.tolist()]
+        for got, want in zip(taken.table(), fresh.table()):
+            assert np.array_equal(got, want)
+        assert taken.identities == fresh.identities and taken.devices == ("cpu",)
+        assert np.array_equal(scan_inputs(taken).records, scan_inputs(fresh).records)
+        again = fresh.take(np.array([1, 0], dtype=np.int64))  # inputs given as items: the items themselves travel
+        assert again[0] is fresh[1] and np.array_equal(again.table()[0], fresh.table()[0][[1, 0]])
+    assert plan.rebuilds == 1
+
+
+def test_a_named_backend_leaves_the_devices_it_cannot_scan_to_the_automatic_choice(monkeypatch):
+    """A check spanning devices with NANSCAN_BACKEND=cuda: the CPU part goes to the host's automatic choice; a
+    check on one device the named backend cannot scan still fails loudly."""
+    monkeypatch.setenv("NANSCAN_BACKEND", "cuda")
+    chosen = _select_for_part(torch.device("cpu"), None, mixed=True)
+    assert chosen.name in ("cpu", "numba", "reference") and chosen.supports(torch.device("cpu"))
+    with pytest.raises(BackendUnavailable):
+        _select_for_part(torch.device("cpu"), None, mixed=False)
