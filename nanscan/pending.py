@@ -17,7 +17,8 @@ numpy array a host scan returned, or the int64 tensor a GPU scan wrote on the de
 (a copy of a few hundred KiB into a preallocated ring cost more than the scan of a small model), and nothing
 leaves the GPU: a step's slot is simply replaced `size` steps later. On a GPU, each step copies only its verdict
 flag (4 bytes) to pinned host memory and records an event after it. Reading the history (Monitor.history, a
-bundle) copies each kept step to the host once. Memory stays at size x tensors x 264 x 8 bytes however long the
+bundle) copies each kept step to the host once, after the event its scan recorded (the scan may have run on
+another stream than the reader's). Memory stays at size x tensors x 264 x 8 bytes however long the
 run is. Host records are made read-only when the scan returns them, because the report handed to the caller and
 the history share the array.
 """
