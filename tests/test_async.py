@@ -408,9 +408,12 @@ def gpu_step(mon, model, optimizer, x, *, nan_grad: bool = False):
         model[0].weight.grad[1, 2] = float("nan")
     report = mon.check(batch={"x": x}, loss=loss)
     if report.ok:
-        optimizer.found_inf = report.found_inf
+        fused = optimizer.defaults.get("fused")  # found_inf is for fused optimizers only
+        if fused:
+            optimizer.found_inf = report.found_inf
         optimizer.step()
-        del optimizer.found_inf
+        if fused:
+            del optimizer.found_inf
     optimizer.zero_grad(set_to_none=True)
     return report
 
@@ -479,22 +482,10 @@ def test_gpu_default_adamw_keeps_its_step_counters_on_the_cpu(tmp_path, monkeypa
         monkeypatch.setenv("NANSCAN_BACKEND", named)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # found_inf is for fused optimizers only
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid="warn", mode="sync")
     x = torch.randn(32, 64, device="cuda")
-
-    def step(nan_grad: bool = False):
-        optimizer.zero_grad(set_to_none=True)
-        loss = (model(x) ** 2).mean()
-        loss.backward()
-        if nan_grad:
-            model[0].weight.grad[1, 2] = float("nan")
-        report = mon.check(batch={"x": x}, loss=loss)
-        if report.ok:
-            optimizer.step()
-        return report
-
-    reports = [step() for _ in range(3)]
+    reports = [gpu_step(mon, model, optimizer, x) for _ in range(3)]
     report = reports[-1]
     assert all(r.ok for r in reports) and "cuda" in report.backend
     assert {t.device for t in report.tensors} == {"cuda:0", "cpu"}
@@ -502,6 +493,6 @@ def test_gpu_default_adamw_keeps_its_step_counters_on_the_cpu(tmp_path, monkeypa
     assert counters and all(t.device == "cpu" for t in counters)
     assert report[counters[0].name].absmax == 2.0  # two updates before the third check
     with pytest.warns(NonFiniteWarning):
-        bad = step(nan_grad=True)
+        bad = gpu_step(mon, model, optimizer, x, nan_grad=True)
     assert not bad.ok and bad.nonfinite == ["grad:0.weight"]
     assert load_bundle(mon.bundle_path).category == "gradient"
