@@ -59,11 +59,10 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan import backends
 from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
                             write_bundle)
 from nanscan.inputs import ScanInput, ScanInputs, prepare
-from nanscan.pending import HistoryRing, StepScan, launch
+from nanscan.pending import HistoryRing, StepScan, launch, select_for_part
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.scan import ModelScanPlan
 from nanscan.stats import PendingReport, ScanReport
@@ -397,7 +396,7 @@ class Monitor:
         weakref.finalize(self, self._hook.remove)
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
-        self._chosen_backends: dict[tuple[str, str | None], Any] = {}  # see _backend_for
+        self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see _backend_for
         self._agreement = None
         if _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
@@ -539,17 +538,23 @@ class Monitor:
         return self._invalid(report, step, batch, sample_ids, started)
 
     def _backend_for(self, inputs: ScanInputs) -> Any:
-        """The backend for a check's inputs. On one device it is chosen once per device and `backend` setting, by
-        nanscan.backends.select's policy (NANSCAN_BACKEND is read at the first check on the device), because
-        choosing again every step costs as much as a tenth of a small model's scan."""
-        backend = self.backend
-        if len(inputs.devices) != 1 or not (backend is None or isinstance(backend, str)):
+        """The backend for a check's inputs: the one Backend of a check on one device, or a mapping from device to
+        Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each is chosen once
+        per device and `backend` setting, by launch's policy (nanscan.pending.select_for_part; NANSCAN_BACKEND is
+        read at the first check on the device), because choosing again every step costs as much as a tenth of a
+        small model's scan."""
+        backend, devices = self.backend, inputs.devices
+        if not devices or not (backend is None or isinstance(backend, str)):
             return backend
-        key = (inputs.devices[0], backend)
-        chosen = self._chosen_backends.get(key)
-        if chosen is None:
-            chosen = self._chosen_backends[key] = backends.select(torch.device(key[0]), backend)
-        return chosen
+        mixed = len(devices) > 1
+        chosen = {}
+        for device in devices:
+            key = (device, backend, mixed)
+            found = self._chosen_backends.get(key)
+            if found is None:
+                found = self._chosen_backends[key] = select_for_part(torch.device(device), backend, mixed=mixed)
+            chosen[device] = found
+        return chosen if mixed else chosen[devices[0]]
 
     def _auto_mode(self, model: torch.nn.Module) -> str:
         if self._agreement is not None:

@@ -140,7 +140,8 @@ class StepScan:
 def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
     """Scan `inputs` without waiting for any GPU. Each device's tensors go to that device's backend in one call.
     A backend with `scan_async` (CUDA) only enqueues its kernel on the current stream and leaves the records on the
-    device. Every other backend scans at once on the host."""
+    device. Every other backend scans at once on the host. `backend`: a name, a Backend, None (auto), or a mapping
+    from device name to the Backend already chosen for it (select_for_part)."""
     inputs = as_scan_inputs(inputs)
     if len(inputs.devices) == 1:  # the usual case: no grouping, and the inputs' table goes to the backend as it is
         groups = [(inputs.devices[0], None, inputs)]
@@ -154,7 +155,8 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
             groups.append((device, rows, inputs.take(rows)))
     parts, used = [], []
     for device, rows, group in groups:
-        chosen = _select_for_part(torch.device(device), backend, mixed=len(groups) > 1)
+        chosen = backend[device] if isinstance(backend, dict) else \
+            select_for_part(torch.device(device), backend, mixed=len(groups) > 1)
         used.append(chosen.name)
         scan_async = getattr(chosen, "scan_async", None)
         if scan_async is not None:
@@ -172,7 +174,7 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
     return StepScan(len(inputs), parts, name)
 
 
-def _select_for_part(device: torch.device, backend: Any, *, mixed: bool) -> Any:
+def select_for_part(device: torch.device, backend: Any, *, mixed: bool) -> Any:
     """The backend for one device's inputs. A backend named for a check whose inputs span several devices scans
     those it can; the others (typically AdamW's CPU step counters beside CUDA weights, or a Python-float loss)
     go to the automatic choice, where refusing would fail every check. Inputs on one device keep the error."""

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 import nanscan
+import nanscan.monitor as monitor_module
 from nanscan.backends import BackendUnavailable
 from nanscan.inputs import ScanInputs, prepare
-from nanscan.pending import _select_for_part
+from nanscan.pending import select_for_part
 from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
 
 
@@ -238,7 +239,25 @@ def test_a_named_backend_leaves_the_devices_it_cannot_scan_to_the_automatic_choi
     """A check spanning devices with NANSCAN_BACKEND=cuda: the CPU part goes to the host's automatic choice; a
     check on one device the named backend cannot scan still fails loudly."""
     monkeypatch.setenv("NANSCAN_BACKEND", "cuda")
-    chosen = _select_for_part(torch.device("cpu"), None, mixed=True)
+    chosen = select_for_part(torch.device("cpu"), None, mixed=True)
     assert chosen.name in ("cpu", "numba", "reference") and chosen.supports(torch.device("cpu"))
     with pytest.raises(BackendUnavailable):
-        _select_for_part(torch.device("cpu"), None, mixed=False)
+        select_for_part(torch.device("cpu"), None, mixed=False)
+
+
+def test_the_monitor_chooses_each_devices_backend_once(monkeypatch, tmp_path):
+    """A check that spans devices gets one Backend per device, chosen at the first check and reused after."""
+    calls = []
+
+    def counting(device, backend, *, mixed):
+        calls.append((str(device), mixed))
+        return select_for_part(torch.device("cpu"), None, mixed=mixed)  # any host backend stands in
+
+    monkeypatch.setattr(monitor_module, "select_for_part", counting)
+    mon = nanscan.Monitor(make_model(), bundle_dir=tmp_path)
+    spanning = ScanInputs([], identities=[], devices=("cuda:0", "cpu"))
+    first, second = mon._backend_for(spanning), mon._backend_for(spanning)
+    assert set(first) == {"cuda:0", "cpu"} and first == second
+    assert calls == [("cuda:0", True), ("cpu", True)]
+    one = ScanInputs([], identities=[], devices=("cpu",))
+    assert mon._backend_for(one) is mon._backend_for(one) and calls[2:] == [("cpu", False)]
