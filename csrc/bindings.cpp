@@ -143,12 +143,33 @@ int64_t call_data_ptr(PyObject* data_ptr, PyObject* tensor) {
   return address;
 }
 
+// Whether a parameter or state tensor still holds the bytes the plan's table describes: its dtype is the same
+// object and its size in bytes is the same. A `.data` swap can land at the old address (the allocator reuses
+// freed blocks): `w.data = w.data[:4]`, or `model.half()` then `model.bfloat16()`; the old element count or
+// format would then be read, past the tensor's end or as the wrong format.
+bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nbytes) {
+  static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+  static PyObject* nbytes_name = PyUnicode_InternFromString("nbytes");
+  PyObject* dtype = PyObject_GetAttr(tensor, dtype_name);
+  if (dtype == nullptr) throw py::error_already_set();
+  Py_DECREF(dtype);  // torch's dtype objects live as long as torch: only identity is compared
+  if (dtype != expected_dtype) return false;
+  PyObject* nbytes = PyObject_GetAttr(tensor, nbytes_name);
+  if (nbytes == nullptr) throw py::error_already_set();
+  const long long value = PyLong_AsLongLong(nbytes);
+  Py_DECREF(nbytes);
+  if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return value == expected_nbytes;
+}
+
 // Returns None when anything differs from the plan's rebuild, else (pointers, gradients): the int64 data pointers
 // of extra inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
+// stable_ptrs, stable_dtypes and stable_nbytes describe the parameters, then the state tensors, at the rebuild.
 py::object plan_check(const py::list& child_dicts, const py::list& children, const py::list& param_dicts,
                       const py::list& raw_params, const py::object& optimizer_state, const py::list& state_values,
                       const py::list& params, const py::list& grad_absent, const py::list& state_tensors,
-                      const py::array_t<int64_t, py::array::c_style>& stable_ptrs, const py::list& extra_ptrs,
+                      const py::array_t<int64_t, py::array::c_style>& stable_ptrs, const py::list& stable_dtypes,
+                      const py::array_t<int64_t, py::array::c_style>& stable_nbytes, const py::list& extra_ptrs,
                       const py::object& data_ptr, const py::object& is_contiguous) {
   if (!same_values_of_all(child_dicts, children) || !same_values_of_all(param_dicts, raw_params)) return py::none();
   Py_ssize_t k = 0;  // state values matched; no optimizer has none
@@ -156,7 +177,10 @@ py::object plan_check(const py::list& child_dicts, const py::list& children, con
     return py::none();
   if (k != py::len(state_values)) return py::none();
   const Py_ssize_t num_params = py::len(params), num_state = py::len(state_tensors);
-  if (py::len(grad_absent) != num_params || stable_ptrs.size() != num_params + num_state) return py::none();
+  const Py_ssize_t num_stable = num_params + num_state;
+  if (py::len(grad_absent) != num_params || stable_ptrs.size() != num_stable ||
+      py::len(stable_dtypes) != num_stable || stable_nbytes.size() != num_stable)
+    return py::none();
   static PyObject* grad_name = PyUnicode_InternFromString("grad");
   py::list grads;
   for (Py_ssize_t i = 0; i < num_params; ++i) {
@@ -177,18 +201,24 @@ py::object plan_check(const py::list& child_dicts, const py::list& children, con
   py::array_t<int64_t> ptrs(num_extra + num_params + num_grads + num_state);
   int64_t* out = ptrs.mutable_data();
   const int64_t* expected = stable_ptrs.data();
+  const int64_t* expected_nbytes = stable_nbytes.data();
+  auto unchanged = [&](PyObject* tensor, Py_ssize_t k, int64_t address) {
+    return address == expected[k] && same_extent(tensor, PyList_GET_ITEM(stable_dtypes.ptr(), k), expected_nbytes[k]);
+  };
   for (Py_ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
   out += num_extra;
   for (Py_ssize_t i = 0; i < num_params; ++i) {
-    out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(params.ptr(), i));
-    if (out[i] != expected[i]) return py::none();
+    PyObject* param = PyList_GET_ITEM(params.ptr(), i);
+    out[i] = call_data_ptr(data_ptr.ptr(), param);
+    if (!unchanged(param, i, out[i])) return py::none();
   }
   out += num_params;
   for (Py_ssize_t i = 0; i < num_grads; ++i) out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(grads.ptr(), i));
   out += num_grads;
   for (Py_ssize_t i = 0; i < num_state; ++i) {
-    out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(state_tensors.ptr(), i));
-    if (out[i] != expected[num_params + i]) return py::none();
+    PyObject* tensor = PyList_GET_ITEM(state_tensors.ptr(), i);
+    out[i] = call_data_ptr(data_ptr.ptr(), tensor);
+    if (!unchanged(tensor, num_params + i, out[i])) return py::none();
   }
   return py::make_tuple(ptrs, grads);
 }
@@ -359,7 +389,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info_py, "How the extension was built.");
   m.def("plan_check", &plan_check, py::arg("child_dicts"), py::arg("children"), py::arg("param_dicts"),
         py::arg("raw_params"), py::arg("optimizer_state"), py::arg("state_values"), py::arg("params"),
-        py::arg("grad_absent"), py::arg("state_tensors"), py::arg("stable_ptrs"), py::arg("extra_ptrs"),
+        py::arg("grad_absent"), py::arg("state_tensors"), py::arg("stable_ptrs"), py::arg("stable_dtypes"),
+        py::arg("stable_nbytes"), py::arg("extra_ptrs"),
         py::arg("data_ptr"), py::arg("is_contiguous"),
         "The per-step check of nanscan.scan.ModelScanPlan: None if anything changed, else (pointers, gradients).");
 #ifdef NANSCAN_WITH_CUDA

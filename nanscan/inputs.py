@@ -139,18 +139,25 @@ def is_dense_permutation(t: torch.Tensor) -> bool:
 
 
 def prepare(name: str, t: Any) -> ScanInput | None:
-    """A ScanInput for one tensor, or None for tensors that are skipped (integer and bool tensors)."""
+    """A ScanInput for one tensor, or None for tensors that are skipped (integer and bool tensors). A numpy array
+    is read through torch.from_numpy (a view when it is contiguous)."""
     dtype = getattr(t, "dtype", None)
     code = _SCANNED_CODES.get(dtype)
     if type(t) in _PLAIN_TENSOR_TYPES and t.layout == torch.strided and not t.is_meta:
         # The every-step cases, kept short: a plain dense floating tensor, or an integer one (token ids).
-        if code is not None:
+        if code is not None and not t.is_neg():
             layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if is_dense_permutation(t) else GAPPED
             return ScanInput(name, _DTYPE_NAMES[dtype], t, code, layout)
         if dtype in _UNSCANNED_DTYPES:
             return None
+    if isinstance(t, np.ndarray):
+        t = _from_numpy(name, t)
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor; pass tensors only")
+    if torch.nn.parameter.is_lazy(t):
+        raise UnsupportedTensorError(
+            f"{name!r} is an uninitialized parameter of a lazy module: it has no data to scan yet; run one forward "
+            "pass (e.g. with a dummy batch) before scanning")
     if t.is_meta:
         raise UnsupportedTensorError(
             f"{name!r} is a meta tensor (shape {tuple(t.shape)}): it has no data to scan; "
@@ -161,7 +168,11 @@ def prepare(name: str, t: Any) -> ScanInput | None:
         t = t.values()
     own = _dtype_name(t.dtype)
     if t.dtype in _COMPLEX_PARTS:
-        t = torch.view_as_real(t.detach())
+        # view_as_real refuses a lazily conjugated tensor (z.conj()); resolving copies it.
+        t = torch.view_as_real(t.detach().resolve_conj())
+    if t.is_neg():
+        # A lazily negated view (z.conj().imag) holds -x as x in memory: read as is, +inf would count as -inf.
+        t = t.resolve_neg()
     code = _SCANNED_CODES.get(t.dtype)
     if code is None:
         if not t.is_floating_point() and not t.is_complex():
@@ -277,16 +288,26 @@ class ScanInputs(Sequence[ScanInput]):
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 
+def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    except TypeError:
+        raise UnsupportedTensorError(
+            f"{name!r} is a numpy array of dtype {array.dtype}, which torch cannot read; convert it (e.g. "
+            "array.astype(numpy.float64)) to scan it") from None
+
+
 def as_scan_inputs(inputs: Sequence[ScanInput]) -> ScanInputs:
     return inputs if isinstance(inputs, ScanInputs) else ScanInputs(inputs)
 
 
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:
-    """(name, tensor) pairs from a list/tuple, a mapping, a single tensor, or a module (parameters and buffers)."""
+    """(name, tensor) pairs from a list/tuple, a mapping, a single tensor or numpy array, or a module (parameters and
+    buffers)."""
     if isinstance(tensors, torch.nn.Module):
         yield from tensors.named_parameters()
         yield from tensors.named_buffers()
-    elif isinstance(tensors, torch.Tensor):
+    elif isinstance(tensors, (torch.Tensor, np.ndarray)):
         yield "tensor", tensors
     elif isinstance(tensors, Mapping):
         for key, value in tensors.items():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import operator
 import os
 import re
 import secrets
@@ -137,6 +138,28 @@ def _warn_user(message: str) -> None:
     warnings.warn(message, NonFiniteWarning, stacklevel=level)
 
 
+def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the module whose forward marks a step's start, the module whose tensors are scanned and stored).
+
+    DistributedDataParallel, DataParallel and torch.compile's OptimizedModule are unwrapped, so that names and the
+    bundle's state are the plain model's, which replay builds (a compiled model's would all start with
+    `_orig_mod.`). The forward pre-hook stays on a compiled wrapper, where it runs eagerly (inside, dynamo would
+    trace it), and on DataParallel, whose replicas of the inner module are other objects."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)  # set by compile
+    hooked = None
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch.nn.DataParallel):
+            hooked = hooked or model
+            model = model.module
+        elif compiled is not None and isinstance(model, compiled):
+            hooked = hooked or model
+            model = model._orig_mod
+        else:
+            return hooked or model, model
+
+
 def _distributed_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -147,6 +170,15 @@ def _now() -> str:
 
 def _new_run_id() -> str:
     return f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _step_number(step: Any) -> int:
+    """A step given to check() as a Python int: a numpy integer or an integer tensor (a step counter kept in a
+    tensor) would otherwise reach the bundle's JSON, which cannot hold it, and the evidence would be lost."""
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise TypeError(f"step={step!r}: pass the step number as an int") from None
 
 
 def _scalar(value: Any) -> float | None:
@@ -285,7 +317,9 @@ class Monitor:
 
     Call `check(...)` once per step after `loss.backward()` and before `optimizer.step()`.
 
-    model, optimizer: what to scan (`param:<name>`, `grad:<name>`, `optim:<name>.<key>`).
+    model, optimizer: what to scan (`param:<name>`, `grad:<name>`, `optim:<name>.<key>`; the optimizer's parameters
+        outside the model as `optimizer.param_groups.<group>.params.<index>`). A DistributedDataParallel,
+        DataParallel or torch.compile wrapper is unwrapped: names and stored state are the plain model's.
     bundle_dir: where bundles go, as `<bundle_dir>/<run_id>/step-<N>/`; default: $NANSCAN_BUNDLE_DIR, else
         "nanscan-bundles" (relative to the current directory when the Monitor is created).
     config: the run's configuration (dict, dataclass or namespace of JSON values), stored with its sha256.
@@ -298,11 +332,12 @@ class Monitor:
         39 MiB. Reading `history` copies it to the host (on a GPU, that waits for the GPU).
     log_files: log files whose last 200 lines (at most 64 KiB) are copied into the bundle.
     on_invalid: what check() does when a step is non-finite, after writing the bundle of the first one:
-        "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set every gradient to None,
-        so torch optimizers skip all parameters and optimizer.step() changes nothing, then go on; zeroed
-        gradients would not do, as Adam's momentum would still move the weights), or a callable
-        `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a report whose `.ok` is
-        False: the loop should `continue` (skip optimizer.step() and the scheduler) for that step.
+        "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set the gradient of every
+        parameter of the model and the optimizer to None, so torch optimizers skip them all and optimizer.step()
+        changes nothing, then go on; zeroed gradients would not do, as Adam's momentum would still move the
+        weights), or a callable `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
+        report whose `.ok` is False: the loop should `continue` (skip optimizer.step() and the scheduler) for
+        that step.
         Later non-finite steps are counted in `invalid_steps`, not bundled again.
     replay_entry: "package.module:function" that rebuilds the training step from the config (nanscan.entry).
     snapshot: "none" stores the state at the failing check (the step's update has not run yet, so the weights
@@ -361,11 +396,11 @@ class Monitor:
             raise ValueError(f"replay_entry={replay_entry!r} must look like 'package.module:function'")
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module  # its own names and state, which the single-process model (and replay) also has
+        hooked, model = _unwrap(model)
 
         self._model: torch.nn.Module | None = model
         self._model_ref = weakref.ref(model)
+        self._hooked_ref = weakref.ref(hooked)  # the module whose forward pre-hook marks a step's start
         self.optimizer = optimizer
         self.bundle_dir = Path(bundle_dir or os.environ.get(BUNDLE_DIR_ENV) or DEFAULT_BUNDLE_DIR).absolute()
         self.config = normalize_config(config)
@@ -392,7 +427,7 @@ class Monitor:
         self._rng: dict | None = None
         self._snapshot = _CpuSnapshot() if snapshot == "cpu" else None
         self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
-        self._hook = model.register_forward_pre_hook(_StepStartHook(self), prepend=True)
+        self._hook = hooked.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
@@ -478,7 +513,8 @@ class Monitor:
 
     # -- the step -------------------------------------------------------------------------------------------
     def _on_step_start(self, module: torch.nn.Module) -> None:
-        if not self._armed or not module.training or module is not self._model_ref():
+        model = self._model_ref()
+        if not self._armed or module is not self._hooked_ref() or model is None or not model.training:
             return  # an eval forward, a second forward of the same step, or another module sharing the hook
         self._armed = False
         self._started = True
@@ -486,7 +522,7 @@ class Monitor:
         # slow enough (~0.2 ms) to be taken every step only in exact-snapshot mode, else at the incident.
         self._rng = capture_rng(RNG_SOURCES if self._snapshot is not None else ("torch",))
         if self._snapshot is not None:
-            self._snapshot.capture(module, self.optimizer)
+            self._snapshot.capture(model, self.optimizer)
 
     def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
               step: int | None = None) -> ScanReport:
@@ -495,14 +531,16 @@ class Monitor:
         batch: tensors in nested dicts/lists/tuples; floating ones are scanned as `input:<path>` (e.g.
             `input:tokens`, `input:0.x`); all of them are stored in the bundle of a failing step.
         loss: the loss tensor (or float), scanned as `loss`. sample_ids: ids of the batch's samples (stored).
-        lr: the learning rate (default: the optimizer's first param group). step: overrides the step counter.
+        lr: the learning rate (default: the optimizer's first param group). step: an int that overrides the step
+            counter.
         Returns the ScanReport (in mode="async" a PendingReport, before the scan has finished); see the class
         docstring for what happens when it is not ok.
         """
         model = self.model
-        if step is None:
-            step = self._next_step
-        self._next_step = step + 1
+        step = self._next_step if step is None else _step_number(step)
+        # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
+        # step-start capture behind for a later step to pass off as its own.
+        started, self._started, self._armed = self._started, False, True
         step_inputs, skipped, loss_input = [], [], None
         if batch is not None:
             for path, tensor in iter_batch_tensors(batch):
@@ -518,9 +556,9 @@ class Monitor:
             if loss_input is not None:
                 step_inputs.append(loss_input)
         inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
+        self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
-        started, self._started, self._armed = self._started, False, True
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
         if self.mode == "async":
@@ -681,6 +719,10 @@ class Monitor:
         if policy == "skip":
             for p in self.model.parameters():
                 p.grad = None
+            if self.optimizer is not None:  # it may also update parameters outside the model
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
         if policy in ("warn", "skip"):
             if first:
                 _warn_user(self._message(step, category, tensors, read_at))

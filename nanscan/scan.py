@@ -26,7 +26,8 @@ def scan(tensors: Any, *, backend=None) -> ScanReport:
     """Scan tensors for NaN/inf/zero/subnormal counts, abs min/max, sum of squares and exponent histograms.
 
     `tensors`: a tensor, a list of tensors, a dict name -> tensor, (name, tensor) pairs, or a module (its
-    parameters and buffers). Integer and bool tensors are listed in `report.skipped`. Tensors are read in place.
+    parameters and buffers); numpy arrays are read as tensors. Integer and bool tensors are listed in
+    `report.skipped`. Tensors are read in place.
     `backend`: "cpu", "numba", "cuda", "reference", a backend object, or None (NANSCAN_BACKEND, then auto).
     """
     inputs, skipped = prepare_all(tensors)
@@ -71,13 +72,16 @@ class ModelScanPlan:
       - the module tree: every module's children are the objects they were (the plan holds them, so their ids
         cannot be reused), and so are the entries of every module's parameter dict, which is all that
         named_parameters() reads; without walking it again (the walk costs more than the rest of the check);
-      - the same parameters have gradients, and the optimizer's state values are the same tensor objects;
-      - the parameters and state tensors point where they did (a `.data` swap, `model.half()` or `model.to()`
-        moves them), and every gradient has the layout it had.
+      - the same parameters have gradients, the optimizer's state values are the same tensor objects, and its
+        parameter groups hold the same parameter lists (parameters outside the model are scanned too);
+      - the parameters and state tensors point where they did, with the dtype and size in bytes they had (a
+        `.data` swap, `model.half()` or `model.to()` moves them, or, when the allocator hands the old address
+        back, changes their format or extent at the same address), and every gradient has the layout it had.
     Anything else (a new tensor, a dtype or layout change, a strided view, a DTensor shard, a module class that
-    overrides how its parameters are found) rebuilds the plan, so a step costs the full preparation only when
-    something changed. The result is a ScanInputs (NOTE: [input table]) whose counts, codes and identities are the
-    rebuild's. Inputs come in three runs: parameters, gradients, optimizer state.
+    overrides how its parameters are found, optimizer state kept in lists as LBFGS does) rebuilds the plan, so a
+    step costs the full preparation only when something changed. The result is a ScanInputs (NOTE: [input table])
+    whose counts, codes and identities are the rebuild's. Inputs come in three runs: parameters, gradients,
+    optimizer state.
     """
 
     def __init__(self, shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = _whole):
@@ -95,7 +99,10 @@ class ModelScanPlan:
         self._permuted_grads: list[int] = []  # the others (dense in another dimension order, e.g. channels_last)
         self._state_values: list[Any] = []  # every value of every parameter's state, in optimizer.state's order
         self._state_tensors: list[torch.Tensor] = []  # the scanned ones, in input order
-        self._stable_ptrs = np.empty(0, dtype=np.int64)  # data pointers of the parameters, then the state tensors
+        # The parameters, then the state tensors, as the rebuild found them: data pointers, dtypes, sizes in bytes.
+        self._stable_ptrs = np.empty(0, dtype=np.int64)
+        self._stable_dtypes: list[torch.dtype] = []
+        self._stable_nbytes = np.empty(0, dtype=np.int64)
         self._native_check = _native_plan_check()
         self._templates: list[ScanInput] = []
         self._numels = self._codes = None
@@ -103,19 +110,33 @@ class ModelScanPlan:
         self._devices: tuple[str, ...] = ()
         self._extra_shapes: list[tuple[int, int]] | None = None  # the table of the last step's extra inputs ...
         self._extra_numels = self._extra_codes = None  # ... joined with the model's
+        self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                extra: Sequence[ScanInput] = ()) -> ScanInputs:
         """The inputs to scan this step: `extra` (the batch and the loss, prepared by the caller), then the model's
         parameters, gradients and optimizer state."""
-        if self._fast and model._modules is self._child_dicts[0]:
+        if self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer):
             checked = self._check(optimizer, [item.data_ptr() for item in extra])
             if checked is not None:
                 return self._step_inputs(*checked, extra)
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
-        inputs = self._rebuild(model, list(model.named_parameters()), optimizer, state_values)
+        named = list(model.named_parameters())
+        inputs = self._rebuild(model, named + _optimizer_only(named, optimizer), optimizer, state_values)
         return ScanInputs.join([ScanInputs(extra), inputs])
+
+    def _same_groups(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether the optimizer's parameter lists are the ones of the rebuild (add_param_group adds one; its
+        parameters may be outside the model, and have no state before their first update). A few groups: cheap."""
+        groups = () if optimizer is None else optimizer.param_groups
+        if len(groups) != len(self._group_params):
+            return False
+        for group, (params, size) in zip(groups, self._group_params):
+            held = group["params"]
+            if held is not params or len(held) != size:
+                return False
+        return True
 
     def _check(self, optimizer: torch.optim.Optimizer | None, extra_ptrs: list[int]) -> tuple | None:
         """(data pointers of the extra inputs, parameters, gradients and state; the gradients) when nothing changed
@@ -126,7 +147,8 @@ class ModelScanPlan:
         if self._native_check is not None and not self._permuted_grads:
             return self._native_check(self._child_dicts, self._children, self._param_dicts, self._raw_params, state,
                                       self._state_values, self._params, self._grad_absent, self._state_tensors,
-                                      self._stable_ptrs, extra_ptrs, _data_ptr, _is_contiguous)
+                                      self._stable_ptrs, self._stable_dtypes, self._stable_nbytes, extra_ptrs,
+                                      _data_ptr, _is_contiguous)
         if not (_same_objects([c for d in self._child_dicts for c in d.values()], self._children)
                 and _same_objects([p for d in self._param_dicts for p in d.values()], self._raw_params)
                 and _same_objects([] if state is None else [v for d in state.values() for v in d.values()],
@@ -141,7 +163,9 @@ class ModelScanPlan:
                 not all(is_dense_permutation(grads[i]) for i in self._permuted_grads):
             return None
         param_ptrs, state_ptrs = list(map(_data_ptr, params)), list(map(_data_ptr, tensors))
-        if not np.array_equal(param_ptrs + state_ptrs, self._stable_ptrs):
+        if not np.array_equal(param_ptrs + state_ptrs, self._stable_ptrs) or \
+                [t.dtype for t in params + tensors] != self._stable_dtypes or \
+                not np.array_equal([t.nbytes for t in params + tensors], self._stable_nbytes):
             return None
         return np.array(extra_ptrs + param_ptrs + list(map(_data_ptr, grads)) + state_ptrs, dtype=np.int64), grads
 
@@ -192,11 +216,18 @@ class ModelScanPlan:
             names = {id(p): name for name, p in named}
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    pname = names.get(id(p), f"<unnamed {tuple(p.shape)}>")
+                    pname = names[id(p)]
                     for key, value in optimizer.state.get(p, {}).items():
-                        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                        if _scanned_state(value):
                             if add("optim", pname, value, f".{key}"):
                                 state_tensors.append(value)
+                        elif isinstance(value, list):
+                            # LBFGS keeps its curvature history (old_dirs, old_stps, ro, al) as lists that it
+                            # changes in place, which the per-step check cannot see: rebuild every step.
+                            fast = False
+                            for i, element in enumerate(value):
+                                if _scanned_state(element):
+                                    add("optim", pname, element, f".{key}.{i}")
         inputs = ScanInputs(items)
         modules = list(model.modules())
         self._fast = fast and all(map(_uses_module_walk, modules))
@@ -213,16 +244,42 @@ class ModelScanPlan:
             self._grad_contiguous = [item.layout == CONTIGUOUS for item in grad_items]
             self._permuted_grads = [i for i, contiguous in enumerate(self._grad_contiguous) if not contiguous]
             self._state_values, self._state_tensors = state_values, state_tensors
-            self._stable_ptrs = np.array(list(map(_data_ptr, params + state_tensors)), dtype=np.int64)
+            stable = params + state_tensors
+            self._stable_ptrs = np.array(list(map(_data_ptr, stable)), dtype=np.int64)
+            self._stable_dtypes = [t.dtype for t in stable]
+            self._stable_nbytes = np.array([t.nbytes for t in stable], dtype=np.int64)
             self._templates = [bind(item, None) for item in items]  # descriptions only: no tensor kept
             _, self._numels, self._codes = inputs.table()
             self._identities = inputs.identities
             self._devices = inputs.devices
             self._extra_shapes = None
+            groups = () if optimizer is None else optimizer.param_groups
+            self._group_params = [(group["params"], len(group["params"])) for group in groups]
         else:  # nothing is kept: the next step prepares everything again
             self._child_dicts, self._children, self._param_dicts, self._raw_params = [], [], [], []
             self._params, self._state_values, self._state_tensors, self._templates = [], [], [], []
+            self._group_params = []
         return inputs
+
+
+def _scanned_state(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def _optimizer_only(named: list, optimizer: torch.optim.Optimizer | None) -> list:
+    """(name, parameter) for the optimizer's parameters that are not the model's (a loss weight or temperature
+    kept beside the model): the optimizer updates them, so they are scanned too, named by where the optimizer
+    holds them: `optimizer.param_groups.<group>.params.<index>`."""
+    if optimizer is None:
+        return []
+    known = {id(p) for _, p in named}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in known:
+                known.add(id(p))
+                out.append((f"optimizer.param_groups.{g}.params.{i}", p))
+    return out
 
 
 def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -238,7 +295,8 @@ def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
           backend=None) -> ScanReport:
-    """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state.
+    """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state, and the
+    parameters it trains outside the model.
 
     Steps are counted per model when `step` is not given; the first step with a non-finite value is remembered
     and returned by `first_invalid(model)`. Behind it is a default nanscan.Monitor per model (see

@@ -10,6 +10,7 @@ import math
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -184,6 +185,33 @@ def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path):
     assert mon.bundle_path is not None and load_bundle(mon.bundle_path).category == "input"
 
 
+def test_skip_also_leaves_parameters_the_optimizer_trains_outside_the_model_untouched(tmp_path):
+    model = make_model()
+    log_scale = nn.Parameter(torch.zeros(()))  # a loss weight kept beside the model, as uncertainty weighting does
+    optimizer = torch.optim.SGD([*model.parameters(), log_scale], lr=0.1, momentum=0.9)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid="skip")
+
+    def backward(x):
+        optimizer.zero_grad(set_to_none=True)
+        (model(x).square().mean() * log_scale.exp()).backward()
+
+    backward(make_batch(0)["x"])
+    assert mon.check().ok
+    optimizer.step()
+    x = make_batch(1)["x"]
+    x[2, 2] = float("nan")
+    backward(x)
+    assert torch.isnan(log_scale.grad)
+    before = [t.detach().clone() for t in [*model.parameters(), log_scale]]
+    momentum = optimizer.state[log_scale]["momentum_buffer"].clone()
+    with pytest.warns(NonFiniteWarning, match="category input"):
+        report = mon.check(batch={"x": x})
+    assert not report.ok and log_scale.grad is None
+    optimizer.step()
+    assert all(torch.equal(t, b) for t, b in zip([*model.parameters(), log_scale], before))
+    assert torch.equal(optimizer.state[log_scale]["momentum_buffer"], momentum)
+
+
 def test_callable_policy_gets_report_and_first_bundle_every_time(tmp_path):
     calls = []
     model = make_model()
@@ -206,6 +234,69 @@ def test_raise_again_on_later_steps_names_first_bundle(tmp_path):
         mon.check()
     assert caught.value.step == 4 and caught.value.bundle_path == mon.bundle_path
     assert mon.invalid_steps == 1
+
+
+@pytest.mark.parametrize("wrap", ["torch.compile", pytest.param("DataParallel", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="with a GPU, DataParallel moves the model there; this checks its CPU form"))])
+def test_a_wrapped_model_is_scanned_and_stored_under_the_plain_models_names(wrap, tmp_path):
+    """The bundle must load into the model that replay builds, which is not wrapped: a compiled model's own
+    names all start with `_orig_mod.`, DataParallel's with `module.`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    wrapped = torch.compile(model, backend="eager") if wrap == "torch.compile" else nn.DataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(wrapped, optimizer, bundle_dir=tmp_path, on_invalid="warn", snapshot="cpu")
+    x = torch.randn(8, 4)
+    for step in range(3):
+        step_start_rng = torch.get_rng_state()
+        loss = wrapped(x).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if step == 2:
+            model[2].weight.grad[0, 3] = float("inf")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonFiniteWarning)
+            report = mon.check(batch={"x": x}, loss=loss)
+        if report.ok:
+            optimizer.step()
+    assert report.nonfinite == ["grad:2.weight"] and mon.first_invalid_step == 2
+    bundle = load_bundle(mon.bundle_path)
+    model_state, _ = bundle.state()
+    assert bundle.manifest["state"]["pre_step"] is True  # the snapshot was taken at the wrapped forward's start
+    nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)).load_state_dict(model_state)
+    assert set(bundle.manifest["rng"]["captured_at_by_source"].values()) == {"step_start"}
+    assert torch.equal(bundle.rng_state()["torch_cpu"], step_start_rng)
+
+
+@pytest.mark.parametrize("given", [np.int64(7), torch.tensor(7)], ids=["numpy", "tensor"])
+def test_a_step_given_as_a_numpy_or_tensor_integer_still_gets_its_bundle(given, tmp_path):
+    mon = Monitor(nn.Linear(2, 1), bundle_dir=tmp_path, run_id="r", on_invalid="warn")
+    with pytest.warns(NonFiniteWarning):
+        report = mon.check(loss=float("nan"), step=given)
+    assert report.step == 7 and type(report.step) is int and mon.step == 8
+    assert mon.bundle_error is None and mon.bundle_path == tmp_path / "r" / "step-7"
+    assert load_bundle(mon.bundle_path).manifest["first_invalid_step"] == 7
+    with pytest.raises(TypeError, match=r"step=2\.5: pass the step number as an int"):
+        mon.check(step=2.5)
+
+
+def test_a_check_that_cannot_read_its_batch_is_not_a_step(tmp_path):
+    """It counts no step, and the step start it consumed is not passed off as the next step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    mon = Monitor(model, bundle_dir=tmp_path, on_invalid="warn")
+    x = torch.randn(8, 4)
+    model(x).sum().backward()
+    with pytest.raises(nanscan.UnsupportedTensorError, match="'input:x8' has dtype float8_e4m3fn"):
+        mon.check(batch={"x8": torch.zeros(2).to(torch.float8_e4m3fn)})
+    assert mon.step == 0 and not mon.history
+    step_start_rng = torch.get_rng_state()
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    model[0].weight.grad[1, 1] = float("nan")
+    with pytest.warns(NonFiniteWarning):
+        assert mon.check(batch={"x": x}).step == 0
+    assert torch.equal(load_bundle(mon.bundle_path).rng_state()["torch_cpu"], step_start_rng)
 
 
 def _bn_model() -> nn.Module:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,7 +152,37 @@ def test_complex_tensors_are_scanned_as_real_and_imaginary_parts():
     assert (stats.dtype, stats.numel, stats.nan, stats.absmax) == ("complex64", 4, 1, 3.0)
 
 
+def test_lazily_conjugated_and_negated_views_are_read_by_their_values():
+    """z.conj() and z.conj().imag are views whose sign lives in a flag, not in memory: the imaginary +inf below is
+    -inf in both, and view_as_real refuses a conjugated tensor outright."""
+    z = torch.tensor([complex(1.0, float("inf")), complex(float("nan"), 2.0)], dtype=torch.complex64)
+    conj, imag = z.conj(), z.conj().imag
+    assert conj.is_conj() and imag.is_neg()
+    report = nanscan.scan({"conj": conj, "imag": imag})
+    for name, materialized in {"conj": conj.resolve_conj(), "imag": torch.tensor([float("-inf"), -2.0])}.items():
+        expected = nanscan.scan({name: materialized})
+        assert np.array_equal(report.records[report.names.index(name)], expected.records[0]), name
+    assert (report["conj"].nan, report["conj"].posinf, report["conj"].neginf) == (1, 0, 1)
+    assert (report["imag"].posinf, report["imag"].neginf, report["imag"].dtype) == (0, 1, "float32")
+
+
+def test_numpy_arrays_are_scanned_as_tensors():
+    values = np.array([[1.0, np.nan, -4.0], [np.inf, 0.0, 2.0]])
+    report = nanscan.scan(values)
+    assert report.names == ["tensor"] and report["tensor"].numel == 6
+    columns = nanscan.scan({"strided": values[:, ::2], "half": values.astype(np.float16), "ids": np.arange(3)})
+    assert (columns["strided"].nan, columns["strided"].posinf, columns["strided"].absmax) == (0, 1, 4.0)
+    assert columns["half"].dtype == "float16" and columns["half"].nan == 1
+    assert columns.skipped == ["ids"]
+    with pytest.raises(nanscan.UnsupportedTensorError, match="'wide' is a numpy array of dtype object"):
+        nanscan.scan({"wide": np.array([1.0, None])})
+
+
 # -- what cannot be scanned ------------------------------------------------------------------------------------------
+
+def test_an_uninitialized_lazy_parameter_raises_naming_it():
+    with pytest.raises(nanscan.UnsupportedTensorError, match="'weight' is an uninitialized parameter.*forward"):
+        nanscan.scan(torch.nn.LazyLinear(3))
 
 def test_a_meta_tensor_raises_naming_it():
     with pytest.raises(nanscan.UnsupportedTensorError, match="'encoder.weight' is a meta tensor"):

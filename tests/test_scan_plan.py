@@ -141,6 +141,98 @@ def test_every_change_to_the_tensor_set_rebuilds(change, new_plan):
     assert plan.rebuilds == 2, "the changed model is planned once, then reused"
 
 
+def test_optimizer_parameters_outside_the_model_are_scanned_and_a_new_group_rebuilds(new_plan):
+    """A loss weight the optimizer trains beside the model, and a group added later whose parameter has neither
+    state nor gradient yet: only the optimizer's parameter lists show it."""
+    model = make_model()
+    temperature = nn.Parameter(torch.tensor(0.5))
+    optimizer = torch.optim.Adam([*model.parameters(), temperature], lr=1e-2)
+    plan = new_plan()
+
+    def backward_with_temperature():
+        optimizer.zero_grad(set_to_none=True)
+        (model(torch.randn(5, 6)).square().mean() * temperature).backward()
+
+    backward_with_temperature()
+    optimizer.step()
+    for _ in range(2):
+        backward_with_temperature()
+        report = assert_plan_matches_fresh(plan, model, optimizer)
+    outside = "optimizer.param_groups.0.params.6"
+    for name in (f"param:{outside}", f"grad:{outside}", f"optim:{outside}.exp_avg"):
+        assert name in report, name
+    assert plan.rebuilds == 1
+    optimizer.add_param_group({"params": [nn.Parameter(torch.full((3,), float("nan")))]})
+    report = assert_plan_matches_fresh(plan, model, optimizer)
+    assert report.nonfinite == ["param:optimizer.param_groups.1.params.0"] and plan.rebuilds == 2
+
+
+def test_lbfgs_history_lists_are_scanned_as_they_change(new_plan):
+    """LBFGS keeps its curvature pairs in lists of tensors that it appends to in place."""
+    model = make_model()
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=2)
+    x = torch.randn(5, 6)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    plan = new_plan()
+    for _ in range(3):
+        closure()
+        assert_plan_matches_fresh(plan, model, optimizer)
+        optimizer.step(closure)
+    closure()
+    old_dirs = optimizer.state[model[0].weight]["old_dirs"]
+    assert len(old_dirs) >= 2
+    old_dirs[-1][0] = float("nan")
+    report = assert_plan_matches_fresh(plan, model, optimizer)
+    assert report.nonfinite == [f"optim:0.weight.old_dirs.{len(old_dirs) - 1}"]
+
+
+def test_a_parameter_cut_down_to_a_view_that_keeps_its_pointer_is_scanned_at_its_new_size(new_plan):
+    model = make_model()
+    plan = new_plan()
+    for _ in range(2):
+        assert_plan_matches_fresh(plan, model)
+    weight = model[0].weight
+    with torch.no_grad():
+        weight[4:] = float("nan")  # the rows about to be cut off
+    weight.data = weight.data[:4]  # the same data pointer, half the elements
+    report = assert_plan_matches_fresh(plan, model)
+    assert report.ok and report["param:0.weight"].numel == weight.numel()
+
+
+def test_a_parameter_reinterpreted_in_place_is_scanned_in_its_new_format(new_plan):
+    # float16 -> bfloat16 at the same address and size: what model.half() then model.bfloat16() can give when the
+    # allocator hands the freed block back. Read as float16, 0x7F80 (bfloat16 +inf) is a finite 2.0e4.
+    model = make_model().half()
+    plan = new_plan()
+    for _ in range(2):
+        assert_plan_matches_fresh(plan, model)
+    weight = model[0].weight
+    weight.data = weight.data.view(torch.bfloat16)
+    weight.data.view(torch.int16)[0, 0] = 0x7F80
+    report = assert_plan_matches_fresh(plan, model)
+    assert report["param:0.weight"].dtype == "bfloat16" and report.nonfinite == ["param:0.weight"]
+
+
+def test_optimizer_state_cut_down_in_place_is_scanned_at_its_new_size(new_plan):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    plan = new_plan()
+    backward(model)
+    optimizer.step()
+    for _ in range(2):
+        assert_plan_matches_fresh(plan, model, optimizer)
+    exp_avg = optimizer.state[model[0].weight]["exp_avg"]
+    exp_avg.data = exp_avg.data[:2]  # same address, fewer bytes
+    report = assert_plan_matches_fresh(plan, model, optimizer)
+    assert report["optim:0.weight.exp_avg"].numel == exp_avg.numel()
+
+
 def test_gradients_assigned_with_other_layouts_are_scanned_correctly(new_plan):
     model = make_model()
     plan = new_plan()
