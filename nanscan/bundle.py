@@ -14,6 +14,9 @@ Layout (schema "nanscan.bundle/1"):
   INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
 
 Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
+A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
+the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
+and no unlisted file sits in the directory, and every listed file has its recorded size and sha256.
 Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
 writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
 valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -77,7 +81,8 @@ LOG_TAIL_BYTES = 64 << 10
 DETECT_FINDING = "detect"
 
 REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "category", "nonfinite_tensors", "source", "config",
-                 "config_sha256", "environment", "batch", "rng", "history", "state", "replay_entry", "files")
+                 "config_sha256", "environment", "batch", "rng", "history", "state", "replay_entry", "files",
+                 "incident", "ledger")
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -317,6 +322,28 @@ def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dic
     save_file(_for_saving(tensors), str(path), metadata=metadata)
 
 
+@contextlib.contextmanager
+def _reading(path: str | Path) -> Iterator[None]:
+    """Turn a structural surprise while decoding a bundle file (a missing key, a wrong type, an index out of range)
+    into a BundleError naming the file, instead of a traceback from deep inside the decoder."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise BundleError(f"{path} does not hold what its manifest describes ({type(exc).__name__}: {exc}); the "
+                          "bundle is damaged or was edited, ask for a fresh copy") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError and JSONDecodeError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise BundleError(f"{path} is not valid JSON ({reason}); the bundle is damaged or was edited, ask for a "
+                          "fresh copy") from None
+
+
 def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -386,21 +413,45 @@ def _history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.T
     return tensors, index
 
 
+_JSON_FLOAT_STRINGS = ("nan", "inf", "-inf")
+
+
 def _history_from_payload(tensors: Mapping[str, torch.Tensor], index: Mapping) -> list[HistoryEntry]:
+    """HistoryEntries from the stored records and index; raises ValueError (or another structural error) for a
+    payload the writer could not have produced, so a damaged file never yields plausible-looking statistics."""
+    if not isinstance(index, dict):
+        raise ValueError(f"{HISTORY_INDEX} holds a {type(index).__name__}, not an object")
     if index.get("record_width") != L.RECORD_WIDTH:
         raise BundleError(f"{HISTORY_INDEX}: records are {index.get('record_width')} slots wide, this nanscan "
                           f"reads {L.RECORD_WIDTH}; use the nanscan version that wrote the bundle")
-    records = tensors["records"].numpy()
-    offsets = tensors["row_offsets"].tolist()
+    records, row_offsets = tensors["records"], tensors["row_offsets"]
+    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] != L.RECORD_WIDTH:
+        raise ValueError(f"records are {records.dtype} {tuple(records.shape)}, expected int64 (n, {L.RECORD_WIDTH})")
+    records = records.numpy()
+    if (records[:, :L.REC_ABSMAX_BITS] < 0).any() or (records[:, L.REC_HIST:] < 0).any():
+        raise ValueError("records hold negative counts")
+    entries, layouts = index["entries"], index["layouts"]
+    if row_offsets.dtype != torch.int64 or row_offsets.dim() != 1:
+        raise ValueError(f"row_offsets are {row_offsets.dtype} {tuple(row_offsets.shape)}, expected int64 (n,)")
+    offsets = row_offsets.tolist()
+    if (len(offsets) != len(entries) + 1 or offsets[0] != 0 or offsets[-1] != len(records)
+            or any(b < a for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"row_offsets {offsets[:4]}... do not split {len(records)} records into {len(entries)} steps")
     out = []
-    for i, entry in enumerate(index["entries"]):
-        layout = index["layouts"][entry["layout"]]
-        scanned = [ScannedTensor(*fields) for fields in zip(layout["names"], layout["dtypes"], layout["devices"],
-                                                            layout["numels"], layout["scanned_codes"])]
+    for i, entry in enumerate(entries):
+        if not _is_int(entry["layout"]) or not 0 <= entry["layout"] < len(layouts) or not _is_int(entry["step"]):
+            raise ValueError(f"entry {i} has layout {entry['layout']!r} and step {entry['step']!r}")
+        layout = layouts[entry["layout"]]
+        columns = [layout[k] for k in ("names", "dtypes", "devices", "numels", "scanned_codes")]
+        if len({len(c) for c in columns}) != 1 or any(code not in L.DTYPE_NAMES for code in layout["scanned_codes"]):
+            raise ValueError(f"layout {entry['layout']} has columns of different lengths or unknown dtype codes")
+        scanned = [ScannedTensor(*fields) for fields in zip(*columns)]
+        values = [entry[k] for k in ("loss", "lr", "grad_norm")]
+        if not all(v is None or _is_int(v) or isinstance(v, float) or v in _JSON_FLOAT_STRINGS for v in values):
+            raise ValueError(f"entry {i} (step {entry['step']}) has loss, lr, grad_norm {values}")
         report = ScanReport(scanned, records[offsets[i]:offsets[i + 1]].copy(), skipped=layout["skipped"],
                             backend=entry["backend"], step=entry["step"])
-        out.append(HistoryEntry(entry["step"], float_from_json(entry["loss"]), float_from_json(entry["lr"]),
-                                float_from_json(entry["grad_norm"]), report))
+        out.append(HistoryEntry(entry["step"], *map(float_from_json, values), report))
     return out
 
 
@@ -464,9 +515,27 @@ def render_incident(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     if not notes:
         lines += ['_No notes yet: add one with `nanscan note <this directory> "text"`._', ""]
     for record in notes:
-        lines += [f"<!-- nanscan:note {record['key']} -->",
-                  f"**{record.get('author') or 'anonymous'}**, {record['at']}:", "", record["text"].rstrip(), ""]
+        author = " ".join(str(record.get("author") or "anonymous").split())
+        lines += [f"<!-- nanscan:note {record['key']} -->", f"**{author}**, {record['at']}:", "",
+                  *_quoted(record["text"]), ""]
     return "\n".join(lines)
+
+
+# A '#' that could open a heading: at the start of a line, or after block-quote and list markers only.
+_HEADING = re.compile(r"^((?:[ \t]*(?:>|[-+*]|\d{1,9}[.)])(?=[ \t]|$))*[ \t]*)(#)")
+_SETEXT_UNDERLINE = re.compile(r"^ {0,3}(=+|-+)\s*$")
+
+
+def _quoted(text: str) -> list[str]:
+    """A reviewer's text as a Markdown block quote in which no line can start a heading or hide an HTML comment,
+    so a note can never pose as an "Automatic findings" section or as one of its markers."""
+    out = []
+    for line in text.rstrip().splitlines():
+        line = _HEADING.sub(r"\1\\\2", line.replace("<!--", "&lt;!--"))
+        if _SETEXT_UNDERLINE.match(line):  # would turn the line above into a heading
+            line = "\\" + line.lstrip()
+        out.append(f"> {line}".rstrip())
+    return out
 
 
 def _detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
@@ -496,6 +565,19 @@ def _detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     return {"kind": "finding", "key": DETECT_FINDING,
             "title": f"First non-finite step: {inc.step} ({inc.category})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
+
+
+def _valid_ledger_record(record: Any) -> bool:
+    """Whether a ledger line has the fields render_incident and the readers use, with their types."""
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        return False
+    if record.get("kind") == "finding":
+        return (isinstance(record.get("title"), str) and isinstance(record.get("body"), str)
+                and isinstance(record.get("record", {}), dict))
+    if record.get("kind") == "note":
+        return (isinstance(record.get("text"), str) and isinstance(record.get("at"), str)
+                and (record.get("author") is None or isinstance(record.get("author"), str)))
+    return False
 
 
 def _ledger_bytes(records: Sequence[Mapping]) -> bytes:
@@ -701,22 +783,44 @@ def _locked(path: Path, *, exclusive: bool) -> Iterator[None]:
 
 
 def _safe_member(root: Path, name: str) -> Path:
-    """A file named by the manifest, refused if the name could reach outside the bundle."""
-    parts = Path(name).parts
-    if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
-        raise BundleError(f"{root / MANIFEST} lists the file {name!r}, which points outside the bundle; "
+    """A file named by the manifest, refused if the name could reach outside the bundle.
+
+    Names are what the writer produces: relative POSIX paths without '.', '..', empty or hidden parts, so each file
+    has exactly one name. No part may be a symbolic link: a received bundle could otherwise make a reader show (or a
+    note replace) a file anywhere on this machine while every sha256 still matches."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if (not parts or "\\" in name or "\0" in name
+            or any(not part or part in (".", "..") or part.startswith(".") for part in parts)):
+        raise BundleError(f"{root / MANIFEST} lists the file {name!r}, which is not a plain relative path (it is "
+                          "absolute, uses '..', or is hidden or not normalised) and could point outside the bundle; "
                           "the manifest was tampered with, do not use this bundle")
-    return root / name
+    path = root
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise BundleError(f"{path} is a symbolic link: a bundle holds plain files only, and a link could point "
+                              "outside it; do not use this bundle, ask for a copy made without links")
+    return path
+
+
+# The only files an update replaces (Bundle._update_ledger); anything else under a pending name is not nanscan's.
+_PENDING_NAMES = (LEDGER, INCIDENT, MANIFEST)
 
 
 def _finish_pending(root: Path) -> None:
     """Complete or discard an update that was interrupted (see the module docstring). Call under the lock."""
     for leftover in root.glob(f"{TEMP_PREFIX}*"):
-        if leftover.is_file():  # a temporary file of an atomic write that was killed half way
+        if leftover.is_file() and not leftover.is_symlink():  # a temporary file of an atomic write killed half way
             leftover.unlink()
     pending = sorted(p for p in root.iterdir() if p.name.startswith(PENDING_PREFIX))
     if not pending:
         return
+    for p in pending:
+        # Renaming them would put a received directory or link (pointing anywhere) under a bundle file's name.
+        if p.name[len(PENDING_PREFIX):] not in _PENDING_NAMES or p.is_symlink() or not p.is_file():
+            raise BundleError(f"{p} is not part of an interrupted nanscan update (only plain files named "
+                              f"{', '.join(PENDING_PREFIX + n for n in _PENDING_NAMES)} are); the bundle was "
+                              "tampered with, do not use it")
     committed = root / f"{PENDING_PREFIX}{MANIFEST}"
     if committed.exists():
         for p in pending:
@@ -729,15 +833,77 @@ def _finish_pending(root: Path) -> None:
     fsync_dir(root)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        # json keeps the last value silently: a file listed twice could show one sha256 and check another
+        raise ValueError(f"the key(s) {', '.join(map(repr, twice))} appear twice in one object")
+    return dict(pairs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _manifest_type_errors(manifest: Mapping) -> list[str]:
+    """Fields whose type the readers cannot use, each as 'name (what it should be)'."""
+    def optional(value, kind) -> bool:
+        return value is None or isinstance(value, kind)
+
+    errors = [f"{key} ({what})" for key, ok, what in (
+        ("run_id", isinstance(manifest["run_id"], str), "a string"),
+        ("first_invalid_step", _is_int(manifest["first_invalid_step"]), "an integer"),
+        ("category", isinstance(manifest["category"], str), "a string"),
+        ("config", optional(manifest["config"], dict), "an object or null"),
+        ("config_sha256", optional(manifest["config_sha256"], str), "a string or null"),
+        ("environment", isinstance(manifest["environment"], dict), "an object"),
+        ("replay_entry", optional(manifest["replay_entry"], str), "a string or null"),
+        ("incident", isinstance(manifest["incident"], str), "a file name"),
+        ("ledger", isinstance(manifest["ledger"], str), "a file name"),
+        ("detected_at", optional(manifest.get("detected_at"), str), "a string or null"),
+        ("distributed", optional(manifest.get("distributed"), dict), "an object"),
+        ("category_tensors", isinstance(manifest.get("category_tensors", []), list)
+         and all(isinstance(n, str) for n in manifest.get("category_tensors", [])), "a list of tensor names"),
+    ) if not ok]
+    errors += [f"{key} (an object)" for key in ("batch", "rng", "history", "state", "source")
+               if not isinstance(manifest[key], dict)]
+    if not errors:
+        errors += [f"{part}.{key} (a file name or null)" for part, key in (
+            ("batch", "file"), ("rng", "file"), ("history", "file"), ("history", "index"), ("state", "file"),
+            ("state", "structure"), ("source", "diff_file")) if not optional(manifest[part].get(key), str)]
+    rows = manifest["nonfinite_tensors"]
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("name"), str)
+            and all(_is_int(r.get(k)) and r[k] >= 0 for k in ("nan", "posinf", "neginf", "numel")) for r in rows):
+        errors.append("nonfinite_tensors (a list of {name, nan, posinf, neginf, numel} with counts)")
+    logs = manifest.get("logs", [])
+    if not isinstance(logs, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("source"), str) and optional(e.get("file"), str) for e in logs):
+        errors.append("logs (a list of {source, file})")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", e["sha256"])
+            and _is_int(e.get("bytes")) and e["bytes"] >= 0 for e in files.values()):
+        errors.append("files (an object mapping each file name to its sha256 and bytes)")
+    return errors
+
+
 def _read_manifest(root: Path) -> dict:
     path = root / MANIFEST
+    if path.is_symlink():
+        raise BundleError(f"{path} is a symbolic link: a bundle holds plain files only, and a link could point "
+                          "outside it; do not use this bundle, ask for a copy made without links")
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: it is not a bundle, or a copy that lost its manifest")
     try:
-        manifest = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc}): the file is truncated or damaged; "
+        manifest = json.loads(path.read_bytes(), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise BundleError(f"{path} is not valid JSON ({reason}): the file is truncated, damaged or was edited; "
                           "ask for a fresh copy of the bundle") from None
+    except OSError as exc:
+        raise BundleError(f"{path} cannot be read ({exc}); check its permissions") from None
     if not isinstance(manifest, dict) or "schema" not in manifest:
         raise BundleError(f"{path} has no 'schema' key: this is not a nanscan bundle")
     schema = manifest["schema"]
@@ -749,12 +915,28 @@ def _read_manifest(root: Path) -> dict:
     if missing:
         raise BundleError(f"{path} lacks {', '.join(missing)}: the manifest is incomplete or was edited; "
                           "ask for a fresh copy of the bundle")
-    if not isinstance(manifest["files"], dict):
-        raise BundleError(f"{path}: 'files' must map file names to their sha256; the manifest was edited")
-    wrong = [k for k in ("batch", "rng", "history", "state", "source") if not isinstance(manifest[k], dict)]
-    if wrong or not isinstance(manifest.get("logs", []), list):
-        raise BundleError(f"{path}: {', '.join(wrong) or 'logs'} has the wrong type; the manifest was edited")
+    for name in manifest["files"] if isinstance(manifest["files"], dict) else ():
+        _safe_member(root, name)  # a name reaching outside the bundle says more than any type error next to it
+    wrong = _manifest_type_errors(manifest)
+    if wrong:
+        raise BundleError(f"{path}: wrong type for {'; '.join(wrong)}: the manifest was edited or damaged; "
+                          "ask for a fresh copy of the bundle")
     return manifest
+
+
+def _unlisted_files(root: Path, listed: Mapping[str, Any]) -> list[str]:
+    """Files and links in the bundle that the manifest does not list (hidden names aside: the writer never lists
+    them, and copies pick up some, like .DS_Store)."""
+    unlisted = []
+    for dirpath, dirnames, filenames in os.walk(root):  # links to directories are listed, not followed
+        here = Path(dirpath)
+        names = filenames + [d for d in dirnames if (here / d).is_symlink()]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (here / d).is_symlink()]
+        for name in names:
+            rel = (here / name).relative_to(root).as_posix()
+            if not name.startswith(".") and rel != MANIFEST and rel not in listed:
+                unlisted.append(rel)
+    return sorted(unlisted)
 
 
 def _check_files(root: Path, manifest: Mapping, only: Sequence[str] | None = None) -> None:
@@ -762,27 +944,33 @@ def _check_files(root: Path, manifest: Mapping, only: Sequence[str] | None = Non
         if only is not None and name not in only:
             continue
         path = _safe_member(root, name)
-        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-            raise BundleError(f"{root / MANIFEST}: the entry for {name} has no sha256; the manifest was edited")
         if not path.is_file():
-            raise BundleError(f"{path} is missing: the bundle is incomplete (copied partially?); "
+            what = "is not a regular file" if path.exists() else "is missing"
+            raise BundleError(f"{path} {what}: the bundle is incomplete (copied partially?); "
                               "ask for the whole directory again")
-        size, expected = path.stat().st_size, entry.get("bytes")
-        if isinstance(expected, int) and size < expected:
+        size, expected = path.stat().st_size, entry["bytes"]
+        if size < expected:
             raise BundleError(f"{path} is truncated ({size} of {expected} bytes): the copy was cut short; "
                               "copy the bundle again")
         if sha256_file(path) != entry["sha256"]:
             raise BundleError(f"{path} does not match its sha256 in {MANIFEST}: it was modified after the bundle "
                               "was written; do not trust it, get an untouched copy (notes belong in "
                               "`nanscan note`, not in hand edits)")
-    referenced = [manifest.get("incident"), manifest.get("ledger"), manifest["batch"].get("file"),
+    referenced = [manifest["incident"], manifest["ledger"], manifest["batch"].get("file"),
                   manifest["rng"].get("file"), manifest["history"].get("file"), manifest["history"].get("index"),
                   manifest["state"].get("file"), manifest["state"].get("structure"),
-                  manifest["source"].get("diff_file"), *[e.get("file") for e in manifest.get("logs", []) if isinstance(e, dict)]]
+                  manifest["source"].get("diff_file"), *[e.get("file") for e in manifest.get("logs", [])]]
     for name in referenced:
         if name and name not in manifest["files"]:
             raise BundleError(f"{root / MANIFEST} refers to {name} but lists no sha256 for it; "
                               "the manifest was edited, do not use this bundle")
+    if only is None:
+        unlisted = _unlisted_files(root, manifest["files"])
+        if unlisted:
+            shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+            raise BundleError(f"{root} holds {shown}, which {MANIFEST} does not list: it was added after the bundle "
+                              "was written and is not part of the evidence; move it out of the bundle directory "
+                              "(reports and notes go elsewhere, or through `nanscan note`)")
 
 
 def _validate(root: Path, only: Sequence[str] | None = None) -> dict:
@@ -895,9 +1083,14 @@ class Bundle:
     def history(self) -> list[HistoryEntry]:
         """The Monitor's history up to and including the failing step, with rebuilt ScanReports."""
         info = self.manifest["history"]
-        tensors, _ = _load_tensors(self._member(info["file"]))
-        index = json.loads(self._member(info["index"]).read_bytes())
-        return _history_from_payload(tensors, index)
+        if not info.get("file") or not info.get("index"):
+            raise BundleError(f"{self.path / MANIFEST} names no history files ({HISTORY}, {HISTORY_INDEX}); "
+                              "the manifest was edited, ask for a fresh copy of the bundle")
+        tensors_path, index_path = self._member(info["file"]), self._member(info["index"])
+        tensors, _ = _load_tensors(tensors_path)
+        index = _read_json(index_path)
+        with _reading(f"{tensors_path} with {index_path.name}"):
+            return _history_from_payload(tensors, index)
 
     @property
     def batch_structure(self) -> Any:
@@ -910,8 +1103,12 @@ class Bundle:
         info = self.manifest["batch"]
         if not info.get("file"):
             return None if nested else {}
-        tensors, _ = _load_tensors(self._member(info["file"]))
-        return _decode_tree(info["structure"], tensors) if nested else tensors
+        path = self._member(info["file"])
+        tensors, _ = _load_tensors(path)
+        if not nested:
+            return tensors
+        with _reading(f"{path} with the batch structure in {MANIFEST}"):
+            return _decode_tree(info["structure"], tensors)
 
     @property
     def sample_ids(self) -> Any:
@@ -924,10 +1121,16 @@ class Bundle:
         if not info.get("file"):
             raise BundleError(f"{self.path} holds no model state ({info.get('note')}); "
                               "record one with Monitor(model, ...)")
-        tensors, _ = _load_tensors(self._member(info["file"]))
-        structure = json.loads(self._member(info["structure"]).read_bytes())
-        model = _decode_tree(structure["model"], tensors)
-        optimizer = _decode_tree(structure["optimizer"], tensors) if structure.get("optimizer") is not None else None
+        if not info.get("structure"):
+            raise BundleError(f"{self.path / MANIFEST} names {info['file']} but no {STATE_STRUCTURE} for it; the "
+                              "manifest was edited, ask for a fresh copy of the bundle")
+        tensors_path, structure_path = self._member(info["file"]), self._member(info["structure"])
+        tensors, _ = _load_tensors(tensors_path)
+        structure = _read_json(structure_path)
+        with _reading(f"{tensors_path} with {structure_path.name}"):
+            model = _decode_tree(structure["model"], tensors)
+            optimizer = structure.get("optimizer")
+            optimizer = _decode_tree(optimizer, tensors) if optimizer is not None else None
         return model, optimizer
 
     def rng_state(self) -> dict | None:
@@ -935,19 +1138,25 @@ class Bundle:
         info = self.manifest["rng"]
         if not info.get("file"):
             return None
-        tensors, metadata = _load_tensors(self._member(info["file"]))
+        path = self._member(info["file"])
+        tensors, metadata = _load_tensors(path)
         try:
             meta = json.loads(metadata[RNG_METADATA_KEY])
         except (KeyError, json.JSONDecodeError) as exc:
-            raise BundleError(f"{self.path / info['file']} lacks its '{RNG_METADATA_KEY}' metadata") from exc
-        return rng_from_tensors(tensors, meta)
+            raise BundleError(f"{path} lacks its '{RNG_METADATA_KEY}' metadata; the bundle is damaged, ask for a "
+                              "fresh copy") from exc
+        with _reading(path):
+            return rng_from_tensors(tensors, meta)
 
     def restore_rng(self) -> None:
         """Put this process's RNGs into the state recorded at the start of the failing step."""
         state = self.rng_state()
         if state is None:
             raise BundleError(f"{self.path} holds no RNG state")
-        restore_rng(state)
+        try:
+            restore_rng(state)
+        except ValueError as exc:
+            raise BundleError(f"{self.path / self.manifest['rng']['file']}: {exc}") from None
 
     def log_tail(self, source_or_name: str) -> bytes:
         for entry in self.manifest.get("logs", []):
@@ -956,12 +1165,26 @@ class Bundle:
         raise KeyError(f"no log {source_or_name!r} in {self.path}")
 
     def incident_text(self) -> str:
-        return self._member(self.manifest["incident"]).read_text(encoding="utf-8")
+        """INCIDENT.md; bytes that are not UTF-8 (which nanscan never writes) show as U+FFFD."""
+        return self._member(self.manifest["incident"]).read_bytes().decode("utf-8", errors="replace")
 
     def ledger(self) -> list[dict]:
         """Findings and notes, in the order they were added."""
-        data = self._member(self.manifest["ledger"]).read_bytes()
-        return [json.loads(line) for line in data.splitlines() if line.strip()]
+        path = self._member(self.manifest["ledger"])
+        records = []
+        for number, line in enumerate(path.read_bytes().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise BundleError(f"{path}, line {number}: not a JSON record ({exc.__class__.__name__}); the bundle "
+                                  "is damaged or was edited, ask for a fresh copy") from None
+            if not _valid_ledger_record(record):
+                raise BundleError(f"{path}, line {number}: not a finding or note record; the bundle is damaged or "
+                                  "was edited, ask for a fresh copy")
+            records.append(record)
+        return records
 
     def findings(self) -> list[dict]:
         return [r for r in self.ledger() if r.get("kind") == "finding"]
@@ -1000,6 +1223,8 @@ class Bundle:
         if not text:
             raise ValueError("a note needs some text")
         key = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+        if author is not None:
+            author = " ".join(str(author).split()) or None  # a label: on one line, it cannot start a heading
         entry = {"kind": "note", "key": key, "text": text, "author": author, "at": _now()}
 
         def update(ledger: list[dict]) -> list[dict] | None:
@@ -1010,6 +1235,17 @@ class Bundle:
         return self._update_ledger(update)
 
     def _update_ledger(self, update) -> bool:
+        try:
+            return self._update_ledger_locked(update)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                hint = ("the bundle directory must be writable; copy the whole directory somewhere writable (cp -r) "
+                        "and add to the copy")
+            else:
+                hint = "nothing was changed; fix the cause (disk space, file system) and add it again"
+            raise BundleError(f"cannot update {self.path} ({exc}): {hint}") from None
+
+    def _update_ledger_locked(self, update) -> bool:
         with _locked(self.path, exclusive=True):
             _finish_pending(self.path)
             # Under the lock, as another process may have added something; the files rewritten here are checked
@@ -1034,9 +1270,18 @@ class Bundle:
 def _commit(root: Path, contents: Mapping[str, bytes], manifest: bytes) -> None:
     """Replace files and the manifest as one step: pending files first, then the pending manifest (the commit
     point), then the renames. _finish_pending completes or discards an interrupted commit."""
-    for name, data in contents.items():
-        atomic_write_bytes(root / f"{PENDING_PREFIX}{name}", data)
-    atomic_write_bytes(root / f"{PENDING_PREFIX}{MANIFEST}", manifest)
+    written = []
+    try:
+        for name, data in contents.items():
+            written.append(atomic_write_bytes(root / f"{PENDING_PREFIX}{name}", data))
+        atomic_write_bytes(root / f"{PENDING_PREFIX}{MANIFEST}", manifest)
+    except BaseException:
+        # Before the commit point: drop the pending files, so a read-only copy of this bundle (which cannot discard
+        # them on opening) does not inherit an update that never happened.
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
     _finish_pending(root)
 
 
@@ -1060,7 +1305,7 @@ def note_command(bundle: Path, text: str, author: str | None):
     try:
         opened = load_bundle(bundle)
         added = opened.add_note(text, author=author)
-    except (BundleError, ValueError) as exc:
+    except (BundleError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     where = opened.path / INCIDENT
     click.echo(f"note added to {where}" if added else f"the same note is already in {where}; nothing changed")

@@ -234,9 +234,41 @@ def capture_rng(sources: tuple[str, ...] = RNG_SOURCES) -> dict:
     return state
 
 
+_MT19937_WORDS = 624  # numpy's and Python's Mersenne Twister keys
+
+
+def _rng_state_problems(state: dict) -> list[str]:
+    """What in an RNG state (from a bundle, so possibly damaged) the generators would refuse, checked before any
+    generator is touched so a bad state never leaves them half restored."""
+    problems = []
+    cpu = state.get("torch_cpu")
+    expected = torch.get_rng_state().numel()
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.shape != (expected,):
+        shape = tuple(cpu.shape) if isinstance(cpu, torch.Tensor) else type(cpu).__name__
+        problems.append(f"torch_cpu is {shape}, this torch's generator state is {expected} bytes")
+    numpy_state = state.get("numpy")
+    try:
+        numpy_ok = (isinstance(numpy_state, tuple) and len(numpy_state) == 5 and numpy_state[0] == "MT19937"
+                    and len(numpy_state[1]) == _MT19937_WORDS and 0 <= int(numpy_state[2]) <= _MT19937_WORDS)
+    except (TypeError, ValueError):
+        numpy_ok = False
+    if not numpy_ok:
+        problems.append("numpy is not an MT19937 state (algorithm, 624 keys, position, has_gauss, gaussian)")
+    python_state = state.get("python")
+    if (not isinstance(python_state, tuple) or len(python_state) != 3 or not isinstance(python_state[1], tuple)
+            or len(python_state[1]) != _MT19937_WORDS + 1):
+        problems.append("python is not a random.getstate() tuple (version, 625 integers, gauss_next)")
+    return problems
+
+
 def restore_rng(state: dict) -> None:
     """Put back the RNG states from capture_rng (or from a bundle). CUDA states are restored when this process
-    has at least as many CUDA devices as were recorded."""
+    has at least as many CUDA devices as were recorded. Raises ValueError, changing no generator, for a state
+    that is damaged or was recorded by another torch version."""
+    problems = _rng_state_problems(state)
+    if problems:
+        raise ValueError(f"cannot restore the recorded RNG state: {'; '.join(problems)} (a damaged bundle, or one "
+                         "recorded by another torch version: replay with that version)")
     torch.set_rng_state(state["torch_cpu"])
     cuda_states = state.get("torch_cuda") or []
     if cuda_states:

@@ -58,6 +58,14 @@ def split_name(name: str) -> tuple[str, str, str]:
     return kind, ".".join(module_parts), ".".join(module_parts[:layer_len])
 
 
+def sample_id_list(sample_ids: Any) -> list:
+    """The batch's sample ids as a list for display: the Monitor stores whatever JSON value it was given (a list,
+    or one id, or a dict of columns), so a single value is one id."""
+    if sample_ids is None:
+        return []
+    return list(sample_ids) if isinstance(sample_ids, list) else [sample_ids]
+
+
 def _is_finite(x: Any) -> bool:
     return x is not None and not isinstance(x, str) and math.isfinite(float(x))
 
@@ -214,6 +222,14 @@ def _headroom_cell(fmt: dict, *, compact: bool = False) -> str:
     return f"{over}/{below}" if compact else f"{over} / {below}"
 
 
+def _literal(*cells: str) -> list[str]:
+    """Text for rich, escaped: tensor names, sample ids and run ids are data, and a batch key such as "tokens[bos]"
+    must not be read as markup (it would vanish, or end the report with a MarkupError)."""
+    from rich.markup import escape
+
+    return [escape(cell) for cell in cells]
+
+
 def render_terminal(summary: dict, console=None) -> None:
     """Print the summary as rich tables, narrow enough for an 80-column terminal."""
     from rich import box
@@ -229,18 +245,22 @@ def render_terminal(summary: dict, console=None) -> None:
 
     console = console or Console()
     step, category = summary["first_invalid_step"], summary["category"]
-    console.print(f"[bold red]first invalid step {step}[/bold red], category [bold]{category}[/bold] "
-                  f"(run {summary['run_id']})")
+    category_text, run_text = _literal(str(category), str(summary["run_id"]))
+    console.print(f"[bold red]first invalid step {step}[/bold red], category [bold]{category_text}[/bold] "
+                  f"(run {run_text})")
     if summary["category_meaning"]:
         console.print(summary["category_meaning"], highlight=False)
     if summary.get("distributed"):
         console.print(_ranks_table(table, summary["distributed"], step))
 
+    if not summary["history"]["steps"]:
+        console.print("[yellow]this bundle holds no history steps:[/yellow] no loss, gradient norm, batch statistics "
+                      "or headroom to show")
     steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
     for label, values in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"])):
         if values is not None:
-            steps.add_row(label, str(values["step"]), _fmt(values["loss"]), _fmt(values["lr"], ".3e"),
-                          _fmt(values["grad_norm"]), str(values["nonfinite_tensors"]))
+            steps.add_row(*_literal(label, str(values["step"]), _fmt(values["loss"]), _fmt(values["lr"], ".3e"),
+                                    _fmt(values["grad_norm"]), str(values["nonfinite_tensors"])))
     console.print(steps)
 
     groups = table(f"non-finite tensors by module ({len(summary['nonfinite_tensors'])})",
@@ -248,7 +268,8 @@ def render_terminal(summary: dict, console=None) -> None:
     for g in summary["groups"][:TABLE_MAX_ROWS]:
         kinds = ", ".join(f"{n} {KIND_LABEL.get(k, k)}"
                           for k, n in sorted(g["kinds"].items(), key=lambda kv: _kind_rank(kv[0])))
-        groups.add_row(g["module"], kinds, str(g["nan"]), str(g["posinf"]), str(g["neginf"]), str(g["numel"]))
+        groups.add_row(*_literal(g["module"], kinds, str(g["nan"]), str(g["posinf"]), str(g["neginf"]),
+                                 str(g["numel"])))
     if len(summary["groups"]) > TABLE_MAX_ROWS:
         groups.caption = f"{len(summary['groups']) - TABLE_MAX_ROWS} more modules in --json"
     console.print(groups)
@@ -257,19 +278,21 @@ def render_terminal(summary: dict, console=None) -> None:
         inputs = table(f"batch at step {step}", "tensor", "dtype", "elements", "NaN", "inf", "zero", "absmax",
                        "top binade", left=2)
         for r in summary["inputs_at_failure"]:
-            inputs.add_row(r["name"], r["dtype"], str(r["numel"]), str(r["nan"]), str(r["posinf"] + r["neginf"]),
-                           str(r["zero"]), _fmt(r["absmax"], ".4g"), _fmt(r["top_binade"], "d"))
-        sample_ids = summary["batch"].get("sample_ids") or []
+            inputs.add_row(*_literal(r["name"], r["dtype"], str(r["numel"]), str(r["nan"]),
+                                     str(r["posinf"] + r["neginf"]), str(r["zero"]), _fmt(r["absmax"], ".4g"),
+                                     _fmt(r["top_binade"], "d")))
+        sample_ids = sample_id_list(summary["batch"].get("sample_ids"))
         if sample_ids:
             shown = ", ".join(map(str, sample_ids[:5])) + (", ..." if len(sample_ids) > 5 else "")
-            inputs.caption = f"{len(sample_ids)} samples: {shown}"
+            inputs.caption = _literal(f"{len(sample_ids)} samples: {shown}")[0]
         console.print(inputs)
 
     if summary["exponent_jumps"]:
         jumps = table(f"jumps at step {step}: top binade (log2)", "tensor",
                       "before", "after", "jump")
         for j in summary["exponent_jumps"]:
-            jumps.add_row(j["name"], str(j["top_binade_before"]), str(j["top_binade_after"]), f"+{j['jump']}")
+            jumps.add_row(*_literal(j["name"], str(j["top_binade_before"]), str(j["top_binade_after"]),
+                                    f"+{j['jump']}"))
         if summary["exponent_jumps_total"] > len(summary["exponent_jumps"]):
             jumps.caption = f"{summary['exponent_jumps_total']} tensors in all"
         console.print(jumps)
@@ -280,7 +303,7 @@ def render_terminal(summary: dict, console=None) -> None:
         for r in summary["headroom"]:
             cells = [_fmt(r["formats"]["float32"]["binades_to_overflow"], "d")]
             cells += [_headroom_cell(r["formats"][fmt.name], compact=True) for fmt in FORMATS]
-            room.add_row(r["name"], str(r["step"]), _fmt(r["absmax"], ".3g"), *cells)
+            room.add_row(*_literal(r["name"], str(r["step"]), _fmt(r["absmax"], ".3g"), *cells))
         console.print(room)
 
 
@@ -301,9 +324,10 @@ def _ranks_title(ranks: dict, step) -> str:
 
 
 def _ranks_table(table, ranks: dict, step):
-    t = table(_ranks_title(ranks, step), "rank", "category", "deciding tensors", "non-finite tensors", left=3)
+    t = table(_literal(_ranks_title(ranks, step))[0], "rank", "category", "deciding tensors", "non-finite tensors",
+              left=3)
     for row in _ranks_rows(ranks):
-        t.add_row(*row)
+        t.add_row(*_literal(*row))
     return t
 
 
@@ -390,7 +414,7 @@ def plot_exponent_heatmap(summary: dict, history):
             ax.scatter(bad_steps, [len(rows) - 1] * len(bad_steps), marker="X", s=60, color="red", zorder=3,
                        label="NaN/inf present")
             ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-        ax.set_title(name, fontsize=9, loc="left")
+        ax.set_title(name, fontsize=9, loc="left", parse_math=False)  # a '$' in a batch key is not TeX
         ax.set_ylabel("log2 |x|", fontsize=8)
         fig.colorbar(image, ax=ax, pad=0.01, label="fraction")
     every = max(1, len(steps) // 12)
@@ -476,7 +500,7 @@ def plot_nonfinite_map(summary: dict, history):
                 ax.text(j, i, _pct(fraction[i, j]), ha="center", va="center", fontsize=7,
                         color="white" if fraction[i, j] > 0.5 else "black")
     ax.set_xticks(range(len(kinds)), [KIND_LABEL.get(k, k) for k in kinds])
-    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8, parse_math=False)
     ax.xaxis.tick_top()
     ax.set_title(f"non-finite elements at step {summary['first_invalid_step']} (grey: no such tensor)",
                  fontsize=10)
@@ -511,9 +535,11 @@ def _table(headers: list[str], rows: list[list[Any]], left: int = 1) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_html(bundle, path, *, summary: dict | None = None, history: list | None = None) -> Path:
+def render_html(bundle, path, *, summary: dict | None = None, history: list | None = None,
+                incident: str | None = None) -> Path:
     """Write one self-contained HTML report (inline CSS, plots as embedded PNG) to `path`, atomically.
-    `summary` and `history`: summarize(bundle) and load_history(bundle), when the caller already has them."""
+    `summary`, `history` and `incident`: summarize(bundle), load_history(bundle) and bundle.incident_text(), when
+    the caller already has them."""
     from nanscan._atomic import atomic_write_text
 
     history = load_history(bundle) if history is None else history
@@ -552,7 +578,7 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
                             [[r["name"], r["dtype"], r["numel"], r["nan"], r["posinf"] + r["neginf"], r["zero"],
                               _fmt(r["absmax"]), _fmt(r["top_binade"], "d")] for r in summary["inputs_at_failure"]],
                             left=2))
-        ids = summary["batch"].get("sample_ids") or []
+        ids = sample_id_list(summary["batch"].get("sample_ids"))
         if ids:
             parts.append(f"<p class='muted'>sample ids: {esc(', '.join(map(str, ids)))}</p>")
 
@@ -575,9 +601,20 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
                              for r in summary["headroom"]]))
     provenance = {"source": summary["source"], "replay_entry": summary["replay_entry"]}
     parts.append(f"<h2>Provenance</h2><pre>{esc(json.dumps(provenance, indent=2, default=str))}</pre>")
-    parts.append(f"<h2>Incident note</h2><pre>{esc(bundle.incident_text())}</pre>")
+    incident = bundle.incident_text() if incident is None else incident
+    parts.append(f"<h2>Incident note</h2><pre>{esc(incident)}</pre>")
     parts.append("</body></html>\n")
     return atomic_write_text(path, "".join(parts))
+
+
+def _bundle_holding(bundle, path) -> Path | None:
+    """The bundle directory (or, for a distributed set, the part's) that `path` would land in, or None."""
+    target = Path(path).resolve()
+    parts = getattr(bundle, "parts", None) or {}
+    for directory in [bundle.path, *(part.path for part in parts.values())]:
+        if target.is_relative_to(Path(directory).resolve()):
+            return Path(directory)
+    return None
 
 
 def _img(fig, alt: str) -> list[str]:
@@ -605,13 +642,21 @@ def report_command(bundle_path, html_out, as_json):
         bundle = load_bundle(bundle_path)
         history = load_history(bundle)
         summary = summarize(bundle, history)
+        incident = bundle.incident_text() if html_out is not None else None
     except (BundleError, OSError) as exc:
         click.echo(f"nanscan report: cannot read the bundle {bundle_path}: {exc}\n"
                    "Pass the step-<N> directory that `nanscan demo` or a Monitor printed "
                    "(it holds manifest.json).", err=True)
         raise SystemExit(2) from None
     if html_out is not None:
-        render_html(bundle, html_out, summary=summary, history=history)
+        inside = _bundle_holding(bundle, html_out)
+        if inside is not None:
+            raise click.ClickException(f"--html {html_out} is inside the bundle {inside}: a file the manifest does "
+                                       "not list makes the bundle fail to load; write the report elsewhere")
+        try:
+            render_html(bundle, html_out, summary=summary, history=history, incident=incident)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the HTML report {html_out}: {exc}") from None
     if as_json:
         click.echo(json.dumps(summary, indent=2, allow_nan=False))
         return

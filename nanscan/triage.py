@@ -79,11 +79,21 @@ def first_bad_module(bundle: Bundle) -> tuple[str, str, str | None]:
     """(module, finding key, replay verdict) from the bundle's findings; the replay's localization wins over the
     ablation baseline's."""
     records = {f.get("key"): f.get("record") or {} for f in bundle.findings()}
-    verdict = records.get("replay", {}).get("verdict")
-    for key, loc in (("replay", records.get("replay", {}).get("localization")),
-                     ("ablate:baseline", (records.get("ablate:baseline", {}).get("outcome") or {}).get("localization"))):
-        if loc:
-            return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
+    replayed, ablated = records.get("replay", {}), records.get("ablate:baseline", {})
+    verdict = replayed.get("verdict")
+    if verdict is not None and not isinstance(verdict, str):
+        raise BundleError(f"{bundle.path}: the replay finding's verdict is {verdict!r}, not a word; the ledger was "
+                          "edited, run `nanscan replay` again on an untouched copy")
+    outcome = ablated.get("outcome") or {}
+    # an outcome that is not an object is as malformed as a bad localization: it is refused below
+    ablated_loc = outcome.get("localization") if isinstance(outcome, dict) else outcome
+    for key, loc in (("replay", replayed.get("localization")), ("ablate:baseline", ablated_loc)):
+        if not loc:
+            continue
+        if not isinstance(loc, dict) or not all(isinstance(loc.get(k), str) for k in ("label", "module_type", "phase")):
+            raise BundleError(f"{bundle.path}: the {key!r} finding in its ledger names no module (label, module_type "
+                              "and phase); the ledger was edited, run `nanscan replay` again on an untouched copy")
+        return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
     if verdict == "transient":
         return "(transient: not reproduced)", "replay", verdict
     return NOT_REPLAYED, "", verdict
@@ -97,19 +107,22 @@ def triage(root: str | os.PathLike) -> TriageResult:
                          "(the Monitor's bundle_dir)")
     entries, unreadable = [], []
     for path in find_bundle_dirs(root):
+        # Everything read from one bundle stays inside the try: one damaged bundle is listed, the others still count.
         try:
             bundle = load_bundle(path)
             module, source, verdict = first_bad_module(bundle)
+            ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
+            entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
+                                module, source, verdict, bundle.manifest.get("detected_at"), *ranks)
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
             continue
-        ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
-        entries.append(TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
-                                   module, source, verdict, bundle.manifest.get("detected_at"), *ranks))
+        entries.append(entry)
     return TriageResult(str(root), entries, unreadable)
 
 
 def print_triage(result: TriageResult, console) -> None:
+    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
     groups = result.groups()
@@ -118,18 +131,19 @@ def print_triage(result: TriageResult, console) -> None:
     summary.add_column("bundles", justify="right")
     summary.add_column("first bad modules")
     for cat, mods in groups.items():
-        summary.add_row(cat, str(sum(map(len, mods.values()))),
-                        ", ".join(f"{m} x{len(items)}" for m, items in mods.items()))
+        # run ids, module labels and paths are data: "[...]" in them is not rich markup
+        summary.add_row(escape(cat), str(sum(map(len, mods.values()))),
+                        escape(", ".join(f"{m} x{len(items)}" for m, items in mods.items())))
     console.print(summary)
     for cat, mods in groups.items():
-        table = Table(title=f"category {cat}")
+        table = Table(title=f"category {escape(cat)}")
         for column in ("first bad module", "run", "step", "first bad ranks", "verdict", "bundle"):
             table.add_column(column, overflow="fold")
         for mod, items in mods.items():
             for e in items:
                 ranks = "" if e.world_size is None else \
                     f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
-                table.add_row(mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)
+                table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)))
         console.print(table)
     if result.unreadable:
         console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")

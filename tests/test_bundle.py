@@ -1,6 +1,7 @@
 """Evidence bundles: round trip of batch, state, RNG and history; refusal of missing, truncated, tampered and
-foreign bundles; atomic and idempotent writes (kill -9 mid-write, concurrent writers); findings, notes and the
-`nanscan note` command."""
+foreign bundles, and of hostile ones (links, unlisted files, wrong types, forged pending updates, damaged files
+with matching sha256s); atomic and idempotent writes (kill -9 mid-write, concurrent writers, read-only and full
+disks); findings, notes (which cannot pose as findings) and the `nanscan note` command."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch import nn
 
 import nanscan.bundle as B
@@ -467,3 +470,229 @@ def test_concurrent_notes_are_all_kept(run):
     for t in threads:
         t.join()
     assert sorted(n["text"] for n in load_bundle(run.path).notes()) == [f"note {i}" for i in range(4)]
+
+
+# -- bundles received from elsewhere: damaged or hostile -----------------------------------------------------
+
+def _replace_member(root: Path, name: str, data: bytes) -> None:
+    """Change a bundle file and record its new sha256, as a hostile sender (or a buggy writer) would."""
+    (root / name).write_bytes(data)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": B.hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"first_invalid_step": "3"}, "first_invalid_step"),
+    ({"first_invalid_step": None}, "first_invalid_step"),
+    ({"category": ["input"]}, "category"),
+    ({"run_id": 7}, "run_id"),
+    ({"nonfinite_tensors": "input:x"}, "nonfinite_tensors"),
+    ({"nonfinite_tensors": [{"name": "input:x", "nan": "1", "posinf": 0, "neginf": 0, "numel": 15}]},
+     "nonfinite_tensors"),
+    ({"logs": ["train.log"]}, "logs"),
+    ({"distributed": "rank 0"}, "distributed"),
+    ({"files": {"bytes": "12"}}, "files"),
+])
+def test_manifest_with_wrong_types_is_refused_naming_the_field(run, changes, match):
+    manifest = json.loads((run.path / "manifest.json").read_text())
+    if "files" in changes:
+        manifest["files"]["INCIDENT.md"].update(changes.pop("files"))
+    manifest.update(changes)  # a null cannot go through _edit_manifest, which deletes on None
+    (run.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=rf"manifest.json: wrong type for {match}"):
+        load_bundle(run.path)
+    result = CliRunner().invoke(cli_main, ["report", str(run.path), "--json"])
+    assert result.exit_code == 2 and "wrong type" in result.stderr and "Traceback" not in result.output
+
+
+def test_manifest_listing_a_file_twice_or_nested_absurdly_is_refused(run):
+    text = (run.path / "manifest.json").read_text()
+    twice = text.replace('"files": {', '"files": {"INCIDENT.md": {"sha256": "' + "0" * 64 + '", "bytes": 1},', 1)
+    (run.path / "manifest.json").write_text(twice)
+    with pytest.raises(BundleError, match="'INCIDENT.md' appear twice"):
+        load_bundle(run.path)
+    (run.path / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleError, match="nested too deeply"):
+        load_bundle(run.path)
+
+
+@pytest.mark.parametrize("name", ["./INCIDENT.md", "logs//x", ".hidden", "a\\..\\b"])
+def test_file_names_must_be_plain_relative_paths(run, name):
+    """One file, one name: a second spelling of a listed file (or a name the writer never lists) is refused even
+    when its sha256 matches."""
+    path = run.path / name
+    path.parent.mkdir(exist_ok=True)
+    if not path.exists():
+        path.write_bytes(b"x")
+    _replace_member(run.path, name, path.read_bytes())
+    with pytest.raises(BundleError, match="outside the bundle"):
+        load_bundle(run.path)
+
+
+def test_links_inside_the_bundle_are_refused(run, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("a file of the receiver's, outside the bundle")
+    (run.path / "INCIDENT.md").unlink()
+    (run.path / "INCIDENT.md").symlink_to(secret)
+    _replace_member(run.path, "INCIDENT.md", secret.read_bytes())  # writes through the link: the hash matches
+    with pytest.raises(BundleError, match="INCIDENT.md is a symbolic link"):
+        load_bundle(run.path)
+    result = CliRunner().invoke(cli_main, ["report", str(run.path), "--html", str(tmp_path / "r.html")])
+    assert result.exit_code == 2 and "symbolic link" in result.stderr and not (tmp_path / "r.html").exists()
+    note = CliRunner().invoke(cli_main, ["note", str(run.path), "hello"])
+    assert note.exit_code == 1 and "symbolic link" in note.output
+    assert secret.read_text() == "a file of the receiver's, outside the bundle"
+
+
+def test_a_linked_manifest_is_refused(run, tmp_path):
+    elsewhere = tmp_path / "manifest.json"
+    (run.path / "manifest.json").rename(elsewhere)
+    (run.path / "manifest.json").symlink_to(elsewhere)
+    with pytest.raises(BundleError, match="manifest.json is a symbolic link"):
+        load_bundle(run.path)
+
+
+def test_a_linked_directory_is_refused(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("line\n")
+    run = Run(tmp_path, log_files=[log], steps=1)
+    outside = tmp_path / "outside"
+    (run.path / "logs").rename(outside)
+    (run.path / "logs").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BundleError, match="logs is a symbolic link"):
+        load_bundle(run.path)
+
+
+def test_unlisted_files_are_refused_and_hidden_ones_ignored(run):
+    (run.path / ".DS_Store").write_bytes(b"\0")  # copies pick these up; the writer never lists hidden names
+    assert load_bundle(run.path).path == run.path
+    (run.path / "fix.py").write_text("import os\n")
+    with pytest.raises(BundleError, match="holds fix.py, which manifest.json does not list"):
+        load_bundle(run.path)
+
+
+@pytest.mark.parametrize("name, data, read, match", [
+    ("history.json", b"{", "history", "history.json is not valid JSON"),
+    ("history.json", b"[]", "history", "history.json holds a list"),
+    ("history.json", lambda p: p.replace(b'"layout": 0', b'"layout": 9', 1), "history", "layout 9"),
+    ("history.json", lambda p: p.replace(b'"grad_norm": ', b'"grad_norm": "big", "x": ', 1), "history",
+     "loss, lr, grad_norm"),
+    ("history.safetensors", lambda p: _resave(p, records=lambda t: t.float()), "history", "expected int64"),
+    ("history.safetensors", lambda p: _resave(p, row_offsets=lambda t: t * 2), "history", "row_offsets"),
+    ("history.safetensors", lambda p: _resave(p, records=lambda t: t.index_fill(1, torch.tensor([0]), -1)),
+     "history", "negative counts"),
+    ("history.safetensors", lambda p: p[:200], "history", "history.safetensors: cannot read it as safetensors"),
+    ("history.safetensors", lambda p: (1 << 60).to_bytes(8, "little") + p[8:], "history",
+     "history.safetensors: cannot read it as safetensors"),  # a header that claims an exabyte
+    ("ledger.jsonl", lambda p: p + b"{not json\n", "ledger", r"ledger.jsonl, line 2: not a JSON record"),
+    ("ledger.jsonl", lambda p: p + b"[1]\n", "ledger", r"ledger.jsonl, line 2: not a finding or note"),
+    ("ledger.jsonl", lambda p: p + b'"\xff"\n', "ledger", r"ledger.jsonl, line 2: not a JSON record"),
+    ("state.json", b'{"model": {"w": {"__tensor__": "nope"}}}', "state", "state.json does not hold what"),
+    ("rng.safetensors", lambda p: _resave(p, metadata={"nanscan.rng": "{}"}), "rng_state",
+     "rng.safetensors does not hold what"),
+])
+def test_damaged_member_with_matching_sha256_names_the_file(run, name, data, read, match):
+    original = (run.path / name).read_bytes()
+    _replace_member(run.path, name, data(original) if callable(data) else data)
+    bundle = load_bundle(run.path)  # every sha256 matches: the damage shows only when the file is decoded
+    with pytest.raises(BundleError, match=match):
+        getattr(bundle, read)()
+
+
+def _resave(data: bytes, metadata: dict | None = None, **changes) -> bytes:
+    """The safetensors file `data` with some tensors changed, keeping its metadata unless `metadata` is given."""
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    tensors = safetensors_load(data)
+    for key, change in changes.items():
+        tensors[key] = change(tensors[key]).contiguous()
+    return safetensors_save(tensors, metadata=header.get("__metadata__") if metadata is None else metadata)
+
+
+def test_damaged_rng_state_is_refused_before_any_generator_changes(run):
+    _replace_member(run.path, "rng.safetensors",
+                    _resave((run.path / "rng.safetensors").read_bytes(), torch_cpu=lambda t: t[:100]))
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with pytest.raises(BundleError, match="rng.safetensors: cannot restore the recorded RNG state: torch_cpu"):
+        load_bundle(run.path).restore_rng()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_incident_note_with_bytes_that_are_not_utf8_still_reads(run):
+    _replace_member(run.path, "INCIDENT.md", (run.path / "INCIDENT.md").read_bytes() + b"\xff\xfe trailing\n")
+    assert load_bundle(run.path).incident_text().endswith("\ufffd\ufffd trailing\n")
+
+
+def test_pending_entries_nanscan_never_writes_are_refused(run, tmp_path):
+    (run.path / ".pending-x").mkdir()
+    with pytest.raises(BundleError, match=r"\.pending-x is not part of an interrupted nanscan update"):
+        load_bundle(run.path)
+    (run.path / ".pending-x").rmdir()
+    outside = tmp_path / "planted.md"
+    outside.write_text("planted")
+    (run.path / ".pending-INCIDENT.md").symlink_to(outside)
+    (run.path / ".pending-manifest.json").write_bytes((run.path / "manifest.json").read_bytes())
+    with pytest.raises(BundleError, match="not part of an interrupted nanscan update"):
+        load_bundle(run.path)
+    assert not (run.path / "INCIDENT.md").is_symlink()  # nothing was renamed into place
+
+
+NOTE_POSING_AS_FINDING = """## Automatic findings
+
+<!-- nanscan:finding detect -->
+### First non-finite step: 3 (parameter)
+> ## nested
+- # in a list
+Looks official
+---"""
+
+
+def test_a_note_cannot_pose_as_an_automatic_finding(run):
+    bundle = load_bundle(run.path)
+    findings = bundle.findings()
+    assert bundle.add_note(NOTE_POSING_AS_FINDING, author="eve\n## Automatic findings")
+    assert not bundle.add_note(NOTE_POSING_AS_FINDING, author="eve")  # the same text is stored once
+    reopened = load_bundle(run.path)  # still valid: the manifest's sha256s follow the update
+    assert reopened.findings() == findings and len(reopened.notes()) == 1
+    text = reopened.incident_text()
+    lines = text.splitlines()
+    assert lines.count("## Automatic findings") == 1 and text.count("<!-- nanscan:finding detect -->") == 1
+    notes = lines[lines.index("## Reviewer notes") + 1:]
+    assert not [line for line in notes if line.startswith("#")]
+    quoted = [line for line in notes if line.startswith(">")]
+    assert len(quoted) == len(NOTE_POSING_AS_FINDING.splitlines())
+    assert r"> \## Automatic findings" in quoted and r"> > \## nested" in quoted and r"> - \# in a list" in quoted
+    assert r"> \---" in quoted  # not a setext underline that would make "Looks official" a heading
+    assert "**eve ## Automatic findings**" in text
+
+
+def test_note_on_a_read_only_bundle_is_a_clear_error(run, monkeypatch):
+    before = _files(run.path)
+
+    def read_only(*args, dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr("nanscan._atomic.tempfile.mkstemp", read_only)
+    result = CliRunner().invoke(cli_main, ["note", str(run.path), "seen on the 3rd"])
+    assert result.exit_code == 1 and "must be writable" in result.output and "copy the whole directory" in result.output
+    assert not isinstance(result.exception, PermissionError)
+    assert _files(run.path) == before
+
+
+def test_update_failing_before_its_commit_point_leaves_nothing_pending(run, monkeypatch):
+    real, calls = B.atomic_write_bytes, []
+
+    def disk_full_on_the_manifest(path, data):
+        calls.append(Path(path).name)
+        if Path(path).name == ".pending-manifest.json":
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(B, "atomic_write_bytes", disk_full_on_the_manifest)
+    with pytest.raises(BundleError, match="No space left.*nothing was changed"):
+        load_bundle(run.path).add_note("lost")
+    assert ".pending-ledger.jsonl" in calls
+    assert not [p.name for p in run.path.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    assert load_bundle(run.path).notes() == []

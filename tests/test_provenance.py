@@ -145,6 +145,25 @@ def test_restore_refuses_cuda_states_without_gpus(monkeypatch):
         restore_rng(state)
 
 
+@pytest.mark.parametrize("source, damaged, match", [
+    ("torch_cpu", torch.zeros(100, dtype=torch.uint8), r"torch_cpu is \(100,\)"),
+    ("numpy", ("MT19937", np.zeros(3, dtype=np.uint32), 0, 0, 0.0), "numpy is not an MT19937 state"),
+    ("python", (3, (1, 2), None), r"python is not a random.getstate\(\) tuple"),
+])
+def test_restore_refuses_a_damaged_state_and_changes_no_generator(source, damaged, match):
+    state = capture_rng()
+    state[source] = damaged  # as a bundle with a damaged (re-hashed) rng.safetensors would give it
+    torch.manual_seed(1)
+    np.random.seed(1)
+    random.seed(1)
+    before = capture_rng()
+    with pytest.raises(ValueError, match=match):
+        restore_rng(state)
+    after = capture_rng()
+    assert torch.equal(after["torch_cpu"], before["torch_cpu"]) and after["python"] == before["python"]
+    assert np.array_equal(after["numpy"][1], before["numpy"][1]) and after["numpy"][2] == before["numpy"][2]
+
+
 def test_atomic_write_replaces_whole_file_and_cleans_up_on_failure(tmp_path):
     target = tmp_path / "data.json"
     _atomic.atomic_write_json(target, {"a": 1})

@@ -1,22 +1,28 @@
-"""`nanscan report`: the summary's facts (JSON), the terminal tables, the self-contained HTML with its plots, and a
-clear exit 2 for a bundle that cannot be read."""
+"""`nanscan report`: the summary's facts (JSON), the terminal tables, the self-contained HTML with its plots, a
+clear exit 2 for a bundle that cannot be read, and unusual bundles (no history, non-finite statistics, sample ids of
+any JSON shape, names that look like markup or TeX)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import html
 import io
 import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
+from safetensors.torch import load_file, save
 from torch import nn
 
+from nanscan import _layout as L
 from nanscan import demo as D
-from nanscan.bundle import load_bundle
+from nanscan.bundle import _history_payload, load_bundle
 from nanscan.cli import main
 from nanscan.monitor import Monitor, NonFiniteError
 from nanscan.report import render_html, split_name, summarize
@@ -153,3 +159,133 @@ def test_unreadable_bundle_exits_2(tmp_path, demo_bundle):
     (foreign / "manifest.json").write_text('{"schema": "other/1"}')
     result = runner.invoke(main, ["report", str(foreign), "--json"])
     assert result.exit_code == 2 and "schema" in result.stderr and result.stdout == ""
+
+
+# -- bundles that are unusual, damaged or hostile --------------------------------------------------------------
+
+def _bundle(root, batch_at, *, sample_ids=None, steps: int = 3):
+    """A small input-category bundle: `batch_at(step)` is the batch; the last step's holds a NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    with Monitor(model, bundle_dir=root, run_id="small", on_invalid="raise") as monitor:
+        for step in range(steps):
+            batch = batch_at(step)
+            x = next(iter(batch.values()))
+            if step == steps - 1:
+                x[0, 0] = float("nan")
+            loss = model(x).sum()
+            loss.backward()
+            try:
+                monitor.check(batch=batch, loss=loss, sample_ids=sample_ids)
+            except NonFiniteError as exc:
+                return load_bundle(exc.bundle_path)
+    pytest.fail("the planted NaN did not fire")
+
+
+def _replace_member(root, name: str, data: bytes) -> None:
+    """Change a bundle file and record its new sha256, as a hostile sender (or a buggy writer) would."""
+    (root / name).write_bytes(data)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("sample_ids, shown", [
+    ({"shard": "s-7", "rows": [3, 4]}, "1 samples: {'shard': 's-7', 'rows': [3, 4]}"),
+    ("doc-17", "1 samples: doc-17"),
+])
+def test_sample_ids_of_any_json_shape_are_shown(tmp_path, sample_ids, shown):
+    bundle = _bundle(tmp_path, lambda step: {"x": torch.ones(2, 3)}, sample_ids=sample_ids)
+    result = CliRunner().invoke(main, ["report", str(bundle.path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert shown in result.stdout
+    page = render_html(bundle, tmp_path / "r.html", summary=summarize(bundle), history=[]).read_text()  # no plots
+    assert f"sample ids: {html.escape(shown.partition(': ')[2])}" in page
+
+
+def test_html_plots_names_that_look_like_tex(tmp_path):
+    key = r"cost$\frac{a$"  # a batch key is any string; matplotlib would parse it as (broken) mathtext
+    bundle = _bundle(tmp_path, lambda step: {key: torch.ones(2, 3)})
+    html_path = render_html(bundle, tmp_path / "r.html")
+    page = html_path.read_text()
+    assert page.count("data:image/png;base64,") == 3 and "input:cost$\\frac{a$" in page
+
+
+def test_html_inside_the_bundle_is_refused(tmp_path):
+    bundle = _bundle(tmp_path, lambda step: {"x": torch.ones(2, 3)})
+    result = CliRunner().invoke(main, ["report", str(bundle.path), "--html", str(bundle.path / "report.html")])
+    assert result.exit_code == 1 and "inside the bundle" in result.output
+    assert not (bundle.path / "report.html").exists()
+    assert load_bundle(bundle.path).path == bundle.path
+
+
+def test_report_with_no_history_steps(tmp_path):
+    bundle = _bundle(tmp_path, lambda step: {"x": torch.ones(2, 3)})
+    tensors, index = _history_payload([])
+    _replace_member(bundle.path, "history.safetensors", save(tensors))
+    _replace_member(bundle.path, "history.json", json.dumps(index).encode())
+    runner = CliRunner()
+    terminal = runner.invoke(main, ["report", str(bundle.path)], env={"COLUMNS": "200"})
+    assert terminal.exit_code == 0, terminal.output
+    assert "no history steps" in terminal.stdout and "category input" in terminal.stdout
+    s = strict_json(runner.invoke(main, ["report", str(bundle.path), "--json"]).stdout)
+    assert s["history"] == {"steps": 0, "first": None, "last": None} and s["failing"] is None
+    assert s["nonfinite_tensors"][0]["name"] == "input:x" and s["headroom"] == []
+    page = render_html(load_bundle(bundle.path), tmp_path / "r.html").read_text()
+    assert page.count("no history in this bundle") == 3
+
+
+def test_report_with_non_finite_history_values(demo_bundle, tmp_path):
+    """Sums of squares, largest values and scalars that are NaN or inf (a damaged or hostile history) are shown as
+    such, and the JSON stays strict."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(demo_bundle.path, copy)
+    tensors = load_file(copy / "history.safetensors")
+    records = tensors["records"].numpy()
+    records[:, L.REC_SUMSQ] = np.array([np.nan], dtype=np.float64).view(np.int64)[0]
+    records[::2, L.REC_SUMSQ] = np.array([np.inf], dtype=np.float64).view(np.int64)[0]
+    records[:, L.REC_ABSMAX_BITS] = 0x7F800000  # +inf as float32 bits
+    _replace_member(copy, "history.safetensors", save(tensors))
+    index = json.loads((copy / "history.json").read_text())
+    for entry in index["entries"]:
+        entry["grad_norm"], entry["lr"] = "inf", "nan"
+    _replace_member(copy, "history.json", json.dumps(index).encode())
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["report", str(copy), "--json"])
+    assert result.exit_code == 0, result.output
+    s = strict_json(result.stdout)
+    assert s["failing"]["grad_norm"] == "inf" and s["failing"]["lr"] == "nan"
+    assert s["inputs_at_failure"][0]["absmax"] == "inf"
+    assert all(r["absmax"] == "inf" for r in s["headroom"])
+    html_out = tmp_path / "r.html"
+    terminal = runner.invoke(main, ["report", str(copy), "--html", str(html_out)], env={"COLUMNS": "200"})
+    assert terminal.exit_code == 0, terminal.output
+    assert "inf" in terminal.stdout and html_out.read_text().count("data:image/png;base64,") == 3
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("history.json", lambda data: b"{", "history.json is not valid JSON"),
+    ("history.json", lambda data: data.replace(b'"layout": 0', b'"layout": 99', 1), "layout 99"),
+    ("manifest.json", lambda data: data.replace(b'"first_invalid_step": 80', b'"first_invalid_step": "80"'),
+     "wrong type for first_invalid_step"),
+])
+def test_damaged_bundle_with_matching_sha256_exits_2(demo_bundle, tmp_path, name, damage, message):
+    copy = tmp_path / "bundle"
+    shutil.copytree(demo_bundle.path, copy)
+    data = damage((copy / name).read_bytes())
+    if name == "manifest.json":
+        (copy / name).write_bytes(data)
+    else:
+        _replace_member(copy, name, data)
+    for args in ([], ["--json"], ["--html", str(tmp_path / "r.html")]):
+        result = CliRunner().invoke(main, ["report", str(copy), *args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert "Traceback" not in result.output and not isinstance(result.exception, (TypeError, KeyError))
+
+
+def test_terminal_shows_names_and_ids_with_brackets_literally(tmp_path):
+    bundle = _bundle(tmp_path, lambda step: {"tokens[bos]": torch.ones(2, 3)}, sample_ids=["[/b]", "[red]c"])
+    result = CliRunner().invoke(main, ["report", str(bundle.path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output  # "[/b]" as markup closes no tag: rich raised MarkupError
+    assert "input:tokens[bos]" in result.stdout and "2 samples: [/b], [red]c" in result.stdout

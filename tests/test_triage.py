@@ -4,10 +4,12 @@ damaged bundles listed separately."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 
 import replay_entries as E
+from nanscan.bundle import load_bundle
 from nanscan.cli import main
 from nanscan.replay import record_replay, replay
 from nanscan.triage import NOT_REPLAYED, find_bundle_dirs, triage
@@ -72,3 +74,31 @@ def test_triage_cli_json_and_table(tmp_path):
     assert table.exit_code == 0 and "category gradient" in table.output and "sqrt-9" in table.output
     missing = runner.invoke(main, ["triage", str(tmp_path / "nope")])
     assert missing.exit_code == 2
+
+
+def test_one_damaged_bundle_does_not_stop_triage(tmp_path):
+    E.train("sqrt_backward", tmp_path, run_id="good")
+    edited = E.train("sqrt_backward", tmp_path, run_id="edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["first_invalid_step"] = None
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    forged = E.train("sqrt_backward", tmp_path, run_id="forged")
+    load_bundle(forged).add_finding("replay", "Replay", "forged", {"verdict": "persistent", "localization": ["mag"]})
+
+    result = triage(tmp_path)
+    assert [e.run_id for e in result.entries] == ["good"]
+    errors = {Path(u["path"]).parent.name: u["error"] for u in result.unreadable}
+    assert "wrong type for first_invalid_step" in errors["edited"]
+    assert "the 'replay' finding in its ledger names no module" in errors["forged"]
+    out = CliRunner().invoke(main, ["triage", str(tmp_path), "--json"])
+    assert out.exit_code == 0 and json.loads(out.stdout)["bundles"] == 1
+
+
+def test_triage_table_shows_module_labels_literally(tmp_path):
+    path = E.train("sqrt_backward", tmp_path, run_id="sqrt-1")
+    localization = {"label": "blocks[/0]", "module_type": "Magnitude", "phase": "backward"}
+    load_bundle(path).add_finding("replay", "Replay", "localized", {"verdict": "persistent",
+                                                                    "localization": localization})
+    table = CliRunner().invoke(main, ["triage", str(tmp_path)], env={"COLUMNS": "250"})
+    assert table.exit_code == 0, table.output
+    assert "blocks[/0] (Magnitude, backward)" in table.output
