@@ -337,6 +337,12 @@ def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, step
         if failing:
             report.reasons.append("data: " + ", ".join(f"{n} {c}" for c, n in failing.items())
                                   + " (the listed records must be fixed or removed)")
+        if not report.data.complete:
+            # Whatever fail_on says: records that were never read cannot be vouched for.
+            unread = report.data.unreadable_inputs
+            report.reasons.append(f"data: {report.data.unreadable_input_count} input(s) could not be read through, "
+                                  "so their records were not all checked: " + ", ".join(unread[:5])
+                                  + (" ..." if report.data.unreadable_input_count > 5 else ""))
     torch.manual_seed(seed)
     if isinstance(entry, ReplaySpec):
         spec = entry

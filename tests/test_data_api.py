@@ -157,3 +157,12 @@ def test_field_tallies_stay_bounded(monkeypatch):
         checker.tracker.add_keys([f"k{i}"], 1, lambda k, ref=ref: [ref])
     assert len(checker.tracker._fields) == 5 and len(checker.tracker._keysets) == 5
     assert len(checker.tracker._fields["v"]) == 5 + 1  # five shapes, then the rest without a shape
+
+
+def test_records_of_another_kind_than_the_rest_are_inconsistent():
+    records = [{"x": float(i), "text": "t"} for i in range(10)] + [(1.0, 2.0), "a bare string"]
+    report = nanscan.data.check(records)
+    odd = {(f.record.index, f.field): f.detail for f in report.findings if f.category == "inconsistent"}
+    assert odd[(10, "(record)")] == "the record is tuple here, object in 10 of 12 records"
+    assert odd[(11, "(record)")] == "the record is string here, object in 10 of 12 records"
+    assert nanscan.data.check([(torch.ones(2), 1)] * 5).ok  # all tuples: one kind

@@ -8,6 +8,8 @@ import gzip
 import hashlib
 import io
 import json
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -124,7 +126,7 @@ def test_jsonl_gzip_matches_plain_and_truncated_gzip_is_reported(tmp_path):
     assert truncated.record.sha256 == sha(cut.read_bytes())
     assert only(c, "nonfinite").record.line == 6  # the part before the cut was checked
     assert 0 < c.records < 2000
-    assert run_cli(cut).exit_code == 1
+    assert run_cli(cut).exit_code == 3  # cut short: the records after the break were not checked
 
 
 def test_jsonl_multi_member_gzip(tmp_path):
@@ -481,3 +483,165 @@ def test_fields_are_compared_within_each_given_path(tmp_path):
     (tmp_path / "b" / "other.jsonl").write_text('{"label": 3}\n{"label": 4}\n')
     report = check_paths([tmp_path / "a", tmp_path / "b"])
     assert [f.record.file.rsplit("/", 1)[1] for f in by_category(report, "inconsistent")] == ["odd.jsonl"]
+
+
+# -- adversarial inputs: each once crashed the check, hid a finding, or named the wrong place -----------------------
+def test_jsonl_absurd_nesting_is_unreadable_not_a_crash(tmp_path):
+    # Arrow's JSON reader recursed once per level and overflowed its stack: the whole process died. A subprocess
+    # keeps such a crash from taking the test run with it.
+    path = tmp_path / "deep.jsonl"
+    deep = b'{"a": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    path.write_bytes(_doc(0) + b"\n" + deep + b"\n" + _doc(2, score=float("nan")) + b"\n")
+    result = subprocess.run([sys.executable, "-m", "nanscan", "data", str(path), "--json"], capture_output=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr.decode()[-2000:]
+    out = json.loads(result.stdout)
+    assert [(f["category"], f["line"]) for f in out["findings"]] == [("unreadable", 2), ("nonfinite", 3)]
+    assert "RecursionError" in out["findings"][0]["detail"] and out["findings"][0]["sha256"] == sha(deep)
+
+
+def test_jsonl_nesting_a_parser_can_read_gives_the_same_findings_on_both_paths(tmp_path):
+    from nanscan.data.jsonl import MAX_ARROW_DEPTH, nesting_depth
+
+    assert nesting_depth(b'{"a": [[1], {"b": []}]}') == 4
+    assert nesting_depth(b'{"s": "[[[[{{{{", "t": "\\\\\\"[["}') == 1  # brackets and escaped quotes in strings
+    assert nesting_depth(b'{"s": "]]]]]]", "a": [[[0]]]}') == 4  # closing brackets in strings do not hide depth
+    depth = MAX_ARROW_DEPTH + 50
+    nested_nan = b'{"a": ' + b"[" * depth + b"NaN" + b"]" * depth + b"}"
+    many_pairs = json.dumps({"points": [[i, i + 0.5] for i in range(2 * MAX_ARROW_DEPTH)]}).encode()
+    path = tmp_path / "nested.jsonl"
+    path.write_bytes(b"\n".join([many_pairs, nested_nan, many_pairs]) + b"\n")
+    report = check_paths([path])
+    found = only(report, "nonfinite")
+    assert found.record.line == 2 and "NaN at a" + "[0]" * depth in found.detail
+    assert report.records == 3 and report.counts["unreadable"] == 0
+
+
+def test_jsonl_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    first = b'{"text": "a b", "x": NaN}'
+    data = b"\xef\xbb\xbf" + first + b"\n" + _doc(1) + b"\n"
+    plain, packed = tmp_path / "bom.jsonl", tmp_path / "bom.jsonl.gz"
+    plain.write_bytes(data)
+    packed.write_bytes(gzip.compress(data))
+    for path in (plain, packed):
+        report = check_paths([path])
+        found = only(report, "nonfinite")  # before: line 1 was `unreadable` and its NaN never seen
+        assert (found.record.line, found.record.sha256) == (1, sha(first))
+        assert report.records == 2 and report.counts["unreadable"] == 0
+    (tmp_path / "only_bom.jsonl").write_bytes(b"\xef\xbb\xbf")
+    assert "no records" in only(check_paths([tmp_path / "only_bom.jsonl"]), "empty").detail
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfx,label\n1.5,a\nnan,b\n")
+    assert only(check_paths([tmp_path / "bom.csv"]), "nonfinite").field == "x"  # not "\ufeffx"
+
+
+def test_jsonl_lines_that_are_not_objects_are_inconsistent(tmp_path):
+    lines = [_doc(i) for i in range(20)]
+    lines[3], lines[7], lines[11], lines[13] = b"[1.0, 2.0, 3.0]", b'"just text"', b"42", b"[1.0, NaN]"
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    report = check_paths([path])
+    odd = {f.record.line: f.detail for f in by_category(report, "inconsistent")}
+    assert odd == {4: "the record is list[number] of shape [3] here, object in 16 of 20 records",
+                   8: "the record is string here, object in 16 of 20 records",
+                   12: "the record is number here, object in 16 of 20 records",
+                   14: "the record is list[number] of shape [2] here, object in 16 of 20 records"}
+    assert only(report, "nonfinite").record.line == 14
+    assert check_paths([tmp_path / "mixed.jsonl"]).findings == report.findings  # the same on a second run
+
+
+def test_npy_big_endian_long_double_and_zero_d(tmp_path):
+    # Rows holding non-finite values are read again for details: for these dtypes that raised.
+    big = np.array([[1.0, 2.0], [np.nan, 4.0], [5.0, -np.inf]], dtype=">f8")
+    np.save(tmp_path / "big.npy", big)
+    report = check_paths([tmp_path / "big.npy"])
+    assert [(f.record.index, f.record.sha256) for f in report.findings] == [
+        (1, sha(big[1].tobytes())), (2, sha(big[2].tobytes()))]  # the stored (big-endian) bytes
+    assert "NaN at array[1][0]" in report.findings[0].detail and report.largest_magnitude.value == 5.0
+    np.save(tmp_path / "long.npy", np.array([1.0, np.inf], dtype=np.longdouble))
+    assert only(check_paths([tmp_path / "long.npy"]), "nonfinite").record.index == 1
+    np.save(tmp_path / "scalar.npy", np.array(np.nan, dtype=">f4"))
+    found = only(check_paths([tmp_path / "scalar.npy"]), "nonfinite")
+    assert found.detail == "1 non-finite value: NaN at array"  # a 0-d array has no [0]
+    assert found.record.index is None and found.record.sha256 == sha(np.array(np.nan, dtype=">f4").tobytes())
+    np.savez(tmp_path / "big.npz", a=big)
+    assert [f.record.sha256 for f in check_paths([tmp_path / "big.npz"]).findings] == [
+        sha(big[1].tobytes()), sha(big[2].tobytes())]
+
+
+def test_structured_arrays_are_scanned_field_by_field(tmp_path):
+    point = np.dtype([("pos", [("x", ">f4"), ("y", "<f8")]), ("feat", "<f2", (3,)), ("label", "<i4")])
+    rows = np.zeros(5, dtype=point)
+    rows["pos"]["x"] = [1, 2, 3, np.nan, 5]
+    rows["feat"][1] = [0.5, np.inf, 1.0]
+    rows["pos"]["y"][4] = 7.0
+    np.save(tmp_path / "points.npy", rows)
+    report = check_paths([tmp_path / "points.npy"])  # before: no finding, the NaN and inf went unseen
+    assert [(f.record.index, f.field, f.detail) for f in report.findings] == [
+        (1, "array.feat", "1 non-finite value: +inf at array.feat[1][1]"),
+        (3, "array.pos.x", "1 non-finite value: NaN at array.pos.x[3]")]
+    assert report.findings[1].record.sha256 == sha(rows[3:4].tobytes())
+    assert (report.largest_magnitude.value, report.largest_magnitude.record.index) == (7.0, 4)
+    assert report.largest_magnitude.field == "array.pos.y"
+    np.savez_compressed(tmp_path / "points.npz", p=rows)
+    assert [(f.record.member, f.record.index, f.field) for f in check_paths([tmp_path / "points.npz"]).findings] == [
+        ("p", 1, "p.feat"), ("p", 3, "p.pos.x")]
+    clean = np.zeros(4, dtype=point)
+    np.save(tmp_path / "clean.npy", clean)
+    assert check_paths([tmp_path / "clean.npy"]).ok
+    np.save(tmp_path / "with_object.npy", np.zeros(2, dtype=[("x", "f4"), ("o", "O")]), allow_pickle=True)
+    assert "pickle" in only(check_paths([tmp_path / "with_object.npy"]), "unreadable").detail
+
+
+def test_safetensors_complex_and_e8m0_tensors_are_scanned(tmp_path):
+    c = torch.tensor([[1 + 1j, 2 + 0j], [complex(0, float("nan")), 1j]], dtype=torch.complex64)
+    scale = torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e8m0fnu)
+    scale.view(torch.uint8)[2] = 0xFF  # e8m0's only NaN
+    save_torch({"c": c, "scale": scale}, str(tmp_path / "t.safetensors"))
+    report = check_paths([tmp_path / "t.safetensors"])
+    assert [(f.record.member, f.record.index) for f in report.findings] == [("c", 1), ("scale", 2)]
+    assert "NaN at c[1][0][1]" in report.findings[0].detail
+
+
+def test_exit_status_and_json_tell_clean_findings_and_unreadable_inputs_apart(tmp_path):
+    clean, bad, garbage = tmp_path / "clean.jsonl", tmp_path / "bad.jsonl", tmp_path / "garbage.parquet"
+    clean.write_bytes(_doc(0) + b"\n" + _doc(1) + b"\n")
+    bad.write_bytes(_doc(0) + b"\n" + b'{"x": NaN}\n')
+    garbage.write_bytes(GARBAGE)
+    cases = [((clean,), 0, "clean"), ((bad,), 1, "findings"), ((garbage,), 3, "unreadable"),
+             ((bad, garbage), 3, "unreadable"), ((garbage, "--fail-on", "none"), 3, "unreadable"),
+             ((bad, "--fail-on", "none"), 0, "clean")]
+    for args, code, status in cases:
+        result = run_cli(*args, "--json")
+        out = json.loads(result.output)
+        assert (result.exit_code, out["status"], out["ok"]) == (code, status, code == 0), args
+        assert out["unreadable_inputs"] == ([str(garbage)] if status == "unreadable" else [])
+        assert run_cli(*args, "--json").output == result.output  # the same run twice: the same report
+    result = CliRunner().invoke(main, ["data", str(garbage)], terminal_width=200)
+    assert result.exit_code == 3 and "INCOMPLETE" in result.output and str(garbage) in result.output
+    # A line that is not JSON is a finding about a record, not an input that could not be read.
+    (tmp_path / "oops.jsonl").write_bytes(b"{oops\n" + _doc(1) + b"\n")
+    assert run_cli(tmp_path / "oops.jsonl").exit_code == 1
+    report = check_paths([garbage], max_findings=0)  # counted even when nothing is listed
+    assert (report.unreadable_input_count, report.status(), report.exit_code()) == (1, "unreadable", 3)
+
+
+class _OpensAFileWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_object_arrays_are_never_unpickled(tmp_path):
+    marker = tmp_path / "unpickled"
+    payload = np.array([_OpensAFileWhenUnpickled(marker)], dtype=object)
+    np.save(tmp_path / "evil.npy", payload, allow_pickle=True)
+    np.savez(tmp_path / "evil.npz", ok=np.ones(2), evil=payload)
+    for name in ("evil.npy", "evil.npz"):
+        result = run_cli(tmp_path / name, "--json")
+        found = [f for f in json.loads(result.output)["findings"] if f["category"] == "unreadable"]
+        assert result.exit_code == 3 and len(found) == 1
+        assert "needs pickle, which nanscan never uses" in found[0]["detail"]
+        assert "numeric dtype" in found[0]["detail"]  # what to do about it
+    assert not marker.exists()

@@ -63,6 +63,18 @@ def test_data_findings_are_a_no_go(tmp_path):
     assert result.exit_code == 0
 
 
+def test_data_that_cannot_be_read_is_a_no_go_whatever_fail_on_says(tmp_path):
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text('{"text": "a b"}\n{"text": "c"}\n')
+    garbage = tmp_path / "features.npy"
+    garbage.write_bytes(b"\x93NUMPY" + bytes(range(256)))
+    result, out = preflight("--steps", 2, "--data", clean, "--data", garbage, "--fail-on", "nonfinite")
+    assert result.exit_code == 1 and out["verdict"] == "no-go"  # before: go, with the .npy never checked
+    assert out["reasons"] == [f"data: 1 input(s) could not be read through, so their records were not all "
+                              f"checked: {garbage}"]
+    assert out["data"]["status"] == "unreadable" and out["data"]["unreadable_inputs"] == [str(garbage)]
+
+
 @pytest.mark.parametrize("config, reason", [
     ({"explode": True}, "step 1 on batch 1 (normal): the loss is inf"),
     ({"nan_batch": 3}, "batch 3 already holds non-finite input values in x"),

@@ -1,4 +1,5 @@
-"""`nanscan runs DIR`: empty files, invalid JSON and missing required keys in a folder of run records."""
+"""`nanscan runs DIR`: empty files, invalid JSON, non-finite numbers and missing required keys in a folder of run
+records."""
 
 from __future__ import annotations
 
@@ -54,9 +55,34 @@ def test_cli_exit_codes_and_json(tmp_path):
     result = runner.invoke(main, ["runs", str(tmp_path / "mixed"), "--require", "step", "--json"])
     assert result.exit_code == 1
     data = json.loads(result.output)
-    assert data["counts"] == {"empty": 2, "invalid_json": 2, "missing_key": 1, "unreadable": 0}
+    assert data["counts"] == {"empty": 2, "invalid_json": 2, "nonfinite": 0, "missing_key": 1, "unreadable": 0}
     assert all(p["path"].startswith(str(tmp_path)) for p in data["problems"])
     result = runner.invoke(main, ["runs", str(tmp_path / "mixed")], terminal_width=200)
     assert result.exit_code == 1 and "broken.json" in result.output
     result = runner.invoke(main, ["runs", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "nope" in result.output
+
+
+def test_non_finite_numbers_are_problems(tmp_path):
+    # Python's json reads NaN and Infinity (not JSON) and 1e999 (as inf): the check passed such records before.
+    (tmp_path / "nan.json").write_text('{"step": 3, "metrics": {"loss": NaN, "acc": 0.5}}')
+    (tmp_path / "inf.json").write_text('{"step": 4, "metrics": {"loss": 1e999}, "history": [1.0, -Infinity]}')
+    (tmp_path / "fine.json").write_text('{"step": 5, "metrics": {"loss": 1e-999}}')  # underflows to 0.0: finite
+    report = check_runs(tmp_path, ["step", "metrics.loss"])
+    got = {p.path.rsplit("/", 1)[1]: (p.category, p.detail) for p in report.problems}
+    assert set(got) == {"nan.json", "inf.json"}
+    assert got["nan.json"][0] == "nonfinite" and "metrics.loss = NaN" in got["nan.json"][1]
+    assert "metrics.loss = +inf, history[1] = -inf" in got["inf.json"][1]
+    result = CliRunner().invoke(main, ["runs", str(tmp_path), "--json"])
+    assert result.exit_code == 1 and json.loads(result.output)["counts"]["nonfinite"] == 2
+
+
+def test_a_byte_order_mark_is_fine_and_an_empty_folder_is_a_problem(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "bom.json").write_bytes(b'\xef\xbb\xbf{"step": 1}')
+    assert check_runs(tmp_path / "runs", ["step"]).ok
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("no records here")
+    report = check_runs(tmp_path / "empty", ["step"])  # before: "OK: 0 run records"
+    assert [(p.category, p.path) for p in report.problems] == [("empty", str(tmp_path / "empty"))]
+    assert CliRunner().invoke(main, ["runs", str(tmp_path / "empty")]).exit_code == 1

@@ -115,7 +115,9 @@ class Checker:
                 records=self.records, files=self.files, bytes=self.bytes, tokens=self.tokens.summary(),
                 longest=self.longest, largest_magnitude=self.largest_magnitude, max_tokens=self.max_tokens,
                 tokenizer=self.tokenizer.name, listed_per_category=self.sink.max_findings,
-                skipped=list(self.skipped), skipped_count=self.skipped_count)
+                skipped=list(self.skipped), skipped_count=self.skipped_count,
+                unreadable_inputs=list(self.sink.unreadable_inputs),
+                unreadable_input_count=self.sink.unreadable_input_count)
         return self._report
 
 

@@ -1,7 +1,7 @@
 """`nanscan data` and `nanscan runs`: the dataset and run-record checks on the command line.
 
 Exit codes: 0 clean, 1 findings in a --fail-on category (runs: any problem), 2 usage errors (a missing path, a bad
-option value), as click reports them.
+option value), as click reports them, 3 (data) an input that could not be read through, so the check is incomplete.
 """
 
 from __future__ import annotations
@@ -114,9 +114,13 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
         shown = ", ".join(report.skipped[:5]) + (" ..." if report.skipped_count > 5 else "")
         console.print(f"[dim]skipped {report.skipped_count} file(s) of unknown format: {escape(shown)}[/dim]",
                       soft_wrap=True)
+    if not report.complete:
+        shown = ", ".join(report.unreadable_inputs[:5]) + (" ..." if report.unreadable_input_count > 5 else "")
+        console.print(f"[bold red]INCOMPLETE[/bold red]: {report.unreadable_input_count} input(s) could not be read "
+                      f"through, so their records were not all checked: {escape(shown)}", soft_wrap=True)
     if failing:
         console.print("[bold red]FAIL[/bold red]: " + ", ".join(f"{n} {c}" for c, n in failing.items()))
-    else:
+    elif report.complete:
         console.print("[bold green]OK[/bold green]: no findings in the --fail-on categories "
                       f"({', '.join(fail_on) or 'none'})")
 
@@ -168,7 +172,9 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
     safetensors, and folders of images (png, jpeg, webp, bmp, tiff, gif). Every finding names its record by
     file, line or index and the sha256 of the record's bytes.
 
-    Exit status: 0 clean, 1 findings in a --fail-on category, 2 usage errors (e.g. a path that does not exist).
+    Exit status: 0 clean, 1 findings in a --fail-on category, 2 usage errors (e.g. a path that does not exist),
+    3 an input could not be read through (not valid in its format, or cut short), so its records were not all
+    checked, whatever --fail-on says. The --json report's "status" says the same: clean, findings or unreadable.
     """
     fail_on = parse_fail_on(fail_on)
     report = run_data_check(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
@@ -179,7 +185,7 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
         from rich.console import Console
 
         _render(report, fail_on, Console())
-    raise SystemExit(1 if report.failing(fail_on) else 0)
+    raise SystemExit(report.exit_code(fail_on))
 
 
 @click.command("runs")
@@ -188,7 +194,8 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
               help="A key every record must have (repeatable; dotted paths like metrics.loss reach into objects).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def runs_command(directory, required, as_json):
-    """Check a folder of run records (*.json, recursively): empty files, invalid JSON, missing required keys.
+    """Check a folder of run records (*.json, recursively): empty files, invalid JSON, non-finite numbers
+    (NaN, Infinity, 1e999), missing required keys, and a folder without any record.
 
     Exit status: 0 no problems, 1 problems (each listed with its path), 2 usage errors.
     """

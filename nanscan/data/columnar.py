@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from nanscan.data.findings import RecordRef
+from nanscan.data.findings import ROOT_FIELD, RecordRef
 from nanscan.data.records import as_scannable, scan_tensors
 
 if TYPE_CHECKING:
@@ -192,6 +192,7 @@ class TableCheck:
             if tokens is not None:
                 counted = clean_rows[has_text[clean_rows]]
                 checker.note_tokens(tokens[counted], lambda i: self.ref(int(counted[i])))
+            self._tally(ROOT_FIELD, "object", None, clean)  # every row is a record with fields
             for name, kind, lengths, valid in columns:
                 mask = clean if valid is None else clean & valid
                 self._tally(name, kind, lengths, mask)

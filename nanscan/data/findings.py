@@ -25,6 +25,7 @@ CATEGORIES = (NONFINITE, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, INCONSISTEN
 # A long record is worth knowing about but is often truncated on purpose by the loader, so by default it does not
 # fail a check.
 DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
+EXIT_CODES = {"clean": 0, "findings": 1, "unreadable": 3}
 
 # A type that differs from the most common one is reported when the most common covers more than half of the
 # records. Shapes and presence vary legitimately (token lists, optional keys), so a shape or a missing key is
@@ -39,6 +40,9 @@ SAMPLES_PER_FIELD = 20_000
 MAX_FIELDS = 10_000
 MAX_KEYSETS = 10_000
 MAX_VARIANTS_PER_FIELD = 10_000
+# The field name under which a record that is not a mapping or a tuple (a bare array, a JSON list) is tallied,
+# and under which every record's own kind ("object" for a mapping) is compared.
+ROOT_FIELD = "(record)"
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -113,8 +117,17 @@ class Finding:
                 "field": self.field, "detail": self.detail}
 
 
+# Inputs (files, archive members) that could not be read through, listed by name; all are counted.
+MAX_UNREADABLE_INPUTS_LISTED = 100
+
+
 class FindingSink:
-    """Exact counts per category; the first `max_findings` findings of each category kept for listing."""
+    """Exact counts per category; the first `max_findings` findings of each category kept for listing.
+
+    An `unreadable` finding that names no line and no index is about a whole input (a file, or a member of an
+    archive) that could not be read through, so that its records were not all checked: those inputs are also
+    counted apart, whatever the listing cap, because they make the check incomplete.
+    """
 
     def __init__(self, max_findings: int):
         if max_findings < 0:
@@ -122,9 +135,15 @@ class FindingSink:
         self.max_findings = max_findings
         self.counts: Counter[str] = Counter()
         self.listed: dict[str, list[Finding]] = {c: [] for c in CATEGORIES}
+        self.unreadable_inputs: list[str] = []
+        self.unreadable_input_count = 0
 
     def add(self, category: str, ref: "RecordRef | RecordId", detail: str, field: str | None = None) -> None:
         self.counts[category] += 1
+        if category == UNREADABLE and ref.line is None and ref.index is None:
+            self.unreadable_input_count += 1
+            if len(self.unreadable_inputs) < MAX_UNREADABLE_INPUTS_LISTED:
+                self.unreadable_inputs.append(ref.file + (f":{ref.member}" if ref.member is not None else ""))
         kept = self.listed.setdefault(category, [])
         if len(kept) < self.max_findings:
             record = ref.id() if isinstance(ref, RecordRef) else ref
@@ -247,9 +266,11 @@ class FieldTracker:
         total = sum(kinds.values())
         major_kind, major_count = kinds.most_common(1)[0]
         if major_count * 2 > total:
+            # ROOT_FIELD holds the kind of records that are not mappings (a JSON line that is a list or a number)
+            subject = "the record" if name == ROOT_FIELD else f"field {name!r}"
             for (kind, shape), v in variants.items():
                 if kind != major_kind:
-                    detail = (f"field {name!r} is {_describe(kind, shape)} here, {major_kind} in "
+                    detail = (f"{subject} is {_describe(kind, shape)} here, {major_kind} in "
                               f"{major_count} of {total} records")
                     _emit(sink, v, name, detail)
         shapes: Counter = Counter()
@@ -324,19 +345,41 @@ class DataReport:
     listed_per_category: int = 0
     skipped: list[str] = field(default_factory=list)  # files of unknown formats found in folders (not checked)
     skipped_count: int = 0  # all of them; `skipped` lists the first ones
+    # Inputs (files, or "file:member" for archives) that could not be read through: their records were not all
+    # checked. `unreadable_inputs` lists the first ones; each also has an `unreadable` finding.
+    unreadable_inputs: list[str] = field(default_factory=list)
+    unreadable_input_count: int = 0
 
     def failing(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> dict[str, int]:
         """Counts of the categories in `fail_on` that have findings."""
         return {c: self.counts.get(c, 0) for c in fail_on if self.counts.get(c, 0)}
 
     @property
+    def complete(self) -> bool:
+        """True when every input was read through (each record was checked)."""
+        return self.unreadable_input_count == 0
+
+    def status(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> str:
+        """"unreadable" when an input could not be read through (whatever `fail_on` says: its records are
+        unknown), else "findings" when a category in `fail_on` has findings, else "clean"."""
+        if not self.complete:
+            return "unreadable"
+        return "findings" if self.failing(fail_on) else "clean"
+
+    def exit_code(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> int:
+        """The `nanscan data` exit status: 0 clean, 1 findings, 3 an input could not be read (2 is for usage)."""
+        return EXIT_CODES[self.status(fail_on)]
+
+    @property
     def ok(self) -> bool:
-        return not self.failing()
+        return self.status() == "clean"
 
     def to_dict(self, fail_on: Iterable[str] = DEFAULT_FAIL_ON) -> dict:
         fail_on = list(fail_on)
         return {
-            "ok": not self.failing(fail_on), "fail_on": fail_on, "failing": self.failing(fail_on),
+            "ok": self.status(fail_on) == "clean", "status": self.status(fail_on),
+            "fail_on": fail_on, "failing": self.failing(fail_on),
+            "unreadable_inputs": self.unreadable_inputs, "unreadable_input_count": self.unreadable_input_count,
             "counts": {c: self.counts.get(c, 0) for c in CATEGORIES},
             "records": self.records, "files": self.files, "bytes": self.bytes,
             "tokens": {**self.tokens, "tokenizer": self.tokenizer, "max_tokens": self.max_tokens},

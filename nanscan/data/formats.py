@@ -8,7 +8,8 @@ becomes a finding; no reader raises on bad content.
 
 What a record is: a line (JSON Lines), a row after the header (CSV; its lines when quoted text spans several), a
 row (Parquet), a row along axis 0 of each array (.npy, .npz members, safetensors tensors; the whole array when it
-is compared with the arrays of other files or members), an image file.
+is compared with the arrays of other files or members), an image file. Arrays of a structured dtype are scanned
+field by field; object arrays are never loaded (that needs pickle).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nanscan.data.columnar import TableCheck
 from nanscan.data.findings import (
     CORRUPT_IMAGE, EMPTY, INCONSISTENT, NONFINITE, UNREADABLE, RecordRef, sha256_hex,
 )
-from nanscan.data.jsonl import check_jsonl
+from nanscan.data.jsonl import UTF8_BOM, check_jsonl
 from nanscan.data.records import as_scannable, describe_nonfinite, digest_object, inspect_record, scan_tensors
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ class _CsvLines:
         if not raw:
             raise StopIteration
         self.line += 1
+        if self.line == 1 and raw.startswith(UTF8_BOM):
+            raw = raw[len(UTF8_BOM):]  # the file's encoding mark, not part of the first column's name
         if len(raw) > self.limit and not raw.endswith(b"\n"):
             import hashlib
 
@@ -364,32 +367,67 @@ def check_parquet(checker: "Checker", path: Path, size: int) -> None:
 
 
 # -- arrays: .npy, .npz, safetensors ------------------------------------------------------------------------------
+class ArrayLeaf:
+    """A floating part of every element of a stored array: the element itself (path ()), or a field of a
+    structured dtype (path ("pos", "x")) holding `per_element` values (a sub-array field holds several)."""
+
+    def __init__(self, path: tuple[str, ...] = (), per_element: int = 1):
+        self.path, self.per_element = path, per_element
+        self.seen_rows: set[int] = set()  # rows already reported (Fortran order visits a row many times)
+        self.last_row = -1  # the last row reported (C order visits rows in order)
+
+    def select(self, elements: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        for name in self.path:
+            elements = elements[name]
+        return elements
+
+
+def floating_leaves(dtype: np.dtype, path: tuple[str, ...] = (), per_element: int = 1) -> list[ArrayLeaf]:
+    """The floating parts of a dtype: [ArrayLeaf()] for a float or complex dtype, one per floating field (nested
+    fields and sub-arrays included) for a structured dtype, none for other dtypes."""
+    if dtype.subdtype is not None:
+        base, sub_shape = dtype.subdtype
+        return floating_leaves(base, path, per_element * math.prod(sub_shape))
+    if dtype.names:
+        return [leaf for name in dtype.names for leaf in floating_leaves(dtype.fields[name][0], (*path, name),
+                                                                         per_element)]
+    return [ArrayLeaf(path, per_element)] if dtype.kind in "fc" else []
+
+
+def _leaf_values(elements: "np.ndarray | torch.Tensor", leaf: ArrayLeaf) -> torch.Tensor | None:
+    """The leaf's values in a run of elements as one 1-D tensor the core scan reads (native byte order)."""
+    if isinstance(elements, torch.Tensor):
+        return as_scannable(elements.reshape(-1))
+    return as_scannable(np.ascontiguousarray(leaf.select(elements)).reshape(-1))
+
+
 class ArrayCheck:
     """One stored array: records are its rows along axis 0 (a 0-d array is one record).
 
-    `chunks` yields (first element, 1-D tensor) slices of the array's memory in storage order, each at most about
-    SCAN_BYTES; `row(i)` returns row i as a tensor (None when it cannot be re-read cheaply).
+    `chunks` yields (first element, elements) runs of the array's elements in storage order, each at most about
+    SCAN_BYTES: a 1-D numpy array of the stored dtype, or a tensor. `row(i)` returns row i as stored (a numpy
+    array of the stored dtype, or a tensor), or None when it cannot be re-read cheaply; the record's digest covers
+    its bytes in C order. `leaves` are the floating parts that are scanned (see floating_leaves).
     """
 
     def __init__(self, checker: "Checker", display: str, member: str | None, field: str, shape: tuple,
-                 kind: str, fortran: bool, row: Callable[[int], torch.Tensor | None]):
+                 kind: str, fortran: bool, row: "Callable[[int], np.ndarray | torch.Tensor | None]",
+                 leaves: "list[ArrayLeaf] | None" = None):
         self.checker, self.display, self.member, self.field = checker, display, member, field
         self.shape, self.kind, self.fortran, self.row = shape, kind, fortran, row
+        self.leaves = [ArrayLeaf()] if leaves is None else leaves
         self.numel = math.prod(shape)
         self.row_elems = math.prod(shape[1:]) if shape else 1
         self.n_rows = shape[0] if shape else 1
-        self._seen: set[int] = set()
-        self._last_row = -1
+
+    def label(self, leaf: ArrayLeaf) -> str:
+        """How findings name the values of a leaf: the member or field, then the structured field's path."""
+        return ".".join([self.member or self.field, *leaf.path])
 
     def ref(self, row: int | None) -> RecordRef:
         def digest():
-            if row is None:
-                data = self.row(0) if not self.shape else None
-            else:
-                data = self.row(row)
-            if data is None:
-                return None
-            return sha256_hex(_tensor_bytes(data))
+            data = self.row(0 if row is None else row)
+            return None if data is None else sha256_hex(_record_bytes(data))
 
         return RecordRef(self.display, member=self.member, index=row if self.shape else None, digest=digest)
 
@@ -404,35 +442,37 @@ class ArrayCheck:
             return False
         checker.records += self.n_rows
         checker.tracker.add(self.field, self.kind, self.shape, whole)
-        return True
+        return bool(self.leaves)
 
-    def scan(self, chunks: Iterator[tuple[int, torch.Tensor]],
-             reread: Callable[[int, int], torch.Tensor] | None = None) -> None:
+    def scan(self, chunks: "Iterator[tuple[int, np.ndarray | torch.Tensor]]",
+             reread: "Callable[[int, int], np.ndarray | torch.Tensor] | None" = None) -> None:
         """Scan every chunk; report rows holding non-finite values and note the largest finite magnitude.
 
         With `reread(start, count)` (random access, e.g. a memory map) the largest value is located once at the
         end, in the one chunk that holds it; without, it is located whenever a chunk beats the previous best.
         """
         checker = self.checker
-        best = (checker.largest_magnitude.value if checker.largest_magnitude else -1.0, None, 0)
-        for start, chunk in chunks:
-            values = as_scannable(chunk)
-            if values is None:
-                continue
-            stats = scan_tensors([values]).stats[0]
-            if not stats.ok:
-                self._report_rows(self._rows_of(_nonfinite_elements(values) + start))
-            if stats.absmax > best[0]:
-                best = (stats.absmax, start, len(values))
-                if reread is None:
-                    self._note_magnitude(stats.absmax, start, values)
+        best = (checker.largest_magnitude.value if checker.largest_magnitude else -1.0, None, 0, None)
+        for start, elements in chunks:
+            for leaf in self.leaves:
+                values = _leaf_values(elements, leaf)
+                if values is None:
+                    continue
+                stats = scan_tensors([values]).stats[0]
+                if not stats.ok:
+                    self._report_rows(leaf, self._rows_of(_nonfinite_elements(values) // leaf.per_element + start))
+                if stats.absmax > best[0]:
+                    best = (stats.absmax, start, len(elements), leaf)
+                    if reread is None:
+                        self._note_magnitude(stats.absmax, start, values, leaf)
         if reread is not None and best[1] is not None:
-            self._note_magnitude(best[0], best[1], as_scannable(reread(best[1], best[2])))
+            absmax, start, count, leaf = best
+            self._note_magnitude(absmax, start, _leaf_values(reread(start, count), leaf), leaf)
 
-    def _note_magnitude(self, absmax: float, start: int, values: torch.Tensor) -> None:
-        element = _largest_element(values) + start
+    def _note_magnitude(self, absmax: float, start: int, values: torch.Tensor, leaf: ArrayLeaf) -> None:
+        element = _largest_element(values) // leaf.per_element + start
         row = int(self._rows_of(np.array([element]))[0])
-        self.checker.note_magnitude(absmax, self.ref(row if self.shape else None), self.member or self.field)
+        self.checker.note_magnitude(absmax, self.ref(row if self.shape else None), self.label(leaf))
 
     def _rows_of(self, elements: np.ndarray) -> np.ndarray:
         if not self.shape:
@@ -441,30 +481,31 @@ class ArrayCheck:
             return np.unravel_index(elements, self.shape, order="F")[0]
         return elements // self.row_elems
 
-    def _report_rows(self, rows: np.ndarray) -> None:
+    def _report_rows(self, leaf: ArrayLeaf, rows: np.ndarray) -> None:
         sink = self.checker.sink
         for row in np.unique(rows).tolist():
             if self.fortran:
-                if row in self._seen:
+                if row in leaf.seen_rows:
                     continue
-                self._seen.add(row)
+                leaf.seen_rows.add(row)
             else:
-                if row <= self._last_row:
+                if row <= leaf.last_row:
                     continue
-                self._last_row = row
+                leaf.last_row = row
             if len(sink.listed.get(NONFINITE, ())) >= sink.max_findings:
                 sink.add_uncounted_listing(NONFINITE, 1)
                 continue
-            name = self.member or self.field
-            data = self.row(row) if self.shape else self.row(0)
-            path = f"{name}[{row}]" if self.shape else name
+            label = self.label(leaf)
+            data = self.row(row if self.shape else 0)
+            path = f"{label}[{row}]" if self.shape else label
             if data is None:
-                detail = "non-finite value(s) in this row (a row streamed from a compressed archive across scan " \
-                         "slices is not read again for details)"
+                detail = ("non-finite value(s) in this row (not read again for details: the archive member is "
+                          "read once, front to back, and this row is not in the part at hand)")
             else:
-                count, text = describe_nonfinite(data, path)
+                count, text = describe_nonfinite(_leaf_values(data, leaf).reshape(np.shape(leaf.select(data))),
+                                                 path)
                 detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
-            sink.add(NONFINITE, self.ref(row if self.shape else None), detail, name)
+            sink.add(NONFINITE, self.ref(row if self.shape else None), detail, label)
 
 
 # NOTE: [locating values] A chunk the scan flags is not searched with elementwise torch ops over its whole length
@@ -509,8 +550,18 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+def _record_bytes(data: "np.ndarray | torch.Tensor") -> bytes:
+    """A stored row's bytes in C order (a numpy row keeps its stored dtype, byte order included)."""
+    return _tensor_bytes(data) if isinstance(data, torch.Tensor) else np.asarray(data).tobytes()
+
+
 def _array_kind(dtype_name: str) -> str:
     return f"array[{dtype_name}]"
+
+
+def _numpy_kind(dtype: np.dtype) -> str:
+    # A structured dtype's name ("void64") says only its size; its fields tell two layouts apart.
+    return _array_kind(str(dtype) if dtype.names else dtype.name)
 
 
 def _npy_header(f) -> tuple[tuple, bool, np.dtype]:
@@ -550,20 +601,21 @@ def check_npy(checker: "Checker", path: Path) -> None:
         checker.sink.add(UNREADABLE, _file_ref(path), f"truncated: the header promises {expected} bytes, the file "
                          f"has {actual}")
         return
-    check = ArrayCheck(checker, display, None, "array", tuple(shape), _array_kind(dtype.name), fortran,
-                       row=lambda i: None)
-    if not check.start(_file_ref(path)) or dtype.kind not in "fc":
+    check = ArrayCheck(checker, display, None, "array", tuple(shape), _numpy_kind(dtype), fortran,
+                       row=lambda i: None, leaves=floating_leaves(dtype))
+    if not check.start(_file_ref(path)):
         return
     # A read-only memory map: pages come from the page cache and are dropped under memory pressure, so memory
     # stays bounded whatever the file size.
     flat = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(math.prod(shape),))
     array = flat.reshape(shape, order="F" if fortran else "C")
-    check.row = lambda i: torch.from_numpy(np.ascontiguousarray(array[i] if shape else array))
+    # Sliced rather than indexed: an indexed element is a scalar in native byte order, no longer the stored bytes.
+    check.row = lambda i: np.array(array[i:i + 1].reshape(shape[1:]) if shape else array)
     step = _chunk_elems(dtype.itemsize, check.row_elems)
 
     def chunks():
         for start in range(0, len(flat), step):
-            yield start, as_scannable(flat[start:start + step])
+            yield start, flat[start:start + step]
 
     check.scan(chunks(), reread=lambda start, count: flat[start:start + count])
 
@@ -600,13 +652,14 @@ def _check_npz_member(checker: "Checker", archive: zipfile.ZipFile, info: zipfil
         if dtype.hasobject:
             checker.records += 1
             checker.sink.add(UNREADABLE, RecordRef(display, member=name), "an object array: loading it needs "
-                             "pickle, which nanscan never uses on data files", name)
+                             "pickle, which nanscan never uses on data files; save the array with a numeric dtype",
+                             name)
             return
-        check = ArrayCheck(checker, display, name, _npz_field(name), tuple(shape), _array_kind(dtype.name),
-                           fortran, row=lambda i: None)
+        check = ArrayCheck(checker, display, name, _npz_field(name), tuple(shape), _numpy_kind(dtype),
+                           fortran, row=lambda i: None, leaves=floating_leaves(dtype))
         whole = RecordRef(display, member=name, lazy=True,
                           digest=lambda: _zip_member_digest(archive.filename, info.filename))
-        if not check.start(whole) or dtype.kind not in "fc":
+        if not check.start(whole):
             return
         numel = math.prod(shape)
         step = _chunk_elems(dtype.itemsize, check.row_elems)
@@ -620,18 +673,18 @@ def _check_npz_member(checker: "Checker", archive: zipfile.ZipFile, info: zipfil
                     raise EOFError(f"the data ends after {start + len(data) // dtype.itemsize} of {numel} elements")
                 chunk = np.frombuffer(data, dtype=dtype)
                 current["start"], current["chunk"] = start, chunk
-                yield start, as_scannable(chunk)
+                yield start, chunk
 
-        def row(i: int) -> torch.Tensor | None:
-            # A compressed member is read once, front to back: a row can be re-read only from the chunk in hand.
+        def row(i: int) -> np.ndarray | None:
+            # A compressed member is read once, front to back: a row can be re-read only from the chunk in hand
+            # (and a row of a Fortran-order array is spread over the whole member).
             if "chunk" not in current or fortran:
                 return None
             begin = i * check.row_elems - current["start"]
             chunk = current["chunk"]
             if begin < 0 or begin + check.row_elems > len(chunk):
                 return None
-            values = chunk[begin: begin + check.row_elems].reshape(shape[1:])
-            return as_scannable(values) if values.dtype.kind in "fc" else torch.from_numpy(values.copy())
+            return chunk[begin: begin + check.row_elems].reshape(shape[1:])
 
         check.row = row
         check.scan(chunks())
@@ -661,8 +714,9 @@ def _safetensor_digest(path: str, name: str) -> str | None:
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+                       "C64": "complex64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 
 
 def check_safetensors(checker: "Checker", path: Path) -> None:
@@ -694,10 +748,12 @@ def _check_safetensor(checker: "Checker", handle, name: str, display: str) -> No
     def row(i: int) -> torch.Tensor:
         return sl[i: i + 1][0] if shape else handle.get_tensor(name)
 
-    check = ArrayCheck(checker, display, name, name, shape, _array_kind(dtype_name), False, row)
+    floating = dtype_name.startswith(("float", "bfloat", "complex"))
+    check = ArrayCheck(checker, display, name, name, shape, _array_kind(dtype_name), False, row,
+                       leaves=[ArrayLeaf()] if floating else [])
     whole = RecordRef(display, member=name, lazy=True,
                       digest=lambda: _safetensor_digest(display, name))
-    if not check.start(whole) or not dtype_name.startswith(("float", "bfloat", "complex")):
+    if not check.start(whole):
         return
     itemsize = getattr(torch, dtype_name).itemsize if hasattr(torch, dtype_name) else 4
     step_rows = max(1, _chunk_elems(itemsize, check.row_elems) // max(check.row_elems, 1))

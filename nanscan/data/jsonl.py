@@ -7,6 +7,8 @@ halves, until the bad lines are isolated, so one broken line does not send its n
 
 A record is one line; its identifier is the 1-based line number and the sha256 of the line's bytes without the
 line feed. A line longer than --max-record-bytes is not loaded: it is reported `unreadable` and hashed in passing.
+A UTF-8 byte order mark at the start of the file marks the encoding, as `json.loads` of bytes and Arrow take it: it
+is not part of the first line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +41,12 @@ ARROW_BLOCK = 4 << 20  # Arrow's own unit of parsing
 PIECE_BYTES = 1 << 20  # a block Arrow refuses is re-read in pieces of about this size, in parallel
 SPLIT_MIN = 16 << 10  # a refused piece is halved down to this size, then checked line by line
 PARSE_AHEAD = 2  # blocks being parsed while one is checked: enough to keep two cores busy
+# Arrow's JSON reader recurses once per nesting level and overflows the thread's stack (killing the process) near
+# 10,000 levels. Deeper lines go to json.loads, which refuses them with a RecursionError (an `unreadable` finding)
+# from about 1,000 levels, so this bound changes no result.
+MAX_ARROW_DEPTH = 512
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class TruncatedStream(Exception):
@@ -134,7 +143,7 @@ class JsonLinesFile:
         limit = self.checker.max_record_bytes
         carry = b""
         skipping = None  # [sha256 object, bytes so far] while passing over an over-long line
-        for chunk in chunks:
+        for chunk in _without_bom(chunks):
             if skipping is not None:
                 nl = chunk.find(b"\n")
                 if nl == -1:
@@ -182,6 +191,14 @@ class JsonLinesFile:
         lengths = ends - starts
         lead = buf[np.minimum(starts, max(len(block) - 1, 0))] if len(block) else np.zeros(len(starts), np.uint8)
         objects = (lengths > 0) & (lead == ord("{")) & (lengths <= self.checker.max_record_bytes)
+        # A line cannot nest deeper than it has opening brackets (nor bytes); only lines with many are measured.
+        long_lines = objects & (lengths > MAX_ARROW_DEPTH)
+        if long_lines.any() and block.count(b"[") + block.count(b"{") > MAX_ARROW_DEPTH:
+            opening = np.flatnonzero((buf | 0x20) == ord("{"))  # "[" is 0x5b, "{" 0x7b; no other byte maps there
+            counts = np.searchsorted(opening, ends) - np.searchsorted(opening, starts)
+            for i in np.flatnonzero(long_lines & (counts > MAX_ARROW_DEPTH)).tolist():
+                if nesting_depth(block[int(starts[i]):int(ends[i])]) > MAX_ARROW_DEPTH:
+                    objects[i] = False
         edges = np.flatnonzero(np.diff(np.concatenate([[0], objects.view(np.int8), [0]])))
         runs = [(begin, end, self._parse(block[int(starts[begin]):int(ends[end - 1])]))
                 for begin, end in zip(edges[0::2].tolist(), edges[1::2].tolist())]
@@ -278,6 +295,27 @@ class _Block:
     ends: np.ndarray
     other_lines: list[int]  # lines that are not candidates for Arrow (blank, bare values, over-long)
     runs: list  # (first line index, end line index, Arrow table or None) for runs of lines starting with "{"
+
+
+def _without_bom(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The stream without a leading UTF-8 byte order mark (the first chunks may be shorter than the mark)."""
+    head = b""
+    for chunk in chunks:
+        head += chunk
+        if len(head) >= len(UTF8_BOM) or not UTF8_BOM.startswith(head):
+            break
+    if head:
+        yield head[len(UTF8_BOM):] if head.startswith(UTF8_BOM) else head
+    yield from chunks
+
+
+def nesting_depth(line: bytes) -> int:
+    """The deepest nesting of brackets outside strings. Exact up to the first syntax error, the part a parser
+    reads; past it the count may be off, but no parser goes there."""
+    structure = np.frombuffer(_JSON_STRING.sub(b'""', line), dtype=np.uint8)
+    steps = ((structure == ord("[")) | (structure == ord("{"))).astype(np.int32)
+    steps -= (structure == ord("]")) | (structure == ord("}"))
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def _timestamps_as_strings(t: pa.DataType) -> pa.DataType | None:

@@ -20,12 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanscan.data.findings import EMPTY, NONFINITE, TOO_LONG, UNREADABLE, RecordRef
+from nanscan.data.findings import EMPTY, NONFINITE, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef
 
 if TYPE_CHECKING:
     from nanscan.data.api import Checker
-
-ROOT_FIELD = "(record)"  # the field name of a record that is not a mapping or a tuple (a bare array, a JSON list)
 
 
 # -- kinds and shapes --------------------------------------------------------------------------------------------
@@ -190,6 +188,8 @@ def as_scannable(array: Any) -> torch.Tensor | None:
     a = np.asarray(array)
     if a.dtype.kind not in "fc":
         return None
+    if not a.dtype.isnative:  # e.g. big-endian data from another machine: torch reads native byte order only
+        a = a.astype(a.dtype.newbyteorder("="))
     if a.dtype not in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
         a = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)  # e.g. longdouble
     with warnings.catch_warnings():
@@ -375,6 +375,10 @@ def inspect_record(checker: "Checker", record: Any, ref: RecordRef) -> None:
         checker.sink.add(EMPTY, ref, f"empty record ({reason})")
         return
     tracker = checker.tracker
+    if isinstance(record, (Mapping, tuple)):
+        # The record's own kind, so that a JSON line that is a list or a number among objects is inconsistent
+        # (a record that is neither is tallied under ROOT_FIELD below, as its only field).
+        tracker.add(ROOT_FIELD, "object" if isinstance(record, Mapping) else "tuple", None, ref)
     text_fields = checker.text_fields
     texts: list[str] = []
     pretokenized = 0

@@ -1,10 +1,11 @@
 """Checks of a folder of run records (JSON files written by training jobs): empty files, files that are not valid
-JSON, and records missing required keys. Each problem names the file it was found in.
+JSON, non-finite numbers, and records missing required keys. Each problem names the file it was found in.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -13,7 +14,10 @@ EMPTY_FILE = "empty"
 INVALID_JSON = "invalid_json"
 MISSING_KEY = "missing_key"
 UNREADABLE_FILE = "unreadable"
-RUN_CATEGORIES = (EMPTY_FILE, INVALID_JSON, MISSING_KEY, UNREADABLE_FILE)
+NONFINITE_VALUE = "nonfinite"
+RUN_CATEGORIES = (EMPTY_FILE, INVALID_JSON, NONFINITE_VALUE, MISSING_KEY, UNREADABLE_FILE)
+UTF8_BOM = b"\xef\xbb\xbf"
+NONFINITE_LISTED = 5  # non-finite numbers named per file
 
 
 @dataclass(frozen=True)
@@ -55,37 +59,68 @@ def _lookup(record: Any, dotted: str) -> bool:
     return True
 
 
-def check_run_file(path: Path, required: Iterable[str], display: str) -> RunProblem | None:
+def _nonfinite_numbers(record: Any) -> list[tuple[str, float]]:
+    """(dotted path, value) of every non-finite number, in document order (iterative: records may nest deeply)."""
+    found, stack = [], [("", record)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                found.append((path or "(top level)", value))
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return found
+
+
+def check_run_file(path: Path, required: Iterable[str], display: str) -> list[RunProblem]:
+    """The problems of one run record (none when it is fine)."""
     required = list(required)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        return RunProblem(UNREADABLE_FILE, display, f"cannot read the file ({exc})")
+        return [RunProblem(UNREADABLE_FILE, display, f"cannot read the file ({exc})")]
+    # A byte order mark says the file is UTF-8; it is not part of the JSON text.
+    skipped = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    data = data[skipped:]
     if not data.strip():
-        return RunProblem(EMPTY_FILE, display, "the file is empty" if not data else "the file holds only whitespace")
+        return [RunProblem(EMPTY_FILE, display, "the file is empty" if not data else "the file holds only whitespace")]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RunProblem(INVALID_JSON, display, f"not UTF-8: byte 0x{data[exc.start]:02x} at offset {exc.start}")
+        return [RunProblem(INVALID_JSON, display,
+                           f"not UTF-8: byte 0x{data[exc.start]:02x} at offset {exc.start + skipped}")]
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        return RunProblem(INVALID_JSON, display, f"{exc.msg} at line {exc.lineno}, column {exc.colno}")
+        return [RunProblem(INVALID_JSON, display, f"{exc.msg} at line {exc.lineno}, column {exc.colno}")]
     except (ValueError, RecursionError) as exc:
-        return RunProblem(INVALID_JSON, display, f"{type(exc).__name__}: {exc}")
+        return [RunProblem(INVALID_JSON, display, f"{type(exc).__name__}: {exc}")]
+    problems = []
+    # Python's json reads NaN and Infinity (which are not JSON) and numbers past the float range (as inf).
+    nonfinite = _nonfinite_numbers(record)
+    if nonfinite:
+        shown = ", ".join(f"{where} = {'NaN' if math.isnan(value) else f'{value:+}'}"
+                          for where, value in nonfinite[:NONFINITE_LISTED])
+        more = f" and {len(nonfinite) - NONFINITE_LISTED} more" if len(nonfinite) > NONFINITE_LISTED else ""
+        problems.append(RunProblem(NONFINITE_VALUE, display, f"non-finite number(s): {shown}{more} (NaN and Infinity "
+                                                             "are not valid JSON; 1e999 and the like overflow to inf)"))
     if not required:
-        return None
+        return problems
     if not isinstance(record, dict):
-        return RunProblem(MISSING_KEY, display, f"the top level is a JSON {type(record).__name__}, not an object, "
-                                                f"so it has none of the required keys {required}")
+        problems.append(RunProblem(MISSING_KEY, display, f"the top level is a JSON {type(record).__name__}, not an "
+                                                         f"object, so it has none of the required keys {required}"))
+        return problems
     missing = [key for key in required if not _lookup(record, key)]
     if missing:
-        return RunProblem(MISSING_KEY, display, "missing required key(s): " + ", ".join(missing))
-    return None
+        problems.append(RunProblem(MISSING_KEY, display, "missing required key(s): " + ", ".join(missing)))
+    return problems
 
 
 def check_runs(root: str | Path, required: Iterable[str] = ()) -> RunsReport:
-    """Check every *.json file under `root` (recursively, hidden and temporary files skipped)."""
+    """Check every *.json file under `root` (recursively, hidden and temporary files skipped); a folder without
+    any is a problem too."""
     root = Path(root)
     if not root.is_dir():
         raise NotADirectoryError(f"run-record folder {str(root)!r} is not a directory")
@@ -95,7 +130,8 @@ def check_runs(root: str | Path, required: Iterable[str] = ()) -> RunsReport:
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
     for path in files:
         report.files += 1
-        problem = check_run_file(path, required, str(path))
-        if problem is not None:
-            report.problems.append(problem)
+        report.problems.extend(check_run_file(path, required, str(path)))
+    if not files:
+        # Most likely the wrong folder: a check of nothing must not read as a pass.
+        report.problems.append(RunProblem(EMPTY_FILE, str(root), "no run records (*.json) under this folder"))
     return report
