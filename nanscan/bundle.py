@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from nanscan import _layout as L
 from nanscan._atomic import (TEMP_PREFIX, atomic_directory, atomic_write_bytes, fsync_dir, is_temp_name,
                              json_bytes, sha256_file)
+from nanscan.inputs import tensor_from_numpy
 from nanscan.provenance import SourceInfo, config_sha256, restore_rng, rng_from_tensors, rng_to_tensors
 from nanscan.stats import ScannedTensor, ScanReport
 
@@ -287,7 +288,7 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
     if isinstance(batch, torch.Tensor):
         yield prefix or "batch", batch
     elif isinstance(batch, np.ndarray) and batch.dtype.kind in "fciub":
-        yield prefix or "batch", torch.from_numpy(np.ascontiguousarray(batch))
+        yield prefix or "batch", tensor_from_numpy(prefix or "batch", batch)
     elif type(batch) is dict or isinstance(batch, Mapping):  # the abstract-class check is slow: dicts skip it
         for key, value in batch.items():
             yield from iter_batch_tensors(value, f"{prefix}.{key}" if prefix else str(key))

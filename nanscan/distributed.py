@@ -639,9 +639,12 @@ def bundle_set_root(path: Path) -> tuple[Path, int | None] | None:
 
 def _read_index(root: Path) -> dict:
     path = root / INDEX
+    if path.is_symlink():
+        raise BundleError(f"{path} is a symbolic link: a bundle set holds plain files only, and a link could point "
+                          "outside it; do not use this set, ask for a copy made without links")
     try:
         index = json.loads(path.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # also UnicodeDecodeError and JSONDecodeError
         raise BundleError(f"{path} cannot be read as JSON ({exc}): the file is truncated or damaged; ask for a "
                           "fresh copy of the bundle set") from None
     if not isinstance(index, dict) or index.get("schema") != INDEX_SCHEMA:
@@ -649,7 +652,7 @@ def _read_index(root: Path) -> dict:
         raise BundleError(f"{path} has schema {schema!r}, this nanscan reads {INDEX_SCHEMA!r}: it is not a nanscan "
                           "bundle set index, or another nanscan version wrote it")
     missing = [k for k in INDEX_REQUIRED_KEYS if k not in index]
-    if missing or not isinstance(index["ranks"], list):
+    if missing or not isinstance(index["ranks"], list) or not all(isinstance(e, dict) for e in index["ranks"]):
         raise BundleError(f"{path} lacks {', '.join(missing) or 'a list of ranks'}: the index is incomplete or was "
                           "edited; ask for a fresh copy")
     return index
@@ -667,6 +670,9 @@ def load_bundle_set(root: Path, rank: int | None = None) -> "BundleSet":
         if not _RANK_DIR.match(str(entry["dir"])):
             raise BundleError(f"{root / INDEX} names the part {entry['dir']!r}, which is not a rank-<r> directory; "
                               "the index was edited, do not use this set")
+        if (root / entry["dir"]).is_symlink():
+            raise BundleError(f"{root / entry['dir']} is a symbolic link: a set's parts are plain directories, and a "
+                              "link could point outside it; do not use this set, ask for a copy made without links")
         part = load_bundle(root / entry["dir"], whole_set=False)
         info = part.manifest.get("distributed") or {}
         expected = (index["run_id"], index["first_invalid_step"], entry["rank"], entry.get("detected_at"))

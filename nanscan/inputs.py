@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -151,7 +152,7 @@ def prepare(name: str, t: Any) -> ScanInput | None:
         if dtype in _UNSCANNED_DTYPES:
             return None
     if isinstance(t, np.ndarray):
-        t = _from_numpy(name, t)
+        t = tensor_from_numpy(name, t)
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor; pass tensors only")
     if torch.nn.parameter.is_lazy(t):
@@ -288,9 +289,15 @@ class ScanInputs(Sequence[ScanInput]):
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 
-def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+def tensor_from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+    """A tensor over a numpy array's memory (copied only when the array is not contiguous), for reading."""
+    array = np.ascontiguousarray(array)
     try:
-        return torch.from_numpy(np.ascontiguousarray(array))
+        if array.flags.writeable:
+            return torch.from_numpy(array)
+        with warnings.catch_warnings():  # a read-only array (np.load(mmap_mode="r")): nanscan only reads it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(array)
     except TypeError:
         raise UnsupportedTensorError(
             f"{name!r} is a numpy array of dtype {array.dtype}, which torch cannot read; convert it (e.g. "

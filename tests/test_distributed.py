@@ -413,6 +413,26 @@ def test_damaged_sets_are_refused_with_a_clear_message(ddp, tmp_path):
         load_bundle(copy)
 
 
+def test_sets_with_linked_parts_or_index_are_refused(ddp, tmp_path):
+    """A received set whose rank part or index is a symbolic link could make readers show files from anywhere."""
+    out, _ = ddp
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(_set_dir(out, "ddp-sync") / "rank-2", elsewhere)
+    linked = tmp_path / "linked-part"
+    shutil.copytree(_set_dir(out, "ddp-sync"), linked)
+    shutil.rmtree(linked / "rank-2")
+    (linked / "rank-2").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(BundleError, match="rank-2 is a symbolic link"):
+        load_bundle(linked)
+    linked_index = tmp_path / "linked-index"
+    shutil.copytree(_set_dir(out, "ddp-sync"), linked_index)
+    (tmp_path / "index-elsewhere.json").write_bytes((linked_index / INDEX).read_bytes())
+    (linked_index / INDEX).unlink()
+    (linked_index / INDEX).symlink_to(tmp_path / "index-elsewhere.json")
+    with pytest.raises(BundleError, match="is a symbolic link"):
+        load_bundle(linked_index)
+
+
 # -- FSDP2, 2 processes -----------------------------------------------------------------------------------------
 
 def test_fsdp_every_rank_stops_and_shards_are_named_and_joined(fsdp):

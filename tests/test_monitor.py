@@ -451,3 +451,21 @@ def test_model_with_monitor_still_pickles_and_copies(tmp_path):
     assert mon._snapshot.model_state is not None
     mon.close()
     assert not model._forward_pre_hooks
+
+
+def test_numpy_batches_read_only_and_unreadable(tmp_path):
+    """A memory-mapped (read-only) array is read without torch's 'not writable' warning, since nothing writes it,
+    and its NaN is caught; an array torch cannot read is refused with its path named."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="run", on_invalid="warn")
+    features = np.ones((4, 3), dtype=np.float32)
+    features[1, 2] = np.nan
+    features.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the torch warning would be an error here; the NaN's is expected below
+        warnings.simplefilter("ignore", NonFiniteWarning)
+        report = mon.check(batch={"features": features})
+    assert report.nonfinite == ["input:features"] and report["input:features"].nan == 1
+    with pytest.raises(nanscan.UnsupportedTensorError, match="'features'.*float128|'features'.*longdouble"):
+        mon.check(batch={"features": np.ones(3, dtype=np.longdouble)})
