@@ -1,9 +1,22 @@
 """Mixed-precision headroom from an exponent histogram: which fraction of a tensor's values would overflow,
 turn subnormal, or flush to zero if it were stored in float16, bfloat16 or float8, counted in whole binades.
 
-A histogram bin holds every value with the same floor(log2|x|), so the answer is exact at binade granularity:
-a value counts as overflowing when its binade lies above the format's largest finite binade (values inside the
-top binade but above the format's maximum, e.g. 65520 in float16, are counted as fitting).
+A histogram bin holds every value with the same floor(log2|x|), so each binade is counted on the side where a cast
+(round to nearest, ties to even) puts almost all of it. The fractions agree with such a cast except here (torch
+casts float64 through float32, which can move a float64 value within half a float32 ulp of an edge across it):
+- values in the format's top binade that round above its largest finite value are counted as fitting: float16
+  [65520, 65536), bfloat16 [2**128 - 2**119, 2**128), float8_e4m3fn (464, 512), float8_e5m2 [61440, 65536) (the
+  last two are 3/16 and 1/8 of their binade);
+- values in the binade just below the smallest normal that round up to it are counted as subnormal: float16
+  [2**-14 - 2**-25, 2**-14), bfloat16 [2**-126 - 2**-134, 2**-126), float8_e4m3fn [1.875 * 2**-7, 2**-6),
+  float8_e5m2 [1.75 * 2**-15, 2**-14) (1/16 and 1/4 of their binade);
+- the binade just below the smallest subnormal rounds up to the smallest subnormal, all but its lower end, which
+  is a tie that rounds to zero: that one value (2**-25 in float16) is counted as subnormal with the rest;
+- the histogram's clamped end bins (see `headroom`).
+Only finite non-zero values are counted: zeros stay zero and non-finite values are not in the histogram.
+
+float8_e4m3fn has no infinity, and what a cast does with an overflowing value depends on the torch release: torch
+2.11 (CPU and CUDA) makes it NaN, torch 2.13's CPU cast saturates it, and an infinity, to +-448.
 """
 
 from __future__ import annotations
@@ -20,7 +33,8 @@ class Format:
     name: str
     max_binade: int  # floor(log2(largest finite))
     min_normal_binade: int  # floor(log2(smallest normal))
-    min_subnormal_binade: int  # floor(log2(smallest subnormal)); below it a value flushes to zero
+    # floor(log2(smallest subnormal)); the binade below it still rounds up to it, the binades below that flush to 0
+    min_subnormal_binade: int
 
 
 FORMATS = (
@@ -34,11 +48,11 @@ FORMATS = (
 @dataclass(frozen=True)
 class Headroom:
     format: str
-    values: int  # finite non-zero values in the histogram
-    overflow: float  # fraction that would become inf (or NaN in e4m3fn)
+    values: int  # finite non-zero values in the histogram: the fractions below are shares of these
+    overflow: float  # fraction above the format's range: inf, or in e4m3fn NaN or +-448 (see the module docstring)
     subnormal: float  # fraction that would be stored as subnormals (lost precision)
     underflow: float  # fraction that would flush to zero
-    top_binade: int | None  # highest occupied binade, None when the histogram is empty
+    top_binade: int | None  # highest occupied binade (at most 127: bin 255 is clamped), None for an empty histogram
     binades_to_overflow: int | None  # how many binades the largest value may still grow before overflow
 
     def to_dict(self) -> dict:
@@ -46,11 +60,15 @@ class Headroom:
 
 
 def headroom(exp_hist, formats=FORMATS) -> list[Headroom]:
-    """Headroom of the values in `exp_hist` (256 bins as in TensorStats.exp_hist) for each format.
+    """Headroom of the values in `exp_hist` (256 bins as in TensorStats.exp_hist) for each format, in whole
+    binades (the module docstring lists where that differs from a cast).
 
-    The histogram's end bins are clamped (bin 0 holds every value below 2**-127, bin 255 every value of 2**127 and
-    above), so for bfloat16 the subnormal and underflow split below 2**-127 is not resolved: those values are
-    reported as subnormal.
+    The histogram's end bins are clamped, and the formats whose range reaches them cannot be resolved there:
+    - bin 0 holds every value below 2**-127, so for bfloat16 its subnormal and underflow split is unknown: those
+      values are reported as subnormal;
+    - bin 255 holds every value of 2**127 and above, so for a format whose top binade is 127 (bfloat16; float32
+      as nanscan.report adds it) a float64 tensor's values of 2**128 and above, which overflow it, are counted as
+      fitting, and top_binade stays 127; TensorStats.absmax tells them apart.
     """
     hist = np.asarray(exp_hist, dtype=np.int64)
     if hist.shape != (L.HIST_BINS,):
@@ -61,11 +79,13 @@ def headroom(exp_hist, formats=FORMATS) -> list[Headroom]:
     top = int(binades[occupied[-1]]) if len(occupied) else None
     out = []
     for fmt in formats:
+        # Half the smallest subnormal is the tie between it and zero: the binade it opens rounds up (but for that
+        # one value), the ones below round to zero. Bin 0 lands on the rounding-up side whenever the format's
+        # subnormals reach below 2**-127 (bfloat16), which is how the unresolved clamped bin becomes "subnormal".
+        flushes_below = fmt.min_subnormal_binade - 1
         over = int(hist[binades > fmt.max_binade].sum())
-        under = int(hist[binades < fmt.min_subnormal_binade].sum())
-        sub = int(hist[(binades >= fmt.min_subnormal_binade) & (binades < fmt.min_normal_binade)].sum())
-        if fmt.min_subnormal_binade < L.MIN_BIN_EXPONENT:  # clamped bin 0 cannot be split
-            sub, under = sub + under, 0
+        under = int(hist[binades < flushes_below].sum())
+        sub = int(hist[(binades >= flushes_below) & (binades < fmt.min_normal_binade)].sum())
         frac = (lambda n: n / total) if total else (lambda n: 0.0)
         out.append(Headroom(fmt.name, total, frac(over), frac(sub), frac(under), top,
                             None if top is None else fmt.max_binade - top))

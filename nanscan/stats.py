@@ -15,7 +15,13 @@ from nanscan import _layout as L
 
 @dataclass(frozen=True)
 class TensorStats:
-    """What one scan found in one tensor. Counts are exact; `sumsq` is a float64 accumulation."""
+    """What one scan found in one tensor. Counts are exact; `sumsq` is a float64 accumulation.
+
+    The squares of float16, bfloat16 and float32 values are exact in float64 and their sum cannot leave its range.
+    A float64 tensor's can: `sumsq` (and `norm`) is +inf once the sum passes the float64 maximum (about 1.8e308,
+    e.g. from two values of 1e154, or one above 2**512) although every value is finite, and a square below about
+    2**-1075 (values under about 2**-537) adds 0. Whether values are finite is told by the counts, never by sumsq.
+    """
 
     name: str
     dtype: str  # the tensor's own dtype, e.g. "bfloat16" or "complex64"
@@ -28,7 +34,7 @@ class TensorStats:
     subnormal: int
     absmax: float  # largest |x| over finite values (0.0 if none)
     absmin: float  # smallest |x| over finite non-zero values (0.0 if none)
-    sumsq: float  # sum of x*x over finite values, accumulated in float64
+    sumsq: float  # sum of x*x over finite values, accumulated in float64 (float64 tensors: may be inf, see above)
     exp_hist: np.ndarray = field(repr=False)  # int64[256], bin = clamp(floor(log2|x|), -128, 127) + 128
 
     @property
@@ -45,7 +51,7 @@ class TensorStats:
 
     @property
     def norm(self) -> float:
-        """L2 norm over the finite values."""
+        """L2 norm over the finite values, sqrt(sumsq): +inf where a float64 tensor's sumsq overflowed."""
         return float(np.sqrt(self.sumsq))
 
     def to_dict(self, *, hist: bool = True) -> dict:

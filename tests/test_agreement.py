@@ -1,4 +1,5 @@
-"""Every scanning backend (cpu, numba, cuda) against the reference backend, record by record.
+"""Every scanning backend (cpu, numba, cuda) against the reference backend, record by record, and the decoded
+TensorStats of each against numpy's own reading of the values.
 
 Counts, abs min/max bit patterns and histogram bins must be equal (`==`); the float64 sum of squares within
 SUMSQ_REL_TOL (conftest.py says why). Each case also runs with chunks of a few elements, so that every tensor is
@@ -7,6 +8,8 @@ split across chunks and the merge of partial records is checked too.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanscan
+from conftest import SUMSQ_REL_TOL
+from nanscan import _layout as L
 from nanscan import backends
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -133,6 +138,96 @@ def test_block_segments_each_and_concatenated(backend_under_test, dtype, tiny_ch
     if tiny_chunks:
         tensors = {name: t[:300] for name, t in tensors.items()}
     backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+
+
+# -- decoded statistics against numpy --------------------------------------------------------------------------------
+
+def numpy_values(t: torch.Tensor) -> np.ndarray:
+    """The tensor's values in a numpy float type that holds them exactly (bfloat16, which numpy lacks, as float32
+    made from its bits), read without torch."""
+    if t.dtype == torch.bfloat16:
+        return (t.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return t.numpy()
+
+
+def assert_stats_match_numpy(stats: nanscan.TensorStats, t: torch.Tensor) -> None:
+    """Every TensorStats field as numpy computes it: isnan/isinf, comparisons with the format's smallest normal,
+    frexp for the binade, math.fsum (correctly rounded) for the sum of squares."""
+    x = numpy_values(t).ravel()
+    finite = x[np.isfinite(x)]
+    a = np.abs(finite)
+    nonzero = a[a != 0]
+    _, exponent = np.frexp(nonzero)  # |x| = m * 2**e, m in [0.5, 1): floor(log2|x|) = e - 1
+    binade = np.clip(exponent.astype(np.int64) - 1, L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT)
+    with np.errstate(over="ignore"):  # float64 values above 2**512: their squares are inf, as in the scan
+        squares = a.astype(np.float64) ** 2
+    try:
+        sumsq = math.fsum(squares)
+    except OverflowError:  # the exact sum lies beyond float64's range (a float64 tensor, see TensorStats)
+        sumsq = math.inf
+    want = {
+        "numel": x.size, "nan": int(np.isnan(x).sum()), "posinf": int(np.isposinf(x).sum()),
+        "neginf": int(np.isneginf(x).sum()), "zero": int((x == 0).sum()),
+        "subnormal": int((nonzero < torch.finfo(t.dtype).smallest_normal).sum()),
+        "finite": finite.size, "nonfinite": x.size - finite.size, "ok": finite.size == x.size,
+        "absmax": float(a.max()) if a.size else 0.0, "absmin": float(nonzero.min()) if nonzero.size else 0.0,
+        "exp_hist": np.bincount(binade - L.MIN_BIN_EXPONENT, minlength=L.HIST_BINS).tolist(),
+    }
+    got = {key: getattr(stats, key) for key in want}
+    got["exp_hist"] = stats.exp_hist.tolist()
+    assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k] and k != "exp_hist"} or "exp_hist"
+    assert stats.exp_hist.dtype == np.int64 and stats.exp_hist.shape == (L.HIST_BINS,)
+    assert math.isclose(stats.sumsq, sumsq, rel_tol=SUMSQ_REL_TOL) or stats.sumsq == sumsq == math.inf, (
+        f"sumsq {stats.sumsq!r}, numpy {sumsq!r}")
+    assert stats.norm == math.sqrt(stats.sumsq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern_against_numpy(backend_under_test, dtype, bit_tables):
+    t = bit_tables.all_patterns(dtype)
+    report = backend_under_test.check({"patterns": t.to(backend_under_test.device)})
+    assert_stats_match_numpy(report["patterns"], t)
+
+
+def adversarial_sets(dtype: torch.dtype, bit_tables) -> dict[str, torch.Tensor]:
+    """NaN payloads of both signs beside the largest finite values (an absmax taken on raw bits without excluding
+    NaN would pick the NaN), -0.0 alone, subnormals alone, the extremes of the range, and for float64 sums of
+    squares that leave float64's range or whose squares vanish."""
+    table = bit_tables.special(dtype)
+    finfo = torch.finfo(dtype)
+    nans = [bits for label, bits in table.items() if "NaN" in label]
+    sets = {
+        "NaN payloads and the largest finite": bit_tables.tensor(nans + [table["+largest normal"],
+                                                                         table["-largest subnormal"]], dtype),
+        "NaN payloads only": bit_tables.tensor(nans, dtype),
+        "-0.0 only": torch.tensor([-0.0, -0.0], dtype=dtype),
+        "+-0.0 and infinities": bit_tables.tensor([table["+0"], table["-0"], table["+inf"], table["-inf"]], dtype),
+        "subnormals only": bit_tables.tensor([table["+smallest subnormal"], table["-middle subnormal"],
+                                              table["+largest subnormal"]], dtype),
+        "every special value": bit_tables.tensor(list(table.values()), dtype),
+        "largest finite, repeated": torch.full((1000,), -finfo.max, dtype=dtype),
+    }
+    if dtype == torch.float64:
+        sets["squares finite, their sum not"] = torch.tensor([1e154, -1e154, 3.0], dtype=dtype)
+        sets["squares overflow"] = torch.tensor([2.0 ** 600, 1.0], dtype=dtype)
+        sets["squares subnormal or vanishing"] = torch.tensor([1e-160, 1e-200, -2.0 ** -1074], dtype=dtype)
+    return sets
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_adversarial_sets_against_numpy(backend_under_test, dtype, bit_tables):
+    sets = adversarial_sets(dtype, bit_tables)
+    report = backend_under_test.check(to_device(sets, backend_under_test.device))
+    for name, t in sets.items():
+        assert_stats_match_numpy(report[name], t)
+    assert report["NaN payloads and the largest finite"].absmax == torch.finfo(dtype).max
+    assert report["NaN payloads only"].absmax == 0.0 and report["NaN payloads only"].sumsq == 0.0
+    assert (report["-0.0 only"].zero, report["-0.0 only"].absmin, report["-0.0 only"].absmax) == (2, 0.0, 0.0)
+    if dtype == torch.float64:
+        # Documented in TensorStats: every value finite, yet the float64 sum of squares (and the norm) is inf.
+        overflowed = report["squares finite, their sum not"]
+        assert overflowed.ok and overflowed.sumsq == math.inf and overflowed.norm == math.inf
+        assert report["squares subnormal or vanishing"].sumsq == 1e-160 ** 2
 
 
 # -- many tensors, odd shapes, odd layouts --------------------------------------------------------------------------
