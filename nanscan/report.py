@@ -28,6 +28,10 @@ SUMMARY_SCHEMA = "nanscan.report/1"
 # float32 is listed too: a tensor whose top binade is at float32's own ceiling is one step from inf.
 HEADROOM_FORMATS = (Format("float32", 127, -126, -149), *FORMATS)
 HEADROOM_PER_KIND = 2  # largest tensors of each kind in the headroom table
+# The tensor's own dtype beside the columns of the dtypes it is not in (a float32 gradient's e4m3 column is a
+# what-if, not a finding).
+_SHORT_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "complex64": "c64",
+                 "complex128": "c128"}
 HEATMAP_TENSORS = 6
 HEATMAP_MAX_ROWS = 48  # binade rows drawn as one contiguous range
 JUMPS_SHOWN = 5
@@ -192,7 +196,8 @@ def _headroom_rows(last_finite, failing) -> list[dict]:
         formats = {h.format: {"overflow": h.overflow, "subnormal": h.subnormal, "underflow": h.underflow,
                               "binades_to_overflow": h.binades_to_overflow}
                    for h in headroom(stats.exp_hist, HEADROOM_FORMATS)}
-        rows.append({"step": step, "name": stats.name, "numel": stats.numel, "absmax": json_float(stats.absmax),
+        rows.append({"step": step, "name": stats.name, "dtype": stats.dtype, "numel": stats.numel,
+                     "absmax": json_float(stats.absmax),
                      "nonfinite": stats.nonfinite, "formats": formats})
     return rows
 
@@ -256,7 +261,7 @@ def render_terminal(summary: dict, console=None) -> None:
     if not summary["history"]["steps"]:
         console.print("[yellow]this bundle holds no history steps:[/yellow] no loss, gradient norm, batch statistics "
                       "or headroom to show")
-    steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
+    steps = table("around the failure", "", "step", "loss", "lr", "finite grad norm", "non-finite tensors")
     for label, values in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"])):
         if values is not None:
             steps.add_row(*_literal(label, str(values["step"]), _fmt(values["loss"]), _fmt(values["lr"], ".3e"),
@@ -298,12 +303,13 @@ def render_terminal(summary: dict, console=None) -> None:
         console.print(jumps)
 
     if summary["headroom"]:
-        room = table("dtype headroom: overflow/below-normal share; f32: binades left", "tensor", "step",
-                     "absmax", "f32", "f16", "bf16", "e4m3", "e5m2")
+        room = table("if stored in another dtype: overflow/below-normal share; f32: binades left", "tensor", "dtype",
+                     "step", "absmax", "f32", "f16", "bf16", "e4m3", "e5m2")
         for r in summary["headroom"]:
             cells = [_fmt(r["formats"]["float32"]["binades_to_overflow"], "d")]
             cells += [_headroom_cell(r["formats"][fmt.name], compact=True) for fmt in FORMATS]
-            room.add_row(*_literal(r["name"], str(r["step"]), _fmt(r["absmax"], ".3g"), *cells))
+            room.add_row(*_literal(r["name"], _SHORT_DTYPES.get(r["dtype"], r["dtype"]), str(r["step"]),
+                                   _fmt(r["absmax"], ".3g"), *cells))
         console.print(room)
 
 
@@ -563,7 +569,7 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]
     parts.append("<h2>Loss, learning rate and gradient norm</h2>")
-    parts.append(_table(["", "step", "loss", "lr", "grad norm", "non-finite tensors"], rows))
+    parts.append(_table(["", "step", "loss", "lr", "finite grad norm", "non-finite tensors"], rows))
     parts += _img(plot_curves(summary, history), "loss and gradient norm")
 
     parts.append("<h2>Non-finite tensors by module</h2>")
@@ -594,8 +600,8 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
     if summary["headroom"]:
         parts.append("<h2>Dtype headroom</h2><p class='muted'>overflow / below the normal range, as fractions of "
                      "finite non-zero values (binade granularity); float32: binades left before overflow</p>")
-        parts.append(_table(["tensor", "step", "numel", "absmax", *[f.name for f in HEADROOM_FORMATS]],
-                            [[r["name"], r["step"], r["numel"], _fmt(r["absmax"], ".3g"),
+        parts.append(_table(["tensor", "dtype", "step", "numel", "absmax", *[f.name for f in HEADROOM_FORMATS]],
+                            [[r["name"], r["dtype"], r["step"], r["numel"], _fmt(r["absmax"], ".3g"),
                               _fmt(r["formats"]["float32"]["binades_to_overflow"], "d"),
                               *[_headroom_cell(r["formats"][f.name]) for f in FORMATS]]
                              for r in summary["headroom"]]))

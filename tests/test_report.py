@@ -110,8 +110,11 @@ def test_report_terminal(demo_bundle):
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert f"first invalid step {D.FAULT_STEP}, category loss" in out
-    for text in ("last finite", "input:weights", "3.403e+38", "dtype headroom", "jumps at step"):
+    for text in ("last finite", "input:weights", "3.403e+38", "if stored in another dtype", "jumps at step",
+                 "finite grad norm"):
         assert text in out
+    # each headroom row says the tensor's own dtype (the demo trains in float32)
+    assert re.search(r"input:weights\s+f32\s+80\s", out), out
 
 
 def test_report_html_is_self_contained_with_plots(demo_bundle, tmp_path):
