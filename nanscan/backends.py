@@ -9,6 +9,7 @@ for by name that cannot run raises BackendUnavailable chained to the original er
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Protocol, Sequence
@@ -38,7 +39,13 @@ class Backend(Protocol):
 
 
 def _native_module():
-    from nanscan import _C  # noqa: PLC0415 - optional compiled extension
+    try:
+        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
+    except ImportError as exc:
+        # What `nanscan info` shows for a missing cpu backend: the import error alone does not say what to do.
+        state = "does not load" if importlib.util.find_spec("nanscan._C") is not None else "is not built"
+        raise ImportError(f"the native extension nanscan._C {state} ({exc}); reinstall nanscan where a C++ compiler "
+                          "is available (with NANSCAN_REQUIRE_NATIVE=1 a failed build stops and says why)") from exc
     return _C
 
 
@@ -80,6 +87,9 @@ def _load_reference():
 _LOADERS = {"cpu": CpuBackend, "numba": _load_numba, "cuda": _load_cuda, "reference": _load_reference}
 BACKEND_NAMES = tuple(_LOADERS)
 
+# What a user who set NANSCAN_BACKEND to a backend that cannot run here should do about it.
+_ENV_HINT = f"unset {ENV_VAR} (or set it to auto) to let nanscan choose, or see `nanscan info` for what runs here"
+
 _loaded: dict[str, Backend] = {}
 _load_errors: dict[str, BaseException] = {}
 _announced: set[str] = set()
@@ -113,9 +123,20 @@ def select(device: torch.device, backend: "str | Backend | None" = None) -> Back
         return backend  # a Backend instance (tests use this to force small chunks)
     name = requested_name(backend)
     if name is not None:
-        chosen = load(name)
+        from_env = backend is None
+        try:
+            chosen = load(name)
+        except BackendUnavailable as exc:
+            if not from_env:
+                raise
+            # Nothing in the caller's code names this backend: say where the choice came from and how to undo it.
+            if name not in _LOADERS:
+                raise BackendUnavailable(f"unknown nanscan backend {name!r} in {ENV_VAR}; set it to auto or one of "
+                                         f"{', '.join(BACKEND_NAMES)}, or unset it") from None
+            raise BackendUnavailable(f"{ENV_VAR}={name}: {exc}; {_ENV_HINT}") from exc.__cause__
         if not chosen.supports(device):
-            raise BackendUnavailable(f"nanscan backend {name!r} cannot scan tensors on {device}")
+            problem = f"nanscan backend {name!r} cannot scan tensors on {device}"
+            raise BackendUnavailable(f"{ENV_VAR}={name}: {problem}; {_ENV_HINT}" if from_env else problem)
         return chosen
     order = AUTO_ORDER.get(device.type, ("reference",))
     for candidate in order:
@@ -144,7 +165,8 @@ def _announce(device: torch.device, chosen: str, order: Sequence[str]) -> None:
 
 def backend_info() -> dict:
     """What is built, what can run, and what auto would choose, per backend and device."""
-    info: dict = {"backends": {}, "active": {}, "env": {ENV_VAR: os.environ.get(ENV_VAR)}}
+    info: dict = {"backends": {}, "active": {}, "env": {ENV_VAR: os.environ.get(ENV_VAR)},
+                  "requested": requested_name(None)}  # None: auto, the best available per device
     for name in BACKEND_NAMES:
         try:
             load(name)

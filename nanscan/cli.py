@@ -1,12 +1,13 @@
 """The `nanscan` command line: one program whose subcommands follow the workflow (detect, preserve, localize,
-change one factor, check the data). Subcommands live beside the code they drive and are imported only when run,
-so `nanscan --help` starts without loading torch.
+change one factor, check the data). Subcommands live beside the code they drive and are imported only when run.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import sys
 
 import click
 
@@ -27,6 +28,31 @@ SUBCOMMANDS = {
 }
 
 
+# Exit statuses shared by every subcommand (documented in `nanscan --help`).
+FAILURE, USAGE = 1, 2
+
+
+class CommandFailed(click.ClickException):
+    """A one-line `Error: ...` on stderr and the given exit status."""
+
+    def __init__(self, message: str, exit_code: int = FAILURE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def os_error_message(exc: OSError) -> str:
+    """What went wrong with which path, and what to do about it."""
+    path = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None) or "a file"
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = "check its owner and permissions, or point nanscan at a copy or a directory you may use"
+    elif exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        advice = "free some space there, or write somewhere else"
+    else:
+        advice = "check that the path is right and usable"
+    return f"cannot use {path}: {reason}; {advice}"
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(SUBCOMMANDS)
@@ -38,37 +64,85 @@ class LazyGroup(click.Group):
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def invoke(self, ctx):
+        """Run the subcommand; a file that cannot be read or written, or a backend that cannot run, ends it with
+        a one-line message and an exit status instead of a traceback from deep inside (any subcommand can meet
+        them: a bundle someone else wrote, a full disk, NANSCAN_BACKEND left set)."""
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise  # click's own handling: the reader of stdout went away (`| head`)
+            raise CommandFailed(os_error_message(exc)) from None
+        except Exception as exc:
+            # Looked up, not imported: if the error is a BackendUnavailable, nanscan.backends is loaded already.
+            backends = sys.modules.get("nanscan.backends")
+            if backends is None or not isinstance(exc, backends.BackendUnavailable):
+                raise
+            requested = backends.requested_name(None)
+            unknown = requested is not None and requested not in backends.BACKEND_NAMES
+            raise CommandFailed(str(exc), USAGE if unknown else FAILURE) from None
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="nanscan")
 def main():
-    """nanscan: catch the first NaN/inf in training, keep the evidence, and find its cause."""
+    """nanscan: catch the first NaN/inf in training, keep the evidence, and find its cause.
+
+    New here? `nanscan demo` runs the whole workflow on a tiny model in seconds; `nanscan info` says which
+    backend scans your tensors.
+
+    Exit status: 0 done; 1 a check failed or the command could not finish (data findings, a NO-GO from
+    preflight, problems in run records, a demo that did not go as designed, a file that could not be read or
+    written, a backend that cannot run here); 2 a usage error (a missing or wrong argument, a path that does not
+    exist, an unknown NANSCAN_BACKEND). Besides: `nanscan data` exits 3 when an input could not be read through,
+    and `nanscan report` exits 2 when the bundle cannot be read.
+    """
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def info(as_json):
-    """Show which backends are built and which one scans each device."""
-    from nanscan.backends import backend_info
+    """Show which backends are built and which one scans each device.
+
+    Exits 0 when NANSCAN_BACKEND is unset, auto or a backend that runs here, 1 when it names one that cannot run
+    here, 2 when it names no backend at all.
+    """
+    from nanscan.backends import BACKEND_NAMES, ENV_VAR, backend_info
 
     data = backend_info()
+    requested = data.get("requested")
+    if requested is None:
+        status = 0
+    elif requested not in BACKEND_NAMES:
+        status = USAGE
+    else:
+        status = 0 if data["backends"][requested]["available"] else FAILURE
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
-        return
-    from rich.console import Console
-    from rich.table import Table
+    else:
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
 
-    table = Table(title="nanscan backends")
-    table.add_column("backend")
-    table.add_column("available")
-    table.add_column("detail")
-    for name, entry in data["backends"].items():
-        table.add_row(name, "yes" if entry["available"] else "no", entry.get("error", ""))
-    console = Console()
-    console.print(table)
-    for device, name in data["active"].items():
-        console.print(f"active on {device}: [bold]{name}[/bold]")
-    console.print(f"build: {data['build']}")
+        table = Table(title="nanscan backends")
+        table.add_column("backend")
+        table.add_column("available")
+        table.add_column("detail", overflow="fold")  # an import error is the one clue to a missing backend
+        for name, entry in data["backends"].items():
+            table.add_row(name, "yes" if entry["available"] else "no", escape(entry.get("error", "")))
+        console = Console()
+        console.print(table)
+        chosen_by = f"set by {ENV_VAR}={requested}" if requested is not None else "auto: the best available"
+        for device, name in data["active"].items():
+            if name in BACKEND_NAMES:
+                console.print(f"active on {device}: [bold]{escape(name)}[/bold] ({escape(chosen_by)})")
+            else:  # the reason, which says what to do, on one line however narrow the terminal
+                console.print(f"active on {device}: none: {name.removeprefix('error: ')}", markup=False,
+                              highlight=False, soft_wrap=True)
+        console.print(f"build: {data['build']}", markup=False)
+    if status:
+        raise SystemExit(status)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)

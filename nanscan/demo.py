@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,10 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanscan._atomic import atomic_write_bytes
+from nanscan._atomic import atomic_write_bytes, atomic_write_json
 from nanscan.entry import ReplaySpec
 
 RUN_ID = "nanscan-demo"
+# The demo's config as JSON, for `nanscan preflight --entry nanscan.demo:replay_entry --config <out>/config.json`.
+CONFIG_FILE = "config.json"
+LOG_FILE = "train.log"
 REPLAY_ENTRY = "nanscan.demo:replay_entry"
 # The step whose batch holds the corrupted record, and its row in that batch. The loss must have clearly dropped
 # by then (it falls from ~5.5 to ~1.1 within 60 steps), so the failure visibly interrupts healthy training.
@@ -110,9 +114,14 @@ def plant_fault(records: list[dict], config: dict, *, step: int = FAULT_STEP, ro
     return record["id"]
 
 
+def dataset_bytes(records: list[dict]) -> bytes:
+    """The records as JSON Lines: same records, same bytes."""
+    return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+
+
 def write_dataset(path: Path, records: list[dict]) -> str:
     """Write the records as JSON Lines (atomically; same records, same bytes) and return the file's sha256."""
-    data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+    data = dataset_bytes(records)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, data)
     return hashlib.sha256(data).hexdigest()
@@ -263,7 +272,8 @@ def replay_entry(config: dict) -> ReplaySpec:
     `replay_batches` batches of the epoch (healthy: the corrupted record comes much later)."""
     missing = sorted(k for k in DEFAULT_CONFIG if k not in config)
     if missing:
-        raise ValueError(f"the demo config lacks {missing}; pass the config recorded by `nanscan demo`")
+        raise ValueError(f"the demo config lacks {missing}; pass the {CONFIG_FILE} that `nanscan demo` writes into "
+                         f"its --out directory (e.g. --config nanscan-demo/{CONFIG_FILE})")
     model = build_model(config)
     dataset = TokenRecords(config["data_path"], config["seq_len"])
     loader = batches(dataset, config)
@@ -319,8 +329,9 @@ class DemoContext:
     config: dict
     echo: Callable[[str], None]
     results: list[StageResult] = field(default_factory=list)
-    # filled in by the stages
+    records: list[dict] = field(default_factory=list)  # the dataset, its one corrupted record included
     planted_record: str | None = None
+    # filled in by the stages
     losses: list[float] = field(default_factory=list)
     error: Any = None  # the NonFiniteError the Monitor raised
     bundle: Any = None  # the loaded nanscan.bundle.Bundle
@@ -336,6 +347,7 @@ class DemoResult:
     out_dir: str
     bundle_path: str | None
     caught: bool  # the Monitor stopped training at the planted fault
+    ok: bool  # caught, and every later stage ran and pointed at the planted record
     first_invalid_step: int | None
     category: str | None
     planted_record: str | None
@@ -347,11 +359,12 @@ class DemoResult:
 
 
 def stage_data(ctx: DemoContext) -> StageResult:
-    records = make_records(ctx.config)
-    ctx.planted_record = plant_fault(records, ctx.config)
+    records = ctx.records
     sha = write_dataset(Path(ctx.config["data_path"]), records)
+    atomic_write_json(ctx.out_dir / CONFIG_FILE, ctx.config)
     return StageResult("data", True, f"wrote {len(records)} records to {ctx.config['data_path']}",
-                       {"records": len(records), "sha256": sha, "path": ctx.config["data_path"]})
+                       {"records": len(records), "sha256": sha, "path": ctx.config["data_path"],
+                        "config": str(ctx.out_dir / CONFIG_FILE)})
 
 
 def stage_detect(ctx: DemoContext) -> StageResult:
@@ -359,7 +372,7 @@ def stage_detect(ctx: DemoContext) -> StageResult:
     from nanscan.monitor import Monitor, NonFiniteError
 
     config = ctx.config
-    log_path = ctx.out_dir / "train.log"
+    log_path = ctx.out_dir / LOG_FILE
     with seeded_rngs(config["seed"]):
         model = build_model(config)
         optimizer = build_optimizer(model, config)
@@ -539,11 +552,48 @@ STAGES: list[tuple[str, Callable[[DemoContext], StageResult]]] = [
 ]
 
 
+class DemoOutputError(ValueError):
+    """The --out directory cannot be written, or holds files of someone else's that the demo would overwrite."""
+
+
+def claim_out_dir(out: Path, config: dict, records: list[dict]) -> None:
+    """Make sure the demo may write into `out`: it can be created and written, and the files the demo rewrites
+    (the dataset, its config, the training log) are absent or an earlier demo's, recognised by its dataset's exact
+    bytes. `nanscan demo --out .` in a project must not replace the project's own data/train.jsonl."""
+    advice = "pass --out with a new or empty directory"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoOutputError(f"cannot create the demo directory {out}: {exc.strerror}; {advice} that you can "
+                              "write to") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise DemoOutputError(f"cannot write into {out}: permission denied; {advice} that you can write to")
+    data_path = Path(config["data_path"])
+    rewritten = [data_path, out / CONFIG_FILE, out / LOG_FILE]
+    present = [p for p in rewritten if p.exists() or p.is_symlink()]
+    if not present:
+        return
+    try:
+        earlier_demo = data_path.is_file() and data_path.read_bytes() == dataset_bytes(records)
+    except OSError:
+        earlier_demo = False
+    if not earlier_demo:
+        names = ", ".join(p.relative_to(out).as_posix() for p in present)
+        raise DemoOutputError(f"{out} already holds {names}, which `nanscan demo` did not write and would "
+                              f"overwrite; {advice}, or move those files away")
+
+
 def run_demo(out_dir: str | os.PathLike = "nanscan-demo", *, echo: Callable[[str], None] | None = None) -> DemoResult:
-    """Run every stage in order into out_dir; a stage that fails stops the ones after it."""
+    """Run every stage in order into out_dir; a stage that fails stops the ones after it.
+
+    Raises DemoOutputError, before writing anything, when out_dir cannot be used (see claim_out_dir)."""
     out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = DemoContext(out_dir=out, config=demo_config(out), echo=echo or (lambda _line: None))
+    config = demo_config(out)
+    records = make_records(config)
+    planted = plant_fault(records, config)
+    claim_out_dir(out, config, records)
+    ctx = DemoContext(out_dir=out, config=config, echo=echo or (lambda _line: None), records=records,
+                      planted_record=planted)
     with torch_threads(1):
         for name, stage in STAGES:
             start = time.perf_counter()
@@ -555,26 +605,41 @@ def run_demo(out_dir: str | os.PathLike = "nanscan-demo", *, echo: Callable[[str
                 break
     err = ctx.error
     caught = err is not None and err.step == FAULT_STEP
+    finished = len(ctx.results) == len(STAGES) and all(r.ok for r in ctx.results)
     return DemoResult(out_dir=str(out), bundle_path=str(err.bundle_path) if err else None, caught=caught,
-                      first_invalid_step=err.step if err else None, category=err.category if err else None,
-                      planted_record=ctx.planted_record, stages=ctx.results, summary=ctx.summary)
+                      ok=caught and finished, first_invalid_step=err.step if err else None,
+                      category=err.category if err else None, planted_record=ctx.planted_record,
+                      stages=ctx.results, summary=ctx.summary)
 
 
 @click.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="nanscan-demo", show_default=True,
-              help="Directory for the dataset, the training log and the bundle.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the report.")
+              help="Directory for the dataset, its config, the training log and the bundle.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as JSON instead of the report (the stage lines go to stderr).")
 def demo_command(out_dir, as_json):
-    """Train a tiny language model on data with one corrupted record; catch the NaN, keep the evidence, report.
+    """Train a tiny language model on data with one corrupted record: catch the first non-finite step, keep the
+    evidence as a bundle, then replay it, change one factor at a time and check the data to find the cause.
 
-    Exits 0 when the failure was caught as designed, 1 when it was not.
+    Takes about ten seconds on two CPU cores. A rerun into the same --out directory writes the same bytes; a
+    directory holding files the demo did not write (such as a data/train.jsonl of your own) is refused, not
+    overwritten.
+
+    Exits 0 when every stage went as designed (the fault caught at its step and traced to the corrupted record),
+    1 when one did not, 2 on a usage error such as an --out directory that cannot be used.
     """
     from rich.console import Console
+    from rich.text import Text
 
     from nanscan.report import render_terminal
 
     console = Console(stderr=as_json)
-    result = run_demo(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False))
+    # soft_wrap: each stage line and each path stays one line, so it can be copied and grepped at any width
+    try:
+        result = run_demo(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False,
+                                                                   soft_wrap=True))
+    except DemoOutputError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--out'") from None
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str, allow_nan=False))
     else:
@@ -584,10 +649,12 @@ def demo_command(out_dir, as_json):
         if result.caught:
             console.print(f"\nplanted fault (the answer key): record {result.planted_record} has every loss weight "
                           f"= {MISSING_SENTINEL:.7g}, the float32 maximum used as a missing-value sentinel")
-            console.print(f"bundle: [bold]{result.bundle_path}[/bold]")
-            console.print(f"next:   nanscan report {result.bundle_path} --html report.html")
-    if not result.caught:
+            console.print(Text.assemble("bundle: ", (result.bundle_path, "bold")), soft_wrap=True)
+            next_step = shlex.join(["nanscan", "report", result.bundle_path, "--html", "report.html"])
+            console.print(f"next:   {next_step}", markup=False, highlight=False, soft_wrap=True)
+    if not result.ok:
         failed = next((s for s in result.stages if not s.ok), None)
-        click.echo(f"nanscan demo: the planted failure was not caught as designed"
-                   f"{f' ({failed.name}: {failed.headline})' if failed else ''}", err=True)
+        what = "the planted failure was not caught as designed" if not result.caught else \
+            "the workflow did not go as designed"
+        click.echo(f"nanscan demo: {what}{f' ({failed.name}: {failed.headline})' if failed else ''}", err=True)
         raise SystemExit(1)

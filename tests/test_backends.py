@@ -55,6 +55,28 @@ def test_an_unknown_backend_raises_listing_the_choices(clean_backend_state, monk
         nanscan.scan([torch.ones(3)], **kwargs)
 
 
+def test_a_backend_named_by_the_environment_says_so_and_how_to_undo_it(clean_backend_state, monkeypatch):
+    """Nothing in the caller's code names a backend set in NANSCAN_BACKEND (perhaps long ago, in a shell profile):
+    the error must point there."""
+    monkeypatch.setenv("NANSCAN_BACKEND", "gpu")
+    with pytest.raises(nanscan.BackendUnavailable, match="'gpu' in NANSCAN_BACKEND; set it to auto or one of "
+                                                         "cpu, numba, cuda, reference, or unset it"):
+        nanscan.scan([torch.ones(3)])
+    missing = ModuleNotFoundError("No module named 'numba'")
+
+    def fail():
+        raise missing
+
+    monkeypatch.setitem(backends._LOADERS, "numba", fail)
+    monkeypatch.setenv("NANSCAN_BACKEND", "numba")
+    with pytest.raises(nanscan.BackendUnavailable) as info:
+        nanscan.scan([torch.ones(3)])
+    assert str(info.value).startswith("NANSCAN_BACKEND=numba: nanscan backend 'numba' is unavailable: "
+                                      "ModuleNotFoundError")
+    assert "unset NANSCAN_BACKEND (or set it to auto) to let nanscan choose" in str(info.value)
+    assert info.value.__cause__ is missing
+
+
 def test_an_unavailable_backend_raises_with_the_original_error(clean_backend_state, monkeypatch):
     missing = ModuleNotFoundError("No module named 'numba'")
 
@@ -126,6 +148,18 @@ def test_auto_says_why_a_better_backend_is_missing(clean_backend_state, monkeypa
     assert "unavailable: cpu (ImportError: nanscan._C was not built)" in record.getMessage()
 
 
+def test_a_missing_native_extension_says_what_to_do(clean_backend_state, monkeypatch):
+    """What `nanscan info` shows for the cpu backend after an install without a C++ compiler."""
+    monkeypatch.delattr(nanscan, "_C", raising=False)
+    monkeypatch.setitem(sys.modules, "nanscan._C", None)  # what the import sees where the extension was not built
+    with pytest.raises(nanscan.BackendUnavailable) as info:
+        backends.load("cpu")
+    assert "the native extension nanscan._C is not built" in str(info.value)
+    assert "reinstall nanscan where a C++ compiler is available" in str(info.value)
+    assert isinstance(info.value.__cause__, ImportError) and isinstance(info.value.__cause__.__cause__, ImportError)
+    assert "reinstall nanscan" in nanscan.backend_info()["backends"]["cpu"]["error"]
+
+
 def test_an_explicit_choice_is_not_announced(clean_backend_state, caplog):
     caplog.set_level(logging.INFO, logger="nanscan")
     nanscan.scan([torch.ones(3)], backend="reference")
@@ -151,6 +185,91 @@ def run_info(env_backend: str | None) -> dict:
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def invoke_info(monkeypatch, env_backend: str | None, *args: str):
+    from click.testing import CliRunner
+
+    from nanscan.cli import main
+
+    if env_backend is not None:
+        monkeypatch.setenv("NANSCAN_BACKEND", env_backend)
+    return CliRunner().invoke(main, ["info", *args], env={"COLUMNS": "40"})
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_nanscan_info_fails_when_the_environment_names_a_backend_that_cannot_run(clean_backend_state, monkeypatch,
+                                                                                 as_json):
+    """Exit 2 for a name that is no backend, 1 for one that cannot run here; the reason is printed whole, even on a
+    narrow terminal, and --json stays valid JSON on stdout."""
+    extra = ["--json"] if as_json else []
+    bogus = invoke_info(monkeypatch, "bogus", *extra)
+    assert bogus.exit_code == 2, bogus.output
+    if as_json:
+        assert json.loads(bogus.stdout)["active"]["cpu"].startswith("error: unknown nanscan backend 'bogus'")
+    else:
+        assert ("active on cpu: none: unknown nanscan backend 'bogus' in NANSCAN_BACKEND; set it to auto or one of "
+                "cpu, numba, cuda, reference, or unset it") in bogus.stdout.splitlines()
+
+    backends._loaded.clear()  # the first call loaded every backend; load numba again, failing this time
+    monkeypatch.setitem(backends._LOADERS, "numba", lambda: (_ for _ in ()).throw(ImportError("no numba here")))
+    missing = invoke_info(monkeypatch, "numba", *extra)
+    assert missing.exit_code == 1, missing.output
+    if not as_json:
+        (line,) = [line for line in missing.stdout.splitlines() if line.startswith("active on cpu")]
+        assert line.startswith("active on cpu: none: NANSCAN_BACKEND=numba: nanscan backend 'numba' is unavailable")
+        assert "no numba here" in line and line.endswith("or see `nanscan info` for what runs here")
+
+
+def test_nanscan_info_says_what_chose_the_backend_and_folds_long_details(clean_backend_state, monkeypatch):
+    def no_extension():
+        raise ImportError("nanscan._C was not built [no compiler] so the cpu backend is missing")
+
+    monkeypatch.setitem(backends._LOADERS, "cpu", no_extension)
+    auto = invoke_info(monkeypatch, None)
+    assert auto.exit_code == 0, auto.output
+    chosen = backends.select(torch.device("cpu")).name
+    assert f"active on cpu: {chosen} (auto: the best available)" in " ".join(auto.stdout.split())
+    # the whole detail, brackets included, folded into the narrow column rather than cut off
+    cells = "".join(line.split("│")[3].strip() for line in auto.stdout.splitlines() if line.count("│") == 4)
+    assert "nanscan._Cwasnotbuilt[nocompiler]sothecpubackendismissing" in cells.replace(" ", "")
+
+    named = invoke_info(monkeypatch, "reference")
+    assert named.exit_code == 0, named.output
+    assert "active on cpu: reference (set by NANSCAN_BACKEND=reference)" in " ".join(named.stdout.split())
+
+
+def test_nanscan_info_with_cuda_requested(clean_backend_state, monkeypatch):
+    """Without a GPU (or a CUDA build) NANSCAN_BACKEND=cuda cannot run: exit 1. With one it runs, and only checks on
+    CPU tensors alone fall outside it, which the output says."""
+    result = invoke_info(monkeypatch, "cuda")
+    cuda_runs = loads("cuda")
+    assert result.exit_code == (0 if cuda_runs else 1), result.output
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("active on cpu")]
+    assert line.startswith("active on cpu: none: NANSCAN_BACKEND=cuda: nanscan backend 'cuda' ")
+    assert line.endswith("unset NANSCAN_BACKEND (or set it to auto) to let nanscan choose, or see `nanscan info` for "
+                         "what runs here")
+
+
+def test_a_command_that_meets_an_unusable_backend_ends_with_a_message(clean_backend_state, monkeypatch, tmp_path):
+    """The same NANSCAN_BACKEND problems met by any subcommand that scans: one line and the exit status, no
+    traceback."""
+    from click.testing import CliRunner
+
+    from nanscan.cli import main
+
+    monkeypatch.setenv("NANSCAN_BACKEND", "bogus")
+    result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "bogus")])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines()[-1] == ("Error: unknown nanscan backend 'bogus' in NANSCAN_BACKEND; set it to "
+                                              "auto or one of cpu, numba, cuda, reference, or unset it")
+
+    monkeypatch.setitem(backends._LOADERS, "numba", lambda: (_ for _ in ()).throw(ImportError("no numba here")))
+    monkeypatch.setenv("NANSCAN_BACKEND", "numba")
+    result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "numba")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines()[-1].startswith("Error: NANSCAN_BACKEND=numba: nanscan backend 'numba' is "
+                                                     "unavailable: ImportError: no numba here")
 
 
 def test_nanscan_info_json_in_a_fresh_process():

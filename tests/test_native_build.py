@@ -330,7 +330,8 @@ def test_install_without_a_compiler_falls_back_to_numba(tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(out["file"]).is_relative_to(target), f"imported {out['file']}, not the installed copy"
     cpu = out["info"]["backends"]["cpu"]
-    assert cpu["available"] is False and "_C" in cpu["error"]
+    assert cpu["available"] is False and "the native extension nanscan._C is not built" in cpu["error"]
+    assert "reinstall nanscan where a C++ compiler is available" in cpu["error"]
     try:
         import numba  # noqa: F401
     except ImportError:
