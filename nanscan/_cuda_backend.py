@@ -207,7 +207,7 @@ class CudaBackend:
         if not torch.cuda.is_available():
             why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
                    else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU or driver")
-            raise RuntimeError(f"torch.cuda.is_available() is False: {why}; CPU tensors use the cpu backend")
+            raise RuntimeError(f"torch.cuda.is_available() is False: {why}")
         layout = _check_layout(C)
         try:
             C.cuda_probe(torch.cuda.current_device())

@@ -46,7 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from nanscan import _layout as L
-from nanscan._atomic import (TEMP_PREFIX, atomic_directory, atomic_write_bytes, fsync_dir, is_temp_name,
+from nanscan._atomic import (FILE_MODE, TEMP_PREFIX, atomic_directory, atomic_write_bytes, fsync_dir, is_temp_name,
                              json_bytes, sha256_file)
 from nanscan.inputs import tensor_from_numpy
 from nanscan.provenance import SourceInfo, config_sha256, restore_rng, rng_from_tensors, rng_to_tensors
@@ -321,6 +321,8 @@ def _for_saving(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     save_file(_for_saving(tensors), str(path), metadata=metadata)
+    # safetensors creates its files 0600 whatever the umask: a bundle is evidence to share, like its JSON files
+    os.chmod(path, FILE_MODE)
 
 
 @contextlib.contextmanager
@@ -1293,7 +1295,7 @@ def _now() -> str:
 # -- command line ---------------------------------------------------------------------------------------------
 
 @click.command("note")
-@click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("text")
 @click.option("--author", default=None, help="Who writes the note (default: the login name).")
 def note_command(bundle: Path, text: str, author: str | None):

@@ -126,6 +126,10 @@ def print_triage(result: TriageResult, console) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     groups = result.groups()
+    if not result.entries and not result.unreadable:
+        console.print(f"no nanscan bundles under {result.root} (bundles are the step-<N> directories that a Monitor "
+                      "writes under <bundle_dir>/<run_id>/)", highlight=False, markup=False)
+        return
     summary = Table(title=f"{len(result.entries)} bundle(s) under {result.root}, by category")
     summary.add_column("category")
     summary.add_column("bundles", justify="right")
@@ -155,7 +159,9 @@ def print_triage(result: TriageResult, console) -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def triage_command(directory, as_json):
-    """Group every bundle under DIRECTORY by failure category and first bad module, with counts."""
+    """Group every bundle under DIRECTORY by failure category and first bad module, with counts.
+
+    Exits 1 when some bundle could not be read (it is listed, the others are counted)."""
     from rich.console import Console  # noqa: PLC0415
 
     from nanscan.replay import _json_out, cli_errors  # noqa: PLC0415
@@ -164,5 +170,7 @@ def triage_command(directory, as_json):
         result = triage(directory)
     if as_json:
         _json_out(result.to_dict())
-        return
-    print_triage(result, Console())
+    else:
+        print_triage(result, Console())
+    if result.unreadable:
+        raise SystemExit(1)  # some evidence could not be counted

@@ -696,3 +696,22 @@ def test_update_failing_before_its_commit_point_leaves_nothing_pending(run, monk
     assert not [p.name for p in run.path.iterdir() if p.name.startswith(".")]
     monkeypatch.undo()
     assert load_bundle(run.path).notes() == []
+
+
+def test_bundle_files_follow_the_umask_like_any_file(tmp_path):
+    """safetensors writes 0600 files whatever the umask; a bundle is evidence to hand to others, so its tensor
+    files get the same mode as its JSON files."""
+    import stat
+
+    from nanscan._atomic import FILE_MODE
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="run", on_invalid="warn")
+    model(torch.ones(4, 3)).sum().backward()
+    with pytest.warns(NonFiniteWarning):
+        mon.check(batch={"x": torch.full((2,), float("nan"))})
+    tensor_files = sorted(mon.bundle_path.rglob("*.safetensors"))
+    assert tensor_files
+    for path in tensor_files + [mon.bundle_path / "manifest.json"]:
+        assert stat.S_IMODE(path.stat().st_mode) == FILE_MODE, path

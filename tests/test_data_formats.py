@@ -645,3 +645,11 @@ def test_object_arrays_are_never_unpickled(tmp_path):
         assert "needs pickle, which nanscan never uses" in found[0]["detail"]
         assert "numeric dtype" in found[0]["detail"]  # what to do about it
     assert not marker.exists()
+
+
+def test_a_folder_without_data_files_is_a_usage_error_not_clean_data(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a data format")
+    result = CliRunner().invoke(main, ["data", str(tmp_path)], terminal_width=200)
+    assert result.exit_code == 2 and "no data files found" in result.output
+    (tmp_path / "train.jsonl").write_text('{"x": 1.0}\n')
+    assert CliRunner().invoke(main, ["data", str(tmp_path)]).exit_code == 0

@@ -91,7 +91,12 @@ def test_one_damaged_bundle_does_not_stop_triage(tmp_path):
     assert "wrong type for first_invalid_step" in errors["edited"]
     assert "the 'replay' finding in its ledger names no module" in errors["forged"]
     out = CliRunner().invoke(main, ["triage", str(tmp_path), "--json"])
-    assert out.exit_code == 0 and json.loads(out.stdout)["bundles"] == 1
+    assert out.exit_code == 1 and json.loads(out.stdout)["bundles"] == 1  # 1: not every bundle could be counted
+
+
+def test_triage_of_a_folder_without_bundles_says_so(tmp_path):
+    out = CliRunner().invoke(main, ["triage", str(tmp_path)])
+    assert out.exit_code == 0 and "no nanscan bundles under" in out.output
 
 
 def test_triage_table_shows_module_labels_literally(tmp_path):

@@ -179,6 +179,9 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
     fail_on = parse_fail_on(fail_on)
     report = run_data_check(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
                             max_findings=max_findings, max_record_bytes=max_record_bytes, show_progress=not as_json)
+    if report.files == 0:  # "no findings" in nothing checked would read as clean data
+        raise click.UsageError(f"no data files found in {', '.join(map(str, paths))}: nothing was checked; point "
+                               "nanscan data at files or folders in one of the formats listed in --help")
     if as_json:
         click.echo(json.dumps(report.to_dict(fail_on), indent=2))
     else:
