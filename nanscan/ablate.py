@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import click
 
 from nanscan.bundle import Bundle, load_bundle
-from nanscan.replay import (BisectResult, Replayer, StepOptions, StepOutcome, _fmt, _json_out, _sample_ids,
-                            bisect_samples, cli_errors, recorded_replay)
+from nanscan.replay import (BisectResult, Replayer, ReplayError, StepOptions, StepOutcome, _fmt, _json_out,
+                            _sample_ids, bisect_samples, cli_errors, recorded_replay)
 
 DEFAULT_HOLDOUT = 3
 FINDING_PREFIX = "ablate:"
@@ -96,6 +96,7 @@ class AblationRow:
     dropped: list[int] = field(default_factory=list)
     dropped_ids: list | None = None
     note: str = ""
+    uncredited: str = ""  # why a finite outcome is not counted as a fix (the unchanged step is not deterministic)
 
     @property
     def first_bad(self) -> str | None:
@@ -119,6 +120,7 @@ class AblationRow:
                 "first_bad_module": self.first_bad, "fixes": self.fixes,
                 "confirmation": self.confirmation.to_dict() if self.confirmation else None,
                 "dropped": list(self.dropped), "dropped_ids": self.dropped_ids, "note": self.note,
+                "uncredited": self.uncredited,
                 "outcome": out.to_dict() if out else None, "options": self.factor.options.to_dict()}
 
 
@@ -200,6 +202,11 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
 
     say("baseline (as recorded)", total)
     baseline_outcome = replayer.run(StepOptions(), localize=True)
+    if baseline_outcome.error is not None:
+        # Against a step that cannot run, a factor that makes it run would look like a fix of the failure.
+        raise ReplayError(f"the unchanged step of {b.path} raised an error instead of running: "
+                          f"{baseline_outcome.error}; fix the replay entry {replayer.entry!r} (or pass --entry) "
+                          "before changing factors")
     baseline = AblationRow(BASELINE, True, baseline_outcome)
     if baseline_outcome.finite:
         notes.append("the unchanged step is finite when replayed, so no factor can be said to fix it; "
@@ -208,10 +215,24 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
     held_out: list[Any] | None = None
     held_source = ""
     baseline_held: list[StepOutcome] = []
+    baseline_repeats: bool | None = None  # does the unchanged step fail the same way again? asked once
     rows = []
     for factor in chosen:
         say(factor.label, total)
         row = _run_factor(replayer, factor, baseline_outcome)
+        if row.fixes and baseline_repeats is None:
+            total += 1
+            say("baseline again, to credit a fix", total)
+            again = replayer.run(StepOptions())
+            baseline_repeats = again.signature == baseline_outcome.signature
+            if not baseline_repeats:
+                baseline.note = (f"the unchanged step did not fail the same way when replayed again "
+                                 f"({again.describe()}): the failure is not deterministic here, so no factor is "
+                                 "credited with fixing it; run `nanscan replay` to see how often it comes back")
+                notes.append(baseline.note)
+        if row.fixes and not baseline_repeats:
+            row.fixes = False
+            row.uncredited = "finite, but the unchanged step is not deterministic here: not credited as a fix"
         if row.fixes:
             if held_out is None:  # once, for every factor that needs it
                 held_out, held_source = _holdout_batches(replayer, holdout)
@@ -300,6 +321,8 @@ def _row_markdown(row: AblationRow, result: AblationResult) -> str:
         lines.append(f"- dropped samples: {', '.join(f'`{s}`' for s in shown)}")
     if row.fixes:
         lines.append("- this change alone makes the failing step finite")
+    if row.uncredited:
+        lines.append(f"- {row.uncredited}")
     if row.confirmation is not None:
         lines.append(f"- {row.confirmation.describe()}")
         lines += [f"  - {f}" for f in row.confirmation.failures]
@@ -320,9 +343,10 @@ def record_ablation(result: AblationResult, bundle: Bundle | None = None) -> int
 
 
 def print_ablation(result: AblationResult, console) -> None:
+    from rich.markup import escape  # noqa: PLC0415 - notes, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
 
-    console.print(f"[bold]{result.bundle}[/bold] (run {result.run_id}, step {result.step}, category "
+    console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, category "
                   f"{result.category}; {result.state} state)")
     table = Table(title="one factor at a time (rows that do not fix it are evidence too)")
     for column in ("factor", "result", "loss", "grad max exp", "first bad module", "note"):
@@ -333,7 +357,7 @@ def print_ablation(result: AblationResult, console) -> None:
         color = {"finite": "green", "non-finite": "red"}.get(status, "yellow")
         table.add_row(row.factor.label, f"[{color}]{status}[/{color}]", _fmt(out.loss) if out else "",
                       "" if not out or out.grad_max_exponent is None else f"2^{out.grad_max_exponent}",
-                      row.first_bad or "", row.note)
+                      escape(row.first_bad or ""), escape("; ".join(filter(None, [row.note, row.uncredited]))))
     console.print(table)
     fixes = result.fixes
     if not fixes:
@@ -383,4 +407,4 @@ def ablate_command(bundle, entry, factors, holdout, no_record, as_json):
     print_ablation(result, console)
     if changed is not None:
         console.print(f"recorded {changed} new or changed row(s) in {Path(result.bundle) / 'INCIDENT.md'}"
-                      if changed else "the same rows are already recorded in the bundle; nothing changed")
+                      if changed else "the same rows are already recorded in the bundle; nothing changed", markup=False)

@@ -33,9 +33,17 @@ class ReplaySpec:
     extras: dict = field(default_factory=dict)
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        if isinstance(self.optimizer, torch.optim.Optimizer):
-            return self.optimizer
-        return self.optimizer(self.model)
+        """The optimizer, built by the factory when one was given."""
+        optimizer = self.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise EntryError(f"ReplaySpec.optimizer is {type(optimizer).__name__}: give a torch.optim.Optimizer "
+                                 "over the model's parameters, or a factory optimizer(model) -> Optimizer")
+            optimizer = optimizer(self.model)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise EntryError(f"the ReplaySpec.optimizer factory returned {type(optimizer).__name__}, expected a "
+                                 "torch.optim.Optimizer over the model's parameters")
+        return optimizer
 
 
 class EntryError(ValueError):
@@ -53,9 +61,13 @@ def load_entry(target: str) -> Callable[[dict], ReplaySpec]:
         raise EntryError(f"replay entry {target!r}: cannot import {module_name!r} ({exc}); "
                          "is the package installed, or the directory on PYTHONPATH?") from exc
     try:
-        return getattr(module, attr)
+        function = getattr(module, attr)
     except AttributeError:
         raise EntryError(f"replay entry {target!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(function):
+        raise EntryError(f"replay entry {target!r} names an object of type {type(function).__name__}, not a function "
+                         "taking the config dict and returning a nanscan.entry.ReplaySpec")
+    return function
 
 
 def build_spec(target: str, config: dict | None) -> ReplaySpec:
@@ -63,4 +75,18 @@ def build_spec(target: str, config: dict | None) -> ReplaySpec:
     spec = load_entry(target)(dict(config or {}))
     if not isinstance(spec, ReplaySpec):
         raise EntryError(f"replay entry {target!r} returned {type(spec).__name__}, expected nanscan.entry.ReplaySpec")
+    # Checked here, so that a wrong field is named now and not met as an AttributeError deep inside a replay.
+    wrong = []
+    if not isinstance(spec.model, torch.nn.Module):
+        wrong.append(f"model is {type(spec.model).__name__}, not a torch.nn.Module")
+    if not callable(spec.step_fn):
+        wrong.append(f"step_fn is {type(spec.step_fn).__name__}, not a function step_fn(model, batch) -> loss")
+    if not (isinstance(spec.optimizer, torch.optim.Optimizer) or callable(spec.optimizer)):
+        wrong.append(f"optimizer is {type(spec.optimizer).__name__}, not a torch.optim.Optimizer or a factory "
+                     "optimizer(model) -> Optimizer")
+    if spec.select_samples is not None and not callable(spec.select_samples):
+        wrong.append(f"select_samples is {type(spec.select_samples).__name__}, not a function "
+                     "select_samples(batch, indices) -> batch")
+    if wrong:
+        raise EntryError(f"replay entry {target!r} returned a ReplaySpec whose {'; '.join(wrong)}")
     return spec

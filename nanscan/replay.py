@@ -14,6 +14,7 @@ import copy
 import json
 import math
 import os
+import random
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -218,8 +219,25 @@ class _Localizer:
 
     def _pre_backward(self, name: str):
         def hook(module, grad_output):
-            self._grad_out[name] = summarize_values(grad_output)
+            received = summarize_values(grad_output)
+            self._grad_out[name] = received
+            if self.first_backward is None and received.nonfinite:
+                # No hooked module made it, yet the gradient reaching this module's output is non-finite: it was
+                # made by code that consumed that output without being a module (a torch.sqrt in the parent's
+                # forward, or the loss in step_fn), which ran its backward just before.
+                self.first_backward = self._made_by_code_above(name, received)
         return hook
+
+    def _made_by_code_above(self, name: str, reached: ValueSummary) -> Localization:
+        if not name:
+            return Localization("backward", "step_fn", "code outside any module", ValueSummary(), reached,
+                                "the gradient of the model's output was already non-finite: step_fn's own code "
+                                "(the loss) made it")
+        parent = name.rpartition(".")[0]
+        child = name.rpartition(".")[2]
+        return Localization("backward", parent, self._type(parent), self._grad_out.get(parent, ValueSummary()),
+                            reached, f"in its own code, not in a submodule: the gradient it passed back to {child} "
+                                     "was already non-finite")
 
     def _post_backward(self, name: str):
         def hook(module, grad_input, grad_output):
@@ -461,7 +479,11 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         grads = scan_inputs([i for i in model_inputs(model) if i.name.startswith("grad:")])
         update_report = None
         if optimizer is not None:
-            optimizer.step()
+            try:
+                optimizer.step()
+            except Exception as exc:  # noqa: BLE001 - as for step_fn: the user's optimizer failing is a result
+                return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
+                                                                      f"{type(exc).__name__}: {exc}")
             update_report = scan_inputs([i for i in model_inputs(model, optimizer)
                                          if not i.name.startswith("grad:")])
 
@@ -558,7 +580,12 @@ def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None =
     tensor whose leading dimension is the batch size is indexed along dimension 0 (other tensors kept whole)."""
     indices = [int(i) for i in indices]
     if spec is not None and spec.select_samples is not None:
-        return spec.select_samples(batch, indices)
+        try:
+            return spec.select_samples(batch, indices)
+        except Exception as exc:  # noqa: BLE001 - the user's function: name it, not a line deep inside it
+            shown = f"{indices[:8]}{' ...' if len(indices) > 8 else ''}"
+            raise ReplayError(f"ReplaySpec.select_samples raised {type(exc).__name__}: {exc} (selecting rows "
+                              f"{shown}); fix it in the replay entry") from exc
     size = batch_size(batch)
     if size is None:
         raise ReplayError("the batch has no tensor with a sample dimension, so samples cannot be selected; give "
@@ -636,10 +663,20 @@ class Replayer:
         self.rng = self.bundle.rng_state()
         rng_at = self.bundle.manifest["rng"].get("captured_at")
         if self.rng is None:
-            self.notes.append("rng: no RNG state recorded; random draws (dropout) differ from the original step")
-        elif rng_at == "check":
-            self.notes.append("rng: recorded at check time, not at the start of the step; random draws in the "
-                              "forward pass (dropout) may differ from the original step")
+            self.notes.append("rng: no RNG state recorded; every replay seeds the generators with 0, so random draws "
+                              "(dropout) are the same on each replay but differ from the original step")
+        elif rng_at != "step_start":
+            self.notes.append(f"rng: recorded at {rng_at or 'an unknown time'}, not at the start of the step; random "
+                              "draws in the forward pass (dropout) may differ from the original step")
+        # What the replay cannot rebuild exactly: a failure that does not come back may depend on it.
+        self.inexact = [text for text in (
+            "no model state" if self.model_state is None else "",
+            "the state at the check, not a pre-step snapshot" if self.model_state is not None and not self.pre_step
+            else "",
+            "no optimizer state" if self.model_state is not None and self.optimizer_state is None else "",
+            "no RNG state" if self.rng is None else "",
+            "RNG states not from the start of the step" if self.rng is not None and rng_at != "step_start" else "",
+        ) if text]
         self.sample_count = batch_size(self.batch)
         self._rng_warned = False
 
@@ -659,6 +696,11 @@ class Replayer:
 
     def _restore_rng(self) -> None:
         if self.rng is None:
+            # Not the original draws, but the same ones on every replay: otherwise each run draws other dropout
+            # masks and the verdict (and the bisection) would depend on where the process's generators happen to be.
+            torch.manual_seed(0)
+            np.random.seed(0)
+            random.seed(0)
             return
         try:
             restore_rng(self.rng)
@@ -684,7 +726,13 @@ class Replayer:
                 raise ReplayError(f"the model built by {self.entry!r} does not match the state stored in "
                                   f"{self.bundle.path}: {exc}; use the entry (and config) of the run that wrote the "
                                   "bundle") from None
-        optimizer = spec.make_optimizer()
+        try:
+            optimizer = spec.make_optimizer()
+        except EntryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in build(): the user's factory failing is named as such
+            raise ReplayError(f"the optimizer factory of replay entry {self.entry!r} raised {type(exc).__name__}: "
+                              f"{exc}") from exc
         if self.optimizer_state is not None:
             try:
                 # a deep copy: load_state_dict may keep our tensors, and optimizer.step() updates them in place
@@ -694,7 +742,8 @@ class Replayer:
                                   f"{self.bundle.path}: {exc}") from None
         if options.lr_scale != 1.0:
             for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * options.lr_scale
+                if "lr" in group:  # an optimizer without a learning rate: run() says the factor was not in effect
+                    group["lr"] = group["lr"] * options.lr_scale
         step_batch = self.batch if batch is None else batch
         if samples is not None:
             step_batch = select_samples(step_batch, samples, spec)
@@ -705,12 +754,18 @@ class Replayer:
     def run(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None, batch: Any = None,
             localize: bool = False) -> StepOutcome:
         """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome."""
+        learning_rates: list[Any] = []
+
         def attempt(backward_module_hooks: bool) -> StepOutcome:
             spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
+            learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
             return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=options, localize=localize,
                             backward_module_hooks=backward_module_hooks)
 
         result = run_localized(attempt) if localize else attempt(True)
+        if options.lr_scale != 1.0 and not any(lr for lr in learning_rates if lr is not None):
+            result.notes.append(f"learning rate x{options.lr_scale:g} was not in effect: the optimizer's param groups "
+                                "have no non-zero 'lr' to scale")
         requested = options.precision
         if requested is not None and result.error is None:
             wanted = PRECISIONS[requested]
@@ -728,8 +783,12 @@ class Replayer:
 
 @dataclass
 class BisectResult:
-    """The smallest set of sample rows found that still fails (1-minimal: dropping any one of them makes the step
-    finite), or why the batch could not be bisected."""
+    """The smallest set of sample rows found that still fails, or why the batch could not be bisected.
+
+    minimal: the step was replayed without each one of them in turn and was finite every time (1-minimal). False
+    when that was not shown: the trial budget ran out, or some of those smaller subsets raised an error instead
+    of running (`errors`; a batch of one sample in BatchNorm, a step that needs a fixed batch size).
+    """
 
     applicable: bool
     indices: list[int] = field(default_factory=list)
@@ -737,21 +796,46 @@ class BisectResult:
     batch_size: int | None = None
     trials: int = 0
     reason: str = ""
+    minimal: bool = True
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def says_more(self) -> bool:
+        """True when describe() qualifies a plain "these samples fail": not minimal, or the whole batch."""
+        return self.applicable and (not self.minimal or len(self.indices) == self.batch_size)
+
+    def describe(self) -> str:
+        """One sentence on how far the bisection got (the samples themselves are shown by the caller)."""
+        if not self.applicable:
+            return f"bisection not done: {self.reason}"
+        if self.minimal and len(self.indices) == self.batch_size:
+            return (f"no smaller subset fails: the failure needs all {self.batch_size} samples together (a batch "
+                    f"statistic, such as BatchNorm's or a sum over the batch), not particular ones ({self.trials} "
+                    "trials)")
+        if self.minimal:
+            return (f"{len(self.indices)} of {self.batch_size} samples fail together; without any one of them the "
+                    f"step is finite ({self.trials} trials)")
+        why = (f"subsets of them raised an error instead of running ({self.errors[0]})" if self.errors
+               else "the trial budget ran out before every smaller subset was tried")
+        return (f"{len(self.indices)} of {self.batch_size} samples still fail; not shown to be the fewest: {why} "
+                f"({self.trials} trials)")
 
     def to_dict(self) -> dict:
         return {"applicable": self.applicable, "indices": list(self.indices), "sample_ids": self.sample_ids,
-                "batch_size": self.batch_size, "trials": self.trials, "reason": self.reason}
+                "batch_size": self.batch_size, "trials": self.trials, "reason": self.reason,
+                "minimal": self.minimal, "errors": list(self.errors)}
 
 
-def ddmin(items: Sequence[int], fails: Callable[[list[int]], bool], *, max_trials: int = MAX_BISECT_TRIALS
-          ) -> tuple[list[int], int]:
+def ddmin(items: Sequence[int], fails: Callable[[list[int]], bool], *, max_trials: int = MAX_BISECT_TRIALS,
+          tested: dict[frozenset, bool] | None = None) -> tuple[list[int], int]:
     """Delta debugging (Zeller's ddmin): a 1-minimal failing subset of `items`, which must fail as a whole.
 
     Starts by halving (one failing sample in 16 takes about 8 trials); when no half fails alone, tests finer
     chunks and their complements, which finds failures that need several samples together.
-    Returns (subset, trials used); stops early with the smallest set so far after max_trials.
+    Returns (subset, trials used); stops early with the smallest set so far after max_trials. `tested`, when
+    given, receives every subset tried and whether it failed (a subset missing from it was never tried).
     """
-    cache: dict[frozenset, bool] = {}
+    cache: dict[frozenset, bool] = {} if tested is None else tested
     trials = 0
 
     def test(subset: list[int]) -> bool:
@@ -789,18 +873,44 @@ def ddmin(items: Sequence[int], fails: Callable[[list[int]], bool], *, max_trial
 
 def bisect_samples(replayer: Replayer, options: StepOptions = StepOptions(deterministic=True), *,
                    max_trials: int = MAX_BISECT_TRIALS) -> BisectResult:
-    """The fewest samples of the saved batch on which the replayed step is still non-finite."""
+    """The fewest samples of the saved batch on which the replayed step is still non-finite.
+
+    A subset on which the step raises an error (BatchNorm given one sample, a step that needs a fixed batch size)
+    has not been shown to fail: it counts as not failing, and the result says it is not shown to be minimal.
+    """
     size = replayer.sample_count
-    if size is None or size < 2:
+    if size is None:
+        return BisectResult(False, reason="the batch has no tensor with a sample dimension")
+    if size < 2:
         return BisectResult(False, batch_size=size, reason="the batch has fewer than 2 samples")
     everything = list(range(size))
-    if replayer.run(options, samples=everything).finite:
+    whole = replayer.run(options, samples=everything)
+    if whole.error is not None:
+        return BisectResult(False, batch_size=size, trials=1, reason=f"the replayed step raised an error "
+                                                                     f"({whole.error})", errors=[whole.error])
+    if whole.finite:
         return BisectResult(False, batch_size=size, trials=1,
                             reason="the step is finite when replayed, so there is nothing to narrow down")
-    indices, trials = ddmin(everything, lambda subset: not replayer.run(options, samples=subset).finite,
-                            max_trials=max_trials)
+    errors: dict[str, None] = {}
+    errored: set[frozenset] = set()
+
+    def fails(subset: list[int]) -> bool:
+        outcome = replayer.run(options, samples=subset)
+        if outcome.error is not None:
+            errors[outcome.error] = None
+            errored.add(frozenset(subset))
+            return False
+        return not outcome.finite
+
+    tested: dict[frozenset, bool] = {}
+    indices, trials = ddmin(everything, fails, max_trials=max_trials, tested=tested)
+    kept = frozenset(indices)
+    # 1-minimal only when the step ran, and was finite, without each one of them in turn
+    without_one = [kept - {i} for i in kept] if len(kept) > 1 else []
+    minimal = all(key in tested and key not in errored for key in without_one)
     ids = _sample_ids(replayer.bundle.sample_ids, indices, size)
-    return BisectResult(True, sorted(indices), ids, size, trials + 1)
+    return BisectResult(True, sorted(indices), ids, size, trials + 1, minimal=minimal,
+                        errors=list(errors)[:3])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -821,10 +931,17 @@ class ReplayResult:
     localization: Localization | None
     bisect: BisectResult | None
     notes: list[str] = field(default_factory=list)
+    inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
+
+    @property
+    def failing_run(self) -> StepOutcome | None:
+        """The first replay that went non-finite, None when none did."""
+        return next((r for r in self.runs if not r.finite and r.error is None), None)
 
     @property
     def same_category(self) -> bool:
-        return bool(self.runs) and self.runs[0].category == self.bundle_category
+        failing = self.failing_run
+        return failing is not None and failing.category == self.bundle_category
 
     def to_dict(self) -> dict:
         return {"bundle": self.bundle, "run_id": self.run_id, "step": self.step,
@@ -832,15 +949,33 @@ class ReplayResult:
                 "reproduced": self.reproduced, "verdict": self.verdict, "same_category": self.same_category,
                 "runs": [r.to_dict() for r in self.runs],
                 "localization": self.localization.to_dict() if self.localization else None,
-                "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes)}
+                "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
+                "inexact": list(self.inexact)}
 
     def headline(self) -> str:
-        if not self.reproduced:
-            return (f"not reproduced ({self.verdict}): the replayed step {self.step} is finite "
+        failing = self.failing_run
+        if failing is None:
+            text = (f"not reproduced ({self.verdict}): the replayed step {self.step} is finite "
                     f"{len(self.runs)} time(s) out of {len(self.runs)}")
+            if self.inexact:
+                text += f", but from inexact conditions ({', '.join(self.inexact)})"
+            return text
         where = f"; first bad: {self.localization.label} ({self.localization.module_type}, " \
                 f"{self.localization.phase})" if self.localization else ""
-        return f"reproduced, {self.verdict}: {self.runs[0].category}{where}"
+        if self.verdict == "intermittent":
+            bad = sum(1 for r in self.runs if not r.finite and r.error is None)
+            return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
+        return f"reproduced, {self.verdict}: {failing.category}{where}"
+
+    def explanation(self) -> str:
+        """What the verdict means, limited to what these replays can show."""
+        if self.verdict == "transient" and self.inexact:
+            return ("The failure did not come back, but the replay did not start from exactly the recorded "
+                    f"conditions ({', '.join(self.inexact)}): a failure that depends on them can vanish on replay, "
+                    "so this does not show a hardware fault or a race. A Monitor with snapshot='cpu' on the model "
+                    "that the step runs keeps the state and RNG states of the start of the step, for an exact "
+                    "replay.")
+        return VERDICT_EXPLANATIONS[self.verdict]
 
 
 VERDICT_EXPLANATIONS = {
@@ -854,7 +989,8 @@ VERDICT_EXPLANATIONS = {
 
 
 def _verdict(outcomes: Sequence[StepOutcome]) -> str:
-    failing = [not o.finite for o in outcomes]
+    # a run that raised an error showed nothing about the failure, but differs from one that ran
+    failing = [not o.finite and o.error is None for o in outcomes]
     if not any(failing):
         return "transient"
     if all(failing) and all(o.signature == outcomes[0].signature for o in outcomes):
@@ -878,15 +1014,21 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
     for i in range(runs):
         say(f"replay {i + 1}/{runs}")
         outcomes.append(replayer.run(options))
+        if i == 0 and outcomes[0].error is not None:
+            # An error is not the failure being replayed: the entry does not run on this bundle's batch and state.
+            raise ReplayError(f"the replayed step of {replayer.bundle.path} raised an error instead of running: "
+                              f"{outcomes[0].error}; fix the replay entry {replayer.entry!r} (or pass --entry) so "
+                              "that it runs the recorded batch")
     verdict = _verdict(outcomes)
-    reproduced = not outcomes[0].finite
+    failing = next((o for o in outcomes if not o.finite and o.error is None), None)
+    reproduced = failing is not None
     localization = None
     bisected = None
     if reproduced:
         say("localizing with module hooks")
         localized = replayer.run(options, localize=True)
         localization = localized.localization
-        outcomes[0].notes.extend(n for n in localized.notes if n not in outcomes[0].notes)
+        failing.notes.extend(n for n in localized.notes if n not in failing.notes)
         if bisect and verdict == "persistent":
             say("bisecting the batch")
             bisected = bisect_samples(replayer, options)
@@ -894,12 +1036,12 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
             bisected = BisectResult(False, batch_size=replayer.sample_count,
                                     reason=f"the failure is {verdict}, so a subset's result would not be reliable")
     notes = list(replayer.notes)
-    if reproduced and outcomes[0].category != replayer.bundle.category:
+    if reproduced and failing.category != replayer.bundle.category:
         notes.append(f"the bundle's category is {replayer.bundle.category}, the replay first saw non-finite "
-                     f"values as {outcomes[0].category}")
+                     f"values as {failing.category}")
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
-                        outcomes, localization, bisected, notes)
+                        outcomes, localization, bisected, notes, list(replayer.inexact))
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
@@ -908,12 +1050,13 @@ def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Lo
 
 
 def _replay_markdown(result: ReplayResult) -> str:
-    lines = [VERDICT_EXPLANATIONS[result.verdict], "",
+    lines = [result.explanation(), "",
              f"- replayed {len(result.runs)} times from the {result.state} state with `{result.entry}`, "
              "deterministic algorithms on",
-             f"- runs: " + "; ".join(("finite" if r.finite else f"non-finite ({r.category})") for r in result.runs)]
-    first = result.runs[0]
-    if result.reproduced:
+             f"- runs: " + "; ".join(("finite" if r.finite else "error" if r.error else f"non-finite ({r.category})")
+                                     for r in result.runs)]
+    first = result.failing_run
+    if first is not None:
         lines.append(f"- loss {_fmt(first.loss)}, {len(first.nonfinite)} non-finite tensor(s)"
                      f"{', largest gradient exponent 2^' + str(first.grad_max_exponent) if first.grad_max_exponent is not None else ''}")
     if result.localization is not None:
@@ -925,8 +1068,11 @@ def _replay_markdown(result: ReplayResult) -> str:
         b = result.bisect
         if b.applicable:
             shown = b.sample_ids if b.sample_ids is not None else [f"row {i}" for i in b.indices]
-            lines += ["", f"**Smallest failing subset:** {len(b.indices)} of {b.batch_size} samples: "
+            title = "Smallest failing subset" if b.minimal else "Fewest failing samples found"
+            lines += ["", f"**{title}:** {len(b.indices)} of {b.batch_size} samples: "
                           f"{', '.join(f'`{s}`' for s in shown)} (rows {b.indices}; {b.trials} trials)."]
+            if b.says_more:
+                lines[-1] += f" {b.describe()[0].upper()}{b.describe()[1:]}."
         else:
             lines += ["", f"Bisection not done: {b.reason}."]
     if result.notes:
@@ -955,33 +1101,37 @@ def recorded_replay(bundle: Bundle) -> dict | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _print_replay(result: ReplayResult, console) -> None:
+    from rich.markup import escape  # noqa: PLC0415 - errors, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
 
     style = "green" if not result.reproduced else ("red" if result.verdict == "persistent" else "yellow")
-    console.print(f"[bold]{result.bundle}[/bold] (run {result.run_id}, step {result.step}, "
+    console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, "
                   f"category {result.bundle_category})")
-    console.print(f"[{style}]{result.headline()}[/{style}]", highlight=False)
-    console.print(VERDICT_EXPLANATIONS[result.verdict], highlight=False)
+    console.print(f"[{style}]{escape(result.headline())}[/{style}]", highlight=False)
+    console.print(result.explanation(), highlight=False, markup=False)
     table = Table(title="replays (deterministic algorithms on)")
     for column in ("run", "outcome", "loss", "non-finite tensors", "grad max exp"):
         table.add_column(column)
     for i, run in enumerate(result.runs, 1):
-        table.add_row(str(i), "finite" if run.finite else (run.error or run.category), _fmt(run.loss),
+        table.add_row(str(i), "finite" if run.finite else escape(run.error or run.category), _fmt(run.loss),
                       str(len(run.nonfinite)),
                       "n/a" if run.grad_max_exponent is None else f"2^{run.grad_max_exponent}")
     console.print(table)
     loc = result.localization
     if loc is not None:
-        console.print(f"first bad module: [bold]{loc.label}[/bold] ({loc.module_type}), phase [bold]{loc.phase}"
-                      f"[/bold]{f' - {loc.detail}' if loc.detail else ''}", highlight=False)
+        console.print(f"first bad module: [bold]{escape(loc.label)}[/bold] ({escape(loc.module_type)}), phase "
+                      f"[bold]{loc.phase}[/bold]{escape(f' - {loc.detail}') if loc.detail else ''}", highlight=False)
         console.print(f"  received: {loc.received.describe()}", highlight=False, markup=False)
         console.print(f"  produced: {loc.produced.describe()}", highlight=False, markup=False)
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:
             shown = b.sample_ids if b.sample_ids is not None else b.indices
-            console.print(f"smallest failing subset: {len(b.indices)} of {b.batch_size} samples: {shown} "
+            title = "smallest failing subset" if b.minimal else "fewest failing samples found"
+            console.print(f"{title}: {len(b.indices)} of {b.batch_size} samples: {shown} "
                           f"(rows {b.indices}, {b.trials} trials)", highlight=False, markup=False)
+            if b.says_more:
+                console.print(f"  {b.describe()}", highlight=False, markup=False)
         else:
             console.print(f"bisection not done: {b.reason}", highlight=False, markup=False)
     for note in result.notes:
@@ -1025,7 +1175,7 @@ def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
     _print_replay(result, console)
     if changed is not None:
         console.print(f"recorded in {Path(result.bundle) / 'INCIDENT.md'}" if changed
-                      else "the same result is already recorded in the bundle; nothing changed")
+                      else "the same result is already recorded in the bundle; nothing changed", markup=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1046,9 +1196,11 @@ class ExportResult:
     test_file: str
     indices: list[int]
     sample_ids: list | None
-    reproduced: bool
+    reproduced: bool  # the exported samples went non-finite when replayed
     with_state: bool
     notes: list[str]
+    error: str | None = None  # the error the replay of the exported samples raised, if it did
+    changed: bool = True  # False when the same export was already there
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -1064,17 +1216,18 @@ def _state_bytes(state: Mapping | None) -> int:
 
 def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLike, entry: str | None = None, *,
                       samples: Sequence[int] | None = None, with_state: bool | None = None,
-                      max_state_mb: float = DEFAULT_MAX_STATE_MB) -> ExportResult:
+                      max_state_mb: float = DEFAULT_MAX_STATE_MB, overwrite: bool = False) -> ExportResult:
     """Write the bundle's minimal failing sample(s) as a regression case under `dest`:
     `<dest>/<case>/` (case.json, batch.safetensors, state.safetensors unless too large, rng.safetensors) and
     `<dest>/test_<case>.py`, a pytest file calling nanscan.testing.assert_step_finite.
 
     Samples: `samples` (row indices), else the bundle's replay finding, else a fresh bisection. `with_state`: store
     the model and optimizer state (default: when it is at most `max_state_mb`). Writing is atomic and idempotent:
-    the same bundle exported again gives the same files.
+    the same bundle exported again gives the same files. A file or directory of the same name that this function
+    did not write is never replaced; an earlier export that differs is replaced only with `overwrite`.
     """
-    from nanscan._atomic import atomic_directory, atomic_write_bytes, json_bytes  # noqa: PLC0415
-    from nanscan.bundle import _TreeEncoder, _save_tensors  # noqa: PLC0415 - the bundle's own tree format
+    from nanscan._atomic import atomic_write_bytes, json_bytes  # noqa: PLC0415
+    from nanscan.bundle import _TreeEncoder  # noqa: PLC0415 - the bundle's own tree format
     from nanscan.provenance import rng_to_tensors  # noqa: PLC0415 - only the export writes RNG files
 
     replayer = Replayer(bundle, entry)
@@ -1090,6 +1243,14 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
             samples = found.indices if found.applicable else None
             if not found.applicable:
                 notes.append(f"whole batch exported: {found.reason}")
+            elif not found.minimal:
+                notes.append(found.describe())
+    else:
+        samples = [int(i) for i in samples]
+        outside = [i for i in samples if size is None or not 0 <= i < size]
+        if outside or not samples or len(set(samples)) != len(samples):
+            raise ReplayError(f"samples {samples}: give distinct row numbers from 0 to {(size or 0) - 1} (the batch "
+                              f"in {b.path} has {size if size is not None else 'no'} samples)")
     indices = list(range(size)) if samples is None and size is not None else [int(i) for i in samples or []]
     options = StepOptions(deterministic=True)
     if samples is None:
@@ -1097,7 +1258,10 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     else:
         case_batch = select_samples(replayer.batch, indices, replayer.build())
     observed = replayer.run(options, batch=case_batch, localize=True)
-    if observed.finite:
+    if observed.error is not None:
+        notes.append(f"replaying the exported samples raised an error ({observed.error}): the test fails with "
+                     "that error, not with a non-finite step; fix the replay entry or export other samples")
+    elif observed.finite:
         notes.append("the exported samples do not fail when replayed: the test will pass as is")
 
     if with_state is None:
@@ -1126,58 +1290,147 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
         "batch": {"file": CASE_BATCH, "structure": batch_structure},
         "state": None, "rng": None, "notes": notes,
     }
+    if with_state:
+        state_encoder = _TreeEncoder("/")
+        structure = {"model": state_encoder.encode(dict(replayer.model_state), ("model",)),
+                     "optimizer": (state_encoder.encode(replayer.optimizer_state, ("optimizer",))
+                                   if replayer.optimizer_state is not None else None)}
+        case["state"] = {"file": CASE_STATE, "structure": structure, "pre_step": replayer.pre_step}
+    if replayer.rng is not None:
+        case["rng"] = {"file": CASE_RNG}
+    # Everything is rendered first, so an earlier export can be compared byte for byte before anything is written.
+    contents = {CASE_BATCH: _tensor_bytes(batch_encoder.tensors)}
+    if with_state:
+        contents[CASE_STATE] = _tensor_bytes(state_encoder.tensors)
+    if replayer.rng is not None:
+        tensors, meta = rng_to_tensors(replayer.rng)
+        contents[CASE_RNG] = _tensor_bytes(tensors, {"nanscan.rng": json.dumps(meta, sort_keys=True)})
+    contents[CASE_JSON] = json_bytes(plain_json(case))
+    source = _test_source(name, case, observed).encode("utf-8")
+
     if dest.exists() and not dest.is_dir():
         raise ReplayError(f"{dest} is a file; pass a directory for the regression case")
+    case_same, test_same = _check_earlier_export(case_dir, contents, test_file, source, name, overwrite)
     dest.mkdir(parents=True, exist_ok=True)
-    old = None
-    if case_dir.exists():  # replace: park the old one, move the new one in, then delete the old one
-        old = case_dir.with_name(f".tmp-{name}-old")
-        if old.exists():
-            import shutil  # noqa: PLC0415
+    if not case_same:
+        _replace_directory(case_dir, contents)
+    if not test_same:
+        atomic_write_bytes(test_file, source)
+    ids = case["samples"]["sample_ids"]
+    return ExportResult(str(case_dir), str(test_file), indices, ids, not observed.finite and observed.error is None,
+                        bool(with_state), notes, observed.error, changed=not (case_same and test_same))
 
+
+def _tensor_bytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    from safetensors.torch import save  # noqa: PLC0415
+    from nanscan.bundle import _for_saving  # noqa: PLC0415 - the bundle's own tensor preparation
+
+    return save(_for_saving(tensors), metadata=metadata)
+
+
+_TEST_HEADER = '"""Regression case exported by nanscan'
+
+
+def _check_earlier_export(case_dir: Path, contents: Mapping[str, bytes], test_file: Path, source: bytes, name: str,
+                          overwrite: bool) -> tuple[bool, bool]:
+    """(case unchanged, test unchanged) against what is already at those paths. Refuses anything export-regression
+    did not write (a user's file or directory of the same name), and an earlier export that differs from this
+    one unless `overwrite`: it may have been edited (a config changed to test a fix)."""
+    def refuse(path: Path, what: str) -> ReplayError:
+        return ReplayError(f"{path} already exists and {what}, so it was not written by `nanscan export-regression`; "
+                           "nothing was written: move it away or choose another directory")
+
+    differs = []
+    case_same = test_same = False
+    if case_dir.is_symlink() or case_dir.exists():
+        if case_dir.is_symlink() or not case_dir.is_dir():
+            raise refuse(case_dir, "is not a directory")
+        found = {p.name: p for p in case_dir.iterdir()}
+        foreign = sorted(n for n, p in found.items()
+                         if n not in (CASE_JSON, CASE_BATCH, CASE_STATE, CASE_RNG) or p.is_symlink() or not p.is_file())
+        if foreign:
+            raise refuse(case_dir, f"holds {', '.join(foreign[:5])}")
+        meta = None
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads(found[CASE_JSON].read_bytes()) if CASE_JSON in found else None
+        if not isinstance(meta, dict) or meta.get("schema") != REGRESSION_SCHEMA:
+            raise refuse(case_dir, f"has no {CASE_JSON} of schema {REGRESSION_SCHEMA}")
+        case_same = set(found) == set(contents) and all(found[f].read_bytes() == data for f, data in contents.items())
+        if not case_same:
+            differs.append(str(case_dir))
+    if test_file.is_symlink() or test_file.exists():
+        text = test_file.read_bytes() if test_file.is_file() and not test_file.is_symlink() else b""
+        if not (text.startswith(_TEST_HEADER.encode()) and f'parent / "{name}"'.encode() in text):
+            raise refuse(test_file, "is not the test file of this case")
+        test_same = text == source
+        if not test_same:
+            differs.append(str(test_file))
+    if differs and not overwrite:
+        raise ReplayError(f"an earlier export differs from this one in {' and '.join(differs)} (edited since, or "
+                          "exported from another bundle or samples); nothing was written: pass --overwrite to "
+                          "replace it, or choose another directory")
+    return case_same, test_same
+
+
+def _replace_directory(case_dir: Path, contents: Mapping[str, bytes]) -> None:
+    """Put a directory holding `contents` at case_dir: built beside it, the old one parked, swapped, deleted."""
+    import shutil  # noqa: PLC0415
+
+    from nanscan._atomic import atomic_directory  # noqa: PLC0415
+
+    old = None
+    if case_dir.exists():
+        old = case_dir.with_name(f".tmp-{case_dir.name}-old")
+        if old.exists():
             shutil.rmtree(old)
         os.rename(case_dir, old)
     try:
         with atomic_directory(case_dir) as temp:
-            _save_tensors(temp / CASE_BATCH, batch_encoder.tensors)
-            if with_state:
-                state_encoder = _TreeEncoder("/")
-                structure = {"model": state_encoder.encode(dict(replayer.model_state), ("model",)),
-                             "optimizer": (state_encoder.encode(replayer.optimizer_state, ("optimizer",))
-                                           if replayer.optimizer_state is not None else None)}
-                _save_tensors(temp / CASE_STATE, state_encoder.tensors)
-                case["state"] = {"file": CASE_STATE, "structure": structure, "pre_step": replayer.pre_step}
-            if replayer.rng is not None:
-                tensors, meta = rng_to_tensors(replayer.rng)
-                _save_tensors(temp / CASE_RNG, tensors, {"nanscan.rng": json.dumps(meta, sort_keys=True)})
-                case["rng"] = {"file": CASE_RNG}
-            (temp / CASE_JSON).write_bytes(json_bytes(plain_json(case)))
+            for file, data in contents.items():
+                (temp / file).write_bytes(data)
     except BaseException:
         if old is not None and not case_dir.exists():
             os.rename(old, case_dir)
         raise
     if old is not None:
-        import shutil  # noqa: PLC0415
-
         shutil.rmtree(old, ignore_errors=True)
-    atomic_write_bytes(test_file, _test_source(name, case, observed).encode("utf-8"))
-    ids = case["samples"]["sample_ids"]
-    return ExportResult(str(case_dir), str(test_file), indices, ids, not observed.finite, bool(with_state), notes)
+
+
+def _in_docstring(text: str) -> str:
+    """`text` as it can stand inside a triple-quoted docstring: sample ids are the user's data, and a quote, a
+    backslash or a control character in one must not end the string or break the generated file."""
+    def escape(ch: str) -> str:
+        if ch in '\\"':
+            return "\\" + ch
+        code = ord(ch)
+        if (code < 32 and ch != "\n") or code == 127 or 0xD800 <= code <= 0xDFFF:
+            return f"\\x{code:02x}" if code < 256 else f"\\u{code:04x}"
+        return ch
+
+    return "".join(escape(ch) for ch in text)
 
 
 def _test_source(name: str, case: Mapping, observed: StepOutcome) -> str:
     src = case["source"]
     loc = observed.localization
-    seen = (f"went non-finite ({observed.category}), first in {loc.label} ({loc.module_type}, {loc.phase})"
-            if loc is not None else ("went non-finite" if not observed.finite else "was finite when exported"))
+    if observed.error is not None:
+        seen = f"raised an error when exported ({observed.error})"
+    elif loc is not None:
+        seen = f"went non-finite ({observed.category}), first in {loc.label} ({loc.module_type}, {loc.phase})"
+    else:
+        seen = "went non-finite" if not observed.finite else "was finite when exported"
     ids = case["samples"]["sample_ids"]
     which = f"samples {ids}" if ids is not None else f"rows {case['samples']['indices']}"
-    return f'''"""Regression case exported by nanscan from run {src["run_id"]}, step {src["step"]} (category {src["category"]}).
+    promise = ("This test fails until that cause is fixed, and then keeps the edge case from coming back unnoticed."
+               if not observed.finite else
+               "This test passed when it was written (the samples did not fail on replay); it guards the step only.")
+    about = _in_docstring(f"""from run {src["run_id"]}, step {src["step"]} (category {src["category"]}).
 
 The training step on {which} {seen}.
-This test fails until that cause is fixed, and then keeps the edge case from coming back unnoticed.
+{promise}
 The case (batch, state, RNG states, config) is in ./{name}/; the model comes from the replay entry
-{case["replay_entry"]!r}, which must be importable here.
+{case["replay_entry"]!r}, which must be importable here.""")
+    return f'''{_TEST_HEADER} {about}
 """
 
 from pathlib import Path
@@ -1204,8 +1457,9 @@ def test_{name}_stays_finite():
                                               "failing subset from replay, or a fresh bisection).")
 @click.option("--with-state/--no-state", default=None,
               help=f"Store the model and optimizer state (default: when at most {DEFAULT_MAX_STATE_MB} MB).")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export of this case that differs from this one.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def export_regression_command(bundle, dest, entry, samples, with_state, as_json):
+def export_regression_command(bundle, dest, entry, samples, with_state, overwrite, as_json):
     """Write BUNDLE's minimal failing sample(s) to DEST as a regression case and a pytest file."""
     rows = None
     if samples:
@@ -1215,14 +1469,15 @@ def export_regression_command(bundle, dest, entry, samples, with_state, as_json)
             raise click.BadParameter(f"{samples!r} is not a comma-separated list of row numbers",
                                      param_hint="--samples") from None
     with cli_errors():
-        result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state)
+        result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite)
     if as_json:
         _json_out(result.to_dict())
         return
     click.echo(f"regression case: {result.case_dir}")
     click.echo(f"pytest file:     {result.test_file}")
     shown = result.sample_ids if result.sample_ids is not None else result.indices
-    click.echo(f"samples: {shown}; {'fails now' if result.reproduced else 'passes now'} "
-               f"({'with' if result.with_state else 'without'} the saved state)")
+    now = "fails now" if result.reproduced else ("fails now with an error" if result.error else "passes now")
+    click.echo(f"samples: {shown}; {now} ({'with' if result.with_state else 'without'} the saved state)"
+               f"{'' if result.changed else '; the same export was already there, nothing changed'}")
     for note in result.notes:
         click.echo(f"note: {note}")

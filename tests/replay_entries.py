@@ -211,8 +211,139 @@ def poisoned_sample(config: dict) -> ReplaySpec:
     return ReplaySpec(nn.Sequential(nn.Linear(8, 1)), _sgd(config), step, _healthy(poison_batch, config))
 
 
+# -- sqrt at 0 written inline in the model's own forward: no submodule makes the NaN --------------------------
+
+class InlineSqrtModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(4, 8, bias=False)
+        self.lin2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        return self.lin2(torch.sqrt(h * h))
+
+
+def inline_sqrt(config: dict) -> ReplaySpec:
+    config = _config(config)
+    torch.manual_seed(config["seed"])
+    return ReplaySpec(InlineSqrtModel(), _sgd(config), sqrt_step, _healthy(sqrt_batch, config))
+
+
+# -- the poisoned sample, stepped in micro-batches of a fixed count: subsets of other sizes cannot run ------------
+
+MICRO_BATCHES = 4
+
+
+def micro_batched(config: dict) -> ReplaySpec:
+    spec = poisoned_sample(config)
+
+    def step(model, batch):
+        # gradient accumulation folded into one loss: the batch must split into MICRO_BATCHES equal parts
+        x = batch["x"].view(MICRO_BATCHES, -1, batch["x"].shape[-1])
+        y = batch["y"].view(MICRO_BATCHES, -1, 1)
+        return sum(((model(xi) - yi) ** 2).mean() for xi, yi in zip(x, y)) / MICRO_BATCHES
+
+    return ReplaySpec(spec.model, spec.optimizer, step, spec.batches)
+
+
+# -- a fault of the whole batch: its float32 sum overflows only when every sample is in it ----------------------
+
+# 16 of them sum to 2**128, past float32's largest value; fewer sum exactly (k < 16 fits the significand), so any
+# smaller batch centres them to exactly 0
+BATCH_SUM_VALUE = 2.0 ** 124
+
+
+class BatchCenter(nn.Module):
+    """Subtracts the batch mean, computed as a plain float32 sum: a batch statistic, like BatchNorm's."""
+
+    def forward(self, x):
+        return x - x.sum(0, keepdim=True) / x.shape[0]
+
+
+def batch_sum_batch(config: dict, step: int) -> dict:
+    g = _generator(config, step)
+    x = torch.randn(config["batch_size"], 4, generator=g)
+    if step == config["fault_step"]:
+        x[:, 0] = BATCH_SUM_VALUE
+    return {"x": x, "y": torch.randn(config["batch_size"], 1, generator=g)}
+
+
+def batch_statistics(config: dict) -> ReplaySpec:
+    config = _config(config)
+    torch.manual_seed(config["seed"])
+    model = nn.Sequential(BatchCenter(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    return ReplaySpec(model, _sgd(config), sqrt_step, _healthy(batch_sum_batch, config))
+
+
+# -- an optimizer without a learning rate ----------------------------------------------------------------------
+
+class ScaledDescent(torch.optim.Optimizer):
+    """p -= scale * grad: plain descent whose step size is not called "lr"."""
+
+    def __init__(self, params, scale: float):
+        super().__init__(params, {"scale": scale})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["scale"])
+
+
+def no_learning_rate(config: dict) -> ReplaySpec:
+    spec = poisoned_sample(config)
+    return ReplaySpec(spec.model, lambda model: ScaledDescent(model.parameters(), 0.05), spec.step_fn, spec.batches)
+
+
+# -- entries that break the contract, each given to a poisoned_sample bundle with --entry -------------------------
+
+def loss_not_a_tensor(config: dict) -> ReplaySpec:
+    spec = poisoned_sample(config)
+    return ReplaySpec(spec.model, spec.optimizer, lambda model, batch: spec.step_fn(model, batch).detach().item())
+
+
+def no_model(config: dict) -> ReplaySpec:
+    return ReplaySpec(None, None, None)
+
+
+def optimizer_factory_returns_a_name(config: dict) -> ReplaySpec:
+    spec = poisoned_sample(config)
+    return ReplaySpec(spec.model, lambda model: "sgd", spec.step_fn)
+
+
+def optimizer_factory_raises(config: dict) -> ReplaySpec:
+    spec = poisoned_sample(config)
+    return ReplaySpec(spec.model, lambda model: torch.optim.SGD(model.parameters(), lr=config["missing"]),
+                      spec.step_fn)
+
+
+NOT_A_FUNCTION = 42
+
+DRAWS: list = []
+
+
+def rng_draws(config: dict) -> ReplaySpec:
+    """poisoned_sample whose step records one draw of torch's, numpy's and Python's generators in DRAWS. The model
+    is built under a forked RNG, so the entry leaves the process's generators as it found them."""
+    import random  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    with torch.random.fork_rng():
+        spec = poisoned_sample(config)
+
+    def step(model, batch):
+        DRAWS.append((torch.rand(()).item(), float(np.random.rand()), random.random()))
+        return spec.step_fn(model, batch)
+
+    return ReplaySpec(spec.model, spec.optimizer, step)
+
+
 BATCHES = {"masked_attention": attention_batch, "sqrt_backward": sqrt_batch, "fp16_overflow": half_batch,
-           "transient": sqrt_batch, "poisoned_sample": poison_batch}
+           "transient": sqrt_batch, "poisoned_sample": poison_batch, "inline_sqrt": sqrt_batch,
+           "micro_batched": poison_batch, "batch_statistics": batch_sum_batch, "no_learning_rate": poison_batch}
 
 
 def sample_ids(step: int, size: int) -> list[str]:

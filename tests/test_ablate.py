@@ -13,6 +13,7 @@ from nanscan.ablate import FACTOR_KEYS, ablate, record_ablation, select_factors
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
 from nanscan.entry import ReplaySpec
+from nanscan.replay import ReplayError
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,37 @@ def test_no_held_out_batches_is_said(tmp_path):
 def without_batches(config: dict) -> ReplaySpec:
     spec = E.fp16_overflow(config)
     return ReplaySpec(spec.model, spec.optimizer, spec.step_fn, None)
+
+
+def test_a_learning_rate_factor_without_a_learning_rate_is_not_applied(tmp_path):
+    path = E.train("no_learning_rate", tmp_path)
+    result = ablate(path, factors=["lr-x0.1", "clip-1.0"])
+    lr = result.row("lr-x0.1")
+    assert not lr.applied and not lr.fixes and "no non-zero 'lr'" in lr.note
+    assert result.row("clip-1.0").applied
+    record_ablation(result)
+    assert "### Ablation: learning rate x0.1: not applied" in load_bundle(path).incident_text()
+
+
+def test_a_fix_is_not_credited_when_the_unchanged_step_does_not_fail_again(tmp_path):
+    E.arm_transient(fail_at=5)
+    path = E.train("transient", tmp_path)
+    E.arm_transient(fail_at=0)  # the baseline's forward fails, and nothing after it
+    result = ablate(path, factors=["lr-x0.1", "clip-1.0"])
+    assert not result.baseline.outcome.finite
+    assert [r.outcome.finite for r in result.rows] == [True, True]
+    assert result.fixes == [] and all(r.confirmation is None for r in result.rows)
+    assert "not deterministic here" in result.baseline.note and result.notes[-1] == result.baseline.note
+    assert "not credited as a fix" in result.row("lr-x0.1").uncredited
+    record_ablation(result)
+    text = load_bundle(path).incident_text()
+    assert "- finite, but the unchanged step is not deterministic here: not credited as a fix" in text
+
+
+def test_an_unchanged_step_that_raises_stops_the_ablation(tmp_path):
+    path = E.train("poisoned_sample", tmp_path)
+    with pytest.raises(ReplayError, match="the unchanged step .* raised an error instead of running"):
+        ablate(path, f"{E.MODULE}:loss_not_a_tensor", factors=["fp32"])
+    out = CliRunner().invoke(main, ["ablate", str(path), "--entry", f"{E.MODULE}:loss_not_a_tensor"])
+    assert out.exit_code == 1 and "fix the replay entry" in out.output
+    assert not [f for f in load_bundle(path).findings() if f["key"].startswith("ablate:")]

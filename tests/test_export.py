@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import replay_entries as E
 from nanscan.cli import main
-from nanscan.replay import export_regression, record_replay, replay
+from nanscan.replay import ReplayError, export_regression, record_replay, replay
 from nanscan.testing import RegressionCaseError, assert_step_finite, load_regression_case
 
 TESTS_DIR = Path(__file__).parent
@@ -127,3 +127,62 @@ def test_load_regression_case_errors(tmp_path):
     (tmp_path / "case.json").write_text('{"schema": "other"}')
     with pytest.raises(RegressionCaseError, match="schema"):
         load_regression_case(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def poisoned_bundle(tmp_path_factory):
+    return E.train("poisoned_sample", tmp_path_factory.mktemp("bundles"))
+
+
+CASE_NAME = "nanscan_poisoned_sample_step3"
+
+
+def test_a_users_file_of_the_same_name_is_never_replaced(poisoned_bundle, tmp_path):
+    user_test = tmp_path / f"test_{CASE_NAME}.py"
+    user_test.write_text("def test_mine():\n    assert True\n")
+    with pytest.raises(ReplayError, match=f"test_{CASE_NAME}.py already exists .* nothing was written"):
+        export_regression(poisoned_bundle, tmp_path)
+    assert user_test.read_text() == "def test_mine():\n    assert True\n"
+    assert not (tmp_path / CASE_NAME).exists()
+    user_test.unlink()
+    user_dir = tmp_path / CASE_NAME
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("mine")
+    out = CliRunner().invoke(main, ["export-regression", str(poisoned_bundle), str(tmp_path), "--overwrite"])
+    assert out.exit_code == 1 and "holds notes.txt" in out.output
+    assert (user_dir / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [CASE_NAME]
+
+
+def test_an_earlier_export_that_differs_is_replaced_only_when_asked(poisoned_bundle, tmp_path):
+    first = export_regression(poisoned_bundle, tmp_path)
+    assert first.changed and first.indices == [E.POISON_ROW]
+    case_json = Path(first.case_dir) / "case.json"
+    meta = json.loads(case_json.read_text())
+    meta["config"]["clamp"] = True  # a reviewer trying the fix in the exported case
+    case_json.write_text(json.dumps(meta))
+    edited = _files(tmp_path)
+    with pytest.raises(ReplayError, match="an earlier export differs .* pass --overwrite"):
+        export_regression(poisoned_bundle, tmp_path)
+    assert _files(tmp_path) == edited
+    again = export_regression(poisoned_bundle, tmp_path, overwrite=True)
+    assert again.changed and json.loads(case_json.read_text())["config"] == {}
+    assert not export_regression(poisoned_bundle, tmp_path).changed  # the same export again: nothing to replace
+    out = CliRunner().invoke(main, ["export-regression", str(poisoned_bundle), str(tmp_path)])
+    assert out.exit_code == 0 and "nothing changed" in out.output
+
+
+@pytest.mark.parametrize("rows", ["16", "-1", "3,3"])
+def test_sample_rows_outside_the_batch_are_refused(poisoned_bundle, tmp_path, rows):
+    out = CliRunner().invoke(main, ["export-regression", str(poisoned_bundle), str(tmp_path), "--samples", rows])
+    assert out.exit_code == 1 and "give distinct row numbers from 0 to 15" in out.output, out.output
+
+
+def test_sample_ids_with_quotes_and_backslashes_give_a_valid_test_file(tmp_path, monkeypatch):
+    odd = 'C:\\new\\N{x} """ \x07'
+    monkeypatch.setattr(E, "sample_ids", lambda step, size: [f"{odd}{row}" for row in range(size)])
+    result = export_regression(E.train("poisoned_sample", tmp_path / "bundles"), tmp_path / "regress")
+    module = _load_test_module(Path(result.test_file))  # a SyntaxError here before
+    assert repr([f"{odd}{E.POISON_ROW}"]) in module.__doc__
+    test = next(getattr(module, n) for n in dir(module) if n.startswith("test_"))
+    with pytest.raises(AssertionError, match=r"non-finite \(loss\)"):
+        test()

@@ -3,20 +3,23 @@ localization of the first bad module and phase, bisection to the poisoned sample
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import math
 
 import pytest
 import torch
 from click.testing import CliRunner
+from rich.console import Console
 from torch import nn
 
 import replay_entries as E
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
-from nanscan.replay import (ReplayError, StepOptions, StepOutcome, _verdict, bisect_samples, ddmin,
-                            deterministic_algorithms, localize, record_replay, replay, Replayer, run_localized, run_step,
-                            select_samples)
+from nanscan.replay import (ReplayError, StepOptions, StepOutcome, _print_replay, _replay_markdown, _verdict,
+                            bisect_samples, ddmin, deterministic_algorithms, localize, record_replay, replay, Replayer,
+                            run_localized, run_step, select_samples)
 
 
 def test_masked_attention_row_is_localized_to_softmax_forward(tmp_path):
@@ -238,3 +241,123 @@ def test_demo_bundle_replays_with_no_extra_arguments(tmp_path):
     assert data["localization"]["module"] == "loss_fn" and data["localization"]["phase"] == "forward"
     assert data["bisect"]["indices"] == [FAULT_ROW]
     assert data["bisect"]["sample_ids"] == [demo.planted_record]
+
+
+# -- what a replay may conclude, and what it may not -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def poisoned_bundle(tmp_path_factory):
+    return E.train("poisoned_sample", tmp_path_factory.mktemp("poisoned"))
+
+
+def test_backward_nan_made_in_the_models_own_code_is_not_put_on_step_fn(tmp_path):
+    # torch.sqrt written inline in the model's forward: no submodule's backward makes the NaN, the model's does
+    result = replay(E.train("inline_sqrt", tmp_path), bisect=False)
+    loc = result.localization
+    assert (loc.phase, loc.module, loc.module_type) == ("backward", "", "InlineSqrtModel")
+    assert loc.received.nonfinite == 0 and loc.produced.nan > 0
+    assert "gradient it passed back to lin1" in loc.detail
+    assert "first bad: (model) (InlineSqrtModel, backward)" in result.headline()
+
+
+def test_a_subset_that_cannot_run_is_not_counted_as_failing(tmp_path):
+    # the step splits the batch into 4 micro-batches: a subset of 2 or 3 samples raises instead of running
+    path = E.train("micro_batched", tmp_path)
+    result = replay(path)
+    found = result.bisect
+    assert E.POISON_ROW in found.indices
+    assert not found.minimal and "is invalid for input of size" in found.errors[0]
+    assert "not shown to be the fewest" in found.describe()
+    outcome = Replayer(path).run(samples=found.indices)
+    assert outcome.error is None and not outcome.finite  # the subset shown really fails, it does not just raise
+
+
+def test_a_fault_of_the_whole_batch_is_not_pinned_on_some_samples(tmp_path):
+    path = E.train("batch_statistics", tmp_path)
+    result = replay(path)
+    assert (result.localization.module, result.localization.phase) == ("0", "forward")
+    found = result.bisect
+    assert found.indices == list(range(E.BATCH_SIZE)) and found.minimal
+    assert "needs all 16 samples together" in found.describe()
+    record_replay(result)
+    assert "No smaller subset fails: the failure needs all 16 samples together" in load_bundle(path).incident_text()
+
+
+def test_a_step_that_raises_is_an_error_not_a_reproduction(poisoned_bundle):
+    entry = f"{E.MODULE}:loss_not_a_tensor"
+    with pytest.raises(ReplayError, match="raised an error instead of running: step_fn returned float"):
+        replay(poisoned_bundle, entry)
+    out = CliRunner().invoke(main, ["replay", str(poisoned_bundle), "--entry", entry])
+    assert out.exit_code == 1 and "fix the replay entry" in out.output
+    assert not [f for f in load_bundle(poisoned_bundle).findings() if f["key"] == "replay"]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("no_model", "model is NoneType, not a torch.nn.Module"),
+    ("optimizer_factory_returns_a_name", "optimizer factory returned str"),
+    ("optimizer_factory_raises", "optimizer factory of replay entry 'replay_entries:optimizer_factory_raises' "
+                                 "raised KeyError: 'missing'"),
+    ("NOT_A_FUNCTION", "names an object of type int, not a function"),
+    ("missing_function", "has no attribute 'missing_function'"),
+])
+def test_an_entry_that_breaks_the_contract_is_named_without_a_traceback(poisoned_bundle, entry, message):
+    out = CliRunner().invoke(main, ["replay", str(poisoned_bundle), "--entry", f"{E.MODULE}:{entry}", "--no-record"])
+    assert out.exit_code == 1 and message in out.output, out.output or repr(out.exception)
+
+
+def test_an_optimizer_that_raises_is_an_outcome_not_a_crash():
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("fused kernel missing")
+
+    model = E.SqrtModel()
+    batch = E.sqrt_batch({"seed": 0, "fault_step": -1, "batch_size": 4}, 0)
+    outcome = run_step(model, Broken(model.parameters(), lr=0.1), E.sqrt_step, batch)
+    assert outcome.error == "optimizer.step() raised RuntimeError: fused kernel missing" and not outcome.finite
+
+
+def test_a_failure_on_some_replays_is_counted_as_it_came(tmp_path):
+    E.arm_transient(fail_at=5)
+    path = E.train("transient", tmp_path)
+    E.arm_transient(fail_at=1)  # the second replay's forward call, and only it
+    result = replay(path)
+    assert [run.finite for run in result.runs] == [True, False, True]
+    assert result.verdict == "intermittent" and result.reproduced
+    assert result.headline().startswith("reproduced 1 time(s) out of 3, intermittent: loss")
+    assert result.same_category and result.bisect.reason.startswith("the failure is intermittent")
+
+
+def test_not_reproduced_from_inexact_conditions_does_not_blame_hardware(tmp_path):
+    E.arm_transient(fail_at=5)
+    exact = replay(E.train("transient", tmp_path / "cpu"))
+    assert exact.inexact == [] and "points at hardware" in exact.explanation()
+    E.arm_transient(fail_at=5)
+    result = replay(E.train("transient", tmp_path / "none", snapshot="none"))
+    assert result.verdict == "transient" and result.inexact == ["the state at the check, not a pre-step snapshot"]
+    assert "from inexact conditions" in result.headline()
+    assert "does not show a hardware fault" in result.explanation()
+    assert "hardware (a bad GPU" not in _replay_markdown(result)
+
+
+def test_without_recorded_rng_every_replay_draws_the_same(tmp_path, monkeypatch):
+    import nanscan.monitor
+
+    monkeypatch.setattr(nanscan.monitor, "capture_rng", lambda *args, **kwargs: {})
+    path = E.train("poisoned_sample", tmp_path)
+    monkeypatch.undo()
+    replayer = Replayer(path, f"{E.MODULE}:rng_draws")
+    assert replayer.rng is None and replayer.inexact == ["no RNG state"]
+    E.DRAWS.clear()
+    replayer.run()
+    torch.rand(7)  # the process's generators move on between replays, as they do in a long session
+    replayer.run()
+    assert len(E.DRAWS) == 2 and E.DRAWS[0] == E.DRAWS[1]
+
+
+def test_replay_output_prints_error_text_as_written(poisoned_bundle):
+    result = replay(poisoned_bundle, bisect=False)
+    result.runs[1] = dataclasses.replace(result.runs[1], finite=False, category="loss",
+                                         error="step_fn raised KeyError: '[/data] shard 3 [bold]'")
+    console = Console(file=io.StringIO(), width=300)
+    _print_replay(result, console)
+    assert "KeyError: '[/data] shard 3 [bold]'" in console.file.getvalue()
