@@ -1,8 +1,8 @@
 """The CUDA backend: the multi-tensor kernel of csrc/cuda through nanscan._C, with a synchronous `scan_records`
 for `scan()` and `scan_async`, which only enqueues work on the stream and never waits for the GPU.
 
-There is deliberately no numba-cuda fallback: on a GPU without this extension, auto selection uses the reference
-backend, which runs on any device (slower, but the same answers), and says so once.
+On a GPU without this extension, auto selection falls back to numba-cuda (nanscan/_numba_cuda_backend.py) when
+numba's CUDA target loads, else to the reference backend (slower, the same answers), and says so once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Backend selection: which implementation scans a group of tensors, and why.
 
 Policy (one place): the `backend=` argument, else the NANSCAN_BACKEND environment variable, else auto.
-Auto picks the best available backend for each device (CPU: cpu > numba > reference; CUDA: cuda > reference)
+Auto picks the best available backend for each device (CPU: cpu > numba > reference; CUDA: cuda > numba-cuda >
+reference)
 and says once, through the `nanscan` logger, which one it chose and why a better one is missing. A backend asked
 for by name that cannot run raises BackendUnavailable chained to the original error.
 """
@@ -23,7 +24,7 @@ from nanscan.inputs import ScanInput, as_scan_inputs
 log = logging.getLogger("nanscan")
 
 ENV_VAR = "NANSCAN_BACKEND"
-AUTO_ORDER = {"cpu": ("cpu", "numba", "reference"), "cuda": ("cuda", "reference")}
+AUTO_ORDER = {"cpu": ("cpu", "numba", "reference"), "cuda": ("cuda", "numba-cuda", "reference")}
 
 
 class BackendUnavailable(RuntimeError):
@@ -79,12 +80,18 @@ def _load_cuda():
     return CudaBackend()
 
 
+def _load_numba_cuda():
+    from nanscan._numba_cuda_backend import NumbaCudaBackend  # noqa: PLC0415 - needs numba's CUDA target and a GPU
+    return NumbaCudaBackend()
+
+
 def _load_reference():
     from nanscan._reference import ReferenceBackend  # noqa: PLC0415
     return ReferenceBackend()
 
 
-_LOADERS = {"cpu": CpuBackend, "numba": _load_numba, "cuda": _load_cuda, "reference": _load_reference}
+_LOADERS = {"cpu": CpuBackend, "numba": _load_numba, "cuda": _load_cuda, "numba-cuda": _load_numba_cuda,
+            "reference": _load_reference}
 BACKEND_NAMES = tuple(_LOADERS)
 
 # What a user who set NANSCAN_BACKEND to a backend that cannot run here should do about it.

@@ -18,7 +18,7 @@ import nanscan
 from nanscan import _layout as L
 from nanscan import backends
 
-BACKENDS_UNDER_TEST = ("cpu", "numba", "cuda")
+BACKENDS_UNDER_TEST = ("cpu", "numba", "cuda", "numba-cuda")
 
 # Every slot but the sum of squares is an exact integer (counts, bit patterns, bins) and must match exactly.
 EXACT_SLOTS = np.array([k for k in range(L.RECORD_WIDTH) if k != L.REC_SUMSQ])
@@ -82,6 +82,10 @@ class BackendUnderTest:
             from nanscan._cuda_backend import CudaBackend
 
             return CudaBackend(chunk_bytes=16) if tiny_chunks else CudaBackend()
+        if self.name == "numba-cuda":
+            from nanscan._numba_cuda_backend import NumbaCudaBackend
+
+            return NumbaCudaBackend(threads=32, blocks=2, piece_elems=7) if tiny_chunks else NumbaCudaBackend()
         raise ValueError(f"no backend under test called {self.name!r}")
 
     def check(self, tensors, *, tiny_chunks: bool = False) -> nanscan.ScanReport:
@@ -103,11 +107,11 @@ def backend_or_skip(name: str) -> BackendUnderTest:
         if name == "cpu" and native_extension_expected():
             pytest.fail(f"nanscan._C is built but the cpu backend does not load: {exc}")
         pytest.skip(f"the {name} backend cannot run here: {exc}")
-    return BackendUnderTest(name, torch.device("cuda" if name == "cuda" else "cpu"))
+    return BackendUnderTest(name, torch.device("cuda" if name in ("cuda", "numba-cuda") else "cpu"))
 
 
 @pytest.fixture(scope="session",
-                params=[pytest.param(name, marks=[pytest.mark.cuda] if name == "cuda" else []) for name in
+                params=[pytest.param(name, marks=[pytest.mark.cuda] if "cuda" in name else []) for name in
                         BACKENDS_UNDER_TEST])
 def backend_under_test(request) -> BackendUnderTest:
     return backend_or_skip(request.param)

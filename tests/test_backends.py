@@ -51,7 +51,7 @@ def test_an_unknown_backend_raises_listing_the_choices(clean_backend_state, monk
     kwargs = {"backend": "gpu"} if where == "argument" else {}
     if where == "environment":
         monkeypatch.setenv("NANSCAN_BACKEND", "gpu")
-    with pytest.raises(nanscan.BackendUnavailable, match="unknown nanscan backend 'gpu'.*cpu, numba, cuda, reference"):
+    with pytest.raises(nanscan.BackendUnavailable, match="unknown nanscan backend 'gpu'.*cpu, numba, cuda, numba-cuda, reference"):
         nanscan.scan([torch.ones(3)], **kwargs)
 
 
@@ -60,7 +60,7 @@ def test_a_backend_named_by_the_environment_says_so_and_how_to_undo_it(clean_bac
     the error must point there."""
     monkeypatch.setenv("NANSCAN_BACKEND", "gpu")
     with pytest.raises(nanscan.BackendUnavailable, match="'gpu' in NANSCAN_BACKEND; set it to auto or one of "
-                                                         "cpu, numba, cuda, reference, or unset it"):
+                                                         "cpu, numba, cuda, numba-cuda, reference, or unset it"):
         nanscan.scan([torch.ones(3)])
     missing = ModuleNotFoundError("No module named 'numba'")
 
@@ -168,7 +168,7 @@ def test_an_explicit_choice_is_not_announced(clean_backend_state, caplog):
 
 def test_backend_info_reports_availability(clean_backend_state):
     info = nanscan.backend_info()
-    assert set(info["backends"]) == {"cpu", "numba", "cuda", "reference"}
+    assert set(info["backends"]) == {"cpu", "numba", "cuda", "numba-cuda", "reference"}
     assert info["backends"]["reference"] == {"available": True}
     for name, entry in info["backends"].items():
         assert entry["available"] == loads(name), name
@@ -209,7 +209,7 @@ def test_nanscan_info_fails_when_the_environment_names_a_backend_that_cannot_run
         assert json.loads(bogus.stdout)["active"]["cpu"].startswith("error: unknown nanscan backend 'bogus'")
     else:
         assert ("active on cpu: none: unknown nanscan backend 'bogus' in NANSCAN_BACKEND; set it to auto or one of "
-                "cpu, numba, cuda, reference, or unset it") in bogus.stdout.splitlines()
+                "cpu, numba, cuda, numba-cuda, reference, or unset it") in bogus.stdout.splitlines()
 
     backends._loaded.clear()  # the first call loaded every backend; load numba again, failing this time
     monkeypatch.setitem(backends._LOADERS, "numba", lambda: (_ for _ in ()).throw(ImportError("no numba here")))
@@ -262,7 +262,7 @@ def test_a_command_that_meets_an_unusable_backend_ends_with_a_message(clean_back
     result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "bogus")])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert result.stderr.splitlines()[-1] == ("Error: unknown nanscan backend 'bogus' in NANSCAN_BACKEND; set it to "
-                                              "auto or one of cpu, numba, cuda, reference, or unset it")
+                                              "auto or one of cpu, numba, cuda, numba-cuda, reference, or unset it")
 
     monkeypatch.setitem(backends._LOADERS, "numba", lambda: (_ for _ in ()).throw(ImportError("no numba here")))
     monkeypatch.setenv("NANSCAN_BACKEND", "numba")
