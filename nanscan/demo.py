@@ -456,7 +456,8 @@ def stage_localize(ctx: DemoContext) -> StageResult:
     subset = ""
     if result.bisect is not None and result.bisect.applicable:
         ids = result.bisect.sample_ids or [f"row {i}" for i in result.bisect.indices]
-        subset = f"; smallest failing subset: {', '.join(map(str, ids))} of {result.bisect.batch_size} samples"
+        label = "smallest failing subset" if result.bisect.minimal else "failing subset (not shown to be smallest)"
+        subset = f"; {label}: {', '.join(map(str, ids))} of {result.bisect.batch_size} samples"
     return StageResult("localize", True, result.headline() + subset,
                        {"verdict": result.verdict,
                         "module": result.localization.label if result.localization else None,
@@ -519,7 +520,8 @@ def stage_conclude(ctx: DemoContext) -> StageResult:
     evidence = [
         f"- detected: step {ctx.error.step}, category `{ctx.error.category}`",
         f"- replay: {replay.headline()}" if replay is not None else "- replay: not run",
-        f"- bisection: smallest failing subset {', '.join(map(str, subset)) or 'not found'}",
+        f"- bisection: {'smallest ' if replay is not None and replay.bisect is not None and replay.bisect.minimal else ''}"
+        f"failing subset {', '.join(map(str, subset)) or 'not found'}",
         f"- one factor at a time: fixes {', '.join(fixes) or 'nothing'}; no effect: {', '.join(no_effect) or '-'}",
         f"- data check: largest magnitude {largest.get('value', float('nan')):.4g} in `{largest.get('field')}` of "
         f"{largest.get('id')}" if largest else "- data check: no extreme record",
