@@ -1082,6 +1082,12 @@ class Bundle:
             raise BundleError(f"{self.path / MANIFEST} does not list {name}")
         return _safe_member(self.path, name)
 
+    def _tensors_with_json(self, tensors_name: str, json_name: str) -> tuple[dict[str, torch.Tensor], Any, str]:
+        """A safetensors file and the JSON file that describes it, and how to name the pair in an error."""
+        tensors_path, json_path = self._member(tensors_name), self._member(json_name)
+        tensors, _ = _load_tensors(tensors_path)
+        return tensors, _read_json(json_path), f"{tensors_path} with {json_path.name}"
+
     # -- stored data ------------------------------------------------------------------------------------------
     def history(self) -> list[HistoryEntry]:
         """The Monitor's history up to and including the failing step, with rebuilt ScanReports."""
@@ -1089,10 +1095,8 @@ class Bundle:
         if not info.get("file") or not info.get("index"):
             raise BundleError(f"{self.path / MANIFEST} names no history files ({HISTORY}, {HISTORY_INDEX}); "
                               "the manifest was edited, ask for a fresh copy of the bundle")
-        tensors_path, index_path = self._member(info["file"]), self._member(info["index"])
-        tensors, _ = _load_tensors(tensors_path)
-        index = _read_json(index_path)
-        with _reading(f"{tensors_path} with {index_path.name}"):
+        tensors, index, pair = self._tensors_with_json(info["file"], info["index"])
+        with _reading(pair):
             return _history_from_payload(tensors, index)
 
     @property
@@ -1127,10 +1131,8 @@ class Bundle:
         if not info.get("structure"):
             raise BundleError(f"{self.path / MANIFEST} names {info['file']} but no {STATE_STRUCTURE} for it; the "
                               "manifest was edited, ask for a fresh copy of the bundle")
-        tensors_path, structure_path = self._member(info["file"]), self._member(info["structure"])
-        tensors, _ = _load_tensors(tensors_path)
-        structure = _read_json(structure_path)
-        with _reading(f"{tensors_path} with {structure_path.name}"):
+        tensors, structure, pair = self._tensors_with_json(info["file"], info["structure"])
+        with _reading(pair):
             model = _decode_tree(structure["model"], tensors)
             optimizer = structure.get("optimizer")
             optimizer = _decode_tree(optimizer, tensors) if optimizer is not None else None
