@@ -338,13 +338,25 @@ def _reading(path: str | Path) -> Iterator[None]:
                           "bundle is damaged or was edited, ask for a fresh copy") from None
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path, *, holder: str = "bundle", object_pairs_hook=None) -> Any:
+    """A JSON file of a bundle (or bundle set, `holder`), or a BundleError naming it: bytes that are not UTF-8 or
+    not JSON, nesting too deep for the parser, or a file that cannot be read."""
     try:
-        return json.loads(path.read_bytes())
+        return json.loads(path.read_bytes(), object_pairs_hook=object_pairs_hook)
     except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError and JSONDecodeError
         reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise BundleError(f"{path} is not valid JSON ({reason}); the bundle is damaged or was edited, ask for a "
-                          "fresh copy") from None
+        raise BundleError(f"{path} is not valid JSON ({reason}): the file is truncated, damaged or was edited; ask "
+                          f"for a fresh copy of the {holder}") from None
+    except OSError as exc:
+        raise BundleError(f"{path} cannot be read ({exc}); check its permissions") from None
+
+
+def refuse_link(path: Path, *, holder: str = "bundle") -> None:
+    """A BundleError when `path` is a symbolic link: bundles and bundle sets hold plain files and directories only,
+    and a link in one received from someone could make a reader show (or a note replace) a file anywhere."""
+    if path.is_symlink():
+        raise BundleError(f"{path} is a symbolic link: a {holder} holds plain files only, and a link could point "
+                          f"outside it; do not use this {holder}, ask for a copy made without links")
 
 
 def _load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -800,9 +812,7 @@ def _safe_member(root: Path, name: str) -> Path:
     path = root
     for part in parts:
         path = path / part
-        if path.is_symlink():
-            raise BundleError(f"{path} is a symbolic link: a bundle holds plain files only, and a link could point "
-                              "outside it; do not use this bundle, ask for a copy made without links")
+        refuse_link(path)
     return path
 
 
@@ -894,19 +904,10 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
 
 def _read_manifest(root: Path) -> dict:
     path = root / MANIFEST
-    if path.is_symlink():
-        raise BundleError(f"{path} is a symbolic link: a bundle holds plain files only, and a link could point "
-                          "outside it; do not use this bundle, ask for a copy made without links")
+    refuse_link(path)
     if not path.is_file():
         raise BundleError(f"{root} has no {MANIFEST}: it is not a bundle, or a copy that lost its manifest")
-    try:
-        manifest = json.loads(path.read_bytes(), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise BundleError(f"{path} is not valid JSON ({reason}): the file is truncated, damaged or was edited; "
-                          "ask for a fresh copy of the bundle") from None
-    except OSError as exc:
-        raise BundleError(f"{path} cannot be read ({exc}); check its permissions") from None
+    manifest = read_json(path, object_pairs_hook=_unique_keys)
     if not isinstance(manifest, dict) or "schema" not in manifest:
         raise BundleError(f"{path} has no 'schema' key: this is not a nanscan bundle")
     schema = manifest["schema"]
@@ -1086,7 +1087,7 @@ class Bundle:
         """A safetensors file and the JSON file that describes it, and how to name the pair in an error."""
         tensors_path, json_path = self._member(tensors_name), self._member(json_name)
         tensors, _ = _load_tensors(tensors_path)
-        return tensors, _read_json(json_path), f"{tensors_path} with {json_path.name}"
+        return tensors, read_json(json_path), f"{tensors_path} with {json_path.name}"
 
     # -- stored data ------------------------------------------------------------------------------------------
     def history(self) -> list[HistoryEntry]:

@@ -62,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from nanscan._atomic import atomic_write_json
-from nanscan.bundle import MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, write_bundle
+from nanscan.bundle import (MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, read_json, refuse_link,
+                            write_bundle)
 from nanscan.inputs import ScanInput
 from nanscan.scan import ModelScanPlan
 from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
@@ -639,14 +640,8 @@ def bundle_set_root(path: Path) -> tuple[Path, int | None] | None:
 
 def _read_index(root: Path) -> dict:
     path = root / INDEX
-    if path.is_symlink():
-        raise BundleError(f"{path} is a symbolic link: a bundle set holds plain files only, and a link could point "
-                          "outside it; do not use this set, ask for a copy made without links")
-    try:
-        index = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:  # also UnicodeDecodeError and JSONDecodeError
-        raise BundleError(f"{path} cannot be read as JSON ({exc}): the file is truncated or damaged; ask for a "
-                          "fresh copy of the bundle set") from None
+    refuse_link(path, holder="bundle set")
+    index = read_json(path, holder="bundle set")
     if not isinstance(index, dict) or index.get("schema") != INDEX_SCHEMA:
         schema = index.get("schema") if isinstance(index, dict) else None
         raise BundleError(f"{path} has schema {schema!r}, this nanscan reads {INDEX_SCHEMA!r}: it is not a nanscan "
@@ -670,9 +665,7 @@ def load_bundle_set(root: Path, rank: int | None = None) -> "BundleSet":
         if not _RANK_DIR.match(str(entry["dir"])):
             raise BundleError(f"{root / INDEX} names the part {entry['dir']!r}, which is not a rank-<r> directory; "
                               "the index was edited, do not use this set")
-        if (root / entry["dir"]).is_symlink():
-            raise BundleError(f"{root / entry['dir']} is a symbolic link: a set's parts are plain directories, and a "
-                              "link could point outside it; do not use this set, ask for a copy made without links")
+        refuse_link(root / entry["dir"], holder="bundle set")
         part = load_bundle(root / entry["dir"], whole_set=False)
         info = part.manifest.get("distributed") or {}
         expected = (index["run_id"], index["first_invalid_step"], entry["rank"], entry.get("detected_at"))

@@ -163,9 +163,10 @@ class ModelScanPlan:
                 not all(is_dense_permutation(grads[i]) for i in self._permuted_grads):
             return None
         param_ptrs, state_ptrs = list(map(_data_ptr, params)), list(map(_data_ptr, tensors))
+        stable = params + tensors
         if not np.array_equal(param_ptrs + state_ptrs, self._stable_ptrs) or \
-                [t.dtype for t in params + tensors] != self._stable_dtypes or \
-                not np.array_equal([t.nbytes for t in params + tensors], self._stable_nbytes):
+                [t.dtype for t in stable] != self._stable_dtypes or \
+                not np.array_equal([t.nbytes for t in stable], self._stable_nbytes):
             return None
         return np.array(extra_ptrs + param_ptrs + list(map(_data_ptr, grads)) + state_ptrs, dtype=np.int64), grads
 
