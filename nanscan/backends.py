@@ -64,10 +64,15 @@ class CpuBackend:
         return device.type == "cpu"
 
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
+        return self.scan_with_verdict(inputs)[0]
+
+    def scan_with_verdict(self, inputs: Sequence[ScanInput]) -> tuple[np.ndarray, bool]:
+        """The records and whether any tensor holds a NaN or an infinity, which the kernel's wrapper counts while
+        the records are still in cache (launch asks for it, so a Monitor step needs no pass over them)."""
         ptrs, numels, codes = as_scan_inputs(inputs).table()  # NOTE: [input table]
         records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # scan_cpu sets every slot
-        self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
-        return records
+        nonfinite = self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
+        return records, nonfinite > 0
 
 
 def _load_numba():

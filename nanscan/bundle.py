@@ -291,10 +291,18 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
         yield prefix or "batch", tensor_from_numpy(prefix or "batch", batch)
     elif type(batch) is dict or isinstance(batch, Mapping):  # the abstract-class check is slow: dicts skip it
         for key, value in batch.items():
-            yield from iter_batch_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, torch.Tensor):  # the usual leaf, yielded here: the Monitor walks a batch per step
+                yield path, value
+            else:
+                yield from iter_batch_tensors(value, path)
     elif isinstance(batch, (list, tuple)):
         for i, value in enumerate(batch):
-            yield from iter_batch_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+            path = f"{prefix}.{i}" if prefix else str(i)
+            if isinstance(value, torch.Tensor):
+                yield path, value
+            else:
+                yield from iter_batch_tensors(value, path)
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for f in dataclasses.fields(batch):
             yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)

@@ -212,7 +212,7 @@ class ScanInputs(Sequence[ScanInput]):
 
     def __init__(self, items: Sequence[ScanInput] = (), *, tensors: Sequence[torch.Tensor | None] | None = None,
                  ptrs: np.ndarray | None = None, numels: np.ndarray | None = None, codes: np.ndarray | None = None,
-                 identities: list[ScannedTensor] | None = None, devices: tuple[str, ...] | None = None):
+                 identities: Sequence[ScannedTensor] | None = None, devices: tuple[str, ...] | None = None):
         self._templates = items
         self._tensors = tensors
         self._items: list[ScanInput] | None = list(items) if tensors is None else None
@@ -241,9 +241,12 @@ class ScanInputs(Sequence[ScanInput]):
         return self._items
 
     @property
-    def identities(self) -> list[ScannedTensor]:
+    def identities(self) -> tuple[ScannedTensor, ...]:
+        """Each input's identity, as a tuple: reports and the Monitor's history share it without copying."""
         if self._identities is None:
-            self._identities = [item.identity for item in self._templates]
+            self._identities = tuple(item.identity for item in self._templates)
+        elif type(self._identities) is not tuple:
+            self._identities = tuple(self._identities)
         return self._identities
 
     @property
@@ -269,7 +272,7 @@ class ScanInputs(Sequence[ScanInput]):
         picked = rows.tolist()
         identities = self.identities
         table = {"ptrs": ptrs[rows], "numels": numels[rows], "codes": codes[rows],
-                 "identities": [identities[i] for i in picked]}
+                 "identities": tuple(identities[i] for i in picked)}
         if self._items is not None:  # bound items travel as they are: a compacted copy's pointer is in the table
             return ScanInputs([self._items[i] for i in picked], **table)
         return ScanInputs([self._templates[i] for i in picked], tensors=[self._tensors[i] for i in picked], **table)
@@ -285,7 +288,7 @@ class ScanInputs(Sequence[ScanInput]):
                    tensors=[t for part in parts for t in
                             (part._tensors if part._tensors is not None else [None] * len(part))],
                    ptrs=ptrs, numels=numels, codes=codes,
-                   identities=[identity for part in parts for identity in part.identities],
+                   identities=tuple(identity for part in parts for identity in part.identities),
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 

@@ -566,8 +566,10 @@ class Monitor:
 
         scan = launch(inputs, backend=self._backend_for(inputs))
         tensors = inputs.identities
+        on_host = scan.on_host
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
-                            found_inf=None if scan.on_host else scan.found_inf)
+                            found_inf=None if on_host else scan.found_inf,
+                            any_nonfinite=scan.nonfinite_on_host if on_host else None)
         self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss, loss_input), lr=_kept_scalar(lr))
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)

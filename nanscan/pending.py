@@ -39,14 +39,17 @@ from nanscan.stats import PendingScan, ScannedTensor, ScanReport
 class CompletedScan:
     """A scan that already ran on the host: its records are known, so nothing waits."""
 
-    def __init__(self, records: np.ndarray):
+    def __init__(self, records: np.ndarray, nonfinite: bool | None = None):
         records.setflags(write=False)  # shared by the report and the history (NOTE: [history ring])
         self._records = records
+        self._nonfinite = nonfinite  # the backend's verdict, when it gave one with the records
         self._found_inf: torch.Tensor | None = None
 
     @property
     def nonfinite(self) -> bool:
-        return L.any_nonfinite(self._records)
+        if self._nonfinite is None:
+            self._nonfinite = L.any_nonfinite(self._records)
+        return self._nonfinite
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -76,19 +79,18 @@ class StepScan:
         self.num_tensors = num_tensors
         self.parts = parts
         self.backend = backend
+        # True when every part ran on the host, so the verdict is already known.
+        self.on_host = all(isinstance(part.scan, CompletedScan) for part in parts)
         self._records: np.ndarray | None = None
         self._found_inf: torch.Tensor | None = None
-
-    @property
-    def on_host(self) -> bool:
-        """True when every part ran on the host, so the verdict is already known."""
-        return all(isinstance(part.scan, CompletedScan) for part in self.parts)
 
     @property
     def nonfinite_on_host(self) -> bool:
         """The verdict of a scan whose parts all ran on the host (see on_host)."""
         if not self.on_host:
             raise RuntimeError("this scan is still running on a GPU; read its verdict through HistoryRing.verdict")
+        if len(self.parts) == 1:
+            return self.parts[0].scan.nonfinite
         return any(part.scan.nonfinite for part in self.parts)
 
     @property
@@ -167,6 +169,8 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
             index = torch.device(device).index
             side_stream = torch.cuda.current_stream(index) != torch.cuda.default_stream(index)
             scan = scan_async(group, records_to_host=False, keep_inputs=side_stream)
+        elif hasattr(chosen, "scan_with_verdict"):  # the native CPU backend: records and verdict in one call
+            scan = CompletedScan(*chosen.scan_with_verdict(group))
         else:
             scan = CompletedScan(chosen.scan_records(group))
         parts.append(ScanPart(rows, scan))
@@ -191,8 +195,8 @@ class RingEntry(NamedTuple):
     copies on the GPU, read only when the history is read."""
 
     step: int
-    tensors: list[ScannedTensor]
-    skipped: list[str]
+    tensors: tuple[ScannedTensor, ...]  # shared with the step's report (ScanReport keeps a tuple), not copied
+    skipped: tuple[str, ...]
     backend: str
     loss: Any
     lr: Any
@@ -256,12 +260,11 @@ class HistoryRing:
         scan's flag to pinned host memory (GPU scans) for `verdict(slot)`."""
         slot = self._count % self.size
         parts = []
-        for part in scan.parts:
-            records = getattr(part.scan, "device_records", None)
-            if records is None:
-                parts.append((part.rows, part.scan.records(), None))
+        for rows, part_scan in scan.parts:
+            if isinstance(part_scan, CompletedScan):
+                parts.append((rows, part_scan.records(), None))
             else:
-                parts.append((part.rows, records, part.scan.done_event))
+                parts.append((rows, part_scan.device_records, part_scan.done_event))
         if verdict and not scan.on_host:
             flag = scan.found_inf
             if self._flags is None:
@@ -269,7 +272,7 @@ class HistoryRing:
                 self._events = [torch.cuda.Event() for _ in range(self.size)]
             self._flags[slot].copy_(flag, non_blocking=True)
             self._events[slot].record(torch.cuda.current_stream(flag.device))
-        self._slots[slot] = (RingEntry(step, list(tensors), list(skipped), scan.backend, loss, lr), parts)
+        self._slots[slot] = (RingEntry(step, tuple(tensors), tuple(skipped), scan.backend, loss, lr), parts)
         self._count += 1
         return slot
 

@@ -106,10 +106,12 @@ class ModelScanPlan:
         self._native_check = _native_plan_check()
         self._templates: list[ScanInput] = []
         self._numels = self._codes = None
-        self._identities: list[ScannedTensor] = []
+        self._identities: tuple[ScannedTensor, ...] = ()
         self._devices: tuple[str, ...] = ()
-        self._extra_shapes: list[tuple[int, int]] | None = None  # the table of the last step's extra inputs ...
-        self._extra_numels = self._extra_codes = None  # ... joined with the model's
+        # The last step's extra inputs (their identities), and their table and identities joined with the model's.
+        self._extra_key: list[ScannedTensor] | None = None
+        self._extra_numels = self._extra_codes = self._extra_identities = None
+        self._extra_devices: tuple[str, ...] = ()
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self.rebuilds = 0
 
@@ -120,7 +122,11 @@ class ModelScanPlan:
         if self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer):
             checked = self._check(optimizer, [item.data_ptr() for item in extra])
             if checked is not None:
-                return self._step_inputs(*checked, extra)
+                ptrs, grads = checked
+                numels, codes, identities, devices = self._joined(extra)
+                return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
+                                  self._state_tensors, ptrs=ptrs, numels=numels, codes=codes,
+                                  identities=identities, devices=devices)
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
         named = list(model.named_parameters())
         inputs = self._rebuild(model, named + _optimizer_only(named, optimizer), optimizer, state_values)
@@ -170,24 +176,21 @@ class ModelScanPlan:
             return None
         return np.array(extra_ptrs + param_ptrs + list(map(_data_ptr, grads)) + state_ptrs, dtype=np.int64), grads
 
-    def _step_inputs(self, ptrs: np.ndarray, grads: list[torch.Tensor], extra: Sequence[ScanInput]) -> ScanInputs:
-        tensors = self._params + grads + self._state_tensors
-        if not extra:
-            return ScanInputs(self._templates, tensors=tensors, ptrs=ptrs, numels=self._numels, codes=self._codes,
-                              identities=self._identities, devices=self._devices)
-        # The batch and the loss come first; their counts and codes change only with the batch's shapes, so the
-        # joined table is kept until they do.
-        shapes = [(item.identity.numel, item.scanned_code) for item in extra]
-        if shapes != self._extra_shapes:
-            self._extra_shapes = shapes
-            self._extra_numels = np.concatenate([np.array([n for n, _ in shapes], np.int64), self._numels])
-            self._extra_codes = np.concatenate([np.array([c for _, c in shapes], np.int32), self._codes])
-        devices = self._devices
-        if any(item.identity.device not in devices for item in extra):
-            devices = tuple(dict.fromkeys([*(item.identity.device for item in extra), *devices]))
-        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + tensors, ptrs=ptrs,
-                          numels=self._extra_numels, codes=self._extra_codes,
-                          identities=[item.identity for item in extra] + self._identities, devices=devices)
+    def _joined(self, extra: Sequence[ScanInput]) -> tuple[np.ndarray, np.ndarray, tuple, tuple[str, ...]]:
+        """The step's table without pointers (counts, codes, identities, devices), `extra` first. The batch and the
+        loss change their identities (name, dtype, device, size, format) only when the batch's structure or shapes
+        do, so the joined table is kept until they do."""
+        key = [item.identity for item in extra]
+        if key != self._extra_key:
+            self._extra_key = key
+            self._extra_numels = np.concatenate([np.array([i.numel for i in key], np.int64), self._numels])
+            self._extra_codes = np.concatenate([np.array([i.scanned_code for i in key], np.int32), self._codes])
+            self._extra_identities = (*key, *self._identities)
+            devices = self._devices
+            if any(i.device not in devices for i in key):
+                devices = tuple(dict.fromkeys([*(i.device for i in key), *devices]))
+            self._extra_devices = devices
+        return self._extra_numels, self._extra_codes, self._extra_identities, self._extra_devices
 
     def _rebuild(self, model: torch.nn.Module, named: list, optimizer: torch.optim.Optimizer | None,
                  state_values: list) -> ScanInputs:
@@ -253,7 +256,7 @@ class ModelScanPlan:
             _, self._numels, self._codes = inputs.table()
             self._identities = inputs.identities
             self._devices = inputs.devices
-            self._extra_shapes = None
+            self._extra_key = None
             groups = () if optimizer is None else optimizer.param_groups
             self._group_params = [(group["params"], len(group["params"])) for group in groups]
         else:  # nothing is kept: the next step prepares everything again

@@ -131,16 +131,22 @@ class ScanReport:
     `found_inf`: a float32 tensor of shape (), 1.0 when any scanned value is NaN or infinite, else 0.0, in the form
     torch's fused optimizers take to skip an update without a host sync (see `Monitor`): the CUDA kernel's device
     flag when the Monitor scanned on a GPU, else a CPU tensor made from the records.
+
+    `tensors` is kept as a tuple, so the identities of a step are shared by its report and the Monitor's history
+    rather than copied. `any_nonfinite`: the verdict when the scan already gave it (the native CPU backend does),
+    else it is read from the records when asked.
     """
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
-                 backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None):
-        self.tensors = list(tensors)
+                 backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None,
+                 any_nonfinite: bool | None = None):
+        self.tensors = tuple(tensors)
         self.records = _check_records(records, self.tensors)
         self.skipped = list(skipped)
         self.backend = backend
         self.step = step
         self._found_inf = found_inf
+        self._any_nonfinite = any_nonfinite
 
     @cached_property
     def _index(self) -> dict[str, int]:  # built on first lookup by name, not on the every-step path
@@ -150,13 +156,15 @@ class ScanReport:
     @property
     def ok(self) -> bool:
         """True when no scanned tensor holds a NaN or an infinity."""
-        return not L.any_nonfinite(self.records)
+        if self._any_nonfinite is None:
+            self._any_nonfinite = L.any_nonfinite(self.records)
+        return not self._any_nonfinite
 
     @property
     def found_inf(self) -> torch.Tensor:
         """1.0 (float32, shape ()) when this scan saw a NaN or an infinity, else 0.0; see the class docstring."""
         if self._found_inf is None:
-            self._found_inf = _flag(L.any_nonfinite(self.records))
+            self._found_inf = _flag(not self.ok)
         return self._found_inf
 
     @property
@@ -247,7 +255,7 @@ class PendingReport(ScanReport):
 
     def __init__(self, tensors: Sequence[ScannedTensor], scan: PendingScan, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None):
-        self.tensors = list(tensors)
+        self.tensors = tuple(tensors)
         self.skipped = list(skipped)
         self.backend = backend
         self.step = step

@@ -110,6 +110,36 @@ def test_read_probe_reads_every_byte(native, chunk):
     assert native.read_bandwidth_probe(*_task_arrays(tensors), chunk) == expected
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scan_returns_how_many_tensors_are_not_finite(native, dtype):
+    """scan_cpu's return value is the Monitor's verdict (CpuBackend.scan_with_verdict): it must count exactly the
+    tensors whose records hold a NaN or an infinity, whatever kind, wherever in the tensor."""
+    gen = torch.Generator().manual_seed(3)
+    finite = [torch.randn(n, generator=gen).to(dtype) for n in (1, 100, 70_001)]
+    bad = []
+    for value, at in ((float("nan"), 0), (float("inf"), 4096), (float("-inf"), 70_000)):
+        t = torch.randn(70_001, generator=gen).to(dtype)
+        t[at] = value
+        bad.append(t)
+    payload = torch.zeros(5, dtype=dtype)
+    width = payload.element_size() * 8
+    bits = payload.view({16: torch.int16, 32: torch.int32, 64: torch.int64}[width])
+    bits[2] = -1  # a NaN with every payload bit and the sign set
+    tensors = [finite[0], bad[0], finite[1], bad[1], payload, finite[2], bad[2], torch.zeros(0, dtype=dtype)]
+    records = np.empty((len(tensors), L.RECORD_WIDTH), dtype=np.int64)
+    count = native.scan_cpu(*_task_arrays(tensors), records, 4096)
+    assert count == 4
+    assert count == int(np.count_nonzero(records[:, L.REC_NAN : L.REC_NEGINF + 1].any(axis=1)))
+    assert native.scan_cpu(*_task_arrays(finite), L.empty_records(3), 4096) == 0
+
+    backend = CpuBackend()
+    for group, expected in ((tensors, True), (finite, False)):
+        inputs, _ = prepare_all({str(i): t for i, t in enumerate(group)})
+        got, nonfinite = backend.scan_with_verdict(inputs)
+        assert nonfinite is expected
+        assert np.array_equal(got, backend.scan_records(inputs))
+
+
 def test_scan_arguments_are_checked(native):
     t = torch.ones(4)
     ptrs, numels, codes = _task_arrays([t])
