@@ -493,13 +493,19 @@ def _record_id_at(path: str, line: int) -> str | None:
 def stage_check_data(ctx: DemoContext) -> StageResult:
     """Check the whole dataset file, as one would before the next long run."""
     from nanscan.data import check_paths
+    from nanscan.data.findings import OVERFLOW
 
     report = check_paths([ctx.config["data_path"]])
     failing = report.failing()
     extreme = report.largest_magnitude
-    ctx.data_check = {"findings": sum(report.counts.values()), "failing": failing, "largest": None}
+    overflow = [{"id": _record_id_at(ctx.config["data_path"], f.record.line), "line": f.record.line,
+                 "field": f.field} for f in report.findings if f.category == OVERFLOW and f.record.line][:5]
+    ctx.data_check = {"findings": sum(report.counts.values()), "failing": failing, "largest": None,
+                      "overflow": overflow}
     headline = f"{report.records} records: " + (", ".join(f"{n} {c}" for c, n in failing.items()) or
-                                                "no non-finite, empty, unreadable or inconsistent record")
+                                                "no non-finite, overflow, empty, unreadable or inconsistent record")
+    if overflow:
+        headline += "; overflow in " + ", ".join(f"{o['id']} (line {o['line']})" for o in overflow)
     if extreme is not None and extreme.record.line is not None:
         record_id = _record_id_at(ctx.config["data_path"], extreme.record.line)
         ctx.data_check["largest"] = {"value": extreme.value, "line": extreme.record.line, "field": extreme.field,
@@ -516,6 +522,7 @@ def stage_conclude(ctx: DemoContext) -> StageResult:
     fixes = [r.factor.key for r in ablation.fixes] if ablation is not None else []
     no_effect = [r.factor.key for r in ablation.rows if not r.fixes] if ablation is not None else []
     largest = data.get("largest") or {}
+    overflow_ids = [o["id"] for o in data.get("overflow") or []]
     agree = len(subset) == 1 and largest.get("id") == subset[0]
     evidence = [
         f"- detected: step {ctx.error.step}, category `{ctx.error.category}`",
@@ -525,10 +532,13 @@ def stage_conclude(ctx: DemoContext) -> StageResult:
         f"- one factor at a time: fixes {', '.join(fixes) or 'nothing'}; no effect: {', '.join(no_effect) or '-'}",
         f"- data check: largest magnitude {largest.get('value', float('nan')):.4g} in `{largest.get('field')}` of "
         f"{largest.get('id')}" if largest else "- data check: no extreme record",
+        f"- data check: `overflow` (|x| >= 2**64) in {', '.join(map(str, overflow_ids)) or 'no record'}",
     ]
     if agree and fixes == ["drop-suspicious"]:
         verdict = (f"record {subset[0]} is the cause: its `{largest.get('field')}` values are "
-                   f"{largest['value']:.4g}, the float32 maximum (a missing-value sentinel), and the step is "
+                   f"{largest['value']:.4g}, the float32 maximum (a missing-value sentinel)"
+                   + (", which the data check flags as `overflow`" if subset[0] in overflow_ids else "")
+                   + ", and the step is "
                    "finite without it; learning rate, precision and clipping changes do not fix it, so this is a "
                    "data problem, not a mixed-precision one. Fix the record (or validate the field) and rerun.")
     else:

@@ -36,7 +36,7 @@ def _both_paths(monkeypatch, path, **kwargs):
 
 
 def _corpus_lines(rng: random.Random, n: int, period: int = 37) -> list[bytes]:
-    """Uniform records with every kind of problem planted once per `period` lines (12 kinds)."""
+    """Uniform records with every kind of problem planted once per `period` lines (13 kinds)."""
     words = ["alpha", "beta", "gamma", "\u00e9t\u00e9", "x\u00a0y", "z\u3000w"]
     lines = []
     for i in range(n):
@@ -65,6 +65,9 @@ def _corpus_lines(rng: random.Random, n: int, period: int = 37) -> list[bytes]:
         elif variant == 23:
             del record["meta"]
             line = json.dumps(record).encode()
+        elif variant == 25:
+            record["meta"]["q"] = 3.4028235e38  # finite, but its square overflows float32
+            line = json.dumps(record).encode()
         elif variant == 29:
             line = line.replace(b'"vec": [', b'"vec": [1e999, ')
         elif variant == 31:
@@ -88,7 +91,7 @@ def test_jsonl_fast_path_matches_definition(tmp_path, monkeypatch, seed):
     fast, slow = _both_paths(monkeypatch, path, max_tokens=8)
     assert _summary(fast) == _summary(slow)
     assert fast.records == 600
-    for category in ("nonfinite", "empty", "unreadable", "inconsistent", "too_long"):
+    for category in ("nonfinite", "overflow", "empty", "unreadable", "inconsistent", "too_long"):
         assert fast.counts[category] > 0, category
     assert fast.largest_magnitude is not None and slow.largest_magnitude is not None
     assert fast.largest_magnitude.value == slow.largest_magnitude.value
@@ -107,8 +110,8 @@ def test_jsonl_fast_path_checks_few_lines_individually(tmp_path, monkeypatch):
     monkeypatch.setattr(jsonl, "check_json_line", spy)
     report = check_paths([path])
     assert report.records == 6000
-    assert report.counts["unreadable"] == 8 and report.counts["nonfinite"] == 8
-    # 48 planted lines; each costs at most a small piece of its neighbours, not the whole block.
+    assert report.counts["unreadable"] == 8 and report.counts["nonfinite"] == 8 and report.counts["overflow"] == 4
+    # 52 planted lines; each costs at most a small piece of its neighbours, not the whole block.
     assert len(seen) < 6000 * 0.2
 
 
@@ -150,6 +153,7 @@ def test_parquet_fast_path_matches_definition(tmp_path, monkeypatch):
     vec[30] = []
     score = rng.standard_normal(n)
     score[40] = np.inf
+    score[45] = -1e30
     text = [" ".join(["w"] * int(k)) for k in rng.integers(1, 9, n)]
     text[50] = ""
     text[60] = None
@@ -161,6 +165,6 @@ def test_parquet_fast_path_matches_definition(tmp_path, monkeypatch):
     pq.write_table(table, path, row_group_size=100)
     fast, slow = _both_paths(monkeypatch, path, max_tokens=6)
     assert _summary(fast) == _summary(slow)
-    assert fast.counts["nonfinite"] == 2 and fast.counts["empty"] == 2
+    assert fast.counts["nonfinite"] == 2 and fast.counts["empty"] == 2 and fast.counts["overflow"] == 1
     assert fast.counts["inconsistent"] == 2 and fast.counts["too_long"] > 0  # vec[20] short, text[60] absent
     assert fast.largest_magnitude.value == slow.largest_magnitude.value

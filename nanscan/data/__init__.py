@@ -2,8 +2,8 @@
 
 `nanscan.data.check(dataset)` checks Python records (a torch Dataset, a list of dicts, any iterable);
 `nanscan.data.check_paths(paths)` checks JSON Lines, CSV, Parquet, .npy/.npz, safetensors and image folders.
-Both return a DataReport whose findings (`nonfinite`, `empty`, `too_long`, `corrupt_image`, `unreadable`,
-`inconsistent`) each name a record by file, line or index, and the sha256 of its bytes.
+Both return a DataReport whose findings (`nonfinite`, `overflow`, `empty`, `too_long`, `corrupt_image`,
+`unreadable`, `inconsistent`) each name a record by file, line or index, and the sha256 of its bytes.
 
 Names are loaded on first use, so that `nanscan preflight` and `nanscan runs` work without the readers'
 dependencies (pyarrow, Pillow, tokenizers) installed.

@@ -156,8 +156,8 @@ def _is_map_style(dataset: Any) -> bool:
 def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
           text_fields: Iterable[str] | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
           name: str = "dataset", limit: int | None = None) -> DataReport:
-    """Check every record of a dataset for non-finite numbers, empty fields, over-long text and inconsistent
-    field types or shapes.
+    """Check every record of a dataset for non-finite numbers, finite numbers too large to square in float32
+    (|x| >= 2**64: `overflow`), empty fields, over-long text and inconsistent field types or shapes.
 
     `dataset`: a map-style dataset (len() and [i], e.g. a torch Dataset or a list of dicts), any iterable of
     records, or a path (str or Path) or a list of Path objects (then the same as `check_paths`). A record may

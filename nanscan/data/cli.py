@@ -168,6 +168,10 @@ def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, m
 def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, max_findings, max_record_bytes):
     """Check data files and folders for records that will break training.
 
+    Findings: nonfinite (NaN, inf), overflow (finite but |x| >= 2**64, so its square overflows float32, e.g. a
+    float32-maximum "missing value" sentinel), empty, too_long (--max-tokens), corrupt_image, unreadable,
+    inconsistent (a field's type or shape differs from the other records').
+
     Formats: JSON Lines (.jsonl/.ndjson/.json, optionally .gz), CSV/TSV (optionally .gz), Parquet, .npy, .npz,
     safetensors, and folders of images (png, jpeg, webp, bmp, tiff, gif). Every finding names its record by
     file, line or index and the sha256 of the record's bytes.

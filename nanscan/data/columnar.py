@@ -1,10 +1,10 @@
 """The columnar fast path shared by JSON Lines and Parquet: check a whole Arrow table at once.
 
 Vectorised passes over the columns find every row that might hold a finding (a null, an empty string or list,
-a non-finite number, too many tokens, a type Arrow cannot vouch for) and send only those rows to the per-record
-definition (`records.inspect_record`). For all other rows the table's own types, list lengths and token counts
-are tallied directly; they are by construction what `inspect_record` would have tallied. A test compares the two
-paths on generated data.
+a non-finite number or one too large to square in float32, too many tokens, a type Arrow cannot vouch for) and
+send only those rows to the per-record definition (`records.inspect_record`). For all other rows the table's
+own types, list lengths and token counts are tallied directly; they are by construction what `inspect_record`
+would have tallied. A test compares the two paths on generated data.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
-from nanscan.data.findings import ROOT_FIELD, RecordRef
-from nanscan.data.records import as_scannable, scan_tensors
+from nanscan.data.findings import ROOT_FIELD, RecordRef, overflow_counts
+from nanscan.data.records import as_scannable, overflow_mask, scan_tensors
 
 if TYPE_CHECKING:
     from nanscan.data.api import Checker
@@ -72,7 +73,7 @@ def _float_leaves(arr: pa.Array, field: str, rows: Callable[[], np.ndarray] | No
     """Collect (values, top-level field, element -> row mapping) for every floating array inside `arr`.
 
     `rows()` maps this array's positions to table rows (None: identity); it is built only when a leaf turns
-    out to hold a non-finite value or the largest magnitude.
+    out to hold a non-finite value, an overflow value or the largest magnitude.
     """
     t = arr.type
     if pa.types.is_floating(t):
@@ -239,7 +240,8 @@ class TableCheck:
             tracker.add_many(name, kind, (length,), count, refs)
 
     def _scan(self, leaves: list) -> None:
-        """One core scan over every floating leaf; rows with a non-finite value get the full check."""
+        """One core scan over every floating leaf; rows with a non-finite or an overflow value (NOTE: [overflow] in
+        findings.py) get the full check."""
         if not leaves:
             return
         tensors, kept = [], []
@@ -254,10 +256,14 @@ class TableCheck:
         report = scan_tensors(tensors)
         best = self.checker.largest_magnitude.value if self.checker.largest_magnitude else -1.0
         best_leaf = None
-        for stats, (values, field, rows) in zip(report.stats, kept):
+        huge_counts = overflow_counts(report.records)
+        for stats, huge, (values, field, rows) in zip(report.stats, huge_counts, kept):
             if not stats.ok:
                 bad = np.flatnonzero(~np.isfinite(values.numpy()))
                 self.flagged[bad if rows is None else rows()[bad]] = True
+            if huge:
+                at = torch.nonzero(overflow_mask(values)).reshape(-1).numpy()
+                self.flagged[at if rows is None else rows()[at]] = True
             if stats.absmax > best:
                 best, best_leaf = stats.absmax, (values, field, rows)
         if best_leaf is not None:

@@ -15,17 +15,71 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from nanscan import _layout as L
+
 NONFINITE = "nonfinite"
+OVERFLOW = "overflow"
 EMPTY = "empty"
 TOO_LONG = "too_long"
 CORRUPT_IMAGE = "corrupt_image"
 UNREADABLE = "unreadable"
 INCONSISTENT = "inconsistent"
-CATEGORIES = (NONFINITE, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, INCONSISTENT)
+CATEGORIES = (NONFINITE, OVERFLOW, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, INCONSISTENT)
 # A long record is worth knowing about but is often truncated on purpose by the loader, so by default it does not
 # fail a check.
 DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
 EXIT_CODES = {"clean": 0, "findings": 1, "unreadable": 3}
+
+# NOTE: [overflow] A finite value with |x| >= 2**64 is an `overflow` finding: its square is past the float32
+# maximum (just under 2**128), so a squared error or an L2 norm computed over it in float32 is inf, and so is any
+# such square in bfloat16, which has float32's exponent range (float16 overflows at 65504 already). The scan counts
+# these values for free: they are the finite non-zero values in the exponent histogram's bins for exponents 64 and
+# up, so a tensor without any costs one sum over those bins, and only a tensor with some is searched element by
+# element. Infinities and NaN are never counted here: they are `nonfinite`.
+OVERFLOW_EXPONENT = 64
+OVERFLOW_MIN = 2.0 ** OVERFLOW_EXPONENT
+_OVERFLOW_BINS = slice(OVERFLOW_EXPONENT - L.MIN_BIN_EXPONENT, L.HIST_BINS)
+
+
+def overflow_count(stats) -> int:
+    """How many values of a scanned tensor (a nanscan TensorStats) are overflow values (NOTE: [overflow])."""
+    return int(stats.exp_hist[_OVERFLOW_BINS].sum())
+
+
+def overflow_counts(records: np.ndarray) -> np.ndarray:
+    """overflow_count for raw stats records (one row per scanned tensor, laid out as in nanscan._layout)."""
+    return records[:, L.REC_HIST:][:, _OVERFLOW_BINS].sum(axis=1)
+
+
+def _float32_text(value: float) -> float:
+    """How a float32 value reads back from text written by its shortest decimal (e.g. 3.4028235e+38)."""
+    return float(str(np.float32(value)))
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_BFLOAT16_MAX = (2 - 2.0 ** -7) * 2.0 ** 127
+# Export tools write a format's largest value for "missing". In text files (JSON Lines, CSV) a float32 column is
+# usually written by its shortest decimal, which reads back as a float64 next to the maximum, not on it.
+FORMAT_MAXIMA = {
+    float(np.finfo(np.float64).max): "float64",
+    _FLOAT32_MAX: "float32", _float32_text(_FLOAT32_MAX): "float32",
+    _BFLOAT16_MAX: "bfloat16", _float32_text(_BFLOAT16_MAX): "bfloat16",
+}
+
+
+def overflow_detail(count: int, listed: list[str], largest: float) -> str:
+    """The detail of an `overflow` finding: `count` values, the first of them `listed` ("3.403e+38 at w[0]"),
+    `largest` the one of largest magnitude (its sign kept)."""
+    shown = listed[:5]
+    detail = (f"{count} value{'s' if count != 1 else ''} with |x| >= 2**{OVERFLOW_EXPONENT} "
+              f"({'their square overflows' if count != 1 else 'its square overflows'} float32): " + ", ".join(shown))
+    if count > len(shown):
+        detail += f" and {count - len(shown)} more"
+    fmt = FORMAT_MAXIMA.get(abs(largest))
+    if fmt is not None:
+        which = f"the largest, {largest:.8g}," if count != 1 else f"{largest:.8g}"
+        detail += f"; {which} is {'minus ' if largest < 0 else ''}the {fmt} maximum, a common missing-value sentinel"
+    return detail
 
 # A type that differs from the most common one is reported when the most common covers more than half of the
 # records. Shapes and presence vary legitimately (token lists, optional keys), so a shape or a missing key is

@@ -27,10 +27,13 @@ import torch
 
 from nanscan.data.columnar import TableCheck
 from nanscan.data.findings import (
-    CORRUPT_IMAGE, EMPTY, INCONSISTENT, NONFINITE, UNREADABLE, RecordRef, sha256_hex,
+    CORRUPT_IMAGE, EMPTY, INCONSISTENT, NONFINITE, OVERFLOW, OVERFLOW_EXPONENT, UNREADABLE, RecordRef,
+    overflow_count, overflow_counts, overflow_detail, sha256_hex,
 )
 from nanscan.data.jsonl import UTF8_BOM, check_jsonl
-from nanscan.data.records import as_scannable, describe_nonfinite, digest_object, inspect_record, scan_tensors
+from nanscan.data.records import (
+    as_scannable, describe_nonfinite, describe_overflow, digest_object, inspect_record, overflow_mask, scan_tensors,
+)
 
 if TYPE_CHECKING:
     from nanscan.data.api import Checker
@@ -373,8 +376,9 @@ class ArrayLeaf:
 
     def __init__(self, path: tuple[str, ...] = (), per_element: int = 1):
         self.path, self.per_element = path, per_element
-        self.seen_rows: set[int] = set()  # rows already reported (Fortran order visits a row many times)
-        self.last_row = -1  # the last row reported (C order visits rows in order)
+        # Per finding category, so that a row holding both a NaN and an overflow value gets both findings.
+        self.seen_rows: dict[str, set[int]] = {}  # rows already reported (Fortran order visits a row many times)
+        self.last_row: dict[str, int] = {}  # the last row reported (C order visits rows in order)
 
     def select(self, elements: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
         for name in self.path:
@@ -446,7 +450,8 @@ class ArrayCheck:
 
     def scan(self, chunks: "Iterator[tuple[int, np.ndarray | torch.Tensor]]",
              reread: "Callable[[int, int], np.ndarray | torch.Tensor] | None" = None) -> None:
-        """Scan every chunk; report rows holding non-finite values and note the largest finite magnitude.
+        """Scan every chunk; report rows holding non-finite or overflow values and note the largest finite
+        magnitude.
 
         With `reread(start, count)` (random access, e.g. a memory map) the largest value is located once at the
         end, in the one chunk that holds it; without, it is located whenever a chunk beats the previous best.
@@ -459,8 +464,11 @@ class ArrayCheck:
                 if values is None:
                     continue
                 stats = scan_tensors([values]).stats[0]
-                if not stats.ok:
-                    self._report_rows(leaf, self._rows_of(_nonfinite_elements(values) // leaf.per_element + start))
+                huge = overflow_count(stats) > 0
+                if not stats.ok or huge:
+                    located = _locate_elements(values, nonfinite=not stats.ok, overflow=huge)
+                    for category, where in located.items():
+                        self._report_rows(leaf, self._rows_of(where // leaf.per_element + start), category)
                 if stats.absmax > best[0]:
                     best = (stats.absmax, start, len(elements), leaf)
                     if reread is None:
@@ -481,36 +489,44 @@ class ArrayCheck:
             return np.unravel_index(elements, self.shape, order="F")[0]
         return elements // self.row_elems
 
-    def _report_rows(self, leaf: ArrayLeaf, rows: np.ndarray) -> None:
+    def _report_rows(self, leaf: ArrayLeaf, rows: np.ndarray, category: str) -> None:
+        """One `category` (NONFINITE or OVERFLOW) finding for each row not yet reported in that category."""
         sink = self.checker.sink
+        seen = leaf.seen_rows.setdefault(category, set())
         for row in np.unique(rows).tolist():
             if self.fortran:
-                if row in leaf.seen_rows:
+                if row in seen:
                     continue
-                leaf.seen_rows.add(row)
+                seen.add(row)
             else:
-                if row <= leaf.last_row:
+                if row <= leaf.last_row.get(category, -1):
                     continue
-                leaf.last_row = row
-            if len(sink.listed.get(NONFINITE, ())) >= sink.max_findings:
-                sink.add_uncounted_listing(NONFINITE, 1)
+                leaf.last_row[category] = row
+            if len(sink.listed.get(category, ())) >= sink.max_findings:
+                sink.add_uncounted_listing(category, 1)
                 continue
             label = self.label(leaf)
             data = self.row(row if self.shape else 0)
             path = f"{label}[{row}]" if self.shape else label
             if data is None:
-                detail = ("non-finite value(s) in this row (not read again for details: the archive member is "
-                          "read once, front to back, and this row is not in the part at hand)")
+                what = ("non-finite value(s)" if category == NONFINITE
+                        else f"value(s) with |x| >= 2**{OVERFLOW_EXPONENT} (their square overflows float32)")
+                detail = (f"{what} in this row (not read again for details: the archive member is read once, "
+                          "front to back, and this row is not in the part at hand)")
             else:
-                count, text = describe_nonfinite(_leaf_values(data, leaf).reshape(np.shape(leaf.select(data))),
-                                                 path)
-                detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
-            sink.add(NONFINITE, self.ref(row if self.shape else None), detail, label)
+                values = _leaf_values(data, leaf).reshape(np.shape(leaf.select(data)))
+                if category == NONFINITE:
+                    count, text = describe_nonfinite(values, path)
+                    detail = f"{count} non-finite value{'s' if count != 1 else ''}: {text}"
+                else:
+                    detail = overflow_detail(*describe_overflow(values, path))
+            sink.add(category, self.ref(row if self.shape else None), detail, label)
 
 
 # NOTE: [locating values] A chunk the scan flags is not searched with elementwise torch ops over its whole length
 # (each allocates and writes a full-size mask). It is cut into pieces of LOCATE_ELEMS that one multi-tensor scan
-# covers; only the pieces whose record shows a non-finite value, or the largest absolute value, are searched.
+# covers; only the pieces whose record shows a non-finite value, an overflow value (NOTE: [overflow] in
+# findings.py), or the largest absolute value, are searched.
 LOCATE_ELEMS = 1 << 14
 
 
@@ -519,17 +535,29 @@ def _pieces(values: torch.Tensor) -> tuple[list[torch.Tensor], np.ndarray]:
     return pieces, scan_tensors(pieces).records
 
 
-def _nonfinite_elements(values: torch.Tensor) -> np.ndarray:
-    """Indices of the non-finite elements of a 1-D chunk (NOTE: [locating values])."""
+def _locate_elements(values: torch.Tensor, *, nonfinite: bool, overflow: bool) -> dict[str, np.ndarray]:
+    """Indices of the non-finite elements, and of the overflow elements, of a 1-D chunk, for the categories asked
+    for (NOTE: [locating values]): {NONFINITE: ..., OVERFLOW: ...}."""
     from nanscan import _layout as L
 
     pieces, records = _pieces(values)
-    found = []
-    for i in np.flatnonzero(records[:, L.REC_NAN: L.REC_NEGINF + 1].any(axis=1)).tolist():
-        piece = pieces[i]
-        finite = torch.view_as_real(piece).isfinite().all(-1) if piece.is_complex() else piece.isfinite()
-        found.append(torch.nonzero(~finite).reshape(-1).numpy() + i * LOCATE_ELEMS)
-    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    flagged = {}
+    if nonfinite:
+        flagged[NONFINITE] = records[:, L.REC_NAN: L.REC_NEGINF + 1].any(axis=1)
+    if overflow:
+        flagged[OVERFLOW] = overflow_counts(records) > 0
+    located = {}
+    for category, in_piece in flagged.items():
+        found = []
+        for i in np.flatnonzero(in_piece).tolist():
+            piece = pieces[i]
+            if category == NONFINITE:
+                bad = ~(torch.view_as_real(piece).isfinite().all(-1) if piece.is_complex() else piece.isfinite())
+            else:
+                bad = overflow_mask(piece)
+            found.append(torch.nonzero(bad).reshape(-1).numpy() + i * LOCATE_ELEMS)
+        located[category] = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    return located
 
 
 def _largest_element(values: torch.Tensor) -> int:

@@ -1,5 +1,6 @@
 """The definition of a record check, on plain Python values: which fields are empty, which hold non-finite
-numbers, how many tokens the text has, and each field's kind and shape.
+numbers or finite ones too large to square in float32, how many tokens the text has, and each field's kind and
+shape.
 
 Every format reader either calls `inspect_record` on each record or (for JSON Lines and Parquet) runs a columnar
 fast path that must reach the same findings; rows the fast path cannot vouch for are sent here. Numbers found in a
@@ -20,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanscan.data.findings import EMPTY, NONFINITE, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef
+from nanscan.data.findings import (
+    EMPTY, NONFINITE, OVERFLOW, OVERFLOW_MIN, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef, overflow_counts,
+    overflow_detail,
+)
 
 if TYPE_CHECKING:
     from nanscan.data.api import Checker
@@ -222,28 +226,59 @@ def scan_tensors(tensors: list[torch.Tensor]):
     return nanscan.scan(tensors, backend=backend)
 
 
+def _real_parts(values: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The values as a flat real tensor (complex: real and imaginary parts), and the shape its indices unravel in."""
+    if values.is_complex():
+        return torch.view_as_real(values).reshape(-1), tuple(values.shape) + (2,)
+    return values.reshape(-1), tuple(values.shape)
+
+
+def _element_path(path: str, i: int, shape: tuple) -> str:
+    return path + ("".join(f"[{j}]" for j in np.unravel_index(i, shape)) if shape else "")
+
+
 def describe_nonfinite(values: torch.Tensor, path: str, limit: int = 5) -> tuple[int, str]:
     """(count, "NaN at x[3], +inf at x[7] ...") for the non-finite elements of one array."""
-    flat = values.reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
+    flat, shape = _real_parts(values)
     bad = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
-    shape = tuple(values.shape) if not values.is_complex() else tuple(values.shape) + (2,)
     parts = []
     for i in bad[:limit].tolist():
         v = float(flat[i])
         label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
-        index = "".join(f"[{j}]" for j in np.unravel_index(i, shape)) if shape else ""
-        parts.append(f"{label} at {path}{index}")
+        parts.append(f"{label} at {_element_path(path, i, shape)}")
     more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
     return len(bad), ", ".join(parts) + more
+
+
+def overflow_mask(values: torch.Tensor) -> torch.Tensor:
+    """Which elements are overflow values (NOTE: [overflow] in findings.py): finite with |x| >= 2**64. A complex
+    element is one when either of its parts is."""
+    if values.is_complex():
+        return overflow_mask(torch.view_as_real(values)).any(-1)
+    magnitude = values.abs()
+    return (magnitude >= OVERFLOW_MIN) & torch.isfinite(magnitude)
+
+
+def describe_overflow(values: torch.Tensor, path: str, limit: int = 5) -> tuple[int, list[str], float]:
+    """(count, ["3.403e+38 at x[3]", ...] for the first `limit`, the value of largest magnitude) for the overflow
+    values of one array (see findings.overflow_detail)."""
+    flat, shape = _real_parts(values)
+    hits = torch.nonzero(overflow_mask(flat)).reshape(-1)
+    if len(hits) == 0:
+        return 0, [], 0.0
+    found = flat[hits].to(torch.float64)
+    largest = float(found[int(torch.argmax(found.abs()))])
+    parts = [f"{float(found[k]):.4g} at {_element_path(path, i, shape)}"
+             for k, i in enumerate(hits[:limit].tolist())]
+    return len(hits), parts, largest
 
 
 class NumericBatch:
     """Numbers from many records, scanned with one nanscan.scan call per batch.
 
     Python floats found while walking records are pooled into one float64 array; arrays and tensors are scanned
-    in place. A non-finite value becomes one `nonfinite` finding per (record, top-level field).
+    in place. Non-finite values become one `nonfinite` finding per (record, top-level field), overflow values
+    (NOTE: [overflow] in findings.py) one `overflow` finding per (record, top-level field).
     """
 
     MAX_ITEMS = 4096
@@ -292,8 +327,17 @@ class NumericBatch:
         if scalars:
             tensors.append(torch.tensor(scalars, dtype=torch.float64))
         report = scan_tensors(tensors)
-        bad: dict[tuple[int, str], list] = {}  # (id(ref), field) -> [ref, count, descriptions]
+        found: dict[tuple[str, int, str], _Found] = {}  # (category, id(ref), field) -> what that field holds
+
+        def entry(category: str, ref: RecordRef, path: str) -> _Found:
+            key = (category, id(ref), _top_field(path))
+            if key not in found:
+                found[key] = _Found(ref)
+            return found[key]
+
         largest = (self.checker.largest_magnitude.value if self.checker.largest_magnitude else -1.0)
+        # One reduction for the whole batch: a batch of many tiny arrays would pay more per array.
+        huge_counts = overflow_counts(report.records)
         for i, stats in enumerate(report.stats):
             in_arrays = i < len(arrays)
             if stats.absmax > largest:
@@ -305,28 +349,65 @@ class NumericBatch:
                     ref, path = owners[int(torch.argmax(finite))]
                 largest = stats.absmax
                 self.checker.note_magnitude(stats.absmax, ref, _top_field(path))
-            if stats.ok:
+            huge = huge_counts[i] > 0
+            if stats.ok and not huge:
                 continue
             if in_arrays:
                 ref, path, t = arrays[i]
-                count, text = describe_nonfinite(t, path)
-                entry = bad.setdefault((id(ref), _top_field(path)), [ref, 0, []])
-                entry[1] += count
-                entry[2].append(text)
-            else:
-                values = tensors[i]
+                if not stats.ok:
+                    count, text = describe_nonfinite(t, path)
+                    entry(NONFINITE, ref, path).add(count, [text])
+                if huge:
+                    count, parts, extreme = describe_overflow(t, path)
+                    entry(OVERFLOW, ref, path).add(count, parts, extreme)
+                continue
+            values = tensors[i]
+            if not stats.ok:
                 for j in torch.nonzero(~torch.isfinite(values)).reshape(-1).tolist():
                     ref, path = owners[j]
                     v = float(values[j])
                     label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
-                    entry = bad.setdefault((id(ref), _top_field(path)), [ref, 0, []])
-                    entry[1] += 1
-                    entry[2].append(f"{label} at {path}")
-        for (_, field), (ref, count, texts) in bad.items():
-            detail = f"{count} non-finite value{'s' if count != 1 else ''}: " + ", ".join(texts[:5])
-            if len(texts) > 5:
-                detail += f" and {len(texts) - 5} more"
-            self.checker.sink.add(NONFINITE, ref, detail, field)
+                    entry(NONFINITE, ref, path).add(1, [f"{label} at {path}"])
+            if huge:
+                for j in torch.nonzero(overflow_mask(values)).reshape(-1).tolist():
+                    ref, path = owners[j]
+                    v = float(values[j])
+                    entry(OVERFLOW, ref, path).add(1, [f"{v:.4g} at {path}"], v)
+        for (category, _, field), f in found.items():
+            if category == OVERFLOW:
+                detail = overflow_detail(f.count, f.parts, f.extreme)
+            else:
+                detail = f"{f.count} non-finite value{'s' if f.count != 1 else ''}: " + ", ".join(f.parts[:5])
+                if len(f.parts) > 5:
+                    detail += f" and {len(f.parts) - 5} more"
+            self.checker.sink.add(category, f.ref, detail, field)
+
+
+class _Found:
+    """The values of one category in one (record, field): their count, descriptions, the largest in magnitude."""
+
+    __slots__ = ("ref", "count", "parts", "extreme")
+
+    def __init__(self, ref: RecordRef):
+        self.ref, self.count, self.parts, self.extreme = ref, 0, [], 0.0
+
+    def add(self, count: int, parts: list[str], extreme: float = 0.0) -> None:
+        self.count += count
+        self.parts.extend(parts)
+        if abs(extreme) > abs(self.extreme):
+            self.extreme = extreme
+
+
+# Integers this far from zero fit no integer tensor: readers (Arrow's JSON reader, torch.tensor) turn them into
+# floats, which can be past 2**64 or even infinite, so they are checked as the floats they become.
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _int_as_float(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # past the float64 maximum: it becomes an infinity, as in Arrow
+        return math.inf if value > 0 else -math.inf
 
 
 def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -> None:
@@ -336,6 +417,8 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
         p, v = stack.pop()
         if isinstance(v, float):
             batch.add_scalar(ref, p, v)
+        elif type(v) is int and not _INT64_MIN <= v <= _INT64_MAX:
+            batch.add_scalar(ref, p, _int_as_float(v))
         elif v is None or isinstance(v, (bool, int, str, bytes, bytearray, decimal.Decimal)):
             continue
         elif isinstance(v, Mapping):
