@@ -293,7 +293,7 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
         for key, value in batch.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             if isinstance(value, torch.Tensor):  # the usual leaf, yielded here: the Monitor walks a batch per step
-                yield path, value
+                yield path or "batch", value
             else:
                 yield from iter_batch_tensors(value, path)
     elif isinstance(batch, (list, tuple)):

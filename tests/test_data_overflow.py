@@ -160,7 +160,7 @@ def test_npy_float32_complex_and_many_values_in_one_row(tmp_path):
     report = check_paths([tmp_path / "a.npy"])
     assert [(f.category, f.record.index) for f in report.findings] == [("overflow", 2), ("overflow", 3)]
     assert report.findings[0].detail == (
-        "7 values with |x| >= 2**64 (their square overflows float32): 1e+20 at array[2][0], -3.403e+38 at "
+        "7 values with |x| >= 2**64 (their squares overflow float32): 1e+20 at array[2][0], -3.403e+38 at "
         "array[2][1], 2e+20 at array[2][2], 3e+20 at array[2][3], 4e+20 at array[2][4] and 2 more; the largest, "
         "-3.4028235e+38, is minus the float32 maximum, a common missing-value sentinel")
     c = np.ones((3, 2), dtype=np.complex128)
@@ -188,7 +188,8 @@ def test_npz_fortran_member_read_once(tmp_path):
     report = check_paths([tmp_path / "f.npz"])
     overflow = by_category(report, "overflow")
     assert [f.record.index for f in overflow] == sorted(OVERFLOW_ROWS)
-    assert overflow[0].detail.startswith("value(s) with |x| >= 2**64 (their square overflows float32) in this row")
+    assert overflow[0].detail.startswith(
+        "value(s) with |x| >= 2**64 (the square of each overflows float32) in this row")
     assert [f.record.index for f in by_category(report, "nonfinite")] == NONFINITE_ROWS
 
 
@@ -234,7 +235,7 @@ def test_python_floats_of_one_field_make_one_finding():
     report = nanscan.data.check([{"a": {"x": 1e20, "y": [2.0, -2e20]}, "b": 3e20, "c": 1.0}, {"a": {"x": 1.0}}])
     assert [(f.record.index, f.field) for f in report.findings] == [(0, "a"), (0, "b")]
     first, second = report.findings
-    assert first.detail.startswith("2 values with |x| >= 2**64 (their square overflows float32): ")
+    assert first.detail.startswith("2 values with |x| >= 2**64 (their squares overflow float32): ")
     assert "1e+20 at a.x" in first.detail and "-2e+20 at a.y[1]" in first.detail
     assert second.detail == f"{ONE}3e+20 at b"
 
@@ -363,3 +364,42 @@ def test_demo_dataset_is_flagged(tmp_path):
     stage = D.stage_check_data(ctx)
     assert stage.ok and f"1 overflow; overflow in {planted} (line {line})" in stage.headline
     assert ctx.data_check["overflow"] == [{"id": planted, "line": line, "field": "weights"}]
+
+
+def test_unsigned_integers_past_int64_are_floats_in_lists_too(tmp_path, monkeypatch):
+    """numpy keeps a list of Python ints past int64 as uint64, Parquet keeps such a column as uint64: the values
+    are still the floats they become (2**64 - 1 is 2**64), as a lone integer is, on both paths."""
+    big = 2 ** 64 - 1
+    report = nanscan.data.check([{"l": [big]}, {"l": [2 ** 63, big]}, {"l": big}, {"l": [2 ** 63]}, {"l": [1]}])
+    assert [(f.category, f.record.index) for f in report.findings if f.category == "overflow"] == [
+        ("overflow", 0), ("overflow", 1), ("overflow", 2)]
+    assert report.findings[0].detail == f"{ONE}1.845e+19 at l[0]"
+    path = tmp_path / "u.jsonl"
+    path.write_text('{"l": [18446744073709551615]}\n{"l": [1.5]}\n')
+    assert [(f.category, f.record.line) for f in check_paths([path]).findings] == [("overflow", 1)]
+
+    table = pa.table({"u": pa.array([1, big, 2 ** 63], pa.uint64()),
+                      "lu": pa.array([[big], [1], None], pa.list_(pa.uint64())), "x": [0.5, 0.25, 0.125]})
+    pq.write_table(table, tmp_path / "u.parquet")
+    fast = check_paths([tmp_path / "u.parquet"])
+    with monkeypatch.context() as m:
+        m.setattr(columnar.TableCheck, "run", lambda self: self._inspect(np.arange(self.n)))
+        slow = check_paths([tmp_path / "u.parquet"])
+    for report in (fast, slow):
+        assert [(f.category, f.record.index, f.field) for f in report.findings] == [
+            ("overflow", 0, "lu"), ("overflow", 1, "u")]
+        assert report.largest_magnitude.value == 2.0 ** 64
+
+
+def test_the_listing_cap_keeps_the_first_records(tmp_path):
+    """With --max-findings, the findings listed are those of the first records, whether a record's values are
+    Python numbers or arrays."""
+    data = [{"a": 1.0}, {"a": 1e30}, {"a": np.array([1e30])}, {"a": NAN}, {"a": np.array([NAN])}]
+    report = nanscan.data.check(data, max_findings=1)
+    assert [(f.category, f.record.index) for f in report.findings if f.category != "inconsistent"] == [
+        ("overflow", 1), ("nonfinite", 3)]
+    assert report.counts["overflow"] == 2 and report.counts["nonfinite"] == 2
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1.0}\n{"a": 1e30}\n{"a": [1e30]}\n')
+    report = check_paths([path], max_findings=1)
+    assert [(f.category, f.record.line) for f in report.findings if f.category == "overflow"] == [("overflow", 2)]

@@ -135,6 +135,9 @@ def test_batch_paths_nested_and_integer_tensors_skipped(tmp_path):
     assert mon.history[-1].loss == 0.5
     bare = mon.check(batch=torch.ones(2, 2))
     assert bare.names[0] == "input:batch"
+    # An empty top-level key names its tensor like a bare batch, as a nested empty key keeps its parent's path.
+    unnamed = mon.check(batch={"": torch.ones(2), "x": {"": torch.ones(2)}})
+    assert unnamed.names[:2] == ["input:batch", "input:x."]
 
 
 def test_history_is_bounded_and_records_loss_lr_grad_norm(tmp_path):

@@ -78,13 +78,20 @@ def _float_leaves(arr: pa.Array, field: str, rows: Callable[[], np.ndarray] | No
     t = arr.type
     if pa.types.is_floating(t):
         out.append((arr, field, rows))
+    elif pa.types.is_uint64(t):
+        # The per-record definition checks integers past int64 as the floats they become (records.gather_numbers),
+        # so this path does too. Only a leaf holding one is scanned: its smaller values, which the definition
+        # skips, change neither its findings nor its largest magnitude, which lies past int64.
+        top = pc.max(arr).as_py()
+        if top is not None and top > np.iinfo(np.int64).max:
+            out.append((pc.cast(arr, pa.float64(), safe=False), field, rows))
     elif pa.types.is_struct(t):
         for child in arr.flatten():
             _float_leaves(child, field, rows, out)
     elif _is_list(t):
         values = arr.flatten()
-        if len(values) == 0 or not (pa.types.is_floating(values.type) or pa.types.is_struct(values.type)
-                                    or _is_list(values.type)):
+        if len(values) == 0 or not (pa.types.is_floating(values.type) or pa.types.is_uint64(values.type)
+                                    or pa.types.is_struct(values.type) or _is_list(values.type)):
             return
         parents = arr
 

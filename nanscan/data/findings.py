@@ -72,7 +72,7 @@ def overflow_detail(count: int, listed: list[str], largest: float) -> str:
     `largest` the one of largest magnitude (its sign kept)."""
     shown = listed[:5]
     detail = (f"{count} value{'s' if count != 1 else ''} with |x| >= 2**{OVERFLOW_EXPONENT} "
-              f"({'their square overflows' if count != 1 else 'its square overflows'} float32): " + ", ".join(shown))
+              f"({'their squares overflow' if count != 1 else 'its square overflows'} float32): " + ", ".join(shown))
     if count > len(shown):
         detail += f" and {count - len(shown)} more"
     fmt = FORMAT_MAXIMA.get(abs(largest))

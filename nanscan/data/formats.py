@@ -510,7 +510,7 @@ class ArrayCheck:
             path = f"{label}[{row}]" if self.shape else label
             if data is None:
                 what = ("non-finite value(s)" if category == NONFINITE
-                        else f"value(s) with |x| >= 2**{OVERFLOW_EXPONENT} (their square overflows float32)")
+                        else f"value(s) with |x| >= 2**{OVERFLOW_EXPONENT} (the square of each overflows float32)")
                 detail = (f"{what} in this row (not read again for details: the archive member is read once, "
                           "front to back, and this row is not in the part at hand)")
             else:

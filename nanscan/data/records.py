@@ -294,6 +294,7 @@ class NumericBatch:
         self._bytes = 0
         self._records = 0
         self._last_ref: RecordRef | None = None
+        self._order: dict[int, int] = {}  # id(ref) -> the record's position in this batch
 
     def _owner(self, ref: RecordRef) -> None:
         """Flush when full, but only between records, so that one record's numbers are judged together."""
@@ -302,6 +303,7 @@ class NumericBatch:
                     or self._bytes >= self.MAX_BYTES or len(self._scalars) >= self.MAX_ITEMS * 16):
                 self.flush()
             self._last_ref = ref
+            self._order.setdefault(id(ref), len(self._order))
             self._records += 1
 
     def add_array(self, ref: RecordRef, path: str, array: Any) -> None:
@@ -322,7 +324,8 @@ class NumericBatch:
             return
         arrays, scalars, owners = self._arrays, self._scalars, self._scalar_owners
         self._arrays, self._scalars, self._scalar_owners, self._bytes = [], [], [], 0
-        self._records, self._last_ref = 0, None
+        order = self._order
+        self._records, self._last_ref, self._order = 0, None, {}
         tensors = [t for _, _, t in arrays]
         if scalars:
             tensors.append(torch.tensor(scalars, dtype=torch.float64))
@@ -373,7 +376,8 @@ class NumericBatch:
                     ref, path = owners[j]
                     v = float(values[j])
                     entry(OVERFLOW, ref, path).add(1, [f"{v:.4g} at {path}"], v)
-        for (category, _, field), f in found.items():
+        # In the records' order, not arrays first: past --max-findings, the first records are the ones listed.
+        for (category, _, field), f in sorted(found.items(), key=lambda item: order[id(item[1].ref)]):
             if category == OVERFLOW:
                 detail = overflow_detail(f.count, f.parts, f.extreme)
             else:
@@ -429,6 +433,10 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
                     arr = np.array(v)  # C-speed conversion; never dtype=float, which would turn None into NaN
                 except (ValueError, TypeError, OverflowError):
                     arr = None
+                if arr is not None and arr.dtype == np.uint64:
+                    # numpy keeps ints past int64 as uint64 when they fit it; they fit no int64 tensor and are
+                    # checked as the floats they become, as a lone int is (2**64 - 1 is 2**64).
+                    arr = arr.astype(np.float64)
                 if arr is not None and arr.dtype.kind in "iub":
                     continue
                 if arr is not None and arr.dtype.kind == "f":
