@@ -653,3 +653,23 @@ def test_a_folder_without_data_files_is_a_usage_error_not_clean_data(tmp_path):
     assert result.exit_code == 2 and "no data files found" in result.output
     (tmp_path / "train.jsonl").write_text('{"x": 1.0}\n')
     assert CliRunner().invoke(main, ["data", str(tmp_path)]).exit_code == 0
+
+
+def test_largest_finite_magnitude_skips_values_that_are_all_non_finite(tmp_path):
+    # Before: a field holding only NaN or inf was the "largest finite magnitude: 0", named at that record.
+    (tmp_path / "nan.jsonl").write_text('{"x": NaN}\n{"x": [NaN, 1e999], "y": 3}\n')
+    (tmp_path / "mixed.jsonl").write_text('{"x": NaN, "y": 0.0}\n')
+    (tmp_path / "ints.csv").write_text("a,b\n1,nan\n7,1\n")
+    np.save(tmp_path / "nan.npy", np.full((3, 2), np.nan, np.float32))
+    np.save(tmp_path / "zeros.npy", np.array([[np.nan], [0.0]], np.float32))
+    pq.write_table(pa.table({"a": [float("nan"), float("nan")], "b": [1, 2]}), tmp_path / "nan.parquet")
+    pq.write_table(pa.table({"a": [float("nan"), 0.0]}), tmp_path / "zeros.parquet")
+    for name in ("nan.jsonl", "ints.csv", "nan.npy", "nan.parquet"):
+        report = check_paths([tmp_path / name])
+        assert report.counts["nonfinite"] >= 1 and report.largest_magnitude is None, name
+    for name, row in (("mixed.jsonl", ("y", 1, None)), ("zeros.npy", ("array", None, 1)),
+                      ("zeros.parquet", ("a", None, 1))):
+        largest = check_paths([tmp_path / name]).largest_magnitude
+        assert (largest.value, largest.field, largest.record.line, largest.record.index) == (0.0, *row), name
+    result = CliRunner().invoke(main, ["data", str(tmp_path / "nan.npy")])
+    assert result.exit_code == 1 and "largest finite magnitude" not in result.output

@@ -271,12 +271,12 @@ class TableCheck:
             if huge:
                 at = torch.nonzero(overflow_mask(values)).reshape(-1).numpy()
                 self.flagged[at if rows is None else rows()[at]] = True
-            if stats.absmax > best:
+            if stats.finite and stats.absmax > best:  # without finite values, absmax 0 is no magnitude
                 best, best_leaf = stats.absmax, (values, field, rows)
         if best_leaf is not None:
             values, field, rows = best_leaf
             v = values.numpy()
-            element = int(np.argmax(np.where(np.isfinite(v), np.abs(v), 0)))
+            element = int(np.argmax(np.where(np.isfinite(v), np.abs(v), -1)))
             row = element if rows is None else int(rows()[element])
             if not self.flagged[row]:  # a flagged row reports its own magnitude through the per-record check
                 self.checker.note_magnitude(best, self.ref(row), field)

@@ -469,7 +469,7 @@ class ArrayCheck:
                     located = _locate_elements(values, nonfinite=not stats.ok, overflow=huge)
                     for category, where in located.items():
                         self._report_rows(leaf, self._rows_of(where // leaf.per_element + start), category)
-                if stats.absmax > best[0]:
+                if stats.finite and stats.absmax > best[0]:  # without finite values, absmax 0 is no magnitude
                     best = (stats.absmax, start, len(elements), leaf)
                     if reread is None:
                         self._note_magnitude(stats.absmax, start, values, leaf)
@@ -567,9 +567,11 @@ def _largest_element(values: torch.Tensor) -> int:
     from nanscan import _layout as L
 
     pieces, records = _pieces(values)
-    i = int(np.argmax(records[:, L.REC_ABSMAX_BITS]))
+    nonfinite = records[:, L.REC_NAN: L.REC_NEGINF + 1].sum(axis=1)
+    has_finite = nonfinite < np.array([p.numel() * (2 if p.is_complex() else 1) for p in pieces])  # parts scanned
+    i = int(np.argmax(np.where(has_finite, records[:, L.REC_ABSMAX_BITS], -1)))
     piece = pieces[i].abs().to(torch.float64)
-    piece = torch.where(torch.isfinite(piece), piece, torch.zeros_like(piece))
+    piece = torch.where(torch.isfinite(piece), piece, torch.full_like(piece, -1.0))
     return int(torch.argmax(piece)) + i * LOCATE_ELEMS
 
 

@@ -343,12 +343,13 @@ class NumericBatch:
         huge_counts = overflow_counts(report.records)
         for i, stats in enumerate(report.stats):
             in_arrays = i < len(arrays)
-            if stats.absmax > largest:
+            # A tensor without finite values has absmax 0: it has no largest finite magnitude to report.
+            if stats.finite and stats.absmax > largest:
                 if in_arrays:
                     ref, path, _ = arrays[i]
                 else:
                     values = tensors[i]
-                    finite = torch.where(torch.isfinite(values), values.abs(), torch.zeros_like(values))
+                    finite = torch.where(torch.isfinite(values), values.abs(), torch.full_like(values, -1.0))
                     ref, path = owners[int(torch.argmax(finite))]
                 largest = stats.absmax
                 self.checker.note_magnitude(stats.absmax, ref, _top_field(path))
