@@ -22,7 +22,7 @@ import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import click
 import numpy as np
@@ -481,13 +481,16 @@ def stage_ablate(ctx: DemoContext) -> StageResult:
                        {"fixes": fixes, "no_effect": kept})
 
 
-def _record_id_at(path: str, line: int) -> str | None:
-    """The `id` field of the JSON Lines record at a 1-based line number."""
+def _record_ids_at(path: str, lines: Iterable[int]) -> dict[int, str | None]:
+    """The `id` fields of the JSON Lines records at 1-based line numbers, read in one pass over the file."""
+    wanted, ids = set(lines), {}
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, start=1):
-            if number == line:
-                return json.loads(text).get("id")
-    return None
+            if number in wanted:
+                ids[number] = json.loads(text).get("id")
+                if len(ids) == len(wanted):
+                    break
+    return {line: ids.get(line) for line in wanted}
 
 
 def stage_check_data(ctx: DemoContext) -> StageResult:
@@ -498,8 +501,12 @@ def stage_check_data(ctx: DemoContext) -> StageResult:
     report = check_paths([ctx.config["data_path"]])
     failing = report.failing()
     extreme = report.largest_magnitude
-    overflow = [{"id": _record_id_at(ctx.config["data_path"], f.record.line), "line": f.record.line,
-                 "field": f.field} for f in report.findings if f.category == OVERFLOW and f.record.line][:5]
+    flagged = [f for f in report.findings if f.category == OVERFLOW and f.record.line][:5]
+    lines = [f.record.line for f in flagged]
+    if extreme is not None and extreme.record.line is not None:
+        lines.append(extreme.record.line)
+    ids = _record_ids_at(ctx.config["data_path"], lines)
+    overflow = [{"id": ids[f.record.line], "line": f.record.line, "field": f.field} for f in flagged]
     ctx.data_check = {"findings": sum(report.counts.values()), "failing": failing, "largest": None,
                       "overflow": overflow}
     headline = f"{report.records} records: " + (", ".join(f"{n} {c}" for c, n in failing.items()) or
@@ -507,7 +514,7 @@ def stage_check_data(ctx: DemoContext) -> StageResult:
     if overflow:
         headline += "; overflow in " + ", ".join(f"{o['id']} (line {o['line']})" for o in overflow)
     if extreme is not None and extreme.record.line is not None:
-        record_id = _record_id_at(ctx.config["data_path"], extreme.record.line)
+        record_id = ids[extreme.record.line]
         ctx.data_check["largest"] = {"value": extreme.value, "line": extreme.record.line, "field": extreme.field,
                                      "id": record_id}
         headline += (f"; largest magnitude {extreme.value:.4g} in field {extreme.field!r} of {record_id} "

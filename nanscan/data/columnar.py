@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch
 
 from nanscan.data.findings import ROOT_FIELD, RecordRef, overflow_counts
-from nanscan.data.records import as_scannable, overflow_mask, scan_tensors
+from nanscan.data.records import as_scannable, largest_finite_element, overflow_mask, scan_tensors
 
 if TYPE_CHECKING:
     from nanscan.data.api import Checker
@@ -275,8 +275,7 @@ class TableCheck:
                 best, best_leaf = stats.absmax, (values, field, rows)
         if best_leaf is not None:
             values, field, rows = best_leaf
-            v = values.numpy()
-            element = int(np.argmax(np.where(np.isfinite(v), np.abs(v), -1)))
+            element = largest_finite_element(values)
             row = element if rows is None else int(rows()[element])
             if not self.flagged[row]:  # a flagged row reports its own magnitude through the per-record check
                 self.checker.note_magnitude(best, self.ref(row), field)

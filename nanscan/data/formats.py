@@ -32,7 +32,8 @@ from nanscan.data.findings import (
 )
 from nanscan.data.jsonl import UTF8_BOM, check_jsonl
 from nanscan.data.records import (
-    as_scannable, describe_nonfinite, describe_overflow, digest_object, inspect_record, overflow_mask, scan_tensors,
+    as_scannable, describe_nonfinite, describe_overflow, digest_object, inspect_record, largest_finite_element,
+    nonfinite_mask, overflow_mask, scan_tensors,
 )
 
 if TYPE_CHECKING:
@@ -541,21 +542,15 @@ def _locate_elements(values: torch.Tensor, *, nonfinite: bool, overflow: bool) -
     from nanscan import _layout as L
 
     pieces, records = _pieces(values)
-    flagged = {}
+    flagged = {}  # category -> (which pieces hold such values, which elements of a piece are such values)
     if nonfinite:
-        flagged[NONFINITE] = records[:, L.REC_NAN: L.REC_NEGINF + 1].any(axis=1)
+        flagged[NONFINITE] = (records[:, L.REC_NAN: L.REC_NEGINF + 1].any(axis=1), nonfinite_mask)
     if overflow:
-        flagged[OVERFLOW] = overflow_counts(records) > 0
+        flagged[OVERFLOW] = (overflow_counts(records) > 0, overflow_mask)
     located = {}
-    for category, in_piece in flagged.items():
-        found = []
-        for i in np.flatnonzero(in_piece).tolist():
-            piece = pieces[i]
-            if category == NONFINITE:
-                bad = ~(torch.view_as_real(piece).isfinite().all(-1) if piece.is_complex() else piece.isfinite())
-            else:
-                bad = overflow_mask(piece)
-            found.append(torch.nonzero(bad).reshape(-1).numpy() + i * LOCATE_ELEMS)
+    for category, (in_piece, mask) in flagged.items():
+        found = [torch.nonzero(mask(pieces[i])).reshape(-1).numpy() + i * LOCATE_ELEMS
+                 for i in np.flatnonzero(in_piece).tolist()]
         located[category] = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     return located
 
@@ -570,9 +565,7 @@ def _largest_element(values: torch.Tensor) -> int:
     nonfinite = records[:, L.REC_NAN: L.REC_NEGINF + 1].sum(axis=1)
     has_finite = nonfinite < np.array([p.numel() * (2 if p.is_complex() else 1) for p in pieces])  # parts scanned
     i = int(np.argmax(np.where(has_finite, records[:, L.REC_ABSMAX_BITS], -1)))
-    piece = pieces[i].abs().to(torch.float64)
-    piece = torch.where(torch.isfinite(piece), piece, torch.full_like(piece, -1.0))
-    return int(torch.argmax(piece)) + i * LOCATE_ELEMS
+    return largest_finite_element(pieces[i]) + i * LOCATE_ELEMS
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -250,6 +250,20 @@ def describe_nonfinite(values: torch.Tensor, path: str, limit: int = 5) -> tuple
     return len(bad), ", ".join(parts) + more
 
 
+def nonfinite_mask(values: torch.Tensor) -> torch.Tensor:
+    """Which elements are NaN or infinite. A complex element is one when either of its parts is."""
+    if values.is_complex():
+        return ~torch.view_as_real(values).isfinite().all(-1)
+    return ~torch.isfinite(values)
+
+
+def largest_finite_element(values: torch.Tensor) -> int:
+    """The flat index of the element of largest finite magnitude (the first, on ties); the caller knows that the
+    values hold a finite one."""
+    magnitude = values.reshape(-1).abs()
+    return int(torch.argmax(torch.where(torch.isfinite(magnitude), magnitude, torch.full_like(magnitude, -1.0))))
+
+
 def overflow_mask(values: torch.Tensor) -> torch.Tensor:
     """Which elements are overflow values (NOTE: [overflow] in findings.py): finite with |x| >= 2**64. A complex
     element is one when either of its parts is."""
@@ -348,9 +362,7 @@ class NumericBatch:
                 if in_arrays:
                     ref, path, _ = arrays[i]
                 else:
-                    values = tensors[i]
-                    finite = torch.where(torch.isfinite(values), values.abs(), torch.full_like(values, -1.0))
-                    ref, path = owners[int(torch.argmax(finite))]
+                    ref, path = owners[largest_finite_element(tensors[i])]
                 largest = stats.absmax
                 self.checker.note_magnitude(stats.absmax, ref, _top_field(path))
             huge = huge_counts[i] > 0
