@@ -53,8 +53,27 @@ std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64
   return tasks;
 }
 
-// Returns how many tensors hold a NaN or an infinity: the step's verdict, read here while the records are in
-// cache (asked from Python after every Monitor check, a numpy reduction over them cost tens of microseconds).
+// The kernel adds into records in the identity state; setting it here saves the caller a pass over the array in
+// Python (np.empty is enough), and the lines are then in cache for the kernel.
+void identity_records(int64_t* out, py::ssize_t n) {
+  for (py::ssize_t t = 0; t < n; ++t) {
+    std::fill_n(out + t * record::kWidth, record::kWidth, int64_t(0));
+    out[t * record::kWidth + record::kAbsMinBits] = record::kAbsMinNone;
+  }
+}
+
+// How many tensors hold a NaN or an infinity: the step's verdict, read while the records are in cache (asked from
+// Python after every Monitor check, a numpy reduction over them cost tens of microseconds).
+int64_t count_nonfinite(const int64_t* out, py::ssize_t n) {
+  int64_t nonfinite = 0;
+  for (py::ssize_t t = 0; t < n; ++t) {
+    const int64_t* r = out + t * record::kWidth;
+    nonfinite += (r[record::kNaN] | r[record::kPosInf] | r[record::kNegInf]) != 0;
+  }
+  return nonfinite;
+}
+
+// Returns how many tensors hold a NaN or an infinity (count_nonfinite).
 int64_t scan_cpu_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t> dtypes,
                     py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems, int num_threads) {
   std::vector<ScanTask> tasks = make_tasks(ptrs, numels, dtypes, "scan_cpu");
@@ -63,19 +82,11 @@ int64_t scan_cpu_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t
     throw py::value_error("scan_cpu: records must have shape (len(ptrs), " + std::to_string(record::kWidth) + ")");
   int64_t* out = records.mutable_data();
   py::gil_scoped_release release;  // the scan touches no Python object
-  // The kernel adds into records in the identity state; setting it here saves the caller a pass over the array
-  // in Python (np.empty is enough), and the lines are then in cache for the kernel.
-  for (py::ssize_t t = 0; t < n; ++t) {
-    std::fill_n(out + t * record::kWidth, record::kWidth, int64_t(0));
-    out[t * record::kWidth + record::kAbsMinBits] = record::kAbsMinNone;
-  }
-  scan_cpu(tasks.data(), static_cast<int64_t>(n), out, chunk_elems, num_threads);
-  int64_t nonfinite = 0;
-  for (py::ssize_t t = 0; t < n; ++t) {
-    const int64_t* r = out + t * record::kWidth;
-    nonfinite += (r[record::kNaN] | r[record::kPosInf] | r[record::kNegInf]) != 0;
-  }
-  return nonfinite;
+  scan_cpu(tasks.data(), static_cast<int64_t>(n), out, chunk_elems, num_threads, [&](ScanTask*) {
+    identity_records(out, n);
+    return true;
+  });
+  return count_nonfinite(out, n);
 }
 
 uint64_t read_bandwidth_probe_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t> dtypes,
@@ -170,66 +181,142 @@ bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nb
   return value == expected_nbytes;
 }
 
-// Returns None when anything differs from the plan's rebuild, else (pointers, gradients): the int64 data pointers
-// of extra inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
-// stable_ptrs, stable_dtypes and stable_nbytes describe the parameters, then the state tensors, at the rebuild.
-py::object plan_check(const py::list& child_dicts, const py::list& children, const py::list& param_dicts,
-                      const py::list& raw_params, const py::object& optimizer_state, const py::list& state_values,
-                      const py::list& params, const py::list& grad_absent, const py::list& state_tensors,
-                      const py::array_t<int64_t, py::array::c_style>& stable_ptrs, const py::list& stable_dtypes,
-                      const py::array_t<int64_t, py::array::c_style>& stable_nbytes, const py::list& extra_ptrs,
-                      const py::object& data_ptr, const py::object& is_contiguous) {
-  if (!same_values_of_all(child_dicts, children) || !same_values_of_all(param_dicts, raw_params)) return py::none();
-  Py_ssize_t k = 0;  // state values matched; no optimizer has none
-  if (!optimizer_state.is_none() && !same_dict_values(optimizer_state.ptr(), state_values.ptr(), true, k))
-    return py::none();
-  if (k != py::len(state_values)) return py::none();
-  const Py_ssize_t num_params = py::len(params), num_state = py::len(state_tensors);
-  const Py_ssize_t num_stable = num_params + num_state;
-  if (py::len(grad_absent) != num_params || stable_ptrs.size() != num_stable ||
-      py::len(stable_dtypes) != num_stable || stable_nbytes.size() != num_stable)
-    return py::none();
-  static PyObject* grad_name = PyUnicode_InternFromString("grad");
-  py::list grads;
-  for (Py_ssize_t i = 0; i < num_params; ++i) {
-    PyObject* grad = PyObject_GetAttr(PyList_GET_ITEM(params.ptr(), i), grad_name);
-    if (grad == nullptr) throw py::error_already_set();
-    py::object owned = py::reinterpret_steal<py::object>(grad);
-    const bool absent = grad == Py_None;
-    if (absent != (PyList_GET_ITEM(grad_absent.ptr(), i) == Py_True)) return py::none();
-    if (absent) continue;
-    // The plan uses this check only when every gradient was contiguous at the rebuild.
-    PyObject* contiguous = PyObject_CallOneArg(is_contiguous.ptr(), grad);
-    if (contiguous == nullptr) throw py::error_already_set();
-    Py_DECREF(contiguous);
-    if (contiguous != Py_True) return py::none();
-    grads.append(owned);
+// The plan's per-step check, holding what the rebuild found: the module tree (each module's child and parameter
+// dicts and their values), the optimizer state's values, the parameters, which of them had no gradient, the
+// scanned state tensors, and the parameters' then the state tensors' data pointers, dtypes and sizes in bytes.
+// check() returns None when anything differs, else (pointers, gradients): the int64 data pointers of the extra
+// inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
+// check_and_scan() also scans them, the check running on the calling thread inside the scan's parallel region
+// (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and adds the scan's non-finite tensor count to the result.
+class PlanCheck {
+ public:
+  PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
+            py::list state_values, py::list params, py::list grad_absent, py::list state_tensors,
+            py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs, py::list stable_dtypes,
+            py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes, py::object data_ptr,
+            py::object is_contiguous)
+      : child_dicts_(std::move(child_dicts)), children_(std::move(children)), param_dicts_(std::move(param_dicts)),
+        raw_params_(std::move(raw_params)), state_values_(std::move(state_values)), params_(std::move(params)),
+        grad_absent_(std::move(grad_absent)), state_tensors_(std::move(state_tensors)),
+        stable_ptrs_(std::move(stable_ptrs)), stable_dtypes_(std::move(stable_dtypes)),
+        stable_nbytes_(std::move(stable_nbytes)), data_ptr_(std::move(data_ptr)),
+        is_contiguous_(std::move(is_contiguous)) {
+    num_params_ = py::len(params_);
+    num_state_ = py::len(state_tensors_);
+    const py::ssize_t num_stable = num_params_ + num_state_;
+    if (py::len(grad_absent_) != static_cast<size_t>(num_params_) || stable_ptrs_.size() != num_stable ||
+        py::len(stable_dtypes_) != static_cast<size_t>(num_stable) || stable_nbytes_.size() != num_stable)
+      throw py::value_error("PlanCheck: grad_absent needs one entry per parameter, and stable_ptrs, stable_dtypes "
+                            "and stable_nbytes one per parameter and state tensor");
+    num_grads_ = 0;
+    for (py::handle absent : grad_absent_) num_grads_ += absent.ptr() != Py_True;
   }
-  const Py_ssize_t num_extra = py::len(extra_ptrs), num_grads = py::len(grads);
-  py::array_t<int64_t> ptrs(num_extra + num_params + num_grads + num_state);
-  int64_t* out = ptrs.mutable_data();
-  const int64_t* expected = stable_ptrs.data();
-  const int64_t* expected_nbytes = stable_nbytes.data();
-  auto unchanged = [&](PyObject* tensor, Py_ssize_t k, int64_t address) {
-    return address == expected[k] && same_extent(tensor, PyList_GET_ITEM(stable_dtypes.ptr(), k), expected_nbytes[k]);
-  };
-  for (Py_ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
-  out += num_extra;
-  for (Py_ssize_t i = 0; i < num_params; ++i) {
-    PyObject* param = PyList_GET_ITEM(params.ptr(), i);
-    out[i] = call_data_ptr(data_ptr.ptr(), param);
-    if (!unchanged(param, i, out[i])) return py::none();
+
+  py::object check(const py::object& optimizer_state, const py::list& extra_ptrs) const {
+    py::array_t<int64_t> ptrs(py::len(extra_ptrs) + num_inputs());
+    py::list grads;
+    if (!run(optimizer_state, extra_ptrs, ptrs.mutable_data(), grads)) return py::none();
+    return py::make_tuple(ptrs, grads);
   }
-  out += num_params;
-  for (Py_ssize_t i = 0; i < num_grads; ++i) out[i] = call_data_ptr(data_ptr.ptr(), PyList_GET_ITEM(grads.ptr(), i));
-  out += num_grads;
-  for (Py_ssize_t i = 0; i < num_state; ++i) {
-    PyObject* tensor = PyList_GET_ITEM(state_tensors.ptr(), i);
-    out[i] = call_data_ptr(data_ptr.ptr(), tensor);
-    if (!unchanged(tensor, num_params + i, out[i])) return py::none();
+
+  py::object check_and_scan(const py::object& optimizer_state, const py::list& extra_ptrs,
+                            const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                            py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
+                            int num_threads) const {
+    const py::ssize_t n = py::len(extra_ptrs) + num_inputs();
+    if (numels.size() != n || dtypes.size() != n || records.ndim() != 2 || records.shape(0) != n ||
+        records.shape(1) != record::kWidth)
+      throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
+                            std::to_string(n) + ")");
+    std::vector<ScanTask> tasks(n);
+    for (py::ssize_t i = 0; i < n; ++i) {
+      check_dtype_code(dtypes.at(i), "PlanCheck.check_and_scan");
+      if (numels.at(i) < 0) throw py::value_error("PlanCheck.check_and_scan: a negative element count");
+      tasks[i] = {nullptr, numels.at(i), dtypes.at(i)};
+    }
+    py::array_t<int64_t> ptrs(n);
+    py::list grads;
+    bool unchanged = false;
+    int64_t* out = records.mutable_data();
+    // The check needs the GIL, which this thread holds throughout: the scan is short, and releasing the GIL
+    // inside the parallel region would tie the kernel to Python.
+    scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
+      identity_records(out, n);
+      int64_t* address = ptrs.mutable_data();
+      if (!run(optimizer_state, extra_ptrs, address, grads)) return false;
+      unchanged = true;
+      for (py::ssize_t i = 0; i < n; ++i) {
+        if (to_fill[i].numel > 0 && address[i] == 0)
+          throw py::value_error("PlanCheck.check_and_scan: input " + std::to_string(i) +
+                                " has a null data pointer and elements to scan");
+        to_fill[i].data = reinterpret_cast<const void*>(address[i]);
+      }
+      return true;
+    });
+    if (!unchanged) return py::none();  // nothing was scanned
+    return py::make_tuple(ptrs, grads, count_nonfinite(out, n));
   }
-  return py::make_tuple(ptrs, grads);
-}
+
+ private:
+  py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
+
+  // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.
+  bool run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out, py::list& grads) const {
+    if (!same_values_of_all(child_dicts_, children_) || !same_values_of_all(param_dicts_, raw_params_)) return false;
+    Py_ssize_t k = 0;  // state values matched; no optimizer has none
+    if (!optimizer_state.is_none() && !same_dict_values(optimizer_state.ptr(), state_values_.ptr(), true, k))
+      return false;
+    if (k != static_cast<Py_ssize_t>(py::len(state_values_))) return false;
+    static PyObject* grad_name = PyUnicode_InternFromString("grad");
+    py::list found;
+    for (py::ssize_t i = 0; i < num_params_; ++i) {
+      PyObject* grad = PyObject_GetAttr(PyList_GET_ITEM(params_.ptr(), i), grad_name);
+      if (grad == nullptr) throw py::error_already_set();
+      py::object owned = py::reinterpret_steal<py::object>(grad);
+      const bool absent = grad == Py_None;
+      if (absent != (PyList_GET_ITEM(grad_absent_.ptr(), i) == Py_True)) return false;
+      if (absent) continue;
+      // The plan uses this check only when every gradient was contiguous at the rebuild.
+      PyObject* contiguous = PyObject_CallOneArg(is_contiguous_.ptr(), grad);
+      if (contiguous == nullptr) throw py::error_already_set();
+      Py_DECREF(contiguous);
+      if (contiguous != Py_True) return false;
+      found.append(owned);
+    }
+    const py::ssize_t num_extra = py::len(extra_ptrs);
+    const int64_t* expected = stable_ptrs_.data();
+    const int64_t* expected_nbytes = stable_nbytes_.data();
+    auto unchanged = [&](PyObject* tensor, py::ssize_t j, int64_t address) {
+      return address == expected[j] && same_extent(tensor, PyList_GET_ITEM(stable_dtypes_.ptr(), j),
+                                                   expected_nbytes[j]);
+    };
+    for (py::ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
+    out += num_extra;
+    for (py::ssize_t i = 0; i < num_params_; ++i) {
+      PyObject* param = PyList_GET_ITEM(params_.ptr(), i);
+      out[i] = call_data_ptr(data_ptr_.ptr(), param);
+      if (!unchanged(param, i, out[i])) return false;
+    }
+    out += num_params_;
+    for (py::ssize_t i = 0; i < num_grads_; ++i)
+      out[i] = call_data_ptr(data_ptr_.ptr(), PyList_GET_ITEM(found.ptr(), i));
+    out += num_grads_;
+    for (py::ssize_t i = 0; i < num_state_; ++i) {
+      PyObject* tensor = PyList_GET_ITEM(state_tensors_.ptr(), i);
+      out[i] = call_data_ptr(data_ptr_.ptr(), tensor);
+      if (!unchanged(tensor, num_params_ + i, out[i])) return false;
+    }
+    grads = std::move(found);
+    return true;
+  }
+
+  py::list child_dicts_, children_, param_dicts_, raw_params_, state_values_, params_, grad_absent_, state_tensors_;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs_;
+  py::list stable_dtypes_;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes_;
+  py::object data_ptr_, is_contiguous_;
+  py::ssize_t num_params_ = 0, num_state_ = 0, num_grads_ = 0;
+};
 
 py::dict build_info_py() {
   py::dict info;
@@ -396,12 +483,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("classify_bits", &classify_bits_py, py::arg("bits"), py::arg("dtype"),
         "Classify bit patterns with classify.h: returns (value classes, exponent bins or -1).");
   m.def("build_info", &build_info_py, "How the extension was built.");
-  m.def("plan_check", &plan_check, py::arg("child_dicts"), py::arg("children"), py::arg("param_dicts"),
-        py::arg("raw_params"), py::arg("optimizer_state"), py::arg("state_values"), py::arg("params"),
-        py::arg("grad_absent"), py::arg("state_tensors"), py::arg("stable_ptrs"), py::arg("stable_dtypes"),
-        py::arg("stable_nbytes"), py::arg("extra_ptrs"),
-        py::arg("data_ptr"), py::arg("is_contiguous"),
-        "The per-step check of nanscan.scan.ModelScanPlan: None if anything changed, else (pointers, gradients).");
+  py::class_<PlanCheck>(m, "PlanCheck",
+                        "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild.")
+      .def(py::init<py::list, py::list, py::list, py::list, py::list, py::list, py::list, py::list,
+                    py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::list,
+                    py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::object, py::object>(),
+           py::arg("child_dicts"), py::arg("children"), py::arg("param_dicts"), py::arg("raw_params"),
+           py::arg("state_values"), py::arg("params"), py::arg("grad_absent"), py::arg("state_tensors"),
+           py::arg("stable_ptrs"), py::arg("stable_dtypes"), py::arg("stable_nbytes"), py::arg("data_ptr"),
+           py::arg("is_contiguous"))
+      .def("check", &PlanCheck::check, py::arg("optimizer_state"), py::arg("extra_ptrs"),
+           "None if anything changed since the rebuild, else (pointers, gradients).")
+      .def("check_and_scan", &PlanCheck::check_and_scan, py::arg("optimizer_state"), py::arg("extra_ptrs"),
+           py::arg("numels"), py::arg("dtypes"), py::arg("records"), py::arg("chunk_elems"),
+           py::arg("num_threads") = 0,
+           "check() and, when nothing changed, the scan of the inputs it found into records: None, or (pointers, "
+           "gradients, number of tensors holding a NaN or an infinity).");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

@@ -555,16 +555,19 @@ class Monitor:
             loss_input = prepare("loss", loss)
             if loss_input is not None:
                 step_inputs.append(loss_input)
-        inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
+        if self.mode == "auto":
+            self.mode = self._auto_mode(model)
+        if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
+            inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
+        else:
+            inputs, scan = self._plan.launch(model, self.optimizer, extra=step_inputs,
+                                             backend_for=self._backend_for)
         self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
-        if self.mode == "auto":
-            self.mode = self._auto_mode(model)
         if self.mode == "async":
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
 
-        scan = launch(inputs, backend=self._backend_for(inputs))
         tensors = inputs.identities
         on_host = scan.on_host
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
@@ -577,13 +580,13 @@ class Monitor:
             return report
         return self._invalid(report, step, batch, sample_ids, started)
 
-    def _backend_for(self, inputs: ScanInputs) -> Any:
-        """The backend for a check's inputs: the one Backend of a check on one device, or a mapping from device to
-        Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each is chosen once
-        per device and `backend` setting, by launch's policy (nanscan.pending.select_for_part; NANSCAN_BACKEND is
-        read at the first check on the device), because choosing again every step costs as much as a tenth of a
-        small model's scan."""
-        backend, devices = self.backend, inputs.devices
+    def _backend_for(self, devices: tuple[str, ...]) -> Any:
+        """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
+        from device to Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each
+        is chosen once per device and `backend` setting, by launch's policy (nanscan.pending.select_for_part;
+        NANSCAN_BACKEND is read at the first check on the device), because choosing again every step costs as much
+        as a tenth of a small model's scan."""
+        backend = self.backend
         if not devices or not (backend is None or isinstance(backend, str)):
             return backend
         mixed = len(devices) > 1
@@ -606,7 +609,7 @@ class Monitor:
                      lr: Any, started: bool) -> PendingReport:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
         decided_step, decided_ok = self._read_verdict(read_at="next_check")
-        scan = launch(inputs, backend=self._backend_for(inputs))
+        scan = launch(inputs, backend=self._backend_for(inputs.devices))
         tensors = inputs.identities
         slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
                                  verdict=True)

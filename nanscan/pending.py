@@ -75,12 +75,12 @@ class ScanPart(NamedTuple):
 class StepScan:
     """One check's scan, made of one part per device that its tensors are on. It is itself a PendingScan."""
 
-    def __init__(self, num_tensors: int, parts: list[ScanPart], backend: str):
+    def __init__(self, num_tensors: int, parts: list[ScanPart], backend: str, *, on_host: bool | None = None):
         self.num_tensors = num_tensors
         self.parts = parts
         self.backend = backend
-        # True when every part ran on the host, so the verdict is already known.
-        self.on_host = all(isinstance(part.scan, CompletedScan) for part in parts)
+        # True when every part ran on the host, so the verdict is already known (a caller that knows says so).
+        self.on_host = all(isinstance(part.scan, CompletedScan) for part in parts) if on_host is None else on_host
         self._records: np.ndarray | None = None
         self._found_inf: torch.Tensor | None = None
 
@@ -137,6 +137,11 @@ class StepScan:
                     records[part.rows] = part.scan.records()
                 self._records = records
         return self._records
+
+
+def completed_scan(num_tensors: int, records: np.ndarray, nonfinite: bool | None, backend: str) -> StepScan:
+    """The StepScan of a scan that one host backend already ran over all of a check's inputs."""
+    return StepScan(num_tensors, [ScanPart(None, CompletedScan(records, nonfinite))], backend, on_host=True)
 
 
 def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:

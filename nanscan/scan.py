@@ -10,7 +10,7 @@ import torch
 
 from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, as_scan_inputs, bind, is_dense_permutation,
                             prepare, prepare_all)
-from nanscan.pending import launch
+from nanscan.pending import completed_scan, launch
 from nanscan.stats import ScannedTensor, ScanReport
 
 
@@ -58,7 +58,7 @@ def _native_plan_check():
         from nanscan import _C  # noqa: PLC0415 - optional compiled extension
     except ImportError:
         return None
-    return getattr(_C, "plan_check", None)
+    return getattr(_C, "PlanCheck", None)
 
 
 class ModelScanPlan:
@@ -103,7 +103,8 @@ class ModelScanPlan:
         self._stable_ptrs = np.empty(0, dtype=np.int64)
         self._stable_dtypes: list[torch.dtype] = []
         self._stable_nbytes = np.empty(0, dtype=np.int64)
-        self._native_check = _native_plan_check()
+        self._native_check = _native_plan_check()  # the class; None for the check in Python
+        self._native = None  # the rebuild's nanscan._C.PlanCheck, when the check can run in C++
         self._templates: list[ScanInput] = []
         self._numels = self._codes = None
         self._identities: tuple[ScannedTensor, ...] = ()
@@ -119,14 +120,47 @@ class ModelScanPlan:
                extra: Sequence[ScanInput] = ()) -> ScanInputs:
         """The inputs to scan this step: `extra` (the batch and the loss, prepared by the caller), then the model's
         parameters, gradients and optimizer state."""
-        if self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer):
+        if self._unchanged_structure(model, optimizer):
             checked = self._check(optimizer, [item.data_ptr() for item in extra])
             if checked is not None:
-                ptrs, grads = checked
-                numels, codes, identities, devices = self._joined(extra)
-                return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
-                                  self._state_tensors, ptrs=ptrs, numels=numels, codes=codes,
-                                  identities=identities, devices=devices)
+                return self._checked_inputs(extra, *checked, self._joined(extra))
+        return self._rebuilt_inputs(model, optimizer, extra)
+
+    def launch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               extra: Sequence[ScanInput] = (), backend_for: Callable[[tuple[str, ...]], Any]) -> tuple:
+        """(inputs(), their scan launched by nanscan.pending.launch). `backend_for(devices)` gives the backend (or
+        the mapping from device to backend) that launch takes. When nothing changed and every input is on the CPU
+        for the native backend, the per-step check and the scan are one native call, the check running while the
+        scan's threads wake up (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp)."""
+        if self._native is not None and self._unchanged_structure(model, optimizer):
+            joined = self._joined(extra)
+            backend = backend_for(joined[3])
+            scan_planned = getattr(backend, "scan_planned", None)
+            if scan_planned is not None:
+                scanned = scan_planned(self._native, None if optimizer is None else optimizer.state,
+                                       [item.data_ptr() for item in extra], joined[0], joined[1])
+                if scanned is not None:
+                    ptrs, grads, records, nonfinite = scanned
+                    inputs = self._checked_inputs(extra, ptrs, grads, joined)
+                    return inputs, completed_scan(len(inputs), records, nonfinite, backend.name)
+        inputs = self.inputs(model, optimizer, extra=extra)
+        return inputs, launch(inputs, backend=backend_for(inputs.devices))
+
+    def _unchanged_structure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """The cheap part of the check, in Python: the last rebuild allows the fast path, the root's children
+        are the dict it saw, and the optimizer's parameter groups are the lists it saw."""
+        return self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer)
+
+    def _checked_inputs(self, extra: Sequence[ScanInput], ptrs: np.ndarray, grads: list,
+                        joined: tuple) -> ScanInputs:
+        """The step's inputs once the check passed: `joined` is _joined(extra), `ptrs` and `grads` the check's."""
+        numels, codes, identities, devices = joined
+        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
+                          self._state_tensors, ptrs=ptrs, numels=numels, codes=codes, identities=identities,
+                          devices=devices)
+
+    def _rebuilt_inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                        extra: Sequence[ScanInput]) -> ScanInputs:
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
         named = list(model.named_parameters())
         inputs = self._rebuild(model, named + _optimizer_only(named, optimizer), optimizer, state_values)
@@ -146,15 +180,12 @@ class ModelScanPlan:
 
     def _check(self, optimizer: torch.optim.Optimizer | None, extra_ptrs: list[int]) -> tuple | None:
         """(data pointers of the extra inputs, parameters, gradients and state; the gradients) when nothing changed
-        since the rebuild, else None. nanscan._C.plan_check does it in C++ (NOTE: [plan check] in
+        since the rebuild, else None. nanscan._C.PlanCheck does it in C++ (NOTE: [plan check] in
         csrc/bindings.cpp); this is the same check in Python, for gradients with permuted layouts and for
         installations without the extension."""
         state = None if optimizer is None else optimizer.state
-        if self._native_check is not None and not self._permuted_grads:
-            return self._native_check(self._child_dicts, self._children, self._param_dicts, self._raw_params, state,
-                                      self._state_values, self._params, self._grad_absent, self._state_tensors,
-                                      self._stable_ptrs, self._stable_dtypes, self._stable_nbytes, extra_ptrs,
-                                      _data_ptr, _is_contiguous)
+        if self._native is not None:
+            return self._native.check(state, extra_ptrs)
         if not (_same_objects([c for d in self._child_dicts for c in d.values()], self._children)
                 and _same_objects([p for d in self._param_dicts for p in d.values()], self._raw_params)
                 and _same_objects([] if state is None else [v for d in state.values() for v in d.values()],
@@ -253,6 +284,10 @@ class ModelScanPlan:
             self._stable_dtypes = [t.dtype for t in stable]
             self._stable_nbytes = np.array([t.nbytes for t in stable], dtype=np.int64)
             self._templates = [bind(item, None) for item in items]  # descriptions only: no tensor kept
+            self._native = None if self._native_check is None or self._permuted_grads else self._native_check(
+                self._child_dicts, self._children, self._param_dicts, self._raw_params, self._state_values, params,
+                self._grad_absent, self._state_tensors, self._stable_ptrs, self._stable_dtypes, self._stable_nbytes,
+                _data_ptr, _is_contiguous)
             _, self._numels, self._codes = inputs.table()
             self._identities = inputs.identities
             self._devices = inputs.devices
@@ -263,6 +298,7 @@ class ModelScanPlan:
             self._child_dicts, self._children, self._param_dicts, self._raw_params = [], [], [], []
             self._params, self._state_values, self._state_tensors, self._templates = [], [], [], []
             self._group_params = []
+            self._native = None
         return inputs
 
 

@@ -442,3 +442,33 @@ def test_portable_kernel_matches_the_reference(tmp_path):
     assert Path(out["file"]).is_relative_to(target)
     assert out["simd"] != "avx512"
 
+
+
+def test_plan_check_refuses_inconsistent_tables_and_passes_errors_out_of_the_scan(native):
+    """nanscan._C.PlanCheck: its lists must agree in length; an error raised by the check inside the scan's
+    parallel region (NOTE: [wake overlap]) reaches the caller as it was, with every thread released."""
+    weight = torch.ones(3, 5000)  # several chunks of 4096 elements: the other threads have work to wait for
+    args = dict(child_dicts=[{}], children=[], param_dicts=[{"w": weight}], raw_params=[weight], state_values=[],
+                params=[weight], grad_absent=[True], state_tensors=[], stable_ptrs=np.array([weight.data_ptr()]),
+                stable_dtypes=[weight.dtype], stable_nbytes=np.array([weight.nbytes]),
+                data_ptr=torch.Tensor.data_ptr, is_contiguous=torch.Tensor.is_contiguous)
+    with pytest.raises(ValueError, match="one per parameter"):
+        native.PlanCheck(**{**args, "grad_absent": []})
+    check = native.PlanCheck(**args)
+    numels, codes = np.array([weight.numel()]), np.array([L.FLOAT32], dtype=np.int32)
+    records = L.empty_records(1)
+    ptrs, grads, nonfinite = check.check_and_scan(None, [], numels, codes, records, 4096, 2)
+    assert ptrs.tolist() == [weight.data_ptr()] and grads == [] and nonfinite == 0
+    assert records[0, L.REC_HIST:].sum() == weight.numel()
+    with pytest.raises(ValueError, match="one entry per input"):
+        check.check_and_scan(None, [], np.array([1, 2]), codes, records, 4096, 2)
+
+    def failing(tensor):
+        raise RuntimeError("data_ptr failed")
+    broken = native.PlanCheck(**{**args, "data_ptr": failing})
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="data_ptr failed"):
+            broken.check_and_scan(None, [], numels, codes, records, 4096, 2)
+    weight.data = torch.full((3, 5000), float("nan"))  # moved: the check fails, and nothing is scanned
+    assert check.check_and_scan(None, [], numels, codes, records, 4096, 2) is None
+    assert check.check(None, []) is None

@@ -18,23 +18,34 @@ from torch import nn
 
 import nanscan
 import nanscan.monitor as monitor_module
+from nanscan import backends
 from nanscan.backends import BackendUnavailable
 from nanscan.inputs import ScanInputs, prepare
 from nanscan.pending import select_for_part
 from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["one call", "native", "python"])
 def new_plan(request):
-    """Plans whose per-step check runs in C++ (nanscan._C.plan_check) or in Python: both must agree."""
+    """Plans whose per-step check runs in C++ together with the native scan (ModelScanPlan.launch with the cpu
+    backend, nanscan._C.PlanCheck.check_and_scan), in C++ alone (PlanCheck.check) or in Python: all must agree."""
     def make() -> ModelScanPlan:
         plan = ModelScanPlan()
         if request.param == "python":
             plan._native_check = None
         elif plan._native_check is None:
             pytest.skip("nanscan._C is not built")
+        plan.test_one_call = request.param == "one call"  # read by planned_scan below
         return plan
     return make
+
+
+def planned_scan(plan: ModelScanPlan, model: nn.Module, optimizer=None) -> nanscan.ScanReport:
+    """The plan's scan of this step, the way the new_plan fixture chose."""
+    if getattr(plan, "test_one_call", False):
+        inputs, scan = plan.launch(model, optimizer, backend_for=lambda devices: backends.load("cpu"))
+        return nanscan.ScanReport(inputs.identities, scan.records(), backend=scan.backend)
+    return scan_inputs(plan.inputs(model, optimizer))
 
 
 def make_model() -> nn.Module:
@@ -52,7 +63,7 @@ def backward(model: nn.Module, optimizer=None, *, set_to_none: bool = True) -> N
 
 
 def assert_plan_matches_fresh(plan: ModelScanPlan, model: nn.Module, optimizer=None) -> nanscan.ScanReport:
-    planned = scan_inputs(plan.inputs(model, optimizer))
+    planned = planned_scan(plan, model, optimizer)
     fresh = scan_inputs(model_inputs(model, optimizer))
     assert planned.names == fresh.names
     assert np.array_equal(planned.records, fresh.records), "the plan scanned other memory than the tensors"
@@ -86,7 +97,7 @@ def test_a_nan_planted_in_a_gradient_between_steps_is_seen(new_plan):
     model = make_model()
     plan = new_plan()
     backward(model)
-    assert scan_inputs(plan.inputs(model)).ok
+    assert planned_scan(plan, model).ok
     backward(model)
     model[3].weight.grad[0, 0] = float("nan")
     report = assert_plan_matches_fresh(plan, model)
@@ -282,7 +293,7 @@ def test_the_plan_does_not_keep_gradients_alive(new_plan):
     model = make_model()
     plan = new_plan()
     backward(model)
-    scan_inputs(plan.inputs(model))
+    planned_scan(plan, model)
     grad = weakref.ref(model[0].weight.grad)
     model.zero_grad(set_to_none=True)
     assert grad() is None
@@ -347,9 +358,44 @@ def test_the_monitor_chooses_each_devices_backend_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(monitor_module, "select_for_part", counting)
     mon = nanscan.Monitor(make_model(), bundle_dir=tmp_path)
-    spanning = ScanInputs([], identities=[], devices=("cuda:0", "cpu"))
+    spanning = ("cuda:0", "cpu")
     first, second = mon._backend_for(spanning), mon._backend_for(spanning)
     assert set(first) == {"cuda:0", "cpu"} and first == second
     assert calls == [("cuda:0", True), ("cpu", True)]
-    one = ScanInputs([], identities=[], devices=("cpu",))
+    one = ("cpu",)
     assert mon._backend_for(one) is mon._backend_for(one) and calls[2:] == [("cpu", False)]
+
+
+def test_one_call_scans_the_batch_and_loss_with_the_model_and_gives_the_verdict():
+    """ModelScanPlan.launch on the native cpu backend (the check inside the scan's parallel region): the extra
+    inputs come first, a strided batch view is scanned from its compacted copy, and the verdict counts them."""
+    if ModelScanPlan()._native_check is None:
+        pytest.skip("nanscan._C is not built")
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = ModelScanPlan()
+    cpu = backends.load("cpu")
+    for step in range(4):
+        backward(model, optimizer)
+        x = torch.arange(40.0)[::3]
+        if step == 3:
+            x[2] = float("inf")
+        extra = [prepare("input:x", x), prepare("loss", torch.tensor(1.5))]
+        inputs, scan = plan.launch(model, optimizer, extra=extra, backend_for=lambda devices: cpu)
+        fresh = scan_inputs(ScanInputs.join([ScanInputs(extra), model_inputs(model, optimizer)]))
+        assert [t.name for t in inputs.identities] == fresh.names
+        assert np.array_equal(scan.records(), fresh.records)
+        assert scan.backend == "cpu" and scan.nonfinite_on_host == (step == 3)
+        optimizer.step()
+    assert plan.rebuilds == 2, "the first step, then Adam's state; the one-call path served the others"
+
+
+def test_one_call_falls_back_to_launch_for_another_backend():
+    """A backend without the one-call path (here the reference backend) gets the plan's inputs through launch."""
+    model = make_model()
+    plan = ModelScanPlan()
+    for _ in range(2):
+        backward(model)
+        inputs, scan = plan.launch(model, backend_for=lambda devices: backends.load("reference"))
+        assert scan.backend == "reference"
+        assert np.array_equal(scan.records(), scan_inputs(model_inputs(model), backend="reference").records)

@@ -3,9 +3,12 @@
 #include "scan_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -18,6 +21,9 @@
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -1059,37 +1065,86 @@ int resolve_threads(int num_threads, const ScanTask* tasks, int64_t num_tasks, i
   return static_cast<int>(std::max<int64_t>(threads, 1));
 }
 
+// Spins of a waiting thread (NOTE: [wake overlap]) before it yields its core between looks: some tens of us.
+constexpr int64_t kSpinsBeforeYield = 2000;
+
+inline void cpu_relax() {
+#if defined(__SSE2__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 }  // namespace
 
-void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads) {
+// NOTE: [wake overlap]
+// Between two training steps the scan's other threads go to sleep (OpenMP spins only briefly), and waking one takes
+// tens of microseconds: 55-70 us on the 2-core development VM, where an idle virtual CPU must be rescheduled, which is
+// as long as the scan's own share of a small model. With dynamic scheduling the calling thread starts on the chunks
+// alone meanwhile, but the wake still shows in the scan's time. So the work that must precede the scan (setting
+// the records to the identity, and for the Monitor the per-step plan check that finds the data pointers) runs
+// inside the parallel region, on the calling thread, while the others wake and wait for it to say go. Waiting
+// threads spin (pause), and yield the core once the wait is long: on an oversubscribed machine the spinner may
+// share the core with the thread it waits for.
+void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads,
+              const Prologue& prologue) {
   const WorkList work = make_chunks(tasks, num_tasks, chunk_elems);
   const std::vector<Chunk>& chunks = work.chunks;
   // Not initialised here: each chunk with a partial record starts it from the identity record itself.
   const std::unique_ptr<Partial[]> partials(new Partial[work.num_partials]);
   const int64_t n = static_cast<int64_t>(chunks.size());
   num_threads = resolve_threads(num_threads, tasks, num_tasks, n);
+  enum : int { kWait, kGo, kCancel };
+  std::atomic<int> state{prologue ? kWait : kGo};
+  std::exception_ptr failure;
 #pragma omp parallel num_threads(num_threads)
   {
-    const ExactFloatMode float_mode;  // NOTE: [float mode]
-    std::unique_ptr<FieldCounts> counts;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
-      const Chunk& chunk = chunks[i];
-      for (int64_t next = i + 1; next <= i + kChunksAhead && next < n; ++next)
-        prefetch_chunk_start(tasks[chunks[next].task], chunks[next]);
-      if (chunk.partial == kOwnRecord) {
-        int64_t* own = records + chunk.task * record::kWidth;
-        double sumsq = 0.0;
-        scan_one_chunk(tasks[chunk.task], chunk, own, sumsq, counts);
-        std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
+    if (state.load(std::memory_order_acquire) == kWait) {
+#ifdef _OPENMP
+      const bool caller = omp_get_thread_num() == 0;
+#else
+      const bool caller = true;
+#endif
+      if (caller) {
+        bool go = false;
+        try {
+          go = prologue(tasks);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        state.store(go ? kGo : kCancel, std::memory_order_release);
       } else {
-        Partial& p = partials[chunk.partial];
-        std::memset(p.counts, 0, sizeof(p.counts));
-        p.counts[record::kAbsMinBits] = record::kAbsMinNone;
-        scan_one_chunk(tasks[chunk.task], chunk, p.counts, p.sumsq, counts);
+        for (int64_t spins = 0; state.load(std::memory_order_acquire) == kWait; ++spins) {
+          if (spins < kSpinsBeforeYield) cpu_relax();
+          else std::this_thread::yield();
+        }
+      }
+    }
+    if (state.load(std::memory_order_acquire) == kGo) {
+      const ExactFloatMode float_mode;  // NOTE: [float mode]
+      std::unique_ptr<FieldCounts> counts;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) {
+        const Chunk& chunk = chunks[i];
+        for (int64_t next = i + 1; next <= i + kChunksAhead && next < n; ++next)
+          prefetch_chunk_start(tasks[chunks[next].task], chunks[next]);
+        if (chunk.partial == kOwnRecord) {
+          int64_t* own = records + chunk.task * record::kWidth;
+          double sumsq = 0.0;
+          scan_one_chunk(tasks[chunk.task], chunk, own, sumsq, counts);
+          std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
+        } else {
+          Partial& p = partials[chunk.partial];
+          std::memset(p.counts, 0, sizeof(p.counts));
+          p.counts[record::kAbsMinBits] = record::kAbsMinNone;
+          scan_one_chunk(tasks[chunk.task], chunk, p.counts, p.sumsq, counts);
+        }
       }
     }
   }
+  if (failure) std::rethrow_exception(failure);
+  if (state.load(std::memory_order_relaxed) != kGo) return;
   // The chunks of a task lie next to each other in the list, in order: merge them in that order (NOTE: [chunking]).
   double sumsq = 0.0;
   for (const Chunk& chunk : chunks) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 namespace nanscan {
 
@@ -12,13 +13,21 @@ struct ScanTask {
   int32_t dtype;
 };
 
-// Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), which the
-// caller initialises to the identity record: a tensor that fits one chunk is scanned straight into it.
+// Work the calling thread does inside the scan's parallel region before any element is read, while the other
+// threads wake up (NOTE: [wake overlap] in scan_cpu.cpp). It may set the tasks' data pointers (their counts and
+// formats are final before the call) and the records, and returns false to cancel the scan. An exception it throws
+// reaches the caller of scan_cpu.
+using Prologue = std::function<bool(ScanTask* tasks)>;
+
+// Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), which must be in
+// the identity state when the scan starts (set by the caller or by `prologue`): a tensor that fits one chunk is
+// scanned straight into it.
 // `chunk_elems` is the work unit (NOTE: [chunking]), clamped to [1, 2^30]; the records depend on it (the sum of
 // squares, in its last bits) but never on the thread count.
 // `num_threads` 0 means OpenMP's default, fewer for small inputs; any other value is used as given (at most one
 // thread per chunk). Runs each thread with flush-to-zero off (NOTE: [float mode]).
-void scan_cpu(const ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads);
+void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads,
+              const Prologue& prologue = {});
 
 // Reads every byte of the tasks once with the same chunking and threads as scan_cpu and does nothing else of note:
 // the read speed a scan could reach at best (benchmarks compare against it). Returns the XOR of all bytes read, so
