@@ -1,4 +1,5 @@
-"""Build of nanscan's native extension nanscan._C: C++/OpenMP always, CUDA when nvcc is found.
+"""Build of nanscan's native extension nanscan._C: C++/OpenMP always, CUDA when nvcc is found; and of
+nanscan._torch_access, the plan check's tensor reads through torch's headers, when torch is importable.
 
 The extension is optional: when it cannot be compiled (no C++ compiler), nanscan still installs and runs on its
 numba and reference backends, and `nanscan info` says why the native one is missing.
@@ -6,7 +7,7 @@ Environment:
   NANSCAN_CUDA=1/0        force the CUDA part on (a failure is then an error) or off; default: on if nvcc is found
   NANSCAN_CUDA_ARCH       semicolon-separated SM list, e.g. "90" or "80;90"; default "80;90" plus PTX for the last
   NANSCAN_NATIVE_ARCH=0   do not compile the CPU kernel with -march=native (for wheels that travel)
-  NANSCAN_REQUIRE_NATIVE=1  fail the install when the C++ extension does not build
+  NANSCAN_REQUIRE_NATIVE=1  fail the install when a C++ extension does not build
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class NativeBuild(build_ext):
 
     def build_extensions(self):
         for ext in self.extensions:
-            self._add_cuda(ext)
+            if ext.name == "nanscan._C":  # the CUDA kernels link into the one kernel module
+                self._add_cuda(ext)
         super().build_extensions()
 
     def _add_cuda(self, ext):
@@ -192,4 +194,28 @@ def _extensions():
     ]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_ext": NativeBuild})
+def _torch_access_extension():
+    """nanscan._torch_access (csrc/torch, NOTE: [tensor access]): the plan check's tensor reads through torch's C++
+    headers, for the torch that is importable at build time (make installs nanscan without build isolation, after
+    torch). Without it the plan check reads tensors through Python calls, which is slower but equivalent."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError as exc:
+        print(f"nanscan: nanscan._torch_access not built ({exc}); the plan check reads tensors through Python",
+              file=sys.stderr)
+        return []
+    return [
+        CppExtension(
+            "nanscan._torch_access",
+            sources=["csrc/torch/tensor_access.cpp"],
+            include_dirs=["csrc/include"],
+            define_macros=[("NANSCAN_TORCH_VERSION", f'"{torch.__version__}"'),
+                           ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))],
+            extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
+            optional=not _flag("NANSCAN_REQUIRE_NATIVE"),
+        )
+    ]
+
+
+setup(ext_modules=_extensions() + _torch_access_extension(), cmdclass={"build_ext": NativeBuild})

@@ -10,6 +10,7 @@
 #include "cpu/scan_cpu.h"
 #include "nanscan/classify.h"
 #include "nanscan/stats_record.h"
+#include "nanscan/tensor_access.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -194,7 +195,7 @@ class PlanCheck {
             py::list state_values, py::list params, py::list grad_absent, py::list state_tensors,
             py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs, py::list stable_dtypes,
             py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes, py::object data_ptr,
-            py::object is_contiguous)
+            py::object is_contiguous, py::object tensor_access)
       : child_dicts_(std::move(child_dicts)), children_(std::move(children)), param_dicts_(std::move(param_dicts)),
         raw_params_(std::move(raw_params)), state_values_(std::move(state_values)), params_(std::move(params)),
         grad_absent_(std::move(grad_absent)), state_tensors_(std::move(state_tensors)),
@@ -210,6 +211,11 @@ class PlanCheck {
                             "and stable_nbytes one per parameter and state tensor");
     num_grads_ = 0;
     for (py::handle absent : grad_absent_) num_grads_ += absent.ptr() != Py_True;
+    if (!tensor_access.is_none()) {
+      access_ = static_cast<const TensorAccess*>(PyCapsule_GetPointer(tensor_access.ptr(), kTensorAccessCapsule));
+      if (access_ == nullptr) throw py::error_already_set();
+      access_owner_ = std::move(tensor_access);
+    }
   }
 
   py::object check(const py::object& optimizer_state, const py::list& extra_ptrs) const {
@@ -269,6 +275,10 @@ class PlanCheck {
     if (k != static_cast<Py_ssize_t>(py::len(state_values_))) return false;
     static PyObject* grad_name = PyUnicode_InternFromString("grad");
     py::list found;
+    const py::ssize_t num_extra = py::len(extra_ptrs);
+    for (py::ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
+    out += num_extra;
+    int64_t* grad_out = out + num_params_;
     for (py::ssize_t i = 0; i < num_params_; ++i) {
       PyObject* grad = PyObject_GetAttr(PyList_GET_ITEM(params_.ptr(), i), grad_name);
       if (grad == nullptr) throw py::error_already_set();
@@ -277,36 +287,38 @@ class PlanCheck {
       if (absent != (PyList_GET_ITEM(grad_absent_.ptr(), i) == Py_True)) return false;
       if (absent) continue;
       // The plan uses this check only when every gradient was contiguous at the rebuild.
-      PyObject* contiguous = PyObject_CallOneArg(is_contiguous_.ptr(), grad);
-      if (contiguous == nullptr) throw py::error_already_set();
-      Py_DECREF(contiguous);
-      if (contiguous != Py_True) return false;
+      if (!contiguous_address(grad, grad_out)) return false;
+      ++grad_out;
       found.append(owned);
     }
-    const py::ssize_t num_extra = py::len(extra_ptrs);
     const int64_t* expected = stable_ptrs_.data();
-    const int64_t* expected_nbytes = stable_nbytes_.data();
-    auto unchanged = [&](PyObject* tensor, py::ssize_t j, int64_t address) {
-      return address == expected[j] && same_extent(tensor, PyList_GET_ITEM(stable_dtypes_.ptr(), j),
-                                                   expected_nbytes[j]);
-    };
-    for (py::ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
-    out += num_extra;
-    for (py::ssize_t i = 0; i < num_params_; ++i) {
-      PyObject* param = PyList_GET_ITEM(params_.ptr(), i);
-      out[i] = call_data_ptr(data_ptr_.ptr(), param);
-      if (!unchanged(param, i, out[i])) return false;
-    }
-    out += num_params_;
-    for (py::ssize_t i = 0; i < num_grads_; ++i)
-      out[i] = call_data_ptr(data_ptr_.ptr(), PyList_GET_ITEM(found.ptr(), i));
-    out += num_grads_;
-    for (py::ssize_t i = 0; i < num_state_; ++i) {
-      PyObject* tensor = PyList_GET_ITEM(state_tensors_.ptr(), i);
-      out[i] = call_data_ptr(data_ptr_.ptr(), tensor);
-      if (!unchanged(tensor, num_params_ + i, out[i])) return false;
+    for (py::ssize_t j = 0; j < num_params_ + num_state_; ++j) {
+      PyObject* tensor = j < num_params_ ? PyList_GET_ITEM(params_.ptr(), j)
+                                         : PyList_GET_ITEM(state_tensors_.ptr(), j - num_params_);
+      int64_t& address = j < num_params_ ? out[j] : out[num_grads_ + j];
+      if (!stable_address(tensor, j, address) || address != expected[j]) return false;
     }
     grads = std::move(found);
+    return true;
+  }
+
+  // A parameter's or state tensor's data pointer, when it still has the dtype and size in bytes of stable tensor j.
+  bool stable_address(PyObject* tensor, py::ssize_t j, int64_t& address) const {
+    PyObject* dtype = PyList_GET_ITEM(stable_dtypes_.ptr(), j);
+    const int64_t nbytes = stable_nbytes_.data()[j];
+    if (access_ != nullptr) return access_->stable(tensor, dtype, nbytes, &address) == 1;
+    address = call_data_ptr(data_ptr_.ptr(), tensor);
+    return same_extent(tensor, dtype, nbytes);
+  }
+
+  // A gradient's data pointer, when it is contiguous.
+  bool contiguous_address(PyObject* grad, int64_t* address) const {
+    if (access_ != nullptr) return access_->contiguous(grad, address) == 1;
+    PyObject* contiguous = PyObject_CallOneArg(is_contiguous_.ptr(), grad);
+    if (contiguous == nullptr) throw py::error_already_set();
+    Py_DECREF(contiguous);
+    if (contiguous != Py_True) return false;
+    *address = call_data_ptr(data_ptr_.ptr(), grad);
     return true;
   }
 
@@ -315,6 +327,8 @@ class PlanCheck {
   py::list stable_dtypes_;
   py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes_;
   py::object data_ptr_, is_contiguous_;
+  const TensorAccess* access_ = nullptr;  // nanscan._torch_access's reads (NOTE: [tensor access]), else Python calls
+  py::object access_owner_;               // the capsule, held as long as its pointer is used
   py::ssize_t num_params_ = 0, num_state_ = 0, num_grads_ = 0;
 };
 
@@ -487,11 +501,12 @@ PYBIND11_MODULE(_C, m) {
                         "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild.")
       .def(py::init<py::list, py::list, py::list, py::list, py::list, py::list, py::list, py::list,
                     py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::list,
-                    py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::object, py::object>(),
+                    py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::object, py::object,
+                    py::object>(),
            py::arg("child_dicts"), py::arg("children"), py::arg("param_dicts"), py::arg("raw_params"),
            py::arg("state_values"), py::arg("params"), py::arg("grad_absent"), py::arg("state_tensors"),
            py::arg("stable_ptrs"), py::arg("stable_dtypes"), py::arg("stable_nbytes"), py::arg("data_ptr"),
-           py::arg("is_contiguous"))
+           py::arg("is_contiguous"), py::arg("tensor_access") = py::none())
       .def("check", &PlanCheck::check, py::arg("optimizer_state"), py::arg("extra_ptrs"),
            "None if anything changed since the rebuild, else (pointers, gradients).")
       .def("check_and_scan", &PlanCheck::check_and_scan, py::arg("optimizer_state"), py::arg("extra_ptrs"),

@@ -61,6 +61,25 @@ def _native_plan_check():
     return getattr(_C, "PlanCheck", None)
 
 
+def tensor_access():
+    """The capsule of nanscan._torch_access (NOTE: [tensor access] in csrc/torch/tensor_access.cpp) when it was
+    built for the running torch, else None: the plan check then reads tensors through Python calls."""
+    global _tensor_access
+    if _tensor_access is False:
+        try:
+            from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
+        except ImportError:
+            _tensor_access = None
+        else:
+            # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
+            same = _torch_access.torch_version == torch.__version__
+            _tensor_access = _torch_access.tensor_access if same else None
+    return _tensor_access
+
+
+_tensor_access: Any = False  # not looked up yet
+
+
 class ModelScanPlan:
     """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs of a model (and its optimizer), step after step.
 
@@ -105,6 +124,7 @@ class ModelScanPlan:
         self._stable_nbytes = np.empty(0, dtype=np.int64)
         self._native_check = _native_plan_check()  # the class; None for the check in Python
         self._native = None  # the rebuild's nanscan._C.PlanCheck, when the check can run in C++
+        self._tensor_access = tensor_access()  # how that check reads tensors: None for Python calls
         self._templates: list[ScanInput] = []
         self._numels = self._codes = None
         self._identities: tuple[ScannedTensor, ...] = ()
@@ -287,7 +307,7 @@ class ModelScanPlan:
             self._native = None if self._native_check is None or self._permuted_grads else self._native_check(
                 self._child_dicts, self._children, self._param_dicts, self._raw_params, self._state_values, params,
                 self._grad_absent, self._state_tensors, self._stable_ptrs, self._stable_dtypes, self._stable_nbytes,
-                _data_ptr, _is_contiguous)
+                _data_ptr, _is_contiguous, self._tensor_access)
             _, self._numels, self._codes = inputs.table()
             self._identities = inputs.identities
             self._devices = inputs.devices

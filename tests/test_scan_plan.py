@@ -9,6 +9,7 @@ inputs: same names in the same order, and records equal with `==`.
 from __future__ import annotations
 
 import copy
+import importlib
 import weakref
 
 import numpy as np
@@ -18,6 +19,7 @@ from torch import nn
 
 import nanscan
 import nanscan.monitor as monitor_module
+from conftest import native_extension_expected
 from nanscan import backends
 from nanscan.backends import BackendUnavailable
 from nanscan.inputs import ScanInputs, prepare
@@ -25,16 +27,19 @@ from nanscan.pending import select_for_part
 from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
 
 
-@pytest.fixture(params=["one call", "native", "python"])
+@pytest.fixture(params=["one call", "native, Python reads", "python"])
 def new_plan(request):
     """Plans whose per-step check runs in C++ together with the native scan (ModelScanPlan.launch with the cpu
-    backend, nanscan._C.PlanCheck.check_and_scan), in C++ alone (PlanCheck.check) or in Python: all must agree."""
+    backend, nanscan._C.PlanCheck.check_and_scan, reading tensors through nanscan._torch_access where it is built),
+    in C++ alone reading tensors through Python calls (PlanCheck.check), or in Python: all must agree."""
     def make() -> ModelScanPlan:
         plan = ModelScanPlan()
         if request.param == "python":
             plan._native_check = None
         elif plan._native_check is None:
             pytest.skip("nanscan._C is not built")
+        elif request.param == "native, Python reads":
+            plan._tensor_access = None
         plan.test_one_call = request.param == "one call"  # read by planned_scan below
         return plan
     return make
@@ -399,3 +404,31 @@ def test_one_call_falls_back_to_launch_for_another_backend():
         inputs, scan = plan.launch(model, backend_for=lambda devices: backends.load("reference"))
         assert scan.backend == "reference"
         assert np.array_equal(scan.records(), scan_inputs(model_inputs(model), backend="reference").records)
+
+
+def test_tensor_reads_through_torch_are_used_only_for_the_torch_they_were_built_for(monkeypatch):
+    """nanscan._torch_access reads torch's objects by their C++ layout: built for another torch, it is not used."""
+    scan_module = importlib.import_module("nanscan.scan")  # the package's `scan` attribute is the function
+    access = pytest.importorskip("nanscan._torch_access")
+    if native_extension_expected():
+        assert access.torch_version == torch.__version__, "make install builds it for the torch it installs"
+    monkeypatch.setattr(scan_module, "_tensor_access", False)
+    assert scan_module.tensor_access() is access.tensor_access
+    monkeypatch.setattr(scan_module, "_tensor_access", False)
+    monkeypatch.setattr(access, "torch_version", "0.0.1")
+    assert scan_module.tensor_access() is None
+    assert ModelScanPlan()._tensor_access is None
+
+
+def test_a_plan_check_refuses_a_foreign_capsule():
+    from nanscan import _C
+
+    model = make_model()
+    plan = ModelScanPlan()
+    backward(model)
+    plan.inputs(model)
+    foreign = __import__("datetime").datetime_CAPI  # a capsule of another name
+    with pytest.raises(ValueError):
+        _C.PlanCheck(plan._child_dicts, plan._children, plan._param_dicts, plan._raw_params, plan._state_values,
+                     plan._params, plan._grad_absent, plan._state_tensors, plan._stable_ptrs, plan._stable_dtypes,
+                     plan._stable_nbytes, torch.Tensor.data_ptr, torch.Tensor.is_contiguous, foreign)

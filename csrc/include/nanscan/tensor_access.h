@@ -1,0 +1,24 @@
+// tensor_access.h: the C interface through which nanscan._C reads tensors during the plan check (NOTE: [plan
+// check] in csrc/bindings.cpp) without a Python call per tensor. The optional module nanscan._torch_access
+// (csrc/torch/tensor_access.cpp), built against torch's headers, exports these functions in a PyCapsule; this
+// header names no torch type, so nanscan._C itself never depends on torch's ABI.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+
+namespace nanscan {
+
+struct TensorAccess {
+  // A parameter or state tensor: sets *address to its data pointer and returns 1 when it still has `dtype` (a
+  // torch.dtype object) and `nbytes` bytes, 0 when not (or when it cannot be read this way). Never raises.
+  int (*stable)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
+  // A gradient: sets *address and returns 1 when it is contiguous (and readable this way), else 0. Never raises.
+  int (*contiguous)(PyObject* tensor, int64_t* address);
+};
+
+// The capsule's name; the module checks the torch version it was built for before it hands the capsule out.
+constexpr const char* kTensorAccessCapsule = "nanscan._torch_access.TensorAccess";
+
+}  // namespace nanscan
