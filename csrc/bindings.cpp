@@ -187,8 +187,9 @@ bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nb
 // scanned state tensors, and the parameters' then the state tensors' data pointers, dtypes and sizes in bytes.
 // check() returns None when anything differs, else (pointers, gradients): the int64 data pointers of the extra
 // inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
-// check_and_scan() also scans them, the check running on the calling thread inside the scan's parallel region
-// (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and adds the scan's non-finite tensor count to the result.
+// check_and_scan() instead scans them when nothing changed, the check running on the calling thread inside the
+// scan's parallel region (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and returns None or the number of
+// tensors that hold a NaN or an infinity.
 class PlanCheck {
  public:
   PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
@@ -240,16 +241,15 @@ class PlanCheck {
       if (numels.at(i) < 0) throw py::value_error("PlanCheck.check_and_scan: a negative element count");
       tasks[i] = {nullptr, numels.at(i), dtypes.at(i)};
     }
-    py::array_t<int64_t> ptrs(n);
-    py::list grads;
+    std::vector<int64_t> address(n);
+    py::list grads;  // only held while the scan reads them
     bool unchanged = false;
     int64_t* out = records.mutable_data();
     // The check needs the GIL, which this thread holds throughout: the scan is short, and releasing the GIL
     // inside the parallel region would tie the kernel to Python.
     scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
       identity_records(out, n);
-      int64_t* address = ptrs.mutable_data();
-      if (!run(optimizer_state, extra_ptrs, address, grads)) return false;
+      if (!run(optimizer_state, extra_ptrs, address.data(), grads)) return false;
       unchanged = true;
       for (py::ssize_t i = 0; i < n; ++i) {
         if (to_fill[i].numel > 0 && address[i] == 0)
@@ -260,7 +260,7 @@ class PlanCheck {
       return true;
     });
     if (!unchanged) return py::none();  // nothing was scanned
-    return py::make_tuple(ptrs, grads, count_nonfinite(out, n));
+    return py::int_(count_nonfinite(out, n));
   }
 
  private:
@@ -512,8 +512,8 @@ PYBIND11_MODULE(_C, m) {
       .def("check_and_scan", &PlanCheck::check_and_scan, py::arg("optimizer_state"), py::arg("extra_ptrs"),
            py::arg("numels"), py::arg("dtypes"), py::arg("records"), py::arg("chunk_elems"),
            py::arg("num_threads") = 0,
-           "check() and, when nothing changed, the scan of the inputs it found into records: None, or (pointers, "
-           "gradients, number of tensors holding a NaN or an infinity).");
+           "check() and, when nothing changed, the scan of the inputs it found into records: None (changed, nothing "
+           "scanned) or the number of tensors holding a NaN or an infinity.");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

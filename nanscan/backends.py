@@ -78,14 +78,11 @@ class CpuBackend:
                      codes: np.ndarray) -> tuple | None:
         """A model scan plan's per-step check (nanscan._C.PlanCheck) and, when it passes, the scan of the inputs it
         found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): None when the plan changed (nothing
-        was scanned), else (pointers, gradients, records, whether any tensor holds a NaN or an infinity)."""
+        was scanned), else (records, whether any tensor holds a NaN or an infinity)."""
         records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # set by the call
-        done = check.check_and_scan(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
-                                    self.num_threads)
-        if done is None:
-            return None
-        ptrs, grads, nonfinite = done
-        return ptrs, grads, records, nonfinite > 0
+        nonfinite = check.check_and_scan(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
+                                         self.num_threads)
+        return None if nonfinite is None else (records, nonfinite > 0)
 
 
 def _load_numba():

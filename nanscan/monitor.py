@@ -560,15 +560,14 @@ class Monitor:
         if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
             inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
         else:
-            inputs, scan = self._plan.launch(model, self.optimizer, extra=step_inputs,
-                                             backend_for=self._backend_for)
+            scan = self._plan.launch(model, self.optimizer, extra=step_inputs, backend_for=self._backend_for)
         self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         if self.mode == "async":
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
 
-        tensors = inputs.identities
+        tensors = scan.tensors
         on_host = scan.on_host
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                             found_inf=None if on_host else scan.found_inf,

@@ -75,14 +75,19 @@ class ScanPart(NamedTuple):
 class StepScan:
     """One check's scan, made of one part per device that its tensors are on. It is itself a PendingScan."""
 
-    def __init__(self, num_tensors: int, parts: list[ScanPart], backend: str, *, on_host: bool | None = None):
-        self.num_tensors = num_tensors
+    def __init__(self, tensors: tuple[ScannedTensor, ...], parts: list[ScanPart], backend: str, *,
+                 on_host: bool | None = None):
+        self.tensors = tensors  # the identities of the scanned tensors, in record order
         self.parts = parts
         self.backend = backend
         # True when every part ran on the host, so the verdict is already known (a caller that knows says so).
         self.on_host = all(isinstance(part.scan, CompletedScan) for part in parts) if on_host is None else on_host
         self._records: np.ndarray | None = None
         self._found_inf: torch.Tensor | None = None
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensors)
 
     @property
     def nonfinite_on_host(self) -> bool:
@@ -139,9 +144,10 @@ class StepScan:
         return self._records
 
 
-def completed_scan(num_tensors: int, records: np.ndarray, nonfinite: bool | None, backend: str) -> StepScan:
+def completed_scan(tensors: tuple[ScannedTensor, ...], records: np.ndarray, nonfinite: bool | None,
+                   backend: str) -> StepScan:
     """The StepScan of a scan that one host backend already ran over all of a check's inputs."""
-    return StepScan(num_tensors, [ScanPart(None, CompletedScan(records, nonfinite))], backend, on_host=True)
+    return StepScan(tensors, [ScanPart(None, CompletedScan(records, nonfinite))], backend, on_host=True)
 
 
 def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
@@ -180,7 +186,7 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
             scan = CompletedScan(chosen.scan_records(group))
         parts.append(ScanPart(rows, scan))
     name = "+".join(dict.fromkeys(used)) if used else (backend if isinstance(backend, str) else "")
-    return StepScan(len(inputs), parts, name)
+    return StepScan(inputs.identities, parts, name)
 
 
 def select_for_part(device: torch.device, backend: Any, *, mixed: bool) -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, as_scan_inputs, bind, is_dense_permutation,
                             prepare, prepare_all)
-from nanscan.pending import completed_scan, launch
+from nanscan.pending import StepScan, completed_scan, launch
 from nanscan.stats import ScannedTensor, ScanReport
 
 
@@ -143,41 +143,36 @@ class ModelScanPlan:
         if self._unchanged_structure(model, optimizer):
             checked = self._check(optimizer, [item.data_ptr() for item in extra])
             if checked is not None:
-                return self._checked_inputs(extra, *checked, self._joined(extra))
+                ptrs, grads = checked
+                numels, codes, identities, devices = self._joined(extra)
+                return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
+                                  self._state_tensors, ptrs=ptrs, numels=numels, codes=codes,
+                                  identities=identities, devices=devices)
         return self._rebuilt_inputs(model, optimizer, extra)
 
     def launch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               extra: Sequence[ScanInput] = (), backend_for: Callable[[tuple[str, ...]], Any]) -> tuple:
-        """(inputs(), their scan launched by nanscan.pending.launch). `backend_for(devices)` gives the backend (or
-        the mapping from device to backend) that launch takes. When nothing changed and every input is on the CPU
-        for the native backend, the per-step check and the scan are one native call, the check running while the
-        scan's threads wake up (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp)."""
+               extra: Sequence[ScanInput] = (), backend_for: Callable[[tuple[str, ...]], Any]) -> StepScan:
+        """The scan of inputs(), launched by nanscan.pending.launch; its `tensors` name them. `backend_for(devices)`
+        gives the backend (or the mapping from device to backend) that launch takes. When nothing changed and
+        every input is on the CPU for the native backend, the per-step check and the scan are one native call,
+        the check running while the scan's threads wake up (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and
+        no ScanInputs is made."""
         if self._native is not None and self._unchanged_structure(model, optimizer):
-            joined = self._joined(extra)
-            backend = backend_for(joined[3])
+            numels, codes, identities, devices = self._joined(extra)
+            backend = backend_for(devices)
             scan_planned = getattr(backend, "scan_planned", None)
             if scan_planned is not None:
                 scanned = scan_planned(self._native, None if optimizer is None else optimizer.state,
-                                       [item.data_ptr() for item in extra], joined[0], joined[1])
+                                       [item.data_ptr() for item in extra], numels, codes)
                 if scanned is not None:
-                    ptrs, grads, records, nonfinite = scanned
-                    inputs = self._checked_inputs(extra, ptrs, grads, joined)
-                    return inputs, completed_scan(len(inputs), records, nonfinite, backend.name)
+                    return completed_scan(identities, *scanned, backend.name)
         inputs = self.inputs(model, optimizer, extra=extra)
-        return inputs, launch(inputs, backend=backend_for(inputs.devices))
+        return launch(inputs, backend=backend_for(inputs.devices))
 
     def _unchanged_structure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """The cheap part of the check, in Python: the last rebuild allows the fast path, the root's children
         are the dict it saw, and the optimizer's parameter groups are the lists it saw."""
         return self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer)
-
-    def _checked_inputs(self, extra: Sequence[ScanInput], ptrs: np.ndarray, grads: list,
-                        joined: tuple) -> ScanInputs:
-        """The step's inputs once the check passed: `joined` is _joined(extra), `ptrs` and `grads` the check's."""
-        numels, codes, identities, devices = joined
-        return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
-                          self._state_tensors, ptrs=ptrs, numels=numels, codes=codes, identities=identities,
-                          devices=devices)
 
     def _rebuilt_inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         extra: Sequence[ScanInput]) -> ScanInputs:

@@ -314,8 +314,10 @@ def test_pending_report_waits_only_for_records():
 def test_step_scan_joins_parts_from_several_devices():
     a = nanscan.scan({"a0": torch.ones(2), "a1": torch.zeros(3), "a2": torch.ones(1)}).records
     b = nanscan.scan({"b0": torch.tensor([float("inf")]), "b1": torch.ones(4)}).records
-    scan = StepScan(5, [ScanPart(np.array([0, 1, 4]), CompletedScan(a)), ScanPart(np.array([2, 3]),
-                                                                                   CompletedScan(b))], "cpu")
+    tensors = tuple(ScannedTensor(f"t{i}", "float32", "cpu", 1, L.FLOAT32) for i in range(5))
+    scan = StepScan(tensors, [ScanPart(np.array([0, 1, 4]), CompletedScan(a)),
+                              ScanPart(np.array([2, 3]), CompletedScan(b))], "cpu")
+    assert scan.num_tensors == 5
     assert scan.on_host and scan.nonfinite_on_host and float(scan.found_inf) == 1.0
     assert np.array_equal(scan.records()[[0, 1, 4]], a) and np.array_equal(scan.records()[[2, 3]], b)
     ring = HistoryRing(2)

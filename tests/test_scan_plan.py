@@ -48,8 +48,8 @@ def new_plan(request):
 def planned_scan(plan: ModelScanPlan, model: nn.Module, optimizer=None) -> nanscan.ScanReport:
     """The plan's scan of this step, the way the new_plan fixture chose."""
     if getattr(plan, "test_one_call", False):
-        inputs, scan = plan.launch(model, optimizer, backend_for=lambda devices: backends.load("cpu"))
-        return nanscan.ScanReport(inputs.identities, scan.records(), backend=scan.backend)
+        scan = plan.launch(model, optimizer, backend_for=lambda devices: backends.load("cpu"))
+        return nanscan.ScanReport(scan.tensors, scan.records(), backend=scan.backend)
     return scan_inputs(plan.inputs(model, optimizer))
 
 
@@ -386,9 +386,9 @@ def test_one_call_scans_the_batch_and_loss_with_the_model_and_gives_the_verdict(
         if step == 3:
             x[2] = float("inf")
         extra = [prepare("input:x", x), prepare("loss", torch.tensor(1.5))]
-        inputs, scan = plan.launch(model, optimizer, extra=extra, backend_for=lambda devices: cpu)
+        scan = plan.launch(model, optimizer, extra=extra, backend_for=lambda devices: cpu)
         fresh = scan_inputs(ScanInputs.join([ScanInputs(extra), model_inputs(model, optimizer)]))
-        assert [t.name for t in inputs.identities] == fresh.names
+        assert [t.name for t in scan.tensors] == fresh.names
         assert np.array_equal(scan.records(), fresh.records)
         assert scan.backend == "cpu" and scan.nonfinite_on_host == (step == 3)
         optimizer.step()
@@ -401,7 +401,7 @@ def test_one_call_falls_back_to_launch_for_another_backend():
     plan = ModelScanPlan()
     for _ in range(2):
         backward(model)
-        inputs, scan = plan.launch(model, backend_for=lambda devices: backends.load("reference"))
+        scan = plan.launch(model, backend_for=lambda devices: backends.load("reference"))
         assert scan.backend == "reference"
         assert np.array_equal(scan.records(), scan_inputs(model_inputs(model), backend="reference").records)
 
