@@ -54,15 +54,6 @@ std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64
   return tasks;
 }
 
-// The kernel adds into records in the identity state; setting it here saves the caller a pass over the array in
-// Python (np.empty is enough), and the lines are then in cache for the kernel.
-void identity_records(int64_t* out, py::ssize_t n) {
-  for (py::ssize_t t = 0; t < n; ++t) {
-    std::fill_n(out + t * record::kWidth, record::kWidth, int64_t(0));
-    out[t * record::kWidth + record::kAbsMinBits] = record::kAbsMinNone;
-  }
-}
-
 // How many tensors hold a NaN or an infinity: the step's verdict, read while the records are in cache (asked from
 // Python after every Monitor check, a numpy reduction over them cost tens of microseconds).
 int64_t count_nonfinite(const int64_t* out, py::ssize_t n) {
@@ -83,10 +74,7 @@ int64_t scan_cpu_py(CArray<int64_t> ptrs, CArray<int64_t> numels, CArray<int32_t
     throw py::value_error("scan_cpu: records must have shape (len(ptrs), " + std::to_string(record::kWidth) + ")");
   int64_t* out = records.mutable_data();
   py::gil_scoped_release release;  // the scan touches no Python object
-  scan_cpu(tasks.data(), static_cast<int64_t>(n), out, chunk_elems, num_threads, [&](ScanTask*) {
-    identity_records(out, n);
-    return true;
-  });
+  scan_cpu(tasks.data(), static_cast<int64_t>(n), out, chunk_elems, num_threads);  // sets every slot
   return count_nonfinite(out, n);
 }
 
@@ -248,7 +236,6 @@ class PlanCheck {
     // The check needs the GIL, which this thread holds throughout: the scan is short, and releasing the GIL
     // inside the parallel region would tie the kernel to Python.
     scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
-      identity_records(out, n);
       if (!run(optimizer_state, extra_ptrs, address.data(), grads)) return false;
       unchanged = true;
       for (py::ssize_t i = 0; i < n; ++i) {

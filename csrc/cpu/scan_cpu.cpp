@@ -53,8 +53,8 @@ namespace {
 // NOTE: [chunking]
 // Every tensor is cut into chunks of at most chunk_elems elements; the chunks of all tensors form one work list so
 // that one large tensor and many small ones load the threads evenly. A tensor that fits one chunk (most tensors of
-// a model: biases, norms, optimizer step counters) is scanned straight into its record, which the caller passed in
-// the identity state. Each chunk of a larger tensor produces a partial record; the partials are merged per tensor
+// a model: biases, norms, optimizer step counters) is scanned straight into its record, set to the identity just
+// before (NOTE: [record writes]). Each chunk of a larger tensor produces a partial record; the partials are merged per tensor
 // in chunk order, so even the float64 sum of squares is the same on every run and for every thread count. Inside a
 // chunk the work is cut into blocks at fixed offsets from the chunk start (never from the memory address), so the
 // summation order depends on the chunk size alone.
@@ -1082,11 +1082,20 @@ inline void cpu_relax() {
 // Between two training steps the scan's other threads go to sleep (OpenMP spins only briefly), and waking one takes
 // tens of microseconds: 55-70 us on the 2-core development VM, where an idle virtual CPU must be rescheduled, which is
 // as long as the scan's own share of a small model. With dynamic scheduling the calling thread starts on the chunks
-// alone meanwhile, but the wake still shows in the scan's time. So the work that must precede the scan (setting
-// the records to the identity, and for the Monitor the per-step plan check that finds the data pointers) runs
-// inside the parallel region, on the calling thread, while the others wake and wait for it to say go. Waiting
+// alone meanwhile, but the wake still shows in the scan's time. So the work that must precede the scan (for the
+// Monitor, the per-step plan check that finds the data pointers) runs inside the parallel region, on the calling thread, while the others wake and wait for it to say go. Waiting
 // threads spin (pause), and yield the core once the wait is long: on an oversubscribed machine the spinner may
 // share the core with the thread it waits for.
+// NOTE: [record writes]
+// A record is 2 KiB (its histogram), and a Monitor's records are fresh memory every step (the history ring keeps the
+// last steps' arrays), so setting all of them to the identity before the scan meant two trips to memory per record:
+// the scan's reads evicted them again before it added into them. Each record is set where it is first written: by
+// the chunk that scans into it, by the merge of its partials, or here for a tensor without elements.
+inline void set_identity(int64_t* rec) {
+  std::memset(rec, 0, sizeof(int64_t) * record::kWidth);
+  rec[record::kAbsMinBits] = record::kAbsMinNone;
+}
+
 void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads,
               const Prologue& prologue) {
   const WorkList work = make_chunks(tasks, num_tasks, chunk_elems);
@@ -1131,13 +1140,13 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
           prefetch_chunk_start(tasks[chunks[next].task], chunks[next]);
         if (chunk.partial == kOwnRecord) {
           int64_t* own = records + chunk.task * record::kWidth;
+          set_identity(own);
           double sumsq = 0.0;
           scan_one_chunk(tasks[chunk.task], chunk, own, sumsq, counts);
           std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
         } else {
           Partial& p = partials[chunk.partial];
-          std::memset(p.counts, 0, sizeof(p.counts));
-          p.counts[record::kAbsMinBits] = record::kAbsMinNone;
+          set_identity(p.counts);
           scan_one_chunk(tasks[chunk.task], chunk, p.counts, p.sumsq, counts);
         }
       }
@@ -1145,12 +1154,17 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
   }
   if (failure) std::rethrow_exception(failure);
   if (state.load(std::memory_order_relaxed) != kGo) return;
+  for (int64_t t = 0; t < num_tasks; ++t)
+    if (tasks[t].numel == 0) set_identity(records + t * record::kWidth);  // no chunk wrote it
   // The chunks of a task lie next to each other in the list, in order: merge them in that order (NOTE: [chunking]).
   double sumsq = 0.0;
   for (const Chunk& chunk : chunks) {
     if (chunk.partial == kOwnRecord) continue;
     int64_t* own = records + chunk.task * record::kWidth;
-    if (chunk.begin == 0) sumsq = 0.0;
+    if (chunk.begin == 0) {
+      sumsq = 0.0;
+      set_identity(own);
+    }
     merge(own, sumsq, partials[chunk.partial]);
     if (chunk.end == tasks[chunk.task].numel) std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
   }

@@ -15,13 +15,12 @@ struct ScanTask {
 
 // Work the calling thread does inside the scan's parallel region before any element is read, while the other
 // threads wake up (NOTE: [wake overlap] in scan_cpu.cpp). It may set the tasks' data pointers (their counts and
-// formats are final before the call) and the records, and returns false to cancel the scan. An exception it throws
+// formats are final before the call), and returns false to cancel the scan. An exception it throws
 // reaches the caller of scan_cpu.
 using Prologue = std::function<bool(ScanTask* tasks)>;
 
-// Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), which must be in
-// the identity state when the scan starts (set by the caller or by `prologue`): a tensor that fits one chunk is
-// scanned straight into it.
+// Scans `num_tasks` tensors into `records` (num_tasks x record::kWidth int64, NOTE: [stats record]), writing every
+// slot (NOTE: [record writes]); when `prologue` cancels the scan they are left as they were.
 // `chunk_elems` is the work unit (NOTE: [chunking]), clamped to [1, 2^30]; the records depend on it (the sum of
 // squares, in its last bits) but never on the thread count.
 // `num_threads` 0 means OpenMP's default, fewer for small inputs; any other value is used as given (at most one
