@@ -319,6 +319,81 @@ class PlanCheck {
   py::ssize_t num_params_ = 0, num_state_ = 0, num_grads_ = 0;
 };
 
+// The per-step check of nanscan.inputs.BatchPlan (NOTE: [batch plan] in nanscan/inputs.py): whether `batch` and
+// `loss` have the structure of the batch the plan prepared, given as the tuple (kind, keys, dtypes, nbytes,
+// tensor_type, tensor_access, loss_dtype, loss_nbytes): kind 0 no batch, 1 one tensor, 2 a dict with `keys` in
+// this order, 3 a list, 4 a tuple; per leaf its dtype object and, for a scanned one, its size in bytes (-1 for a
+// skipped one); leaves and the loss of exactly type tensor_type (torch.Tensor); loss_dtype None for no loss.
+// Returns (the scanned leaves then the loss, their data pointers), or None when anything differs.
+py::object batch_leaves(const py::handle& batch, const py::handle& loss, const py::tuple& plan) {
+  if (plan.size() != 8) throw py::value_error("batch_leaves: the plan is an 8-tuple");
+  const int kind = plan[0].cast<int>();
+  PyObject* keys = plan[1].ptr();
+  PyObject* dtypes = plan[2].ptr();
+  PyObject* nbytes = plan[3].ptr();
+  PyObject* tensor_type = plan[4].ptr();
+  const auto* access = static_cast<const TensorAccess*>(PyCapsule_GetPointer(plan[5].ptr(), kTensorAccessCapsule));
+  if (access == nullptr) throw py::error_already_set();
+  if (!PyTuple_Check(dtypes) || !PyTuple_Check(nbytes) || PyTuple_GET_SIZE(dtypes) != PyTuple_GET_SIZE(nbytes))
+    throw py::value_error("batch_leaves: dtypes and nbytes are tuples of one length");
+  const Py_ssize_t n = PyTuple_GET_SIZE(dtypes);
+  py::list scanned, addresses;
+  int64_t address = 0;
+  auto leaf = [&](PyObject* value, PyObject* dtype, PyObject* size) {
+    if (Py_TYPE(value) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
+    const long long expected = PyLong_AsLongLong(size);
+    if (expected == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (access->batch_leaf(value, dtype, expected, &address) != 1) return false;
+    if (expected >= 0) {
+      scanned.append(value);
+      addresses.append(py::int_(address));
+    }
+    return true;
+  };
+  PyObject* root = batch.ptr();
+  switch (kind) {
+    case 0:
+      if (root != Py_None) return py::none();
+      break;
+    case 1:
+      if (n != 1 || !leaf(root, PyTuple_GET_ITEM(dtypes, 0), PyTuple_GET_ITEM(nbytes, 0))) return py::none();
+      break;
+    case 2: {
+      if (!PyDict_CheckExact(root) || PyDict_GET_SIZE(root) != n || !PyTuple_Check(keys)) return py::none();
+      PyObject *key, *value;
+      Py_ssize_t pos = 0, i = 0;
+      while (PyDict_Next(root, &pos, &key, &value)) {
+        PyObject* expected_key = PyTuple_GET_ITEM(keys, i);
+        if (key != expected_key) {
+          const int same = PyObject_RichCompareBool(key, expected_key, Py_EQ);
+          if (same < 0) throw py::error_already_set();
+          if (!same) return py::none();
+        }
+        if (!leaf(value, PyTuple_GET_ITEM(dtypes, i), PyTuple_GET_ITEM(nbytes, i))) return py::none();
+        ++i;
+      }
+      break;
+    }
+    case 3:
+    case 4: {
+      const bool is_list = kind == 3;
+      if (is_list ? !PyList_CheckExact(root) : !PyTuple_CheckExact(root)) return py::none();
+      if ((is_list ? PyList_GET_SIZE(root) : PyTuple_GET_SIZE(root)) != n) return py::none();
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* value = is_list ? PyList_GET_ITEM(root, i) : PyTuple_GET_ITEM(root, i);
+        if (!leaf(value, PyTuple_GET_ITEM(dtypes, i), PyTuple_GET_ITEM(nbytes, i))) return py::none();
+      }
+      break;
+    }
+    default:
+      throw py::value_error("batch_leaves: unknown batch kind " + std::to_string(kind));
+  }
+  PyObject* loss_dtype = plan[6].ptr();
+  if ((loss_dtype == Py_None) != loss.is_none()) return py::none();
+  if (loss_dtype != Py_None && !leaf(loss.ptr(), loss_dtype, plan[7].ptr())) return py::none();
+  return py::make_tuple(scanned, addresses);
+}
+
 py::dict build_info_py() {
   py::dict info;
 #ifdef _OPENMP
@@ -484,6 +559,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("classify_bits", &classify_bits_py, py::arg("bits"), py::arg("dtype"),
         "Classify bit patterns with classify.h: returns (value classes, exponent bins or -1).");
   m.def("build_info", &build_info_py, "How the extension was built.");
+  m.def("batch_leaves", &batch_leaves, py::arg("batch"), py::arg("loss"), py::arg("plan"),
+        "The per-step check of nanscan.inputs.BatchPlan: (the scanned leaves and the loss, their data pointers), or "
+        "None if the batch's structure changed.");
   py::class_<PlanCheck>(m, "PlanCheck",
                         "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild.")
       .def(py::init<py::list, py::list, py::list, py::list, py::list, py::list, py::list, py::list,

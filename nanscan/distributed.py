@@ -64,7 +64,6 @@ import torch.distributed as dist
 from nanscan._atomic import atomic_write_json
 from nanscan.bundle import (MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, read_json, refuse_link,
                             write_bundle)
-from nanscan.inputs import ScanInput
 from nanscan.scan import ModelScanPlan
 from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
 from nanscan.stats import ScanReport

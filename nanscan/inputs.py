@@ -93,15 +93,7 @@ class ScanInput:
         if self.numel != 1 or not self.tensor.is_cpu:
             raise ValueError(f"{self.name!r}: host_scalar reads one-element CPU inputs; this one has "
                              f"{self.numel} elements on {self.tensor.device}")
-        address = self.data_ptr()
-        if self.scanned_code == L.FLOAT32:
-            return ctypes.c_float.from_address(address).value
-        if self.scanned_code == L.FLOAT64:
-            return ctypes.c_double.from_address(address).value
-        bits = ctypes.c_uint16.from_address(address).value
-        if self.scanned_code == L.FLOAT16:
-            return struct.unpack("<e", struct.pack("<H", bits))[0]
-        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bfloat16: the top half of a float32
+        return read_host_scalar(self.data_ptr(), self.scanned_code)
 
     def bits(self) -> torch.Tensor:
         """The same memory reinterpreted as unsigned integers of the element width (no copy)."""
@@ -109,6 +101,18 @@ class ScanInput:
 
     def __repr__(self) -> str:
         return f"ScanInput({self.name!r}, {self.dtype}, numel={self.numel}, layout={self.layout})"
+
+
+def read_host_scalar(address: int, code: int) -> float:
+    """The value of the element of format `code` (nanscan._layout) at host memory `address`."""
+    if code == L.FLOAT32:
+        return ctypes.c_float.from_address(address).value
+    if code == L.FLOAT64:
+        return ctypes.c_double.from_address(address).value
+    bits = ctypes.c_uint16.from_address(address).value
+    if code == L.FLOAT16:
+        return struct.unpack("<e", struct.pack("<H", bits))[0]
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]  # bfloat16: the top half of a float32
 
 
 _DEVICE_NAMES: dict[torch.device, str] = {}
@@ -290,6 +294,165 @@ class ScanInputs(Sequence[ScanInput]):
                    ptrs=ptrs, numels=numels, codes=codes,
                    identities=tuple(identity for part in parts for identity in part.identities),
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
+
+
+def tensor_access():
+    """The capsule of nanscan._torch_access (NOTE: [tensor access] in csrc/torch/tensor_access.cpp) when it was
+    built for the running torch, else None: the plan checks then read tensors through Python calls."""
+    global _tensor_access
+    if _tensor_access is False:
+        try:
+            from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
+        except ImportError:
+            _tensor_access = None
+        else:
+            # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
+            same = _torch_access.torch_version == torch.__version__
+            _tensor_access = _torch_access.tensor_access if same else None
+    return _tensor_access
+
+
+_tensor_access: Any = False  # not looked up yet
+
+
+class StepInputs:
+    """A check's batch and loss inputs as the model plan joins them with the model's (the `extra` of
+    nanscan.scan.ModelScanPlan): their identities, data pointers and the skipped batch tensors' names, the loss
+    last when `has_loss`. The ScanInput objects are made only when something asks for them (`items()`), which the
+    one-call path of a steady batch never does (NOTE: [batch plan])."""
+
+    __slots__ = ("identities", "ptrs", "skipped", "has_loss", "_items", "_templates", "_leaves")
+
+    def __init__(self, identities: tuple[ScannedTensor, ...], ptrs: list[int], skipped: tuple[str, ...] = (),
+                 has_loss: bool = False, *, items: list[ScanInput] | None = None,
+                 templates: Sequence[ScanInput] = (), leaves: Sequence[torch.Tensor] = ()):
+        self.identities = identities
+        self.ptrs = ptrs
+        self.skipped = skipped
+        self.has_loss = has_loss
+        self._items, self._templates, self._leaves = items, templates, leaves
+
+    @classmethod
+    def of(cls, items: Sequence[ScanInput], skipped: tuple[str, ...] = (), has_loss: bool = False) -> "StepInputs":
+        items = list(items)
+        return cls(tuple(item.identity for item in items), [item.data_ptr() for item in items], skipped, has_loss,
+                   items=items)
+
+    def __len__(self) -> int:
+        return len(self.identities)
+
+    def items(self) -> list[ScanInput]:
+        if self._items is None:
+            self._items = [bind(template, leaf) for template, leaf in zip(self._templates, self._leaves)]
+        return self._items
+
+    def loss_value(self) -> float | None:
+        """The loss read from host memory where the scan read it, for a one-element CPU loss; else None."""
+        if not self.has_loss:
+            return None
+        loss = self.identities[-1]
+        if loss.numel != 1 or loss.device != "cpu":
+            return None
+        return read_host_scalar(self.ptrs[-1], loss.scanned_code)
+
+
+def as_step_inputs(extra: Any) -> StepInputs:
+    return extra if isinstance(extra, StepInputs) else StepInputs.of(extra)
+
+
+def _batch_leaves_check():
+    try:
+        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
+    except ImportError:
+        return None
+    return getattr(_C, "batch_leaves", None)
+
+
+class BatchPlan:
+    """A Monitor's `input:<path>` and `loss` inputs, step after step.
+
+    NOTE: [batch plan]
+    A training loop hands every check a batch of one structure: the same keys, tensors of the same dtype and shape.
+    Walking it in Python (iter_batch_tensors, then prepare per tensor) cost a tenth of a small model's check, almost
+    all of it in the interpreter's cold caches. So the plan prepares a batch the ordinary way once, and when it is
+    a plain dict, list or tuple of tensors (or one tensor, or None) whose scanned tensors are contiguous on the CPU,
+    and the loss is such a tensor too, it keeps their descriptions (ScanInput templates) and what each leaf must
+    match. Each later step one native call (nanscan._C.batch_leaves, reading tensors through nanscan._torch_access)
+    checks the new batch against that and returns its scanned leaves, which are bound to the templates; anything
+    else (another structure, dtype, size, device, layout, a nested batch, numpy arrays, a missing extension) takes
+    the ordinary path, which also builds the next plan. Both paths give the same inputs and skipped names.
+    """
+
+    _KINDS = {type(None): 0, dict: 2, list: 3, tuple: 4}
+
+    def __init__(self):
+        self._check = _batch_leaves_check()
+        self._plan: tuple | None = None  # the native check's description, when the last batch allowed one
+        self._templates: list[ScanInput] = []
+        self._identities: tuple[ScannedTensor, ...] = ()
+        self._skipped: tuple[str, ...] = ()
+        self.rebuilds = 0
+
+    def prepare(self, batch: Any, loss: torch.Tensor | None) -> StepInputs:
+        """The inputs of the batch's floating tensors then of the loss (`input:<path>`, `loss`), and the names of
+        the batch tensors that are not scanned."""
+        if self._plan is not None:
+            found = self._check(batch, loss, self._plan)
+            if found is not None:
+                leaves, ptrs = found
+                return StepInputs(self._identities, ptrs, self._skipped, loss is not None,
+                                  templates=self._templates, leaves=leaves)
+        return self._rebuild(batch, loss)
+
+    def _rebuild(self, batch: Any, loss: torch.Tensor | None) -> StepInputs:
+        from nanscan.bundle import iter_batch_tensors  # noqa: PLC0415 - nanscan.bundle imports this module
+
+        self.rebuilds += 1
+        items, skipped, leaves = [], [], []
+        if batch is not None:
+            for path, tensor in iter_batch_tensors(batch):
+                item = prepare(f"input:{path}", tensor)
+                leaves.append((tensor, item))
+                if item is None:
+                    skipped.append(f"input:{path}")
+                else:
+                    items.append(item)
+        loss_input = None
+        if loss is not None:
+            loss_input = prepare("loss", loss)
+            if loss_input is not None:
+                items.append(loss_input)
+        self._plan = self._describe(batch, leaves, loss, loss_input)
+        self._templates = [bind(item, None) for item in items]
+        self._skipped = tuple(skipped)
+        step = StepInputs.of(items, self._skipped, loss_input is not None)
+        self._identities = step.identities
+        return step
+
+    def _describe(self, batch: Any, leaves: list, loss: torch.Tensor | None, loss_input: ScanInput | None):
+        """The native check's description of this batch, or None when the batch or loss takes the ordinary path."""
+        access = tensor_access()
+        if self._check is None or access is None:
+            return None
+        kind = 1 if type(batch) is torch.Tensor else self._KINDS.get(type(batch))
+        values = [] if batch is None else [batch] if kind == 1 else \
+            list(batch.values()) if kind == 2 else list(batch) if kind is not None else None
+        if values is None or len(values) != len(leaves) or loss is not None and loss_input is None:
+            return None  # nested, numpy, dataclass, or a loss that is not scanned
+        dtypes, nbytes = [], []
+        for value, (tensor, item) in zip(values, leaves):
+            if type(value) is not torch.Tensor or tensor is not value:
+                return None
+            if item is not None and not (item.tensor is value and item.layout == CONTIGUOUS and value.is_cpu):
+                return None  # derived (complex parts), permuted, gapped, or not on the CPU
+            dtypes.append(value.dtype)
+            nbytes.append(value.nbytes if item is not None else -1)
+        if loss is not None and not (type(loss) is torch.Tensor and loss_input.tensor is loss and
+                                     loss_input.layout == CONTIGUOUS and loss.is_cpu):
+            return None
+        keys = tuple(batch) if kind == 2 else None
+        return (kind, keys, tuple(dtypes), tuple(nbytes), torch.Tensor, access,
+                None if loss is None else loss.dtype, -1 if loss is None else loss.nbytes)
 
 
 def tensor_from_numpy(name: str, array: np.ndarray) -> torch.Tensor:

@@ -60,9 +60,8 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.bundle import (HistoryEntry, Incident, check_run_id, iter_batch_tensors, read_log_tail, tensor_kind,
-                            write_bundle)
-from nanscan.inputs import ScanInput, ScanInputs, prepare
+from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, tensor_kind, write_bundle
+from nanscan.inputs import BatchPlan, StepInputs
 from nanscan.pending import HistoryRing, StepScan, launch, select_for_part
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.scan import ModelScanPlan
@@ -189,15 +188,17 @@ def _scalar(value: Any) -> float | None:
     return float(value)
 
 
-def _kept_scalar(value: Any, scanned: ScanInput | None = None) -> Any:
+def _kept_scalar(value: Any, step_inputs: StepInputs | None = None) -> Any:
     """A loss or learning rate as the history keeps it: a float, or for a GPU scalar a device copy (reading it
-    would wait for the GPU; _scalar reads it when the history is read). `scanned`: the value's scan input, whose
-    memory is read directly for a one-element CPU tensor (ScanInput.host_scalar)."""
+    would wait for the GPU; _scalar reads it when the history is read). `step_inputs`: the check's inputs, whose
+    loss is read from host memory for a one-element CPU tensor (StepInputs.loss_value), not through .item()."""
     if isinstance(value, torch.Tensor):
         if not value.is_cpu:
             return value.detach().reshape(()).clone() if value.numel() == 1 else None
-        if scanned is not None and scanned.numel == 1:
-            return scanned.host_scalar()
+        if step_inputs is not None:
+            read = step_inputs.loss_value()
+            if read is not None:
+                return read
     return _scalar(value)
 
 
@@ -431,6 +432,7 @@ class Monitor:
         weakref.finalize(self, self._hook.remove)
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
+        self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see _backend_for
         self._agreement = None
         if _distributed_ready():
@@ -541,20 +543,10 @@ class Monitor:
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
-        step_inputs, skipped, loss_input = [], [], None
-        if batch is not None:
-            for path, tensor in iter_batch_tensors(batch):
-                item = prepare(f"input:{path}", tensor)
-                if item is None:
-                    skipped.append(f"input:{path}")
-                else:
-                    step_inputs.append(item)
-        if loss is not None:
-            if not isinstance(loss, torch.Tensor):
-                loss = torch.tensor(float(loss), dtype=torch.float64)
-            loss_input = prepare("loss", loss)
-            if loss_input is not None:
-                step_inputs.append(loss_input)
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss), dtype=torch.float64)
+        step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
+        skipped = step_inputs.skipped
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
         if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
@@ -572,7 +564,7 @@ class Monitor:
         report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                             found_inf=None if on_host else scan.found_inf,
                             any_nonfinite=scan.nonfinite_on_host if on_host else None)
-        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss, loss_input), lr=_kept_scalar(lr))
+        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss, step_inputs), lr=_kept_scalar(lr))
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:

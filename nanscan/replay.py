@@ -1053,7 +1053,7 @@ def _replay_markdown(result: ReplayResult) -> str:
     lines = [result.explanation(), "",
              f"- replayed {len(result.runs)} times from the {result.state} state with `{result.entry}`, "
              "deterministic algorithms on",
-             f"- runs: " + "; ".join(("finite" if r.finite else "error" if r.error else f"non-finite ({r.category})")
+             "- runs: " + "; ".join(("finite" if r.finite else "error" if r.error else f"non-finite ({r.category})")
                                      for r in result.runs)]
     first = result.failing_run
     if first is not None:

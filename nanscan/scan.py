@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, as_scan_inputs, bind, is_dense_permutation,
-                            prepare, prepare_all)
+from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, StepInputs, as_scan_inputs, as_step_inputs,
+                            bind, is_dense_permutation, prepare, prepare_all, tensor_access)
 from nanscan.pending import StepScan, completed_scan, launch
 from nanscan.stats import ScannedTensor, ScanReport
 
@@ -59,25 +59,6 @@ def _native_plan_check():
     except ImportError:
         return None
     return getattr(_C, "PlanCheck", None)
-
-
-def tensor_access():
-    """The capsule of nanscan._torch_access (NOTE: [tensor access] in csrc/torch/tensor_access.cpp) when it was
-    built for the running torch, else None: the plan check then reads tensors through Python calls."""
-    global _tensor_access
-    if _tensor_access is False:
-        try:
-            from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
-        except ImportError:
-            _tensor_access = None
-        else:
-            # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
-            same = _torch_access.torch_version == torch.__version__
-            _tensor_access = _torch_access.tensor_access if same else None
-    return _tensor_access
-
-
-_tensor_access: Any = False  # not looked up yet
 
 
 class ModelScanPlan:
@@ -130,40 +111,43 @@ class ModelScanPlan:
         self._identities: tuple[ScannedTensor, ...] = ()
         self._devices: tuple[str, ...] = ()
         # The last step's extra inputs (their identities), and their table and identities joined with the model's.
-        self._extra_key: list[ScannedTensor] | None = None
+        self._extra_key: tuple[ScannedTensor, ...] | None = None
         self._extra_numels = self._extra_codes = self._extra_identities = None
         self._extra_devices: tuple[str, ...] = ()
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               extra: Sequence[ScanInput] = ()) -> ScanInputs:
+               extra: StepInputs | Sequence[ScanInput] = ()) -> ScanInputs:
         """The inputs to scan this step: `extra` (the batch and the loss, prepared by the caller), then the model's
         parameters, gradients and optimizer state."""
+        extra = as_step_inputs(extra)
         if self._unchanged_structure(model, optimizer):
-            checked = self._check(optimizer, [item.data_ptr() for item in extra])
+            checked = self._check(optimizer, extra.ptrs)
             if checked is not None:
                 ptrs, grads = checked
                 numels, codes, identities, devices = self._joined(extra)
-                return ScanInputs([*extra, *self._templates], tensors=[None] * len(extra) + self._params + grads +
-                                  self._state_tensors, ptrs=ptrs, numels=numels, codes=codes,
+                return ScanInputs([*extra.items(), *self._templates], tensors=[None] * len(extra) + self._params +
+                                  grads + self._state_tensors, ptrs=ptrs, numels=numels, codes=codes,
                                   identities=identities, devices=devices)
         return self._rebuilt_inputs(model, optimizer, extra)
 
     def launch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-               extra: Sequence[ScanInput] = (), backend_for: Callable[[tuple[str, ...]], Any]) -> StepScan:
+               extra: StepInputs | Sequence[ScanInput] = (),
+               backend_for: Callable[[tuple[str, ...]], Any]) -> StepScan:
         """The scan of inputs(), launched by nanscan.pending.launch; its `tensors` name them. `backend_for(devices)`
         gives the backend (or the mapping from device to backend) that launch takes. When nothing changed and
         every input is on the CPU for the native backend, the per-step check and the scan are one native call,
         the check running while the scan's threads wake up (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and
         no ScanInputs is made."""
+        extra = as_step_inputs(extra)
         if self._native is not None and self._unchanged_structure(model, optimizer):
             numels, codes, identities, devices = self._joined(extra)
             backend = backend_for(devices)
             scan_planned = getattr(backend, "scan_planned", None)
             if scan_planned is not None:
-                scanned = scan_planned(self._native, None if optimizer is None else optimizer.state,
-                                       [item.data_ptr() for item in extra], numels, codes)
+                scanned = scan_planned(self._native, None if optimizer is None else optimizer.state, extra.ptrs,
+                                       numels, codes)
                 if scanned is not None:
                     return completed_scan(identities, *scanned, backend.name)
         inputs = self.inputs(model, optimizer, extra=extra)
@@ -175,11 +159,11 @@ class ModelScanPlan:
         return self._fast and model._modules is self._child_dicts[0] and self._same_groups(optimizer)
 
     def _rebuilt_inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                        extra: Sequence[ScanInput]) -> ScanInputs:
+                        extra: StepInputs) -> ScanInputs:
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
         named = list(model.named_parameters())
         inputs = self._rebuild(model, named + _optimizer_only(named, optimizer), optimizer, state_values)
-        return ScanInputs.join([ScanInputs(extra), inputs])
+        return ScanInputs.join([ScanInputs(extra.items()), inputs])
 
     def _same_groups(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Whether the optimizer's parameter lists are the ones of the rebuild (add_param_group adds one; its
@@ -222,12 +206,12 @@ class ModelScanPlan:
             return None
         return np.array(extra_ptrs + param_ptrs + list(map(_data_ptr, grads)) + state_ptrs, dtype=np.int64), grads
 
-    def _joined(self, extra: Sequence[ScanInput]) -> tuple[np.ndarray, np.ndarray, tuple, tuple[str, ...]]:
+    def _joined(self, extra: StepInputs) -> tuple[np.ndarray, np.ndarray, tuple, tuple[str, ...]]:
         """The step's table without pointers (counts, codes, identities, devices), `extra` first. The batch and the
         loss change their identities (name, dtype, device, size, format) only when the batch's structure or shapes
-        do, so the joined table is kept until they do."""
-        key = [item.identity for item in extra]
-        if key != self._extra_key:
+        do, so the joined table is kept until they do (a BatchPlan hands the same tuple every step)."""
+        key = extra.identities
+        if key is not self._extra_key and key != self._extra_key:
             self._extra_key = key
             self._extra_numels = np.concatenate([np.array([i.numel for i in key], np.int64), self._numels])
             self._extra_codes = np.concatenate([np.array([i.scanned_code for i in key], np.int32), self._codes])

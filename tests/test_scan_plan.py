@@ -9,7 +9,6 @@ inputs: same names in the same order, and records equal with `==`.
 from __future__ import annotations
 
 import copy
-import importlib
 import weakref
 
 import numpy as np
@@ -408,15 +407,16 @@ def test_one_call_falls_back_to_launch_for_another_backend():
 
 def test_tensor_reads_through_torch_are_used_only_for_the_torch_they_were_built_for(monkeypatch):
     """nanscan._torch_access reads torch's objects by their C++ layout: built for another torch, it is not used."""
-    scan_module = importlib.import_module("nanscan.scan")  # the package's `scan` attribute is the function
+    import nanscan.inputs as inputs_module
+
     access = pytest.importorskip("nanscan._torch_access")
     if native_extension_expected():
         assert access.torch_version == torch.__version__, "make install builds it for the torch it installs"
-    monkeypatch.setattr(scan_module, "_tensor_access", False)
-    assert scan_module.tensor_access() is access.tensor_access
-    monkeypatch.setattr(scan_module, "_tensor_access", False)
+    monkeypatch.setattr(inputs_module, "_tensor_access", False)
+    assert inputs_module.tensor_access() is access.tensor_access
+    monkeypatch.setattr(inputs_module, "_tensor_access", False)
     monkeypatch.setattr(access, "torch_version", "0.0.1")
-    assert scan_module.tensor_access() is None
+    assert inputs_module.tensor_access() is None
     assert ModelScanPlan()._tensor_access is None
 
 

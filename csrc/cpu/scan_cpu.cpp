@@ -51,13 +51,13 @@ namespace nanscan {
 namespace {
 
 // NOTE: [chunking]
-// Every tensor is cut into chunks of at most chunk_elems elements; the chunks of all tensors form one work list so
-// that one large tensor and many small ones load the threads evenly. A tensor that fits one chunk (most tensors of
-// a model: biases, norms, optimizer step counters) is scanned straight into its record, set to the identity just
-// before (NOTE: [record writes]). Each chunk of a larger tensor produces a partial record; the partials are merged per tensor
-// in chunk order, so even the float64 sum of squares is the same on every run and for every thread count. Inside a
-// chunk the work is cut into blocks at fixed offsets from the chunk start (never from the memory address), so the
-// summation order depends on the chunk size alone.
+// Every tensor is cut into chunks of at most chunk_elems elements; the chunks of all tensors form one work list so that
+// one large tensor and many small ones load the threads evenly. A tensor that fits one chunk (most tensors of a model:
+// biases, norms, optimizer step counters) is scanned straight into its record, set to the identity just before (NOTE:
+// [record writes]). Each chunk of a larger tensor produces a partial record; the partials are merged per tensor in
+// chunk order, so even the float64 sum of squares is the same on every run and for every thread count. Inside a chunk
+// the work is cut into blocks at fixed offsets from the chunk start (never from the memory address), so the summation
+// order depends on the chunk size alone.
 struct Chunk {
   int64_t task;
   int64_t begin;
@@ -1083,9 +1083,13 @@ inline void cpu_relax() {
 // tens of microseconds: 55-70 us on the 2-core development VM, where an idle virtual CPU must be rescheduled, which is
 // as long as the scan's own share of a small model. With dynamic scheduling the calling thread starts on the chunks
 // alone meanwhile, but the wake still shows in the scan's time. So the work that must precede the scan (for the
-// Monitor, the per-step plan check that finds the data pointers) runs inside the parallel region, on the calling thread, while the others wake and wait for it to say go. Waiting
-// threads spin (pause), and yield the core once the wait is long: on an oversubscribed machine the spinner may
-// share the core with the thread it waits for.
+// Monitor, the per-step plan check that finds the data pointers) runs inside the parallel region, on the calling
+// thread, while the others wake and wait for it to say go. Waiting threads spin (pause), and yield the core once the
+// wait is long: on an oversubscribed machine the spinner may share the core with the thread it waits for. This
+// matters only when the scan has more than one thread: where nanscan and torch load the same OpenMP runtime (torch's
+// Linux wheels bring libgomp.so.1), OpenMP's default thread count is the one torch.set_num_threads sets, so a loop
+// that runs torch on one thread scans on the calling thread alone.
+
 // NOTE: [record writes]
 // A record is 2 KiB (its histogram), and a Monitor's records are fresh memory every step (the history ring keeps the
 // last steps' arrays), so setting all of them to the identity before the scan meant two trips to memory per record:

@@ -16,6 +16,10 @@ struct TensorAccess {
   int (*stable)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
   // A gradient: sets *address and returns 1 when it is contiguous (and readable this way), else 0. Never raises.
   int (*contiguous)(PyObject* tensor, int64_t* address);
+  // A batch or loss tensor (NOTE: [batch plan] in nanscan/inputs.py): returns 1 when it has `dtype` and, for one
+  // that is scanned (nbytes >= 0), `nbytes` bytes in one contiguous, strided run of CPU memory without a lazy
+  // negation, setting *address; else 0. Never raises.
+  int (*batch_leaf)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
 };
 
 // The capsule's name; the module checks the torch version it was built for before it hands the capsule out.
