@@ -114,8 +114,9 @@ py::tuple classify_bits_py(CArray<uint64_t> bits, int32_t dtype) {
 // in a training step the same check in Python cost more than the scan of a small model: between two checks the
 // forward and backward passes evict the interpreter's code and data from the caches, so each Python function on
 // the path costs tens of microseconds. Only identities are compared (the plan holds every object it compares
-// with, so no id can have been reused) and torch is reached through the methods the caller passes
-// (Tensor.data_ptr, Tensor.is_contiguous), so this file needs no torch headers.
+// with, so no id can have been reused). Tensors are read through nanscan._torch_access's functions when the caller
+// passes them (NOTE: [tensor access] in csrc/torch/tensor_access.cpp), else through the methods it passes
+// (Tensor.data_ptr, Tensor.is_contiguous) and attribute lookups: this file needs no torch headers either way.
 
 // Whether the values of the dictionaries in `dicts`, in order, are exactly the objects in `expected`. With
 // `nested`, each value of each dictionary is itself a dictionary whose values are compared (optimizer.state).

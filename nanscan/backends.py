@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.inputs import ScanInput, as_scan_inputs
+from nanscan.inputs import ScanInput, as_scan_inputs, tensor_access_status
 
 log = logging.getLogger("nanscan")
 
@@ -199,6 +199,7 @@ def backend_info() -> dict:
         info["build"] = dict(_native_module().build_info())
     except Exception as exc:  # noqa: BLE001
         info["build"] = {"error": f"{type(exc).__name__}: {exc}"}
+    info["tensor_reads"] = tensor_access_status()  # the Monitor's per-step plan checks (NOTE: [tensor access])
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     for device in devices:
         try:

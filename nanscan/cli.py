@@ -141,6 +141,7 @@ def info(as_json):
                 console.print(f"active on {device}: none: {name.removeprefix('error: ')}", markup=False,
                               highlight=False, soft_wrap=True)
         console.print(f"build: {data['build']}", markup=False)
+        console.print(f"plan checks read tensors {data['tensor_reads']}", markup=False)
     if status:
         raise SystemExit(status)
 

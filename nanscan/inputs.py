@@ -315,6 +315,18 @@ def tensor_access():
 _tensor_access: Any = False  # not looked up yet
 
 
+def tensor_access_status() -> str:
+    """How the per-step plan checks read tensors here, and why (`nanscan info`)."""
+    try:
+        from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
+    except ImportError as exc:
+        return f"through Python calls: nanscan._torch_access is not available ({exc})"
+    if _torch_access.torch_version != torch.__version__:
+        return (f"through Python calls: nanscan._torch_access was built for torch {_torch_access.torch_version}, "
+                f"this is torch {torch.__version__} (reinstall nanscan to rebuild it)")
+    return f"through torch's C++ headers (nanscan._torch_access, built for torch {_torch_access.torch_version})"
+
+
 class StepInputs:
     """A check's batch and loss inputs as the model plan joins them with the model's (the `extra` of
     nanscan.scan.ModelScanPlan): their identities, data pointers and the skipped batch tensors' names, the loss
