@@ -372,12 +372,13 @@ def as_step_inputs(extra: Any) -> StepInputs:
     return extra if isinstance(extra, StepInputs) else StepInputs.of(extra)
 
 
-def _batch_leaves_check():
+def native_function(name: str) -> Any:
+    """nanscan._C's `name` (a function or class), or None without the compiled extension."""
     try:
         from nanscan import _C  # noqa: PLC0415 - optional compiled extension
     except ImportError:
         return None
-    return getattr(_C, "batch_leaves", None)
+    return getattr(_C, name, None)
 
 
 class BatchPlan:
@@ -398,7 +399,7 @@ class BatchPlan:
     _KINDS = {type(None): 0, dict: 2, list: 3, tuple: 4}
 
     def __init__(self):
-        self._check = _batch_leaves_check()
+        self._check = native_function("batch_leaves")
         self._plan: tuple | None = None  # the native check's description, when the last batch allowed one
         self._templates: list[ScanInput] = []
         self._identities: tuple[ScannedTensor, ...] = ()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, StepInputs, as_scan_inputs, as_step_inputs,
-                            bind, is_dense_permutation, prepare, prepare_all, tensor_access)
+                            bind, is_dense_permutation, native_function, prepare, prepare_all, tensor_access)
 from nanscan.pending import StepScan, completed_scan, launch
 from nanscan.stats import ScannedTensor, ScanReport
 
@@ -51,14 +51,6 @@ def _uses_module_walk(module: torch.nn.Module) -> bool:
     """Whether named_parameters() of this module is torch's own walk (no subclass overrides how it is found)."""
     cls = type(module)
     return (cls.named_parameters, cls._named_members, cls.named_modules) == _MODULE_WALK
-
-
-def _native_plan_check():
-    try:
-        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
-    except ImportError:
-        return None
-    return getattr(_C, "PlanCheck", None)
 
 
 class ModelScanPlan:
@@ -103,7 +95,7 @@ class ModelScanPlan:
         self._stable_ptrs = np.empty(0, dtype=np.int64)
         self._stable_dtypes: list[torch.dtype] = []
         self._stable_nbytes = np.empty(0, dtype=np.int64)
-        self._native_check = _native_plan_check()  # the class; None for the check in Python
+        self._native_check = native_function("PlanCheck")  # the class; None for the check in Python
         self._native = None  # the rebuild's nanscan._C.PlanCheck, when the check can run in C++
         self._tensor_access = tensor_access()  # how that check reads tensors: None for Python calls
         self._templates: list[ScanInput] = []
