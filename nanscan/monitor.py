@@ -549,22 +549,32 @@ class Monitor:
         skipped = step_inputs.skipped
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
+        host = None  # the every-step path on the CPU: one native call, no StepScan (ModelScanPlan.scan_on_host)
         if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
             inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
         else:
-            scan = self._plan.launch(model, self.optimizer, extra=step_inputs, backend_for=self._backend_for)
+            host = self._plan.scan_on_host(model, self.optimizer, extra=step_inputs, backend_for=self._backend_for)
+            if host is None:
+                inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
+                scan = launch(inputs, backend=self._backend_for(inputs.devices))
         self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         if self.mode == "async":
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
 
-        tensors = scan.tensors
-        on_host = scan.on_host
-        report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
-                            found_inf=None if on_host else scan.found_inf,
-                            any_nonfinite=scan.nonfinite_on_host if on_host else None)
-        self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss, step_inputs), lr=_kept_scalar(lr))
+        kept_loss, kept_lr = _kept_scalar(loss, step_inputs), _kept_scalar(lr)
+        if host is not None:
+            tensors, records, nonfinite, backend = host
+            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite)
+            self._ring.append_host(step, tensors, records, skipped, backend, loss=kept_loss, lr=kept_lr)
+        else:
+            tensors = scan.tensors
+            on_host = scan.on_host
+            report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
+                                found_inf=None if on_host else scan.found_inf,
+                                any_nonfinite=scan.nonfinite_on_host if on_host else None)
+            self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:

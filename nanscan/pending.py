@@ -287,6 +287,15 @@ class HistoryRing:
         self._count += 1
         return slot
 
+    def append_host(self, step: int, tensors: tuple[ScannedTensor, ...], records: np.ndarray,
+                    skipped: tuple[str, ...], backend: str, *, loss: Any = None, lr: Any = None) -> int:
+        """append() for a step whose records one host scan returned (ModelScanPlan.scan_on_host): no StepScan."""
+        records.setflags(write=False)  # shared by the step's report and the history (NOTE: [history ring])
+        slot = self._count % self.size
+        self._slots[slot] = (RingEntry(step, tensors, skipped, backend, loss, lr), [(None, records, None)])
+        self._count += 1
+        return slot
+
     def verdict(self, slot: int, scan: StepScan) -> bool:
         """True when the step stored in `slot` (by append(..., verdict=True)) saw a NaN or an infinity. Waits for
         that step's flag only, not for its records and not for work enqueued after it."""

@@ -133,17 +133,27 @@ class ModelScanPlan:
         the check running while the scan's threads wake up (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and
         no ScanInputs is made."""
         extra = as_step_inputs(extra)
-        if self._native is not None and self._unchanged_structure(model, optimizer):
-            numels, codes, identities, devices = self._joined(extra)
-            backend = backend_for(devices)
-            scan_planned = getattr(backend, "scan_planned", None)
-            if scan_planned is not None:
-                scanned = scan_planned(self._native, None if optimizer is None else optimizer.state, extra.ptrs,
-                                       numels, codes)
-                if scanned is not None:
-                    return completed_scan(identities, *scanned, backend.name)
+        done = self.scan_on_host(model, optimizer, extra=extra, backend_for=backend_for)
+        if done is not None:
+            return completed_scan(*done)
         inputs = self.inputs(model, optimizer, extra=extra)
         return launch(inputs, backend=backend_for(inputs.devices))
+
+    def scan_on_host(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, extra: StepInputs,
+                     backend_for: Callable[[tuple[str, ...]], Any]) -> tuple | None:
+        """launch()'s one native call on its own: (identities, records, whether any tensor holds a NaN or an
+        infinity, backend name) when nothing changed and every input is on the CPU for the native backend, else
+        None, and nothing was scanned. The Monitor's every-step path on the CPU, which needs no StepScan."""
+        if self._native is None or not self._unchanged_structure(model, optimizer):
+            return None
+        numels, codes, identities, devices = self._joined(extra)
+        backend = backend_for(devices)
+        scan_planned = getattr(backend, "scan_planned", None)
+        if scan_planned is None:
+            return None
+        scanned = scan_planned(self._native, None if optimizer is None else optimizer.state, extra.ptrs, numels,
+                               codes)
+        return None if scanned is None else (identities, *scanned, backend.name)
 
     def _unchanged_structure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """The cheap part of the check, in Python: the last rebuild allows the fast path, the root's children
