@@ -37,20 +37,33 @@ void check_dtype_code(int32_t code, const char* where) {
     throw py::value_error(std::string(where) + ": unknown dtype code " + std::to_string(code));
 }
 
-std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
-                                const CArray<int32_t>& dtypes, const char* where) {
-  const py::ssize_t n = ptrs.size();
-  if (numels.size() != n || dtypes.size() != n)
-    throw py::value_error(std::string(where) + ": ptrs, numels and dtypes must have the same length");
+// Tasks for tensors of `numels` elements in the formats `dtypes`, checked; set_data gives each its memory.
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& numels, const CArray<int32_t>& dtypes, const char* where) {
+  const py::ssize_t n = numels.size();
+  if (dtypes.size() != n) throw py::value_error(std::string(where) + ": numels and dtypes must have the same length");
   std::vector<ScanTask> tasks(n);
   for (py::ssize_t i = 0; i < n; ++i) {
     check_dtype_code(dtypes.at(i), where);
     if (numels.at(i) < 0)
       throw py::value_error(std::string(where) + ": numels[" + std::to_string(i) + "] is negative");
-    if (numels.at(i) > 0 && ptrs.at(i) == 0)
-      throw py::value_error(std::string(where) + ": ptrs[" + std::to_string(i) + "] is null for a non-empty tensor");
-    tasks[i] = {reinterpret_cast<const void*>(ptrs.at(i)), numels.at(i), dtypes.at(i)};
+    tasks[i] = {nullptr, numels.at(i), dtypes.at(i)};
   }
+  return tasks;
+}
+
+// Points task i at `address`; a null address is refused for a tensor with elements.
+void set_data(ScanTask& task, int64_t address, py::ssize_t i, const char* where) {
+  if (task.numel > 0 && address == 0)
+    throw py::value_error(std::string(where) + ": ptrs[" + std::to_string(i) + "] is null for a non-empty tensor");
+  task.data = reinterpret_cast<const void*>(address);
+}
+
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
+                                const CArray<int32_t>& dtypes, const char* where) {
+  if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size())
+    throw py::value_error(std::string(where) + ": ptrs, numels and dtypes must have the same length");
+  std::vector<ScanTask> tasks = make_tasks(numels, dtypes, where);
+  for (py::ssize_t i = 0; i < ptrs.size(); ++i) set_data(tasks[i], ptrs.at(i), i, where);
   return tasks;
 }
 
@@ -224,12 +237,7 @@ class PlanCheck {
         records.shape(1) != record::kWidth)
       throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
                             std::to_string(n) + ")");
-    std::vector<ScanTask> tasks(n);
-    for (py::ssize_t i = 0; i < n; ++i) {
-      check_dtype_code(dtypes.at(i), "PlanCheck.check_and_scan");
-      if (numels.at(i) < 0) throw py::value_error("PlanCheck.check_and_scan: a negative element count");
-      tasks[i] = {nullptr, numels.at(i), dtypes.at(i)};
-    }
+    std::vector<ScanTask> tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
     std::vector<int64_t> address(n);
     py::list grads;  // only held while the scan reads them
     bool unchanged = false;
@@ -239,12 +247,7 @@ class PlanCheck {
     scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
       if (!run(optimizer_state, extra_ptrs, address.data(), grads)) return false;
       unchanged = true;
-      for (py::ssize_t i = 0; i < n; ++i) {
-        if (to_fill[i].numel > 0 && address[i] == 0)
-          throw py::value_error("PlanCheck.check_and_scan: input " + std::to_string(i) +
-                                " has a null data pointer and elements to scan");
-        to_fill[i].data = reinterpret_cast<const void*>(address[i]);
-      }
+      for (py::ssize_t i = 0; i < n; ++i) set_data(to_fill[i], address[i], i, "PlanCheck.check_and_scan");
       return true;
     });
     if (!unchanged) return py::none();  // nothing was scanned

@@ -296,35 +296,37 @@ class ScanInputs(Sequence[ScanInput]):
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 
+def _look_up_tensor_access() -> tuple[Any, str]:
+    """(the capsule of nanscan._torch_access, or None when it cannot be used here; how tensors are read, and why)."""
+    try:
+        from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
+    except ImportError as exc:
+        return None, f"through Python calls: nanscan._torch_access is not available ({exc})"
+    if _torch_access.torch_version != torch.__version__:
+        # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
+        return None, (f"through Python calls: nanscan._torch_access was built for torch "
+                      f"{_torch_access.torch_version}, this is torch {torch.__version__} (reinstall nanscan to "
+                      "rebuild it)")
+    return _torch_access.tensor_access, ("through torch's C++ headers (nanscan._torch_access, built for torch "
+                                         f"{_torch_access.torch_version})")
+
+
+_tensor_access: Any = False  # _look_up_tensor_access()'s answer, once asked
+
+
 def tensor_access():
     """The capsule of nanscan._torch_access (NOTE: [tensor access] in csrc/torch/tensor_access.cpp) when it was
     built for the running torch, else None: the plan checks then read tensors through Python calls."""
     global _tensor_access
     if _tensor_access is False:
-        try:
-            from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
-        except ImportError:
-            _tensor_access = None
-        else:
-            # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
-            same = _torch_access.torch_version == torch.__version__
-            _tensor_access = _torch_access.tensor_access if same else None
-    return _tensor_access
-
-
-_tensor_access: Any = False  # not looked up yet
+        _tensor_access = _look_up_tensor_access()
+    return _tensor_access[0]
 
 
 def tensor_access_status() -> str:
     """How the per-step plan checks read tensors here, and why (`nanscan info`)."""
-    try:
-        from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
-    except ImportError as exc:
-        return f"through Python calls: nanscan._torch_access is not available ({exc})"
-    if _torch_access.torch_version != torch.__version__:
-        return (f"through Python calls: nanscan._torch_access was built for torch {_torch_access.torch_version}, "
-                f"this is torch {torch.__version__} (reinstall nanscan to rebuild it)")
-    return f"through torch's C++ headers (nanscan._torch_access, built for torch {_torch_access.torch_version})"
+    tensor_access()
+    return _tensor_access[1]
 
 
 class StepInputs:

@@ -283,16 +283,18 @@ class HistoryRing:
                 self._events = [torch.cuda.Event() for _ in range(self.size)]
             self._flags[slot].copy_(flag, non_blocking=True)
             self._events[slot].record(torch.cuda.current_stream(flag.device))
-        self._slots[slot] = (RingEntry(step, tuple(tensors), tuple(skipped), scan.backend, loss, lr), parts)
-        self._count += 1
-        return slot
+        return self._keep(RingEntry(step, tuple(tensors), tuple(skipped), scan.backend, loss, lr), parts)
 
     def append_host(self, step: int, tensors: tuple[ScannedTensor, ...], records: np.ndarray,
                     skipped: tuple[str, ...], backend: str, *, loss: Any = None, lr: Any = None) -> int:
         """append() for a step whose records one host scan returned (ModelScanPlan.scan_on_host): no StepScan."""
         records.setflags(write=False)  # shared by the step's report and the history (NOTE: [history ring])
+        return self._keep(RingEntry(step, tensors, skipped, backend, loss, lr), [(None, records, None)])
+
+    def _keep(self, entry: RingEntry, parts: list[KeptPart]) -> int:
+        """Store a step in the next slot (the oldest step's) and return the slot."""
         slot = self._count % self.size
-        self._slots[slot] = (RingEntry(step, tensors, skipped, backend, loss, lr), [(None, records, None)])
+        self._slots[slot] = (entry, parts)
         self._count += 1
         return slot
 

@@ -417,6 +417,7 @@ def test_tensor_reads_through_torch_are_used_only_for_the_torch_they_were_built_
     monkeypatch.setattr(inputs_module, "_tensor_access", False)
     assert "through torch's C++ headers" in inputs_module.tensor_access_status()
     monkeypatch.setattr(access, "torch_version", "0.0.1")
+    monkeypatch.setattr(inputs_module, "_tensor_access", False)  # looked up once per process: look again
     assert inputs_module.tensor_access() is None
     assert ModelScanPlan()._tensor_access is None
     assert "built for torch 0.0.1" in nanscan.backend_info()["tensor_reads"], "nanscan info says why"
