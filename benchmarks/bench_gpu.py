@@ -140,7 +140,7 @@ def time_host(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[f
 def validate(backend, named: dict[str, torch.Tensor], subset: list[str]) -> dict:
     """The scan must find one planted NaN exactly, report a clean set as clean, and match the reference backend
     slot for slot on `subset` (every slot but the float64 sum of squares, which may differ in its last bits)."""
-    from nanscan._reference import ReferenceBackend
+    from nanscan.backends.reference import ReferenceBackend
 
     inputs = [prepare(name, t) for name, t in named.items()]
     target_name = next(n for n in named if n.startswith("grad:") and "c_fc.weight" in n)
@@ -200,7 +200,7 @@ def plan(args) -> dict:
 
 def run(args) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
-    from nanscan._cuda_backend import CudaBackend
+    from nanscan.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     shapes = gpt_shapes(scale=args.scale)

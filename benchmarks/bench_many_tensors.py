@@ -39,7 +39,7 @@ import torch
 from nanscan import _layout as L
 from nanscan import demo as D
 from nanscan._atomic import write_results_json
-from nanscan._reference import scan_one
+from nanscan.backends.reference import scan_one
 
 try:
     from nanscan import _C

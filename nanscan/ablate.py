@@ -16,9 +16,13 @@ from typing import Any, Callable, Sequence
 
 import click
 
+from nanscan._cli import cli_errors, json_out
 from nanscan.bundle import Bundle, load_bundle
-from nanscan.replay import (BisectResult, Replayer, ReplayError, StepOptions, StepOutcome, _fmt, _json_out,
-                            _sample_ids, bisect_samples, cli_errors, recorded_replay)
+from nanscan.replay.bisect import BisectResult, bisect_samples
+from nanscan.replay.localize import fmt_value
+from nanscan.replay.replayer import Replayer
+from nanscan.replay.reproduce import recorded_replay
+from nanscan.replay.step import ReplayError, StepOptions, StepOutcome, sample_ids_of
 
 DEFAULT_HOLDOUT = 3
 FINDING_PREFIX = "ablate:"
@@ -258,7 +262,7 @@ def _run_factor(replayer: Replayer, factor: Factor, baseline: StepOutcome) -> Ab
         if not keep:
             return AblationRow(factor, False, None, note="every sample is suspicious; nothing would be left")
         outcome = replayer.run(factor.options, samples=keep, localize=True)
-        ids = found.sample_ids or _sample_ids(replayer.bundle.sample_ids, found.indices, replayer.sample_count)
+        ids = found.sample_ids or sample_ids_of(replayer.bundle.sample_ids, found.indices, replayer.sample_count)
         return AblationRow(factor, True, outcome, fixes=not baseline.finite and outcome.finite,
                            dropped=list(found.indices), dropped_ids=ids,
                            note=f"dropped {len(found.indices)} of {replayer.sample_count} samples ({origin})")
@@ -313,7 +317,7 @@ def _row_markdown(row: AblationRow, result: AblationResult) -> str:
         lines += ["", f"Not applied: {row.note}."]
         return "\n".join(lines)
     out = row.outcome
-    lines += ["", f"- outcome: {out.describe()}", f"- loss: {_fmt(out.loss)}",
+    lines += ["", f"- outcome: {out.describe()}", f"- loss: {fmt_value(out.loss)}",
               f"- largest gradient exponent: "
               f"{'n/a' if out.grad_max_exponent is None else '2^' + str(out.grad_max_exponent)}"]
     if row.dropped:
@@ -355,7 +359,7 @@ def print_ablation(result: AblationResult, console) -> None:
         out = row.outcome
         status = row.status()
         color = {"finite": "green", "non-finite": "red"}.get(status, "yellow")
-        table.add_row(row.factor.label, f"[{color}]{status}[/{color}]", _fmt(out.loss) if out else "",
+        table.add_row(row.factor.label, f"[{color}]{status}[/{color}]", fmt_value(out.loss) if out else "",
                       "" if not out or out.grad_max_exponent is None else f"2^{out.grad_max_exponent}",
                       escape(row.first_bad or ""), escape("; ".join(filter(None, [row.note, row.uncredited]))))
     console.print(table)
@@ -402,7 +406,7 @@ def ablate_command(bundle, entry, factors, holdout, no_record, as_json):
             result = ablate(bundle, entry, factors=factors or None, holdout=holdout, progress=progress)
         changed = None if no_record else record_ablation(result)
     if as_json:
-        _json_out({**result.to_dict(), "recorded_changes": changed})
+        json_out({**result.to_dict(), "recorded_changes": changed})
         return
     print_ablation(result, console)
     if changed is not None:

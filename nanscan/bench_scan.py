@@ -29,7 +29,7 @@ import torch
 from nanscan import _layout as L
 from nanscan import backends
 from nanscan._atomic import write_results_json
-from nanscan._reference import scan_one
+from nanscan.backends.reference import scan_one
 from nanscan.inputs import prepare_all
 from nanscan.scan import scan
 

@@ -40,7 +40,7 @@ on the failure path only) and rank 0 writes `step-<s>/index.json`, naming the fi
 "First" orders the ranks by how early in the step their non-finite values appeared (input, parameter, optimizer
 state, loss, gradient: the order of the Monitor's categories), then by rank: under DDP a NaN in rank 1's batch makes
 every rank's gradients NaN through the gradient all-reduce, but only rank 1's batch was non-finite. Ranks that tie
-are all named. `load_bundle(step-dir)` returns a BundleSet: the first bad rank's part (so report, replay and notes
+are all named. `load_bundle(step-dir)` returns a nanscan.bundle.BundleSet: the first bad rank's part (so report, replay and notes
 work on it unchanged) with every other part and the index beside it. Its `state()` joins FSDP shards from all parts
 into full tensors, so the failing rank's step can be replayed in a single process.
 """
@@ -51,21 +51,21 @@ import dataclasses
 import datetime
 import json
 import logging
-import re
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanscan._atomic import atomic_write_json
-from nanscan.bundle import (MANIFEST, Bundle, BundleError, bundle_path, load_bundle, plain_json, read_json, refuse_link,
-                            write_bundle)
-from nanscan.scan import ModelScanPlan
-from nanscan.monitor import CATEGORIES, NonFiniteError, _CpuSnapshot, _warn_user, categorize
+from nanscan.bundle import BundleError, Incident, bundle_path, write_bundle
+from nanscan.bundle.format import MANIFEST
+from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, write_index
+from nanscan.bundle.tree import map_tree, tree_items
+from nanscan.incident import OTHER_RANK, NonFiniteError, categorize, category_rank, shown_names, warn_user
+from nanscan.plans import ModelScanPlan
 from nanscan.stats import ScanReport
 
 log = logging.getLogger("nanscan")
@@ -73,25 +73,11 @@ log = logging.getLogger("nanscan")
 # How long a Monitor closed by an exception waits for its last agreement collective (Agreement.discard).
 DISCARD_WAIT = datetime.timedelta(seconds=60)
 
-INDEX = "index.json"
-INDEX_SCHEMA = "nanscan.bundle-index/1"
 AGREEMENTS = ("sync", "async")
-# The category of a part whose rank held only finite values at the failing step (another rank's were not).
-OTHER_RANK = "other_rank"
 SHARD_SUFFIX = "@shard"
 NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every one is in the rank's own manifest
-INDEX_REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "world_size", "first_bad_ranks", "bad_ranks",
-                       "category", "ranks")
-
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # Payload slots of the per-step all-reduce (MAX); see the module docstring.
 _FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
-
-
-def _category_rank(category: str) -> int:
-    order = (*CATEGORIES, "other")
-    return order.index(category) if category in order else len(order)
 
 
 # -- DTensor shards -----------------------------------------------------------------------------------------------
@@ -134,32 +120,10 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 
 def local_scan_plan() -> ModelScanPlan:
-    """nanscan.scan.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
+    """nanscan.plans.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with the
     global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
     Plain tensors get exactly the names a plain plan gives them."""
     return ModelScanPlan(local_shard)
-
-
-def _tree_items(value: Any, path: tuple[str, ...] = ()):
-    """(path, tensor) for every tensor in nested dicts/lists/tuples; keys become strings."""
-    if isinstance(value, torch.Tensor):
-        yield "/".join(path), value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _tree_items(v, path + (str(k),))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _tree_items(v, path + (str(i),))
-
-
-def _map_tree(value: Any, fn, path: tuple[str, ...] = ()) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn("/".join(path), value)
-    if isinstance(value, Mapping):
-        return {k: _map_tree(v, fn, path + (str(k),)) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_map_tree(v, fn, path + (str(i),)) for i, v in enumerate(value))
-    return value
 
 
 def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
@@ -177,7 +141,7 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
     if dtensor is None:
         return layout, []
     for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
-        for path, t in _tree_items(tree, (root,)):
+        for path, t in tree_items(tree, (root,)):
             if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
                 continue
             entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
@@ -194,7 +158,7 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
 
 def localize_state(tree: Any) -> Any:
     """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
-    return _map_tree(tree, lambda _path, t: local_tensor(t).detach())
+    return map_tree(tree, lambda _path, t: local_tensor(t).detach())
 
 
 # -- the process group ------------------------------------------------------------------------------------------
@@ -293,11 +257,31 @@ class _Pending:
     started: bool
 
 
+class MonitorSide(Protocol):
+    """What the agreement uses of its Monitor (nanscan.monitor.Monitor is one): the settings the ranks must share,
+    the incident state it keeps for the ranks (the first invalid step, the later ones' count, where the set went),
+    and `incident(...)`, which gathers one step's evidence for this rank's part. Nothing else of the Monitor's is
+    read or changed here."""
+
+    on_invalid: Any
+    run_id: str
+    bundle_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    first_invalid_step: int | None
+    invalid_steps: int
+    bundle_path: Path | None
+    bundle_error: BaseException | None
+
+    def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                 sample_ids: Any, started: bool) -> Incident: ...
+
+
 class Agreement:
     """The Monitor's side of the distributed protocol (see the module docstring). Created by Monitor when a process
     group is in effect; every method that runs a collective is reached by every rank in the same order."""
 
-    def __init__(self, monitor, process_group=None, mode: str = "sync", *, run_id_given: bool):
+    def __init__(self, monitor: MonitorSide, process_group=None, mode: str = "sync", *, run_id_given: bool):
         if mode not in AGREEMENTS:
             raise ValueError(f"agreement={mode!r}: use 'sync' (decide each step before optimizer.step()) or 'async' "
                              "(the verdict arrives one step later)")
@@ -319,10 +303,8 @@ class Agreement:
         self._early: tuple[int, Path | None, BaseException | None] | None = None  # async: part written at once
         self._first_bad: tuple[str, list[str]] | None = None  # category and tensors of the first bad rank
         self._agree_on_settings(monitor, run_id_given)
-        if monitor.snapshot == "cpu" and has_dtensors(monitor.model):
-            monitor._snapshot = _LocalShardSnapshot()
 
-    def _agree_on_settings(self, monitor, run_id_given: bool) -> None:
+    def _agree_on_settings(self, monitor: MonitorSide, run_id_given: bool) -> None:
         """One gather at start-up: every rank must write into the same run and react the same way, else one rank
         would raise while another waits for it in the next collective."""
         policy = monitor.on_invalid if isinstance(monitor.on_invalid, str) else "callable"
@@ -360,7 +342,7 @@ class Agreement:
         bad = values[_FLAG] > 0
         return Verdict(step, not bad, -values[_NEG_BAD_RANK] if bad else None)
 
-    def decide(self, monitor, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
+    def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
         """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
         if self.mode == "sync":
             work, payload = self._issue(report, step)
@@ -391,7 +373,7 @@ class Agreement:
             return outcome
         return report if report.ok else AgreedScanReport(report, self.verdict, ok=True)
 
-    def flush(self, monitor) -> Verdict | None:
+    def flush(self, monitor: MonitorSide) -> Verdict | None:
         """Async mode: wait for the last checked step's verdict and act on it now (see the module docstring).
         Returns the latest verdict (None before the first check)."""
         pending, self._pending = self._pending, None
@@ -419,7 +401,7 @@ class Agreement:
                 log.warning("nanscan: the last agreement collective failed while the Monitor closed: %s", exc)
 
     # -- the failure path ------------------------------------------------------------------------------------------
-    def _failed(self, monitor, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,
+    def _failed(self, monitor: MonitorSide, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,
                 *, late: bool) -> Verdict:
         """On the first failing step: write this rank's part, gather every rank's summary and let rank 0 write the
         index; returns the verdict with the rank lists. Later failing steps are only counted."""
@@ -458,11 +440,11 @@ class Agreement:
                                                         f"this rank's part is {path}")
         return verdict
 
-    def _write_part(self, monitor, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
+    def _write_part(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
                     late: bool) -> tuple[Path | None, BaseException | None]:
         try:
             category, tensors = categorize(report)
-            incident = monitor._incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
+            incident = monitor.incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
             model, optimizer = monitor.model, monitor.optimizer
             layout, groups = {}, []
             if has_dtensors(model):  # placements are static, so the live state describes a snapshot's too
@@ -515,7 +497,7 @@ class Agreement:
                                     for r in rows[:NONFINITE_LISTED]]
         return row
 
-    def _index(self, monitor, verdict: Verdict, summaries: list[dict]) -> dict:
+    def _index(self, monitor: MonitorSide, verdict: Verdict, summaries: list[dict]) -> dict:
         first = [s for s in summaries if s["rank"] in verdict.first_bad_ranks]
         return {
             "schema": INDEX_SCHEMA, "run_id": monitor.run_id, "first_invalid_step": verdict.step,
@@ -528,7 +510,7 @@ class Agreement:
         }
 
     # -- the policy ------------------------------------------------------------------------------------------------
-    def _apply_policy(self, monitor, verdict: Verdict, failing: ScanReport, current: ScanReport, *,
+    def _apply_policy(self, monitor: MonitorSide, verdict: Verdict, failing: ScanReport, current: ScanReport, *,
                       late: bool) -> ScanReport:
         """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
         what check returns for the `current` step."""
@@ -550,14 +532,14 @@ class Agreement:
                 p.grad = None
         if policy in ("warn", "skip"):
             if first:
-                _warn_user(message)
+                warn_user(message)
         else:
             policy(agreed, monitor.bundle_path)
         return agreed
 
-    def _message(self, monitor, verdict: Verdict, category: str, tensors: list[str], local_category: str,
+    def _message(self, monitor: MonitorSide, verdict: Verdict, category: str, tensors: list[str], local_category: str,
                  late: bool) -> str:
-        shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+        shown = shown_names(tensors)
         if verdict.first_bad_ranks:
             ranks = ", ".join(map(str, verdict.first_bad_ranks))
             who = f"rank{'s' if len(verdict.first_bad_ranks) > 1 else ''} {ranks} first ({category}: {shown})"
@@ -581,195 +563,6 @@ def first_bad_ranks(summaries: list[dict]) -> tuple[list[int], list[int]]:
     bad = [s for s in summaries if s["category"] != OTHER_RANK]
     if not bad:
         return [], []
-    earliest = min(_category_rank(s["category"]) for s in bad)
-    return (sorted(s["rank"] for s in bad if _category_rank(s["category"]) == earliest),
+    earliest = min(category_rank(s["category"]) for s in bad)
+    return (sorted(s["rank"] for s in bad if category_rank(s["category"]) == earliest),
             sorted(s["rank"] for s in bad))
-
-
-class _LocalShardSnapshot(_CpuSnapshot):
-    """The Monitor's snapshot='cpu' copier, copying DTensors as their local shards (the global shape is not
-    this rank's to allocate, and the copy must not communicate)."""
-
-    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        return super()._copy(key, local_tensor(t))
-
-
-# -- the index and the bundle set -------------------------------------------------------------------------------
-
-def write_index(set_dir: Path, index: dict) -> Path:
-    """Write the set's index atomically; an index already there (the same incident written again) is kept."""
-    path = Path(set_dir) / INDEX
-    if path.exists():
-        try:
-            existing = json.loads(path.read_bytes())
-        except (OSError, ValueError):
-            existing = None
-        if isinstance(existing, dict) and existing.get("schema") == INDEX_SCHEMA:
-            if existing != plain_json(index):
-                log.warning("nanscan: %s already holds an index (detected %s); kept it. Use a new run_id to keep "
-                            "both.", path, existing.get("detected_at"))
-            return path
-    Path(set_dir).mkdir(parents=True, exist_ok=True)
-    return atomic_write_json(path, plain_json(index))
-
-
-def bundle_set_root(path: Path) -> tuple[Path, int | None] | None:
-    """(set directory, rank of the part asked for or None) when `path` is a bundle set, a run directory holding
-    only one, or one part of a set; None for an ordinary bundle. Raises BundleError for parts without an index."""
-    path = Path(path)
-    if not path.is_dir():
-        return None
-    if (path / INDEX).is_file():
-        return path, None
-    match = _RANK_DIR.match(path.name)
-    if match and (path.parent / INDEX).is_file():
-        return path.parent, int(match.group(1))
-    if (path / "manifest.json").exists():
-        return None
-    parts = sorted(p.name for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
-    if parts:
-        raise BundleError(f"{path} holds per-rank bundles ({', '.join(parts[:4])}) but no {INDEX}: rank 0 did not "
-                          "finish writing it (it stopped, or could not write); open one part directly, e.g. "
-                          f"{path / parts[0]}")
-    steps = [p for p in path.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    if len(steps) == 1 and (steps[0] / INDEX).is_file():
-        return steps[0], None
-    return None
-
-
-def _read_index(root: Path) -> dict:
-    path = root / INDEX
-    refuse_link(path, holder="bundle set")
-    index = read_json(path, holder="bundle set")
-    if not isinstance(index, dict) or index.get("schema") != INDEX_SCHEMA:
-        schema = index.get("schema") if isinstance(index, dict) else None
-        raise BundleError(f"{path} has schema {schema!r}, this nanscan reads {INDEX_SCHEMA!r}: it is not a nanscan "
-                          "bundle set index, or another nanscan version wrote it")
-    missing = [k for k in INDEX_REQUIRED_KEYS if k not in index]
-    if missing or not isinstance(index["ranks"], list) or not all(isinstance(e, dict) for e in index["ranks"]):
-        raise BundleError(f"{path} lacks {', '.join(missing) or 'a list of ranks'}: the index is incomplete or was "
-                          "edited; ask for a fresh copy")
-    return index
-
-
-def load_bundle_set(root: Path, rank: int | None = None) -> "BundleSet":
-    """Open a bundle set: the index and every part it lists (each validated like any bundle). The set stands for
-    the part of `rank`, by default the first bad rank's."""
-    root = Path(root)
-    index = _read_index(root)
-    parts: dict[int, Bundle] = {}
-    for entry in index["ranks"]:
-        if not entry.get("dir"):
-            continue  # the index records why this rank has no part
-        if not _RANK_DIR.match(str(entry["dir"])):
-            raise BundleError(f"{root / INDEX} names the part {entry['dir']!r}, which is not a rank-<r> directory; "
-                              "the index was edited, do not use this set")
-        refuse_link(root / entry["dir"], holder="bundle set")
-        part = load_bundle(root / entry["dir"], whole_set=False)
-        info = part.manifest.get("distributed") or {}
-        expected = (index["run_id"], index["first_invalid_step"], entry["rank"], entry.get("detected_at"))
-        found = (part.manifest["run_id"], part.manifest["first_invalid_step"], info.get("rank"),
-                 part.manifest.get("detected_at"))
-        if found != expected:
-            raise BundleError(f"{part.path} does not belong to this set (run, step, rank, detection time "
-                              f"{found} where {root / INDEX} says {expected}): a part was replaced; copy the whole "
-                              "set again")
-        parts[int(entry["rank"])] = part
-    if not parts:
-        raise BundleError(f"{root} lists no readable part: every rank failed to write (see the errors in "
-                          f"{root / INDEX})")
-    if rank is None:
-        rank = next((r for r in index["first_bad_ranks"] if r in parts), min(parts))
-    if rank not in parts:
-        raise BundleError(f"{root} has no part for rank {rank}; parts: {sorted(parts)}")
-    return BundleSet(root, index, parts, rank)
-
-
-class BundleSet(Bundle):
-    """A distributed incident: behaves as the part of `rank` (by default the first bad rank's), so report,
-    replay, notes and findings use it unchanged, and gives access to every rank's part and the index."""
-
-    def __init__(self, root: Path, index: dict, parts: dict[int, Bundle], rank: int):
-        super().__init__(parts[rank].path, parts[rank].manifest)
-        self.set_path = Path(root)
-        self.index = index
-        self.parts = dict(sorted(parts.items()))
-        self.rank = rank
-
-    def __repr__(self) -> str:
-        return (f"BundleSet({str(self.set_path)!r}, step={self.step}, first_bad_ranks={self.first_bad_ranks}, "
-                f"parts={sorted(self.parts)}, showing rank {self.rank})")
-
-    @property
-    def first_bad_ranks(self) -> list[int]:
-        return list(self.index["first_bad_ranks"])
-
-    @property
-    def bad_ranks(self) -> list[int]:
-        return list(self.index["bad_ranks"])
-
-    @property
-    def world_size(self) -> int:
-        return int(self.index["world_size"])
-
-    def part(self, rank: int) -> Bundle:
-        try:
-            return self.parts[rank]
-        except KeyError:
-            raise KeyError(f"{self.set_path} has no part for rank {rank}; parts: {sorted(self.parts)}") from None
-
-    def set_summary(self) -> dict:
-        """The set at a glance, JSON-ready (nanscan report shows it as the ranks table)."""
-        return {"set": str(self.set_path), "world_size": self.world_size, "backend": self.index.get("backend"),
-                "agreement": self.index.get("agreement"), "first_bad_ranks": self.first_bad_ranks,
-                "bad_ranks": self.bad_ranks, "shown_rank": self.rank,
-                "ranks": [{k: row.get(k) for k in ("rank", "host", "dir", "category", "category_tensors",
-                                                   "nonfinite_count", "error")} for row in self.index["ranks"]]}
-
-    def state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """The model and optimizer state of this rank's part; FSDP shards are joined from every rank's part into
-        the full tensors, so the state loads into the unsharded model. Raises BundleError when they cannot be."""
-        info = self.manifest.get("distributed") or {}
-        if not info.get("sharded"):
-            return super().state()
-        layout: dict[str, dict] = info.get("shards") or {}
-        groups: list[list[int]] = info.get("shard_groups") or []
-        states = {r: Bundle.state(p) for r, p in self.parts.items()}
-        local = {r: dict(_tree_items({"model": s[0], "optimizer": s[1]})) for r, s in states.items()}
-        global_to_rank = {int(row["global_rank"]): int(row["rank"]) for row in self.index["ranks"]}
-
-        def join(path: str, t: torch.Tensor) -> torch.Tensor:
-            where = layout.get(path)
-            if where is None:
-                return t
-            if "group" not in where:
-                raise BundleError(f"{self.set_path}: {path} is placed as {where['placements']}; only tensors sharded "
-                                  "along one mesh dimension (FSDP, HSDP) can be joined in one process, so this step "
-                                  "cannot be replayed outside the distributed job")
-            pieces = []
-            for g in groups[where["group"]]:
-                r = global_to_rank.get(g)
-                if r not in local or path not in local[r]:
-                    raise BundleError(f"{self.set_path}: the part of global rank {g}, which holds a shard of {path}, "
-                                      "is missing, so the full tensor cannot be rebuilt in one process; copy the "
-                                      "whole set, every rank-<r> directory with it")
-                pieces.append(local[r][path])
-            full = torch.cat(pieces, dim=where["dim"])
-            if list(full.shape) != where["global_shape"]:
-                raise BundleError(f"{self.set_path}: the shards of {path} join to shape {list(full.shape)}, not "
-                                  f"{where['global_shape']}; this layout cannot be rebuilt in one process")
-            return full
-
-        model, optimizer = states[self.rank]
-        return (_map_tree(model, join, ("model",)),
-                _map_tree(optimizer, join, ("optimizer",)) if optimizer is not None else None)
-
-
-def require_full_state(bundle: Bundle) -> None:
-    """Refuse a lone part of a sharded set: its state is one rank's shards, which no unsharded model can load."""
-    info = bundle.manifest.get("distributed") or {}
-    if info.get("sharded") and not isinstance(bundle, BundleSet):
-        raise BundleError(f"{bundle.path} holds only rank {info.get('rank')}'s FSDP shards of the model, and no "
-                          f"{INDEX} beside it to find the other ranks' parts; open the whole set (the step-<N> "
-                          "directory with every rank-<r> part) so the shards can be joined for a single-process "
-                          "replay")

@@ -5,9 +5,10 @@ copying: every backend then sees 1-D views of the tensors' own memory and a dtyp
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -204,7 +205,7 @@ class ScanInputs(Sequence[ScanInput]):
     NOTE: [input table]
     A training step scans hundreds of tensors, most of them the same tensors as at the step before. Building a
     ScanInput per tensor and then reading it back into a table costs microseconds per tensor, which on a small
-    model is more than the kernel itself. So the every-step path (nanscan.scan.ModelScanPlan) keeps the counts,
+    model is more than the kernel itself. So the every-step path (nanscan.plans.ModelScanPlan) keeps the counts,
     codes and identities from the step where it first prepared the tensors, reads only the data pointers again,
     and hands the backends this object: the native ones read `table()` and never touch the ScanInput objects,
     which are made only if something iterates (the reference backend, multi-device grouping). `tensors` given,
@@ -296,180 +297,6 @@ class ScanInputs(Sequence[ScanInput]):
                    devices=tuple(dict.fromkeys(device for part in parts for device in part.devices)))
 
 
-def _look_up_tensor_access() -> tuple[Any, str]:
-    """(the capsule of nanscan._torch_access, or None when it cannot be used here; how tensors are read, and why)."""
-    try:
-        from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
-    except ImportError as exc:
-        return None, f"through Python calls: nanscan._torch_access is not available ({exc})"
-    if _torch_access.torch_version != torch.__version__:
-        # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
-        return None, (f"through Python calls: nanscan._torch_access was built for torch "
-                      f"{_torch_access.torch_version}, this is torch {torch.__version__} (reinstall nanscan to "
-                      "rebuild it)")
-    return _torch_access.tensor_access, ("through torch's C++ headers (nanscan._torch_access, built for torch "
-                                         f"{_torch_access.torch_version})")
-
-
-_tensor_access: Any = False  # _look_up_tensor_access()'s answer, once asked
-
-
-def tensor_access():
-    """The capsule of nanscan._torch_access (NOTE: [tensor access] in csrc/torch/tensor_access.cpp) when it was
-    built for the running torch, else None: the plan checks then read tensors through Python calls."""
-    global _tensor_access
-    if _tensor_access is False:
-        _tensor_access = _look_up_tensor_access()
-    return _tensor_access[0]
-
-
-def tensor_access_status() -> str:
-    """How the per-step plan checks read tensors here, and why (`nanscan info`)."""
-    tensor_access()
-    return _tensor_access[1]
-
-
-class StepInputs:
-    """A check's batch and loss inputs as the model plan joins them with the model's (the `extra` of
-    nanscan.scan.ModelScanPlan): their identities, data pointers and the skipped batch tensors' names, the loss
-    last when `has_loss`. The ScanInput objects are made only when something asks for them (`items()`), which the
-    one-call path of a steady batch never does (NOTE: [batch plan])."""
-
-    __slots__ = ("identities", "ptrs", "skipped", "has_loss", "_items", "_templates", "_leaves")
-
-    def __init__(self, identities: tuple[ScannedTensor, ...], ptrs: list[int], skipped: tuple[str, ...] = (),
-                 has_loss: bool = False, *, items: list[ScanInput] | None = None,
-                 templates: Sequence[ScanInput] = (), leaves: Sequence[torch.Tensor] = ()):
-        self.identities = identities
-        self.ptrs = ptrs
-        self.skipped = skipped
-        self.has_loss = has_loss
-        self._items, self._templates, self._leaves = items, templates, leaves
-
-    @classmethod
-    def of(cls, items: Sequence[ScanInput], skipped: tuple[str, ...] = (), has_loss: bool = False) -> "StepInputs":
-        items = list(items)
-        return cls(tuple(item.identity for item in items), [item.data_ptr() for item in items], skipped, has_loss,
-                   items=items)
-
-    def __len__(self) -> int:
-        return len(self.identities)
-
-    def items(self) -> list[ScanInput]:
-        if self._items is None:
-            self._items = [bind(template, leaf) for template, leaf in zip(self._templates, self._leaves)]
-        return self._items
-
-    def loss_value(self) -> float | None:
-        """The loss read from host memory where the scan read it, for a one-element CPU loss; else None."""
-        if not self.has_loss:
-            return None
-        loss = self.identities[-1]
-        if loss.numel != 1 or loss.device != "cpu":
-            return None
-        return read_host_scalar(self.ptrs[-1], loss.scanned_code)
-
-
-def as_step_inputs(extra: Any) -> StepInputs:
-    return extra if isinstance(extra, StepInputs) else StepInputs.of(extra)
-
-
-def native_function(name: str) -> Any:
-    """nanscan._C's `name` (a function or class), or None without the compiled extension."""
-    try:
-        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
-    except ImportError:
-        return None
-    return getattr(_C, name, None)
-
-
-class BatchPlan:
-    """A Monitor's `input:<path>` and `loss` inputs, step after step.
-
-    NOTE: [batch plan]
-    A training loop hands every check a batch of one structure: the same keys, tensors of the same dtype and shape.
-    Walking it in Python (iter_batch_tensors, then prepare per tensor) cost a tenth of a small model's check, almost
-    all of it in the interpreter's cold caches. So the plan prepares a batch the ordinary way once, and when it is
-    a plain dict, list or tuple of tensors (or one tensor, or None) whose scanned tensors are contiguous on the CPU,
-    and the loss is such a tensor too, it keeps their descriptions (ScanInput templates) and what each leaf must
-    match. Each later step one native call (nanscan._C.batch_leaves, reading tensors through nanscan._torch_access)
-    checks the new batch against that and returns its scanned leaves, which are bound to the templates; anything
-    else (another structure, dtype, size, device, layout, a nested batch, numpy arrays, a missing extension) takes
-    the ordinary path, which also builds the next plan. Both paths give the same inputs and skipped names.
-    """
-
-    _KINDS = {type(None): 0, dict: 2, list: 3, tuple: 4}
-
-    def __init__(self):
-        self._check = native_function("batch_leaves")
-        self._plan: tuple | None = None  # the native check's description, when the last batch allowed one
-        self._templates: list[ScanInput] = []
-        self._identities: tuple[ScannedTensor, ...] = ()
-        self._skipped: tuple[str, ...] = ()
-        self.rebuilds = 0
-
-    def prepare(self, batch: Any, loss: torch.Tensor | None) -> StepInputs:
-        """The inputs of the batch's floating tensors then of the loss (`input:<path>`, `loss`), and the names of
-        the batch tensors that are not scanned."""
-        if self._plan is not None:
-            found = self._check(batch, loss, self._plan)
-            if found is not None:
-                leaves, ptrs = found
-                return StepInputs(self._identities, ptrs, self._skipped, loss is not None,
-                                  templates=self._templates, leaves=leaves)
-        return self._rebuild(batch, loss)
-
-    def _rebuild(self, batch: Any, loss: torch.Tensor | None) -> StepInputs:
-        from nanscan.bundle import iter_batch_tensors  # noqa: PLC0415 - nanscan.bundle imports this module
-
-        self.rebuilds += 1
-        items, skipped, leaves = [], [], []
-        if batch is not None:
-            for path, tensor in iter_batch_tensors(batch):
-                item = prepare(f"input:{path}", tensor)
-                leaves.append((tensor, item))
-                if item is None:
-                    skipped.append(f"input:{path}")
-                else:
-                    items.append(item)
-        loss_input = None
-        if loss is not None:
-            loss_input = prepare("loss", loss)
-            if loss_input is not None:
-                items.append(loss_input)
-        self._plan = self._describe(batch, leaves, loss, loss_input)
-        self._templates = [bind(item, None) for item in items]
-        self._skipped = tuple(skipped)
-        step = StepInputs.of(items, self._skipped, loss_input is not None)
-        self._identities = step.identities
-        return step
-
-    def _describe(self, batch: Any, leaves: list, loss: torch.Tensor | None, loss_input: ScanInput | None):
-        """The native check's description of this batch, or None when the batch or loss takes the ordinary path."""
-        access = tensor_access()
-        if self._check is None or access is None:
-            return None
-        kind = 1 if type(batch) is torch.Tensor else self._KINDS.get(type(batch))
-        values = [] if batch is None else [batch] if kind == 1 else \
-            list(batch.values()) if kind == 2 else list(batch) if kind is not None else None
-        if values is None or len(values) != len(leaves) or loss is not None and loss_input is None:
-            return None  # nested, numpy, dataclass, or a loss that is not scanned
-        dtypes, nbytes = [], []
-        for value, (tensor, item) in zip(values, leaves):
-            if type(value) is not torch.Tensor or tensor is not value:
-                return None
-            if item is not None and not (item.tensor is value and item.layout == CONTIGUOUS and value.is_cpu):
-                return None  # derived (complex parts), permuted, gapped, or not on the CPU
-            dtypes.append(value.dtype)
-            nbytes.append(value.nbytes if item is not None else -1)
-        if loss is not None and not (type(loss) is torch.Tensor and loss_input.tensor is loss and
-                                     loss_input.layout == CONTIGUOUS and loss.is_cpu):
-            return None
-        keys = tuple(batch) if kind == 2 else None
-        return (kind, keys, tuple(dtypes), tuple(nbytes), torch.Tensor, access,
-                None if loss is None else loss.dtype, -1 if loss is None else loss.nbytes)
-
-
 def tensor_from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
     """A tensor over a numpy array's memory (copied only when the array is not contiguous), for reading."""
     array = np.ascontiguousarray(array)
@@ -521,3 +348,32 @@ def prepare_all(tensors: Any) -> tuple[list[ScanInput], list[str]]:
         else:
             inputs.append(item)
     return inputs, skipped
+
+
+def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in a nested dict/list/tuple/dataclass batch; paths join keys, indices and
+    field names with '.'.
+
+    numpy arrays are viewed as tensors (no copy). A bare tensor has the path "batch".
+    """
+    if isinstance(batch, torch.Tensor):
+        yield prefix or "batch", batch
+    elif isinstance(batch, np.ndarray) and batch.dtype.kind in "fciub":
+        yield prefix or "batch", tensor_from_numpy(prefix or "batch", batch)
+    elif type(batch) is dict or isinstance(batch, Mapping):  # the abstract-class check is slow: dicts skip it
+        for key, value in batch.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, torch.Tensor):  # the usual leaf, yielded here: the Monitor walks a batch per step
+                yield path or "batch", value
+            else:
+                yield from iter_batch_tensors(value, path)
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            path = f"{prefix}.{i}" if prefix else str(i)
+            if isinstance(value, torch.Tensor):
+                yield path, value
+            else:
+                yield from iter_batch_tensors(value, path)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)

@@ -21,7 +21,7 @@ at step s+1's check (or at flush() / close()) and still names step s as the firs
 batch, loss, sample ids, step-start RNG state and (snapshot="cpu") pre-step state in its bundle. Until then the
 Monitor keeps step s's batch: CPU tensors as copies, GPU tensors by reference (not copied: do not modify them in
 place before the next check). Per step, nothing synchronizes the host with the GPU: no `.item()`, no float(loss),
-no record copy (the history stays on the GPU, nanscan.pending NOTE: [history ring]). The only wait, at step s+1's
+no record copy (the history stays on the GPU, nanscan.history NOTE: [history ring]). The only wait, at step s+1's
 check, is for step s's scan, which was enqueued before step s's update and step s+1's forward and backward, so the
 GPU's queue never runs dry. On CPU tensors the scan finishes inside check() but its verdict takes the same path.
 
@@ -50,7 +50,6 @@ import os
 import re
 import secrets
 import sys
-import warnings
 import weakref
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,19 +59,18 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, tensor_kind, write_bundle
-from nanscan.inputs import BatchPlan, StepInputs
-from nanscan.pending import HistoryRing, StepScan, launch, select_for_part
+from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, write_bundle
+from nanscan.dispatch import launch, select_for_part
+from nanscan.history import HistoryRing
+from nanscan.incident import NonFiniteError, categorize, is_kind, shown_names, warn_user
+from nanscan.pending import StepScan
+from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
-from nanscan.scan import ModelScanPlan
+from nanscan.snapshot import CpuSnapshot
 from nanscan.stats import PendingReport, ScanReport
 
 log = logging.getLogger("nanscan")
 
-# Decided in this order: the first kind holding a non-finite tensor names the category. Inputs and weights come
-# first because everything computed from them inherits their NaNs; the loss before the gradients because a
-# non-finite loss makes every gradient non-finite too.
-CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
 ON_INVALID = ("raise", "warn", "skip")
 SNAPSHOTS = ("none", "cpu")
 MODES = ("auto", "sync", "async")
@@ -82,59 +80,13 @@ _RNG_KEYS = {"torch": "torch_cpu", "numpy": "numpy", "python": "python"}  # a so
 _REPLAY_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-class NonFiniteError(RuntimeError):
-    """A training step produced a NaN or infinity (raised by Monitor.check with on_invalid="raise").
-
-    `bundle_path` is the evidence bundle of the run's first incident (None if it could not be written), `step`
-    and `category` describe the step that raised, `tensors` the non-finite tensors that decided the category.
-    """
-
-    def __init__(self, message: str, *, bundle_path: Path | None, step: int, category: str, tensors: list[str]):
-        super().__init__(message)
-        self.bundle_path = bundle_path
-        self.step = step
-        self.category = category
-        self.tensors = tensors
-
-
-class NonFiniteWarning(RuntimeWarning):
-    """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
-
-
-def categorize(report: ScanReport) -> tuple[str | None, list[str]]:
-    """(category, deciding tensor names) of a report; (None, []) when it is finite.
-
-    Tensor names follow the Monitor's convention (input:, loss, param:, optim:, grad:); a report whose non-finite
-    tensors have none of these prefixes is categorised "other".
-    """
-    bad = report.nonfinite
-    if not bad:
-        return None, []
-    by_kind: dict[str, list[str]] = {}
-    for name in bad:
-        by_kind.setdefault(tensor_kind(name), []).append(name)
-    for category in CATEGORIES:
-        if category in by_kind:
-            return category, by_kind[category]
-    return "other", bad
-
-
 def grad_norm(report: ScanReport) -> float | None:
     """L2 norm over the finite values of every `grad:` tensor of the report (from the records' sumsq)."""
-    rows = [i for i, t in enumerate(report.tensors) if t.name.startswith("grad:")]
+    rows = [i for i, t in enumerate(report.tensors) if is_kind(t.name, "gradient")]
     if not rows:
         return None
     sumsq = np.ascontiguousarray(report.records[rows, L.REC_SUMSQ]).view(np.float64)
     return float(np.sqrt(sumsq.sum()))
-
-
-def _warn_user(message: str) -> None:
-    """Warn with the location of the first caller outside nanscan (the user's check call)."""
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, NonFiniteWarning, stacklevel=level)
 
 
 def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -230,7 +182,7 @@ class _StepStart:
     """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state)."""
 
     rng: dict | None
-    snapshot: "_CpuSnapshot | None"
+    snapshot: CpuSnapshot | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,53 +197,6 @@ class _PendingStep:
     sample_ids: Any
     started: bool
     start: _StepStart
-
-
-class _CpuSnapshot:
-    """Copies of the model and optimizer state in CPU buffers that are allocated once and overwritten each step
-    (pinned when the source is on a GPU, so the copy runs asynchronously)."""
-
-    def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._used: set[str] = set()
-        self._async = False
-        self.model_state: dict | None = None
-        self.optimizer_state: dict | None = None
-
-    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        self._used.add(key)
-        buf = self._buffers.get(key)
-        on_gpu = t.device.type == "cuda"
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=on_gpu)
-            self._buffers[key] = buf
-        buf.copy_(t.detach(), non_blocking=on_gpu)
-        self._async |= on_gpu
-        return buf
-
-    def _copy_tree(self, value: Any, key: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._copy(key, value)
-        if isinstance(value, Mapping):
-            return {k: self._copy_tree(v, f"{key}/{k}") for k, v in value.items()}
-        if type(value) in (list, tuple):
-            return type(value)(self._copy_tree(v, f"{key}/{i}") for i, v in enumerate(value))
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        return copy.deepcopy(value)
-
-    def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self._used = set()
-        with torch.no_grad():
-            self.model_state = self._copy_tree(model.state_dict(), "model")
-            self.optimizer_state = self._copy_tree(optimizer.state_dict(), "optimizer") if optimizer else None
-        for stale in set(self._buffers) - self._used:  # e.g. optimizer state that was reset
-            del self._buffers[stale]
-
-    def result(self) -> tuple[dict | None, dict | None]:
-        if self._async:
-            torch.cuda.synchronize()
-        return self.model_state, self.optimizer_state
 
 
 class _StepStartHook:
@@ -328,7 +233,7 @@ class Monitor:
         every rank must use the same run_id (default: rank 0's); independent processes that may fail at the same
         step and share a bundle_dir need one run_id each.
     history: how many steps of statistics to keep, in one ring allocated once on the scan's device (on the GPU
-        for GPU scans; nanscan.pending NOTE: [history ring]). Memory is bounded by history x tensors x 264 x 8
+        for GPU scans; nanscan.history NOTE: [history ring]). Memory is bounded by history x tensors x 264 x 8
         bytes (one 264-slot int64 record per scanned tensor per step), e.g. 64 steps x 300 tensors = about
         39 MiB. Reading `history` copies it to the host (on a GPU, that waits for the GPU).
     log_files: log files whose last 200 lines (at most 64 KiB) are copied into the bundle.
@@ -426,7 +331,7 @@ class Monitor:
         self._armed = True
         self._started = False
         self._rng: dict | None = None
-        self._snapshot = _CpuSnapshot() if snapshot == "cpu" else None
+        self._snapshot = CpuSnapshot() if snapshot == "cpu" else None
         self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
         self._hook = hooked.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
@@ -439,6 +344,8 @@ class Monitor:
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
 
             self._plan = distributed.local_scan_plan()  # FSDP2 shards are DTensors: scan the local part
+            if self._snapshot is not None and distributed.has_dtensors(model):
+                self._snapshot = CpuSnapshot(local=distributed.local_tensor)  # and copy the local part
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.distributed import Agreement  # noqa: PLC0415
 
@@ -584,7 +491,7 @@ class Monitor:
     def _backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
         from device to Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each
-        is chosen once per device and `backend` setting, by launch's policy (nanscan.pending.select_for_part;
+        is chosen once per device and `backend` setting, by launch's policy (nanscan.dispatch.select_for_part;
         NANSCAN_BACKEND is read at the first check on the device), because choosing again every step costs as much
         as a tenth of a small model's scan."""
         backend = self.backend
@@ -621,7 +528,7 @@ class Monitor:
                                      start)
         if started and self._snapshot is not None:
             # The pending step's snapshot must survive the next step's start: capture into the other buffer.
-            spare = self._spare_snapshot if self._spare_snapshot is not None else type(self._snapshot)()
+            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
             self._snapshot, self._spare_snapshot = spare, self._snapshot
         return report
 
@@ -647,8 +554,8 @@ class Monitor:
         if first:
             self.first_invalid_step = step
             try:
-                self.bundle_path = write_bundle(self._incident(report, step, category, tensors, batch, sample_ids,
-                                                               started, start=start, read_at=read_at),
+                self.bundle_path = write_bundle(self.incident(report, step, category, tensors, batch, sample_ids,
+                                                              started, start=start, read_at=read_at),
                                                 self.bundle_dir)
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
                 self.bundle_error = exc
@@ -659,9 +566,12 @@ class Monitor:
         self._apply_policy(report, step, category, tensors, first, read_at=read_at)
         return report
 
-    def _incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
-                  sample_ids: Any, started: bool, *, start: _StepStart | None = None,
-                  read_at: str | None = None) -> Incident:
+    def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                 sample_ids: Any, started: bool, *, start: _StepStart | None = None,
+                 read_at: str | None = None) -> Incident:
+        """The evidence of a non-finite step as write_bundle takes it: the report, the history, the batch, the
+        step-start RNG states and the state (the snapshot's when it was taken at this step's start). Also what
+        nanscan.distributed's Agreement writes each rank's part from."""
         model = self.model
         if start is None:
             start = _StepStart(self._rng, self._snapshot)
@@ -702,8 +612,7 @@ class Monitor:
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None) -> str:
-        shown = ", ".join(tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
-        text = f"nanscan: non-finite values at step {step} (category {category}: {shown})"
+        text = f"nanscan: non-finite values at step {step} (category {category}: {shown_names(tensors)})"
         if read_at == "next_check":
             text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
                      "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
@@ -731,7 +640,7 @@ class Monitor:
                         p.grad = None
         if policy in ("warn", "skip"):
             if first:
-                _warn_user(self._message(step, category, tensors, read_at))
+                warn_user(self._message(step, category, tensors, read_at))
             return
         policy(report, self.bundle_path)
 
@@ -750,3 +659,28 @@ def default_monitor(model: torch.nn.Module, *, create: bool = True) -> Monitor |
         monitor._model = None  # weak only: the dictionary's value must not keep its key alive
         _default_monitors[model] = monitor
     return monitor
+
+
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+          backend=None) -> ScanReport:
+    """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state, and the
+    parameters it trains outside the model.
+
+    Steps are counted per model when `step` is not given; the first step with a non-finite value is remembered
+    and returned by `first_invalid(model)`. Behind it is a default nanscan.Monitor per model (see
+    nanscan.monitor.default_monitor): the first non-finite step also writes an evidence bundle to
+    $NANSCAN_BUNDLE_DIR (default "nanscan-bundles") and issues a NonFiniteWarning; use a Monitor directly to
+    include the batch and loss, raise instead, or choose the bundle directory. On a GPU the default Monitor
+    checks asynchronously (no host sync): the verdict for a step arrives with the next call, still naming the
+    step, so `first_invalid(model)` is set one call later than on the CPU.
+    """
+    monitor = default_monitor(model)
+    monitor.optimizer = optimizer
+    monitor.backend = backend
+    return monitor.check(step=step)
+
+
+def first_invalid(model: torch.nn.Module) -> int | None:
+    """The first step at which `check(model)` saw a NaN or infinity, or None."""
+    monitor = default_monitor(model, create=False)
+    return None if monitor is None else monitor.first_invalid_step

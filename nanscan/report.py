@@ -20,8 +20,9 @@ import click
 import numpy as np
 
 from nanscan import _layout as L
-from nanscan.bundle import CATEGORY_EXPLANATIONS, BundleError, json_float, load_bundle, tensor_kind
+from nanscan.bundle import BundleError, json_float, load_bundle
 from nanscan.headroom import FORMATS, Format, headroom
+from nanscan.incident import CATEGORY_EXPLANATIONS, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 

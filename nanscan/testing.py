@@ -13,8 +13,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from nanscan.replay import (CASE_JSON, REGRESSION_SCHEMA, StepOptions, StepOutcome, _model_device, map_tensors,
-                            run_localized, run_step)
+from nanscan.bundle import BundleError
+from nanscan.bundle.tree import decode_tree, load_tensors
+from nanscan.entry import build_spec
+from nanscan.provenance import restore_rng, rng_from_tensors
+from nanscan.replay.export import CASE_JSON, REGRESSION_SCHEMA
+from nanscan.replay.step import StepOptions, StepOutcome, map_tensors, model_device, run_localized, run_step
 
 
 def assert_step_finite(model: torch.nn.Module, step_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
@@ -35,7 +39,7 @@ def assert_step_finite(model: torch.nn.Module, step_fn: Callable[[torch.nn.Modul
         if optimizer is None:
             raise ValueError("optimizer_state was given without an optimizer to load it into")
         optimizer.load_state_dict(optimizer_state)
-    device = _model_device(model)
+    device = model_device(model)
     batch = map_tensors(batch, lambda t: t.to(device))
     def attempt(backward_module_hooks: bool) -> StepOutcome:
         # a step that raised did not reach optimizer.step(), so the second attempt starts from the same weights
@@ -90,7 +94,6 @@ class RegressionCase:
 
     def build_spec(self):
         """The ReplaySpec from the recorded replay entry and config."""
-        from nanscan.entry import build_spec  # noqa: PLC0415
 
         return build_spec(self.replay_entry, self.config)
 
@@ -98,7 +101,6 @@ class RegressionCase:
         """Put the RNGs into the state the failing step started from (same dropout masks), when recorded."""
         if self.rng is None:
             return
-        from nanscan.provenance import restore_rng  # noqa: PLC0415
 
         try:
             restore_rng(self.rng)
@@ -108,8 +110,6 @@ class RegressionCase:
 
 def load_regression_case(path: str | os.PathLike) -> RegressionCase:
     """Read a regression case directory (safetensors and JSON only; nothing is unpickled)."""
-    from nanscan.bundle import BundleError, _decode_tree, _load_tensors  # noqa: PLC0415
-    from nanscan.provenance import rng_from_tensors  # noqa: PLC0415
 
     root = Path(path)
     meta_path = root / CASE_JSON
@@ -124,17 +124,17 @@ def load_regression_case(path: str | os.PathLike) -> RegressionCase:
         raise RegressionCaseError(f"{meta_path} has schema {meta.get('schema')!r}, this nanscan reads "
                                   f"{REGRESSION_SCHEMA!r}; export the case again with this version")
     try:
-        tensors, _ = _load_tensors(root / meta["batch"]["file"])
-        batch = _decode_tree(meta["batch"]["structure"], tensors)
+        tensors, _ = load_tensors(root / meta["batch"]["file"])
+        batch = decode_tree(meta["batch"]["structure"], tensors)
         model_state = optimizer_state = rng = None
         if meta.get("state"):
-            tensors, _ = _load_tensors(root / meta["state"]["file"])
+            tensors, _ = load_tensors(root / meta["state"]["file"])
             structure = meta["state"]["structure"]
-            model_state = _decode_tree(structure["model"], tensors)
+            model_state = decode_tree(structure["model"], tensors)
             if structure.get("optimizer") is not None:
-                optimizer_state = _decode_tree(structure["optimizer"], tensors)
+                optimizer_state = decode_tree(structure["optimizer"], tensors)
         if meta.get("rng"):
-            tensors, metadata = _load_tensors(root / meta["rng"]["file"])
+            tensors, metadata = load_tensors(root / meta["rng"]["file"])
             rng = rng_from_tensors(tensors, json.loads(metadata["nanscan.rng"]))
     except (BundleError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise RegressionCaseError(f"{root} is incomplete or damaged ({exc}); export the case again") from None

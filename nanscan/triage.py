@@ -13,8 +13,10 @@ from pathlib import Path
 import click
 
 from nanscan._atomic import is_temp_name
-from nanscan.bundle import MANIFEST, PENDING_PREFIX, Bundle, BundleError, load_bundle
-from nanscan.distributed import INDEX, BundleSet
+from nanscan._cli import cli_errors, json_out
+from nanscan.bundle import Bundle, BundleError, BundleSet, load_bundle
+from nanscan.bundle.format import MANIFEST, PENDING_PREFIX
+from nanscan.bundle.rank_set import INDEX
 
 NOT_REPLAYED = "(not replayed)"
 
@@ -164,12 +166,11 @@ def triage_command(directory, as_json):
     Exits 1 when some bundle could not be read (it is listed, the others are counted)."""
     from rich.console import Console  # noqa: PLC0415
 
-    from nanscan.replay import _json_out, cli_errors  # noqa: PLC0415
 
     with cli_errors():
         result = triage(directory)
     if as_json:
-        _json_out(result.to_dict())
+        json_out(result.to_dict())
     else:
         print_triage(result, Console())
     if result.unreadable:

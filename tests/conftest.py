@@ -75,15 +75,15 @@ class BackendUnderTest:
         if self.name == "cpu":
             return backends.CpuBackend(chunk_elems=7) if tiny_chunks else backends.CpuBackend()
         if self.name == "numba":
-            from nanscan._numba_backend import NumbaBackend
+            from nanscan.backends.numba_cpu import NumbaBackend
 
             return NumbaBackend(chunk_elems=5) if tiny_chunks else NumbaBackend()
         if self.name == "cuda":
-            from nanscan._cuda_backend import CudaBackend
+            from nanscan.backends.cuda import CudaBackend
 
             return CudaBackend(chunk_bytes=16) if tiny_chunks else CudaBackend()
         if self.name == "numba-cuda":
-            from nanscan._numba_cuda_backend import NumbaCudaBackend
+            from nanscan.backends.numba_cuda import NumbaCudaBackend
 
             return NumbaCudaBackend(threads=32, blocks=2, piece_elems=7) if tiny_chunks else NumbaCudaBackend()
         raise ValueError(f"no backend under test called {self.name!r}")

@@ -20,8 +20,9 @@ from torch import nn
 import nanscan
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan import _layout as L
-from nanscan.monitor import CATEGORIES
-from nanscan.pending import CompletedScan, HistoryRing, ScanPart, StepScan
+from nanscan.history import HistoryRing
+from nanscan.incident import CATEGORIES
+from nanscan.pending import CompletedScan, ScanPart, StepScan
 from nanscan.stats import PendingReport, ScannedTensor, ScanReport
 from test_monitor import EXPECTED_TENSORS, FAULT_STEP, forward_backward, make_batch, make_model, plant
 

@@ -94,7 +94,7 @@ def test_an_unavailable_backend_raises_with_the_original_error(clean_backend_sta
 
 def test_importing_the_numba_backend_without_numba_fails_loudly(clean_backend_state, monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
-    monkeypatch.delitem(sys.modules, "nanscan._numba_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "nanscan.backends.numba_cpu", raising=False)
     with pytest.raises(nanscan.BackendUnavailable, match="numba") as info:
         backends.load("numba")
     assert isinstance(info.value.__cause__, ImportError)
@@ -117,7 +117,7 @@ def test_a_backend_for_another_device_is_refused(clean_backend_state):
 def test_numba_backend_checks_its_arguments():
     if not loads("numba"):
         pytest.skip("needs the numba backend")
-    from nanscan._numba_backend import NumbaBackend
+    from nanscan.backends.numba_cpu import NumbaBackend
 
     with pytest.raises(ValueError, match="chunk_elems must be a number of elements from 1"):
         NumbaBackend(chunk_elems=0)

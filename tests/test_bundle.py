@@ -26,7 +26,11 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from torch import nn
 
+import hashlib
+
 import nanscan.bundle as B
+import nanscan.bundle.format as F
+import nanscan.bundle.read as R
 from nanscan import BundleError, Monitor, NonFiniteWarning, load_bundle
 from nanscan._atomic import atomic_directory, remove_dead_writers_temps
 from nanscan.cli import main as cli_main
@@ -86,7 +90,7 @@ def test_layout_and_manifest_keys(run):
     assert {"manifest.json", "batch.safetensors", "rng.safetensors", "history.safetensors", "history.json",
             "state.safetensors", "state.json", "INCIDENT.md", "ledger.jsonl"} <= names
     manifest = json.loads((run.path / "manifest.json").read_text())
-    for key in B.REQUIRED_KEYS:
+    for key in F.REQUIRED_KEYS:
         assert key in manifest
     assert manifest["schema"] == "nanscan.bundle/1"
     assert (manifest["first_invalid_step"], manifest["category"]) == (3, "input")
@@ -96,7 +100,7 @@ def test_layout_and_manifest_keys(run):
     assert manifest["batch"]["sample_ids"] == [30, 31, 32, 33, 34]
     assert manifest["batch"]["shapes"]["x"] == [5, 3]
     assert manifest["batch"]["dtypes"]["extra.0"] == "int64"
-    assert manifest["config_sha256"] == B.hashlib.sha256(b'{"layers":[3,4,2],"lr":0.001}').hexdigest()
+    assert manifest["config_sha256"] == hashlib.sha256(b'{"layers":[3,4,2],"lr":0.001}').hexdigest()
     assert manifest["replay_entry"] == "my_pkg.train:replay"
     assert manifest["environment"]["torch"] == torch.__version__
     assert math.isnan(float(manifest["loss"]))  # strict JSON: non-finite floats are written as strings
@@ -245,15 +249,15 @@ def test_occupied_invalid_path_is_not_overwritten(monkeypatch, tmp_path):
 
 
 KILLED_WRITER = r"""
-import sys, time, torch, nanscan, nanscan.bundle as B
+import sys, time, torch, nanscan, nanscan.bundle.write as W
 bundle_dir, sentinel = sys.argv[1], sys.argv[2]
-real = B._save_tensors
+real = W.save_tensors
 def stall_after_history(path, tensors, metadata=None):
     real(path, tensors, metadata)
-    if path.name == B.HISTORY:
+    if path.name == W.HISTORY:
         open(sentinel, "w").close()
         time.sleep(120)
-B._save_tensors = stall_after_history
+W.save_tensors = stall_after_history
 model = torch.nn.Linear(3, 1)
 mon = nanscan.Monitor(model, bundle_dir=bundle_dir, run_id="killed", on_invalid="warn")
 x = torch.ones(2, 3)
@@ -359,7 +363,7 @@ def test_notes_are_separate_and_not_duplicated(run):
 
 def test_interrupted_update_is_finished_or_discarded(run, monkeypatch):
     bundle = load_bundle(run.path)
-    monkeypatch.setattr(B, "_finish_pending", lambda root: None)  # die right after the commit point
+    monkeypatch.setattr(R, "_finish_pending", lambda root: None)  # die right after the commit point
     bundle.add_note("committed but not renamed")
     monkeypatch.undo()
     assert any(p.name.startswith(".pending-") for p in run.path.iterdir())
@@ -391,7 +395,7 @@ def test_log_tails_are_copied(tmp_path):
     run = Run(tmp_path, log_files=[log, tmp_path / "missing.log"], steps=1)
     bundle = load_bundle(run.path)
     lines = bundle.log_tail("train.log").decode().splitlines()
-    assert lines[0] == "line 300" and lines[-1] == "line 499" and len(lines) == B.LOG_TAIL_LINES
+    assert lines[0] == "line 300" and lines[-1] == "line 499" and len(lines) == F.LOG_TAIL_LINES
     missing = bundle.manifest["logs"][1]
     assert missing["file"] is None and "FileNotFoundError" in missing["error"]
 
@@ -400,7 +404,7 @@ def test_log_tail_is_bounded_in_bytes(tmp_path):
     log = tmp_path / "wide.log"
     log.write_bytes(b"x" * 1000 + b"\n" + (b"y" * 999 + b"\n") * 100)
     tail = B.read_log_tail(log)
-    assert len(tail["data"]) <= B.LOG_TAIL_BYTES and tail["data"].startswith(b"y") and tail["data"].endswith(b"\n")
+    assert len(tail["data"]) <= F.LOG_TAIL_BYTES and tail["data"].startswith(b"y") and tail["data"].endswith(b"\n")
 
 
 def test_snapshot_cpu_bundle_is_marked_pre_step(tmp_path):
@@ -478,7 +482,7 @@ def _replace_member(root: Path, name: str, data: bytes) -> None:
     """Change a bundle file and record its new sha256, as a hostile sender (or a buggy writer) would."""
     (root / name).write_bytes(data)
     manifest = json.loads((root / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": B.hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -681,7 +685,7 @@ def test_note_on_a_read_only_bundle_is_a_clear_error(run, monkeypatch):
 
 
 def test_update_failing_before_its_commit_point_leaves_nothing_pending(run, monkeypatch):
-    real, calls = B.atomic_write_bytes, []
+    real, calls = R.atomic_write_bytes, []
 
     def disk_full_on_the_manifest(path, data):
         calls.append(Path(path).name)
@@ -689,7 +693,7 @@ def test_update_failing_before_its_commit_point_leaves_nothing_pending(run, monk
             raise OSError(28, "No space left on device", str(path))
         return real(path, data)
 
-    monkeypatch.setattr(B, "atomic_write_bytes", disk_full_on_the_manifest)
+    monkeypatch.setattr(R, "atomic_write_bytes", disk_full_on_the_manifest)
     with pytest.raises(BundleError, match="No space left.*nothing was changed"):
         load_bundle(run.path).add_note("lost")
     assert ".pending-ledger.jsonl" in calls

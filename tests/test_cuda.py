@@ -14,8 +14,8 @@ import torch
 
 import nanscan
 from nanscan import _layout as L
-from nanscan._cuda_backend import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
-from nanscan._reference import ReferenceBackend
+from nanscan.backends.cuda import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
+from nanscan.backends.reference import ReferenceBackend
 from nanscan.inputs import prepare
 
 try:
@@ -288,7 +288,7 @@ def test_host_run_rejects_a_bad_table():
 
 @pytest.fixture
 def cuda_backend():
-    from nanscan._cuda_backend import CudaBackend
+    from nanscan.backends.cuda import CudaBackend
     return CudaBackend()
 
 
@@ -296,8 +296,8 @@ def cuda_backend():
 def block_sizes(request, monkeypatch):
     """As shipped (these small inputs fit one block), and with tiny shares, so that many blocks split each tensor."""
     if request.param == "many blocks":
-        monkeypatch.setattr("nanscan._cuda_backend.MIN_BLOCK_BYTES", 1024)
-        monkeypatch.setattr("nanscan._cuda_backend.PIECE_COST_BYTES", 64)
+        monkeypatch.setattr("nanscan.backends.cuda.MIN_BLOCK_BYTES", 1024)
+        monkeypatch.setattr("nanscan.backends.cuda.PIECE_COST_BYTES", 64)
     return request.param
 
 

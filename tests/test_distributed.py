@@ -29,7 +29,9 @@ from torch import nn
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan.bundle import BundleError
 from nanscan.cli import main
-from nanscan.distributed import INDEX, OTHER_RANK, BundleSet
+from nanscan.bundle import BundleSet
+from nanscan.bundle.rank_set import INDEX
+from nanscan.incident import OTHER_RANK
 from nanscan.entry import ReplaySpec
 from nanscan.triage import triage
 

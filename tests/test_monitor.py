@@ -17,7 +17,8 @@ from torch import nn
 
 import nanscan
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
-from nanscan.monitor import CATEGORIES, categorize, default_monitor
+from nanscan.incident import CATEGORIES, categorize
+from nanscan.monitor import default_monitor
 
 FAULT_STEP = 3
 

@@ -22,8 +22,8 @@ import torch
 import nanscan
 from conftest import BitTables, assert_records_match
 from nanscan import _layout as L
-from nanscan import _numba_cuda_backend as B
-from nanscan._reference import ReferenceBackend
+from nanscan.backends import numba_cuda as B
+from nanscan.backends.reference import ReferenceBackend
 from nanscan.inputs import prepare
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ CASES = _cases()
 SIMULATE = """
 import json, sys
 import numpy as np
-from nanscan import _numba_cuda_backend as B
+from nanscan.backends import numba_cuda as B
 calls = json.loads(open(sys.argv[1]).read())
 arrays = np.load(sys.argv[2], allow_pickle=False)
 out = {}

@@ -9,17 +9,19 @@ import json
 import math
 
 import pytest
+import replay_entries as E
 import torch
 from click.testing import CliRunner
 from rich.console import Console
 from torch import nn
 
-import replay_entries as E
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
-from nanscan.replay import (ReplayError, StepOptions, StepOutcome, _print_replay, _replay_markdown, _verdict,
-                            bisect_samples, ddmin, deterministic_algorithms, localize, record_replay, replay, Replayer,
-                            run_localized, run_step, select_samples)
+from nanscan.replay import (Replayer, ReplayError, StepOptions, StepOutcome, bisect_samples, ddmin, localize,
+                            record_replay, replay, run_step, select_samples)
+from nanscan.replay.cli import print_replay
+from nanscan.replay.reproduce import replay_markdown, verdict_of
+from nanscan.replay.step import deterministic_algorithms, run_localized
 
 
 def test_masked_attention_row_is_localized_to_softmax_forward(tmp_path):
@@ -203,10 +205,10 @@ def test_verdict_tells_persistent_transient_and_intermittent():
         return StepOutcome(finite, None if finite else "loss", 1.0, [] if finite else list(names), None, None,
                            None, ["float32"])
 
-    assert _verdict([outcome(False)] * 3) == "persistent"
-    assert _verdict([outcome(True)] * 3) == "transient"
-    assert _verdict([outcome(False), outcome(True), outcome(False)]) == "intermittent"
-    assert _verdict([outcome(False), outcome(False, ("grad:w",)), outcome(False)]) == "intermittent"
+    assert verdict_of([outcome(False)] * 3) == "persistent"
+    assert verdict_of([outcome(True)] * 3) == "transient"
+    assert verdict_of([outcome(False), outcome(True), outcome(False)]) == "intermittent"
+    assert verdict_of([outcome(False), outcome(False, ("grad:w",)), outcome(False)]) == "intermittent"
 
 
 def test_deterministic_settings_are_restored():
@@ -336,7 +338,7 @@ def test_not_reproduced_from_inexact_conditions_does_not_blame_hardware(tmp_path
     assert result.verdict == "transient" and result.inexact == ["the state at the check, not a pre-step snapshot"]
     assert "from inexact conditions" in result.headline()
     assert "does not show a hardware fault" in result.explanation()
-    assert "hardware (a bad GPU" not in _replay_markdown(result)
+    assert "hardware (a bad GPU" not in replay_markdown(result)
 
 
 def test_without_recorded_rng_every_replay_draws_the_same(tmp_path, monkeypatch):
@@ -359,5 +361,5 @@ def test_replay_output_prints_error_text_as_written(poisoned_bundle):
     result.runs[1] = dataclasses.replace(result.runs[1], finite=False, category="loss",
                                          error="step_fn raised KeyError: '[/data] shard 3 [bold]'")
     console = Console(file=io.StringIO(), width=300)
-    _print_replay(result, console)
+    print_replay(result, console)
     assert "KeyError: '[/data] shard 3 [bold]'" in console.file.getvalue()

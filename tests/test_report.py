@@ -22,7 +22,8 @@ from torch import nn
 
 from nanscan import _layout as L
 from nanscan import demo as D
-from nanscan.bundle import _history_payload, load_bundle
+from nanscan.bundle import load_bundle
+from nanscan.bundle.history import history_payload
 from nanscan.cli import main
 from nanscan.monitor import Monitor, NonFiniteError
 from nanscan.report import render_html, split_name, summarize
@@ -224,7 +225,7 @@ def test_html_inside_the_bundle_is_refused(tmp_path):
 
 def test_report_with_no_history_steps(tmp_path):
     bundle = _bundle(tmp_path, lambda step: {"x": torch.ones(2, 3)})
-    tensors, index = _history_payload([])
+    tensors, index = history_payload([])
     _replace_member(bundle.path, "history.safetensors", save(tensors))
     _replace_member(bundle.path, "history.json", json.dumps(index).encode())
     runner = CliRunner()

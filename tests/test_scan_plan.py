@@ -1,4 +1,4 @@
-"""The Monitor's every-step inputs (nanscan.scan.ModelScanPlan, NOTE: [model scan plan]): reused while nothing
+"""The Monitor's every-step inputs (nanscan.plans.ModelScanPlan, NOTE: [model scan plan]): reused while nothing
 changed, rebuilt as soon as anything did, and always equal to preparing every tensor from scratch.
 
 Each test changes the model or optimizer the way training code does (a layer replaced, weights cast, state
@@ -22,8 +22,9 @@ from conftest import native_extension_expected
 from nanscan import backends
 from nanscan.backends import BackendUnavailable
 from nanscan.inputs import ScanInputs, prepare
-from nanscan.pending import select_for_part
-from nanscan.scan import ModelScanPlan, model_inputs, scan_inputs
+from nanscan.dispatch import select_for_part
+from nanscan.plans import ModelScanPlan
+from nanscan.scan import model_inputs, scan_inputs
 
 
 @pytest.fixture(params=["one call", "native, Python reads", "python"])
@@ -407,18 +408,18 @@ def test_one_call_falls_back_to_launch_for_another_backend():
 
 def test_tensor_reads_through_torch_are_used_only_for_the_torch_they_were_built_for(monkeypatch):
     """nanscan._torch_access reads torch's objects by their C++ layout: built for another torch, it is not used."""
-    import nanscan.inputs as inputs_module
+    import nanscan._native as native_module
 
     access = pytest.importorskip("nanscan._torch_access")
     if native_extension_expected():
         assert access.torch_version == torch.__version__, "make install builds it for the torch it installs"
-    monkeypatch.setattr(inputs_module, "_tensor_access", False)
-    assert inputs_module.tensor_access() is access.tensor_access
-    monkeypatch.setattr(inputs_module, "_tensor_access", False)
-    assert "through torch's C++ headers" in inputs_module.tensor_access_status()
+    monkeypatch.setattr(native_module, "_tensor_access", False)
+    assert native_module.tensor_access() is access.tensor_access
+    monkeypatch.setattr(native_module, "_tensor_access", False)
+    assert "through torch's C++ headers" in native_module.tensor_access_status()
     monkeypatch.setattr(access, "torch_version", "0.0.1")
-    monkeypatch.setattr(inputs_module, "_tensor_access", False)  # looked up once per process: look again
-    assert inputs_module.tensor_access() is None
+    monkeypatch.setattr(native_module, "_tensor_access", False)  # looked up once per process: look again
+    assert native_module.tensor_access() is None
     assert ModelScanPlan()._tensor_access is None
     assert "built for torch 0.0.1" in nanscan.backend_info()["tensor_reads"], "nanscan info says why"
 

@@ -1,6 +1,6 @@
 """The numba-cuda backend: the scan as numba CUDA kernels, for GPUs where nanscan._C was built without CUDA.
 
-It states the definitions of classify.h again on raw bits, as nanscan/_numba_backend.py does for the CPU (exponent
+It states the definitions of classify.h again on raw bits, as nanscan/backends/numba_cpu.py does for the CPU (exponent
 field, subnormals binned by their leading mantissa bit, bins clamped to [-128, 127]; never isnan or log2), and reads
 the tensors in place: no copy, one launch per format, on torch's current stream. It waits for its own results, so it
 is slower than the cuda backend's asynchronous scan, but gives the same records. scan_bit_arrays runs the same kernels

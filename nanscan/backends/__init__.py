@@ -9,8 +9,6 @@ for by name that cannot run raises BackendUnavailable chained to the original er
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
 from typing import Protocol, Sequence
@@ -18,8 +16,9 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from nanscan import _layout as L
-from nanscan.inputs import ScanInput, as_scan_inputs, tensor_access_status
+from nanscan._native import native_module, tensor_access_status
+from nanscan.backends.cpu import CpuBackend
+from nanscan.inputs import ScanInput
 
 log = logging.getLogger("nanscan")
 
@@ -39,69 +38,23 @@ class Backend(Protocol):
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray: ...
 
 
-def _native_module():
-    try:
-        from nanscan import _C  # noqa: PLC0415 - optional compiled extension
-    except ImportError as exc:
-        # What `nanscan info` shows for a missing cpu backend: the import error alone does not say what to do.
-        state = "does not load" if importlib.util.find_spec("nanscan._C") is not None else "is not built"
-        raise ImportError(f"the native extension nanscan._C {state} ({exc}); reinstall nanscan where a C++ compiler "
-                          "is available (with NANSCAN_REQUIRE_NATIVE=1 a failed build stops and says why)") from exc
-    return _C
-
-
-class CpuBackend:
-    """The C++/OpenMP kernel (csrc/cpu/scan_cpu.cpp) through the pybind11 extension nanscan._C."""
-
-    name = "cpu"
-
-    def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS, num_threads: int = 0):
-        self._C = _native_module()
-        self.chunk_elems = chunk_elems
-        self.num_threads = num_threads
-
-    def supports(self, device: torch.device) -> bool:
-        return device.type == "cpu"
-
-    def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
-        return self.scan_with_verdict(inputs)[0]
-
-    def scan_with_verdict(self, inputs: Sequence[ScanInput]) -> tuple[np.ndarray, bool]:
-        """The records and whether any tensor holds a NaN or an infinity, which the kernel's wrapper counts while
-        the records are still in cache (launch asks for it, so a Monitor step needs no pass over them)."""
-        ptrs, numels, codes = as_scan_inputs(inputs).table()  # NOTE: [input table]
-        records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # scan_cpu sets every slot
-        nonfinite = self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
-        return records, nonfinite > 0
-
-    def scan_planned(self, check, optimizer_state, extra_ptrs: list[int], numels: np.ndarray,
-                     codes: np.ndarray) -> tuple | None:
-        """A model scan plan's per-step check (nanscan._C.PlanCheck) and, when it passes, the scan of the inputs it
-        found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): None when the plan changed (nothing
-        was scanned), else (records, whether any tensor holds a NaN or an infinity)."""
-        records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # set by the call
-        nonfinite = check.check_and_scan(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
-                                         self.num_threads)
-        return None if nonfinite is None else (records, nonfinite > 0)
-
-
 def _load_numba():
-    from nanscan._numba_backend import NumbaBackend  # noqa: PLC0415 - numba is optional
+    from nanscan.backends.numba_cpu import NumbaBackend  # noqa: PLC0415 - numba is optional
     return NumbaBackend()
 
 
 def _load_cuda():
-    from nanscan._cuda_backend import CudaBackend  # noqa: PLC0415 - needs the CUDA build and a GPU
+    from nanscan.backends.cuda import CudaBackend  # noqa: PLC0415 - needs the CUDA build and a GPU
     return CudaBackend()
 
 
 def _load_numba_cuda():
-    from nanscan._numba_cuda_backend import NumbaCudaBackend  # noqa: PLC0415 - needs numba's CUDA target and a GPU
+    from nanscan.backends.numba_cuda import NumbaCudaBackend  # noqa: PLC0415 - needs numba's CUDA target and a GPU
     return NumbaCudaBackend()
 
 
 def _load_reference():
-    from nanscan._reference import ReferenceBackend  # noqa: PLC0415
+    from nanscan.backends.reference import ReferenceBackend  # noqa: PLC0415
     return ReferenceBackend()
 
 
@@ -196,7 +149,7 @@ def backend_info() -> dict:
         except BackendUnavailable as exc:
             info["backends"][name] = {"available": False, "error": str(exc.__cause__ or exc)}
     try:
-        info["build"] = dict(_native_module().build_info())
+        info["build"] = dict(native_module().build_info())
     except Exception as exc:  # noqa: BLE001
         info["build"] = {"error": f"{type(exc).__name__}: {exc}"}
     info["tensor_reads"] = tensor_access_status()  # the Monitor's per-step plan checks (NOTE: [tensor access])

@@ -20,7 +20,7 @@ not memory, bounds the speed, so it has two ways:
 Both tables are folded into bins once per chunk. Their int32 counters hold any chunk below 2**31 elements.
 
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
-nanscan/_layout.py change: after such a change, delete the cache (nanscan/__pycache__/_numba_backend*.nbi/.nbc).
+nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_cpu*.nbi/.nbc).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CUDA backend: the multi-tensor kernel of csrc/cuda through nanscan._C, with a synchronous `scan_records`
 for `scan()` and `scan_async`, which only enqueues work on the stream and never waits for the GPU.
 
-On a GPU without this extension, auto selection falls back to numba-cuda (nanscan/_numba_cuda_backend.py) when
+On a GPU without this extension, auto selection falls back to numba-cuda (nanscan/backends/numba_cuda.py) when
 numba's CUDA target loads, else to the reference backend (slower, the same answers), and says so once.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.backends import _native_module
+from nanscan._native import native_module
 from nanscan.inputs import ScanInput, ScanInputs, as_scan_inputs
 
 # One row of the kernel's chunk table (csrc/cuda/scan_cuda.h, struct ChunkMeta); checked against
@@ -131,7 +131,7 @@ def _check_layout(C) -> dict:
     offsets = {name: CHUNK_META_DTYPE.fields[name][1] for name in CHUNK_META_DTYPE.names}
     if layout["chunk_meta_itemsize"] != CHUNK_META_DTYPE.itemsize or layout["chunk_meta_offsets"] != offsets:
         raise RuntimeError(f"nanscan._C's ChunkMeta layout {layout['chunk_meta_offsets']} does not match "
-                           f"nanscan/_cuda_backend.py's {offsets}; reinstall nanscan so both come from one version")
+                           f"nanscan/backends/cuda.py's {offsets}; reinstall nanscan so both come from one version")
     return layout
 
 
@@ -140,7 +140,7 @@ def scan_records_on_host(inputs: Sequence[ScanInput], *, max_blocks: int = 8,
     """Records for CPU tensors computed by the CUDA kernel's own per-thread code run on the CPU
     (csrc/cuda/scan_cuda.h, scan_on_host), over the work list the CUDA backend would build for a GPU with room for
     `max_blocks` blocks. For tests on machines without a GPU; needs an extension built with nvcc."""
-    C = _native_module()
+    C = native_module()
     if not hasattr(C, "scan_cuda_on_host"):
         raise RuntimeError("nanscan._C was built without its CUDA part (nvcc was not found at build time)")
     layout = _check_layout(C)
@@ -199,7 +199,7 @@ class CudaBackend:
         """`chunk_bytes` caps the bytes of one piece (default: only the kernel's own limit) and `min_block_bytes`
         the least a block is given (default MIN_BLOCK_BYTES, or 4 * chunk_bytes when that is given). Tests set
         them small, to spread even tiny tensors over many pieces and blocks."""
-        C = _native_module()
+        C = native_module()
         if not hasattr(C, "scan_cuda"):
             raise RuntimeError(
                 "nanscan._C was built without its CUDA part (no nvcc at build time); rebuild where the CUDA toolkit "

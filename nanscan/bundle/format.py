@@ -1,0 +1,229 @@
+"""The bundle format: file names, the schema, the records a bundle is written from (Incident, HistoryEntry),
+paths and JSON helpers. The evidence bundle is one directory per incident, `<bundle_dir>/<run_id>/step-<N>/`, holding everything needed
+to understand and replay the first non-finite step, and `load_bundle` to read it back safely.
+
+Layout (schema "nanscan.bundle/1"):
+  manifest.json        what happened, where the code and config came from, and the sha256 of every other file
+  batch.safetensors    the failing step's batch (every tensor, integer ones too); its nesting is in the manifest
+  rng.safetensors      RNG states (torch CPU/CUDA, numpy, Python random) at the failing step's start, or at its
+                       check where the manifest's rng.captured_at_by_source says so
+  history.safetensors  stats records of the last steps; history.json names their tensors, loss, lr, grad norm
+  state.safetensors    model and optimizer state; state.json holds the optimizer's non-tensor structure
+  source.diff          uncommitted changes (`git diff HEAD`), when the work tree was dirty and the diff is small
+  logs/                the last lines of each log file
+  ledger.jsonl         one JSON record per automatic finding and reviewer note
+  INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
+
+Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
+A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
+the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
+and no unlisted file sits in the directory, and every listed file has its recorded size and sha256.
+Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
+writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
+valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
+a small journal: new files are written under `.pending-*` names and the new manifest's arrival is the commit
+point, so an interrupted update is either finished or discarded the next time the bundle is opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nanscan.provenance import SourceInfo
+from nanscan.stats import ScanReport
+
+SCHEMA = "nanscan.bundle/1"
+
+
+MANIFEST = "manifest.json"
+
+
+INCIDENT = "INCIDENT.md"
+
+
+LEDGER = "ledger.jsonl"
+
+
+BATCH = "batch.safetensors"
+
+
+RNG = "rng.safetensors"
+
+
+HISTORY = "history.safetensors"
+
+
+HISTORY_INDEX = "history.json"
+
+
+STATE = "state.safetensors"
+
+
+STATE_STRUCTURE = "state.json"
+
+
+SOURCE_DIFF = "source.diff"
+
+
+LOGS = "logs"
+
+
+PENDING_PREFIX = ".pending-"
+
+
+RNG_METADATA_KEY = "nanscan.rng"
+
+
+# A log file is copied from its end: at most this many lines and bytes.
+LOG_TAIL_LINES = 200
+
+
+LOG_TAIL_BYTES = 64 << 10
+
+
+# Findings of the detection itself; later issues (replay, ablation) add their own keys.
+DETECT_FINDING = "detect"
+
+
+REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "category", "nonfinite_tensors", "source", "config",
+                 "config_sha256", "environment", "batch", "rng", "history", "state", "replay_entry", "files",
+                 "incident", "ledger")
+
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class BundleError(ValueError):
+    """A bundle that is missing, incomplete, damaged, modified or not a nanscan bundle."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryEntry:
+    """One step of the Monitor's history: the scan report and the scalars that go with it."""
+
+    step: int
+    loss: float | None
+    lr: float | None
+    grad_norm: float | None  # L2 norm over the finite values of every gradient (from the records' sumsq)
+    report: ScanReport = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass
+class Incident:
+    """Everything a bundle records about one non-finite step; `write_bundle` turns it into files.
+
+    Built once when the incident is detected (timestamps, environment and log tails included), so writing the
+    same Incident twice yields identical bytes.
+    """
+
+    run_id: str
+    step: int
+    category: str
+    tensors: list[str]  # the non-finite tensors that decided the category
+    report: ScanReport
+    detected_at: str  # ISO 8601, UTC
+    history: Sequence[HistoryEntry] = ()
+    batch: Any = None
+    sample_ids: Any = None
+    config: dict | None = None
+    source: SourceInfo | None = None
+    environment: dict | None = None
+    rng: dict | None = None
+    # per RNG source ("torch", "numpy", "python"): "step_start" (forward pre-hook) or "check"
+    rng_captured_at: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    model_state: Mapping | None = None
+    optimizer_state: Mapping | None = None
+    state_pre_step: bool = False
+    state_note: str = ""
+    logs: Sequence[dict] = ()  # from read_log_tail
+    replay_entry: str | None = None
+    # One rank's part of a distributed incident (nanscan.distributed): written to step-<N>/rank-<r>/, with the
+    # `distributed` mapping stored in the manifest.
+    rank: int | None = None
+    distributed: Mapping | None = None
+
+
+def json_float(value: float | None) -> float | str | None:
+    """A float for strict JSON: non-finite values become the strings "nan", "inf", "-inf"."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def float_from_json(value: float | str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def plain_json(value: Any, where: str = "value") -> Any:
+    """A JSON-ready copy of `value`: numbers (non-finite as strings), strings, lists, string-keyed dicts."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return json_float(value)
+    if isinstance(value, np.generic):
+        return plain_json(value.item(), where)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return plain_json(value.item(), where)
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return plain_json(value.tolist(), where)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        return {str(k): plain_json(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"{where} is a {type(value).__name__}, which cannot be stored as JSON; "
+                    "pass numbers, strings, lists or dicts")
+
+
+def read_json(path: Path, *, holder: str = "bundle", object_pairs_hook=None) -> Any:
+    """A JSON file of a bundle (or bundle set, `holder`), or a BundleError naming it: bytes that are not UTF-8 or
+    not JSON, nesting too deep for the parser, or a file that cannot be read."""
+    try:
+        return json.loads(path.read_bytes(), object_pairs_hook=object_pairs_hook)
+    except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError and JSONDecodeError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise BundleError(f"{path} is not valid JSON ({reason}): the file is truncated, damaged or was edited; ask "
+                          f"for a fresh copy of the {holder}") from None
+    except OSError as exc:
+        raise BundleError(f"{path} cannot be read ({exc}); check its permissions") from None
+
+
+def refuse_link(path: Path, *, holder: str = "bundle") -> None:
+    """A BundleError when `path` is a symbolic link: bundles and bundle sets hold plain files and directories only,
+    and a link in one received from someone could make a reader show (or a note replace) a file anywhere."""
+    if path.is_symlink():
+        raise BundleError(f"{path} is a symbolic link: a {holder} holds plain files only, and a link could point "
+                          f"outside it; do not use this {holder}, ask for a copy made without links")
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise ValueError(f"run_id {run_id!r} cannot name a directory: use 1-128 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
+    return run_id
+
+
+def bundle_path(bundle_dir: str | os.PathLike, run_id: str, step: int, rank: int | None = None) -> Path:
+    """Where the bundle of `run_id`'s incident at `step` lives (a distributed rank's part: `rank-<r>` below it)."""
+    path = Path(bundle_dir) / check_run_id(run_id) / f"step-{int(step)}"
+    return path if rank is None else path / f"rank-{int(rank)}"
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

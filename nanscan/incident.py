@@ -1,0 +1,134 @@
+"""The incident taxonomy, in one place: the tensor-name convention, the failure categories in the order they are
+decided, what each category means, and the error and warning a non-finite step raises.
+
+Every module that names, parses or orders scanned tensors or categories asks here (the Monitor, distributed
+agreement, the bundle, report, replay, preflight), so a new kind or category is added once.
+
+NOTE: [tensor names]
+The Monitor names what it scans by kind: `input:<path>` (the batch's floating tensors), `loss`, `param:<name>`,
+`grad:<name>` and `optim:<param name>.<state key>`. FSDP2 shards add `@shard<i>/<n>` after the parameter name
+(nanscan.distributed). Anything else (tensors given to nanscan.scan) is of kind "other".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+# Decided in this order: the first kind holding a non-finite tensor names the category. Inputs and weights come
+# first because everything computed from them inherits their NaNs; the loss before the gradients because a
+# non-finite loss makes every gradient non-finite too.
+CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
+# A replayed step can also go bad only in optimizer.step(), which the Monitor never sees (it checks before it).
+STEP_CATEGORIES = (*CATEGORIES, "update")
+# A report whose non-finite tensors follow no convention (nanscan.scan of the user's own tensors).
+OTHER = "other"
+# The category of a distributed part whose rank held only finite values at the failing step (another rank's
+# were not).
+OTHER_RANK = "other_rank"
+# Kinds of tensor in the order of the categories; a category names its own kind.
+KINDS = (*CATEGORIES, OTHER)
+
+# NOTE: [tensor names] prefixes, by kind; the loss is one tensor named LOSS.
+PREFIX = {"input": "input:", "parameter": "param:", "optimizer_state": "optim:", "gradient": "grad:"}
+LOSS = "loss"
+_KIND_OF_PREFIX = {prefix[:-1]: kind for kind, prefix in PREFIX.items()}
+
+CATEGORY_EXPLANATIONS = {
+    "input": "A tensor of the batch was already non-finite when it reached the model: the data (or its "
+             "preprocessing) is the cause.",
+    "parameter": "A weight was already non-finite before this step's update: an earlier update or an outside "
+                 "write corrupted it.",
+    "optimizer_state": "The optimizer state was non-finite while inputs and weights were finite: the optimizer's "
+                       "moments or counters broke first.",
+    "loss": "The loss was non-finite while inputs, weights and optimizer state were finite: something in the "
+            "forward pass produced it.",
+    "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
+    OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
+                "index (index.json, one directory up) names the rank that went bad first.",
+}
+
+
+def tensor_name(kind: str, body: str) -> str:
+    """The scanned name of a tensor of `kind` (NOTE: [tensor names]): tensor_name("gradient", "fc.weight") is
+    "grad:fc.weight"."""
+    return PREFIX[kind] + body
+
+
+def tensor_kind(name: str) -> str:
+    """The kind of a scanned tensor from its name: input, parameter, optimizer_state, loss, gradient or other."""
+    if name == LOSS:
+        return LOSS
+    prefix, sep, _ = name.partition(":")
+    return _KIND_OF_PREFIX.get(prefix, OTHER) if sep else OTHER
+
+
+def is_kind(name: str, kind: str) -> bool:
+    """Whether a scanned name is of `kind` (cheaper than tensor_kind(name) == kind on the every-step path)."""
+    return name == LOSS if kind == LOSS else name.startswith(PREFIX[kind])
+
+
+def owner_module(name: str) -> str:
+    """The module holding a parameter, gradient or optimizer-state tensor: "param:blocks.0.attn.qkv.weight" and
+    "optim:blocks.0.attn.qkv.weight.exp_avg" -> "blocks.0.attn.qkv" (the state key after the parameter name is
+    dropped)."""
+    body = name.partition(":")[2]
+    if is_kind(name, "optimizer_state"):
+        body = body.rpartition(".")[0]
+    return body.rpartition(".")[0]
+
+
+def category_rank(category: str) -> int:
+    """Where a category stands in the order of decision (earlier: closer to the cause); unknown ones last."""
+    return KINDS.index(category) if category in KINDS else len(KINDS)
+
+
+def categorize(report: Any) -> tuple[str | None, list[str]]:
+    """(category, deciding tensor names) of a scan report (anything with `.nonfinite` names); (None, []) when it
+    is finite. A report whose non-finite tensors follow no convention is categorised "other"."""
+    bad = report.nonfinite
+    if not bad:
+        return None, []
+    by_kind: dict[str, list[str]] = {}
+    for name in bad:
+        by_kind.setdefault(tensor_kind(name), []).append(name)
+    for category in CATEGORIES:
+        if category in by_kind:
+            return category, by_kind[category]
+    return OTHER, bad
+
+
+def shown_names(names: Sequence[str], limit: int = 5) -> str:
+    """The first `limit` names and how many more, for a one-line message."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a NaN or infinity (raised by Monitor.check with on_invalid="raise").
+
+    `bundle_path` is the evidence bundle of the run's first incident (None if it could not be written), `step`
+    and `category` describe the step that raised, `tensors` the non-finite tensors that decided the category.
+    """
+
+    def __init__(self, message: str, *, bundle_path: Path | None, step: int, category: str, tensors: list[str]):
+        super().__init__(message)
+        self.bundle_path = bundle_path
+        self.step = step
+        self.category = category
+        self.tensors = tensors
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
+
+
+def warn_user(message: str, category: type[Warning] = NonFiniteWarning) -> None:
+    """Warn with the location of the first caller outside nanscan (the user's check call)."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -1,0 +1,111 @@
+"""The `nanscan replay` and `nanscan export-regression` subcommands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from nanscan._cli import cli_errors, json_out
+from nanscan.replay.export import DEFAULT_MAX_STATE_MB, export_regression
+from nanscan.replay.localize import fmt_value
+from nanscan.replay.reproduce import DEFAULT_RUNS, ReplayResult, record_replay, replay
+
+
+def print_replay(result: ReplayResult, console) -> None:
+    from rich.markup import escape  # noqa: PLC0415 - errors, paths and module names are not markup
+    from rich.table import Table  # noqa: PLC0415
+
+    style = "green" if not result.reproduced else ("red" if result.verdict == "persistent" else "yellow")
+    console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, "
+                  f"category {result.bundle_category})")
+    console.print(f"[{style}]{escape(result.headline())}[/{style}]", highlight=False)
+    console.print(result.explanation(), highlight=False, markup=False)
+    table = Table(title="replays (deterministic algorithms on)")
+    for column in ("run", "outcome", "loss", "non-finite tensors", "grad max exp"):
+        table.add_column(column)
+    for i, run in enumerate(result.runs, 1):
+        table.add_row(str(i), "finite" if run.finite else escape(run.error or run.category), fmt_value(run.loss),
+                      str(len(run.nonfinite)),
+                      "n/a" if run.grad_max_exponent is None else f"2^{run.grad_max_exponent}")
+    console.print(table)
+    loc = result.localization
+    if loc is not None:
+        console.print(f"first bad module: [bold]{escape(loc.label)}[/bold] ({escape(loc.module_type)}), phase "
+                      f"[bold]{loc.phase}[/bold]{escape(f' - {loc.detail}') if loc.detail else ''}", highlight=False)
+        console.print(f"  received: {loc.received.describe()}", highlight=False, markup=False)
+        console.print(f"  produced: {loc.produced.describe()}", highlight=False, markup=False)
+    if result.bisect is not None:
+        b = result.bisect
+        if b.applicable:
+            shown = b.sample_ids if b.sample_ids is not None else b.indices
+            title = "smallest failing subset" if b.minimal else "fewest failing samples found"
+            console.print(f"{title}: {len(b.indices)} of {b.batch_size} samples: {shown} "
+                          f"(rows {b.indices}, {b.trials} trials)", highlight=False, markup=False)
+            if b.says_more:
+                console.print(f"  {b.describe()}", highlight=False, markup=False)
+        else:
+            console.print(f"bisection not done: {b.reason}", highlight=False, markup=False)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
+
+
+@click.command("replay")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--entry", default=None, help="Replay entry package.module:function (default: the bundle's).")
+@click.option("--runs", default=DEFAULT_RUNS, show_default=True, type=click.IntRange(1, 20),
+              help="How many times to replay the step (persistent/transient needs at least 2).")
+@click.option("--no-bisect", is_flag=True, help="Do not bisect the batch to the fewest failing samples.")
+@click.option("--no-record", is_flag=True, help="Do not add the result to the bundle's ledger and INCIDENT.md.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
+    """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module, fewest samples."""
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console(stderr=True) if as_json else Console()
+    with cli_errors():
+        with console.status("replaying") as status:
+            result = replay(bundle, entry, runs=runs, bisect=not no_bisect,
+                            progress=lambda msg: status.update(msg))
+        changed = None if no_record else record_replay(result)
+    if as_json:
+        json_out({**result.to_dict(), "recorded": changed})
+        return
+    print_replay(result, console)
+    if changed is not None:
+        console.print(f"recorded in {Path(result.bundle) / 'INCIDENT.md'}" if changed
+                      else "the same result is already recorded in the bundle; nothing changed", markup=False)
+
+
+@click.command("export-regression")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--entry", default=None, help="Replay entry package.module:function (default: the bundle's).")
+@click.option("--samples", default=None, help="Comma-separated sample rows to export (default: the smallest "
+                                              "failing subset from replay, or a fresh bisection).")
+@click.option("--with-state/--no-state", default=None,
+              help=f"Store the model and optimizer state (default: when at most {DEFAULT_MAX_STATE_MB} MB).")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export of this case that differs from this one.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def export_regression_command(bundle, dest, entry, samples, with_state, overwrite, as_json):
+    """Write BUNDLE's minimal failing sample(s) to DEST as a regression case and a pytest file."""
+    rows = None
+    if samples:
+        try:
+            rows = [int(s) for s in samples.split(",") if s.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{samples!r} is not a comma-separated list of row numbers",
+                                     param_hint="--samples") from None
+    with cli_errors():
+        result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite)
+    if as_json:
+        json_out(result.to_dict())
+        return
+    click.echo(f"regression case: {result.case_dir}")
+    click.echo(f"pytest file:     {result.test_file}")
+    shown = result.sample_ids if result.sample_ids is not None else result.indices
+    now = "fails now" if result.reproduced else ("fails now with an error" if result.error else "passes now")
+    click.echo(f"samples: {shown}; {now} ({'with' if result.with_state else 'without'} the saved state)"
+               f"{'' if result.changed else '; the same export was already there, nothing changed'}")
+    for note in result.notes:
+        click.echo(f"note: {note}")

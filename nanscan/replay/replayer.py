@@ -1,0 +1,175 @@
+"""A bundle opened for replay: its model, optimizer, batch, state and RNG rebuilt through the replay entry, and one
+step run again under chosen options."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nanscan.bundle import Bundle, load_bundle
+from nanscan.bundle.rank_set import require_full_state
+from nanscan.entry import EntryError, ReplaySpec, build_spec
+from nanscan.provenance import restore_rng
+from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
+                                 model_device, prepare_batch, run_localized, run_step, select_samples)
+
+
+def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
+    return bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+
+
+class Replayer:
+    """Runs a bundle's failing step again, as often as needed, each time from the bundle's state and RNG states.
+
+    The replay entry is called for every run, so each run starts from a freshly built model and optimizer with
+    nothing carried over from an earlier run (a precision change, a hook, optimizer state).
+    """
+
+    def __init__(self, bundle: Bundle | str | os.PathLike, entry: str | None = None):
+        self.bundle = open_bundle(bundle)
+        self.entry = entry or self.bundle.replay_entry
+        where = self.bundle.path
+        if not self.entry:
+            raise ReplayError(f"{where} records no replay entry: pass one with --entry package.module:function "
+                              "(a function taking the config dict and returning a nanscan.entry.ReplaySpec), or "
+                              "give replay_entry= to the Monitor")
+        self.batch = self.bundle.batch(nested=True)
+        if self.batch is None:
+            raise ReplayError(f"{where} holds no batch (check() was called without batch=), so the step cannot be "
+                              "replayed; pass the batch to Monitor.check")
+        info = self.bundle.manifest["state"]
+        self.notes: list[str] = []
+        if info.get("file"):
+            if self.bundle.manifest.get("distributed"):
+                require_full_state(self.bundle)  # one rank's FSDP shards alone do not fit the model
+            self.model_state, self.optimizer_state = self.bundle.state()
+            self.pre_step = bool(info.get("pre_step"))
+            if not self.pre_step:
+                self.notes.append("state: the bundle holds the state at the failing step's check (no pre-step "
+                                  f"snapshot): {info.get('note') or 'buffers may already include this batch'}")
+        else:
+            self.model_state, self.optimizer_state, self.pre_step = None, None, False
+            self.notes.append("state: the bundle holds no model state; the step runs on the freshly built model "
+                              "from the replay entry, which may not be the weights that failed")
+        if info.get("file") and self.optimizer_state is None:
+            self.notes.append("optimizer: the bundle holds no optimizer state; the step uses a fresh optimizer")
+        self.rng = self.bundle.rng_state()
+        rng_at = self.bundle.manifest["rng"].get("captured_at")
+        if self.rng is None:
+            self.notes.append("rng: no RNG state recorded; every replay seeds the generators with 0, so random draws "
+                              "(dropout) are the same on each replay but differ from the original step")
+        elif rng_at != "step_start":
+            self.notes.append(f"rng: recorded at {rng_at or 'an unknown time'}, not at the start of the step; random "
+                              "draws in the forward pass (dropout) may differ from the original step")
+        # What the replay cannot rebuild exactly: a failure that does not come back may depend on it.
+        self.inexact = [text for text in (
+            "no model state" if self.model_state is None else "",
+            "the state at the check, not a pre-step snapshot" if self.model_state is not None and not self.pre_step
+            else "",
+            "no optimizer state" if self.model_state is not None and self.optimizer_state is None else "",
+            "no RNG state" if self.rng is None else "",
+            "RNG states not from the start of the step" if self.rng is not None and rng_at != "step_start" else "",
+        ) if text]
+        self.sample_count = batch_size(self.batch)
+        self._rng_warned = False
+
+    @property
+    def state_description(self) -> str:
+        if self.model_state is None:
+            return "none (freshly built model)"
+        return "pre-step snapshot" if self.pre_step else "at the failing step"
+
+    def build(self) -> ReplaySpec:
+        try:
+            return build_spec(self.entry, self.bundle.config)
+        except EntryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user entry failing deserves its name in the message
+            raise ReplayError(f"replay entry {self.entry!r} raised {type(exc).__name__}: {exc}") from exc
+
+    def _restore_rng(self) -> None:
+        if self.rng is None:
+            # Not the original draws, but the same ones on every replay: otherwise each run draws other dropout
+            # masks and the verdict (and the bisection) would depend on where the process's generators happen to be.
+            torch.manual_seed(0)
+            np.random.seed(0)
+            random.seed(0)
+            return
+        try:
+            restore_rng(self.rng)
+        except RuntimeError as exc:  # recorded on a GPU, replayed without one
+            restore_rng({**self.rng, "torch_cuda": []})
+            if not self._rng_warned:
+                self.notes.append(f"rng: CUDA generator states not restored ({exc})")
+                self._rng_warned = True
+
+    def prepare(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None,
+                batch: Any = None) -> tuple[ReplaySpec, torch.optim.Optimizer, Any]:
+        """A fresh (spec, optimizer, batch) with the bundle's state loaded and `options` applied; RNGs restored."""
+        spec = self.build()
+        model = spec.model
+        if options.precision is not None:
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.dtype in HALF_DTYPES:
+                    t.data = t.data.float()
+        if self.model_state is not None:
+            try:
+                model.load_state_dict(self.model_state)
+            except RuntimeError as exc:
+                raise ReplayError(f"the model built by {self.entry!r} does not match the state stored in "
+                                  f"{self.bundle.path}: {exc}; use the entry (and config) of the run that wrote the "
+                                  "bundle") from None
+        try:
+            optimizer = spec.make_optimizer()
+        except EntryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in build(): the user's factory failing is named as such
+            raise ReplayError(f"the optimizer factory of replay entry {self.entry!r} raised {type(exc).__name__}: "
+                              f"{exc}") from exc
+        if self.optimizer_state is not None:
+            try:
+                # a deep copy: load_state_dict may keep our tensors, and optimizer.step() updates them in place
+                optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise ReplayError(f"the optimizer built by {self.entry!r} does not match the optimizer state in "
+                                  f"{self.bundle.path}: {exc}") from None
+        if options.lr_scale != 1.0:
+            for group in optimizer.param_groups:
+                if "lr" in group:  # an optimizer without a learning rate: run() says the factor was not in effect
+                    group["lr"] = group["lr"] * options.lr_scale
+        step_batch = self.batch if batch is None else batch
+        if samples is not None:
+            step_batch = select_samples(step_batch, samples, spec)
+        step_batch = prepare_batch(step_batch, model_device(model), options)
+        self._restore_rng()
+        return spec, optimizer, step_batch
+
+    def run(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None, batch: Any = None,
+            localize: bool = False) -> StepOutcome:
+        """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome."""
+        learning_rates: list[Any] = []
+
+        def attempt(backward_module_hooks: bool) -> StepOutcome:
+            spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
+            learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
+            return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=options, localize=localize,
+                            backward_module_hooks=backward_module_hooks)
+
+        result = run_localized(attempt) if localize else attempt(True)
+        if options.lr_scale != 1.0 and not any(lr for lr in learning_rates if lr is not None):
+            result.notes.append(f"learning rate x{options.lr_scale:g} was not in effect: the optimizer's param groups "
+                                "have no non-zero 'lr' to scale")
+        requested = options.precision
+        if requested is not None and result.error is None:
+            wanted = PRECISIONS[requested]
+            got = result.autocast
+            expected = None if wanted is None else str(wanted).removeprefix("torch.")
+            if got != expected:
+                result.notes.append(f"precision {requested} was not in effect: step_fn sets its own autocast "
+                                    f"({got or 'off'}), which overrides the replay's")
+        return result

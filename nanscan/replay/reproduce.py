@@ -1,0 +1,198 @@
+"""`replay`: reproduce a bundle's failing step, tell persistent from transient, localize, bisect, and record the
+finding in the bundle."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from nanscan.bundle import Bundle, load_bundle
+from nanscan.replay.bisect import BisectResult, bisect_samples
+from nanscan.replay.localize import Localization, fmt_value
+from nanscan.replay.replayer import Replayer
+from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
+
+REPLAY_FINDING = "replay"
+
+
+DEFAULT_RUNS = 3  # the reproduction and two more, to tell persistent from transient
+
+
+@dataclass
+class ReplayResult:
+    bundle: str
+    run_id: str
+    step: int
+    bundle_category: str
+    entry: str
+    state: str  # "pre-step snapshot", "at the failing step" or "none (freshly built model)"
+    reproduced: bool
+    verdict: str  # "persistent", "transient" or "intermittent"
+    runs: list[StepOutcome]
+    localization: Localization | None
+    bisect: BisectResult | None
+    notes: list[str] = field(default_factory=list)
+    inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
+
+    @property
+    def failing_run(self) -> StepOutcome | None:
+        """The first replay that went non-finite, None when none did."""
+        return next((r for r in self.runs if not r.finite and r.error is None), None)
+
+    @property
+    def same_category(self) -> bool:
+        failing = self.failing_run
+        return failing is not None and failing.category == self.bundle_category
+
+    def to_dict(self) -> dict:
+        return {"bundle": self.bundle, "run_id": self.run_id, "step": self.step,
+                "bundle_category": self.bundle_category, "entry": self.entry, "state": self.state,
+                "reproduced": self.reproduced, "verdict": self.verdict, "same_category": self.same_category,
+                "runs": [r.to_dict() for r in self.runs],
+                "localization": self.localization.to_dict() if self.localization else None,
+                "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
+                "inexact": list(self.inexact)}
+
+    def headline(self) -> str:
+        failing = self.failing_run
+        if failing is None:
+            text = (f"not reproduced ({self.verdict}): the replayed step {self.step} is finite "
+                    f"{len(self.runs)} time(s) out of {len(self.runs)}")
+            if self.inexact:
+                text += f", but from inexact conditions ({', '.join(self.inexact)})"
+            return text
+        where = f"; first bad: {self.localization.label} ({self.localization.module_type}, " \
+                f"{self.localization.phase})" if self.localization else ""
+        if self.verdict == "intermittent":
+            bad = sum(1 for r in self.runs if not r.finite and r.error is None)
+            return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
+        return f"reproduced, {self.verdict}: {failing.category}{where}"
+
+    def explanation(self) -> str:
+        """What the verdict means, limited to what these replays can show."""
+        if self.verdict == "transient" and self.inexact:
+            return ("The failure did not come back, but the replay did not start from exactly the recorded "
+                    f"conditions ({', '.join(self.inexact)}): a failure that depends on them can vanish on replay, "
+                    "so this does not show a hardware fault or a race. A Monitor with snapshot='cpu' on the model "
+                    "that the step runs keeps the state and RNG states of the start of the step, for an exact "
+                    "replay.")
+        return VERDICT_EXPLANATIONS[self.verdict]
+
+
+VERDICT_EXPLANATIONS = {
+    "persistent": "The same failure came back on every replay: the cause is in the code, the data or the state, "
+                  "and the replay can be used to find it.",
+    "transient": "The failure did not come back from the same state, batch and RNG states: this points at "
+                 "hardware (a bad GPU or memory), a race, or non-determinism, not at the code or the data.",
+    "intermittent": "The failure came back on some replays but not all (or differently): the step is not "
+                    "deterministic here; look for races, atomics, or non-deterministic kernels.",
+}
+
+
+def verdict_of(outcomes: Sequence[StepOutcome]) -> str:
+    # a run that raised an error showed nothing about the failure, but differs from one that ran
+    failing = [not o.finite and o.error is None for o in outcomes]
+    if not any(failing):
+        return "transient"
+    if all(failing) and all(o.signature == outcomes[0].signature for o in outcomes):
+        return "persistent"
+    return "intermittent"
+
+
+def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs: int = DEFAULT_RUNS,
+           bisect: bool = True, progress: Callable[[str], None] | None = None) -> ReplayResult:
+    """Replay the bundle's failing step `runs` times (deterministic algorithms on), classify the failure as
+    persistent, transient or intermittent, localize the first bad module with hooks, and bisect the batch.
+
+    `entry` overrides the bundle's replay entry. Nothing is written; see record_replay.
+    """
+    if runs < 1:
+        raise ValueError(f"runs={runs}: replay at least once")
+    say = progress or (lambda _msg: None)
+    replayer = Replayer(bundle, entry)
+    options = StepOptions(deterministic=True)
+    outcomes = []
+    for i in range(runs):
+        say(f"replay {i + 1}/{runs}")
+        outcomes.append(replayer.run(options))
+        if i == 0 and outcomes[0].error is not None:
+            # An error is not the failure being replayed: the entry does not run on this bundle's batch and state.
+            raise ReplayError(f"the replayed step of {replayer.bundle.path} raised an error instead of running: "
+                              f"{outcomes[0].error}; fix the replay entry {replayer.entry!r} (or pass --entry) so "
+                              "that it runs the recorded batch")
+    verdict = verdict_of(outcomes)
+    failing = next((o for o in outcomes if not o.finite and o.error is None), None)
+    reproduced = failing is not None
+    localization = None
+    bisected = None
+    if reproduced:
+        say("localizing with module hooks")
+        localized = replayer.run(options, localize=True)
+        localization = localized.localization
+        failing.notes.extend(n for n in localized.notes if n not in failing.notes)
+        if bisect and verdict == "persistent":
+            say("bisecting the batch")
+            bisected = bisect_samples(replayer, options)
+        elif bisect:
+            bisected = BisectResult(False, batch_size=replayer.sample_count,
+                                    reason=f"the failure is {verdict}, so a subset's result would not be reliable")
+    notes = list(replayer.notes)
+    if reproduced and failing.category != replayer.bundle.category:
+        notes.append(f"the bundle's category is {replayer.bundle.category}, the replay first saw non-finite "
+                     f"values as {failing.category}")
+    return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
+                        replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
+                        outcomes, localization, bisected, notes, list(replayer.inexact))
+
+
+def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
+    """Only the localization: where the replayed step first went non-finite (None when it stays finite)."""
+    return Replayer(bundle, entry).run(StepOptions(deterministic=True), localize=True).localization
+
+
+def replay_markdown(result: ReplayResult) -> str:
+    lines = [result.explanation(), "",
+             f"- replayed {len(result.runs)} times from the {result.state} state with `{result.entry}`, "
+             "deterministic algorithms on",
+             "- runs: " + "; ".join(("finite" if r.finite else "error" if r.error else f"non-finite ({r.category})")
+                                     for r in result.runs)]
+    first = result.failing_run
+    if first is not None:
+        lines.append(f"- loss {fmt_value(first.loss)}, {len(first.nonfinite)} non-finite tensor(s)"
+                     f"{', largest gradient exponent 2^' + str(first.grad_max_exponent) if first.grad_max_exponent is not None else ''}")
+    if result.localization is not None:
+        loc = result.localization
+        lines += ["", f"**First bad module:** `{loc.label}` ({loc.module_type}), {loc.phase}"
+                      f"{f' ({loc.detail})' if loc.detail else ''}.",
+                  f"It received: {loc.received.describe()}.", f"It produced: {loc.produced.describe()}."]
+    if result.bisect is not None:
+        b = result.bisect
+        if b.applicable:
+            shown = b.sample_ids if b.sample_ids is not None else [f"row {i}" for i in b.indices]
+            title = "Smallest failing subset" if b.minimal else "Fewest failing samples found"
+            lines += ["", f"**{title}:** {len(b.indices)} of {b.batch_size} samples: "
+                          f"{', '.join(f'`{s}`' for s in shown)} (rows {b.indices}; {b.trials} trials)."]
+            if b.says_more:
+                lines[-1] += f" {b.describe()[0].upper()}{b.describe()[1:]}."
+        else:
+            lines += ["", f"Bisection not done: {b.reason}."]
+    if result.notes:
+        lines += [""] + [f"- note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def record_replay(result: ReplayResult, bundle: Bundle | None = None) -> bool:
+    """Add the replay's finding to the bundle (ledger and INCIDENT.md), once: the same result again changes nothing.
+    Returns True when the bundle changed."""
+    target = bundle or load_bundle(result.bundle)
+    title = f"Replay: {result.headline()}"
+    return target.add_finding(REPLAY_FINDING, title, replay_markdown(result), result.to_dict())
+
+
+def recorded_replay(bundle: Bundle) -> dict | None:
+    """The record of the bundle's replay finding, if replay has run on it."""
+    for finding in bundle.findings():
+        if finding.get("key") == REPLAY_FINDING:
+            return finding.get("record")
+    return None

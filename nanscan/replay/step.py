@@ -1,0 +1,338 @@
+"""One training step run again and scanned (run_step, shared by replay, ablate, preflight and nanscan.testing), the
+options it runs under, its outcome, and the batch handling around it (sample selection, device placement).
+
+Hooks are attached to the model only for the duration of one replayed step: the every-step path (Monitor.check)
+never sees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nanscan import _layout as L
+from nanscan.bundle import json_float
+from nanscan.entry import ReplaySpec
+from nanscan.incident import owner_module
+from nanscan.inputs import iter_batch_tensors
+from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
+from nanscan.scan import model_inputs, scan, scan_inputs
+from nanscan.stats import ScanReport
+
+PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class ReplayError(RuntimeError):
+    """A bundle that cannot be replayed (no replay entry, no batch, a model that does not match the state)."""
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a replayed step differs from the recorded one (the ablation factors), all off by default.
+
+    lr_scale: multiplies every param group's learning rate. precision: None (as recorded), "float32" (weights and
+    batch in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
+    clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
+    algorithms (warn-only where an operation has none) and deterministic cuDNN.
+    """
+
+    lr_scale: float = 1.0
+    precision: str | None = None
+    clip_grad_norm: float | None = None
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)} or None")
+
+    def to_dict(self) -> dict:
+        return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
+                "deterministic": self.deterministic}
+
+
+@dataclass
+class StepOutcome:
+    """What one replayed step did. `category` uses the bundle's vocabulary (STEP_CATEGORIES); None when finite."""
+
+    finite: bool
+    category: str | None
+    loss: float | None
+    nonfinite: list[str]  # names as the Monitor writes them: input:, param:, optim:, loss, grad:
+    grad_norm: float | None  # over the finite gradient values
+    grad_max_exponent: int | None  # floor(log2) of the largest finite |gradient|
+    autocast: str | None  # the autocast dtype in effect during the model's forward, None when off
+    param_dtypes: list[str]
+    localization: Localization | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def signature(self) -> tuple:
+        """What makes two failures "the same failure": where they started and which tensors went non-finite."""
+        return self.finite, self.category, tuple(self.nonfinite), self.error
+
+    def to_dict(self) -> dict:
+        return {"finite": self.finite, "category": self.category, "loss": json_float(self.loss),
+                "nonfinite": list(self.nonfinite[:50]), "nonfinite_count": len(self.nonfinite),
+                "grad_norm": json_float(self.grad_norm), "grad_max_exponent": self.grad_max_exponent,
+                "autocast": self.autocast, "param_dtypes": list(self.param_dtypes),
+                "localization": self.localization.to_dict() if self.localization else None,
+                "error": self.error, "notes": list(self.notes)}
+
+    def describe(self) -> str:
+        if self.error:
+            return f"error: {self.error}"
+        if self.finite:
+            return f"finite (loss {fmt_value(self.loss)})"
+        where = f"; first in {self.localization.describe()}" if self.localization else ""
+        return f"non-finite ({self.category}: {', '.join(self.nonfinite[:3])}" \
+               f"{' ...' if len(self.nonfinite) > 3 else ''}){where}"
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(True, warn_only=True) and deterministic cuDNN for the block, then the
+    previous settings. warn_only: an operation without a deterministic version warns (naming itself) instead of
+    stopping the replay."""
+    if not enabled:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    # cuBLAS reads this when it creates its handle: deterministic only if set before the first CUDA matmul.
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace is None and not torch.cuda.is_initialized():
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[2], previous[3]
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def autocast_context(options: StepOptions, device_type: str):
+    if options.precision is None:
+        return contextlib.nullcontext()
+    dtype = PRECISIONS[options.precision]
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def top_exponent(report: ScanReport) -> int | None:
+    if not len(report):
+        return None
+    occupied = np.flatnonzero(report.totals.exp_hist)
+    return int(occupied[-1]) + L.MIN_BIN_EXPONENT if len(occupied) else None
+
+
+def param_dtypes(model: torch.nn.Module) -> list[str]:
+    return list(dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in model.parameters()))
+
+
+def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_fn: Callable, batch: Any, *,
+             options: StepOptions = StepOptions(), localize: bool = False,
+             backward_module_hooks: bool = True) -> StepOutcome:
+    """Run one training step (forward through step_fn, backward, optional clipping, optimizer.step()) and scan
+    the batch, the starting state, the loss, the gradients and the updated state.
+
+    The caller has loaded the state and moved the batch to the model's device. Without an optimizer the step ends
+    after the gradients. `localize` adds the hooks of Localizer for this step only. Exceptions raised by the
+    step become `outcome.error`; nothing is raised for a non-finite step.
+    """
+    device_type = model_device(model).type
+    notes: list[str] = []
+    seen_autocast: list[str | None] = []
+
+    def record_autocast(module, args):
+        if not seen_autocast:
+            enabled = torch.is_autocast_enabled(device_type)
+            seen_autocast.append(str(torch.get_autocast_dtype(device_type)).removeprefix("torch.") if enabled
+                                 else None)
+
+    def outcome(category, nonfinite, loss_value=None, grads=None, error=None, localization=None):
+        return StepOutcome(
+            finite=category is None and error is None, category=category, loss=loss_value, nonfinite=nonfinite,
+            grad_norm=float(np.sqrt(grads.totals.sumsq)) if grads is not None and len(grads) else None,
+            grad_max_exponent=top_exponent(grads) if grads is not None else None,
+            autocast=seen_autocast[0] if seen_autocast else None, param_dtypes=param_dtypes(model),
+            localization=localization, error=error, notes=notes)
+
+    localizer = Localizer(model, backward_modules=backward_module_hooks) if localize else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(deterministic_algorithms(options.deterministic))
+        stack.enter_context(warnings.catch_warnings())
+        # a module whose inputs need no gradient (the first layer) fires its full backward hook early: expected
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        stack.callback(model.register_forward_pre_hook(record_autocast).remove)
+        if localizer is not None:
+            stack.enter_context(localizer)
+
+        model.train()
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        batch_report = scan([(f"input:{path}", t) for path, t in iter_batch_tensors(batch)])
+        state_report = scan_inputs(model_inputs(model, optimizer))
+        if not state_report.ok:
+            bad = state_report.nonfinite
+            category = "parameter" if any(n.startswith("param:") for n in bad) else "optimizer_state"
+            notes.append("the starting state is already non-finite: an earlier step (or an outside write) did "
+                         "the damage, and this step cannot show where")
+            where = owner_of([n for n in bad if n.startswith("param:")] or bad)
+            owner = dict(model.named_modules()).get(where, model)
+            loc = Localization("state", where, type(owner).__name__, ValueSummary(), summary_of(state_report),
+                               f"{category}: {len(bad)} non-finite tensor(s), first {bad[0]}")
+            return outcome(category, batch_report.nonfinite + bad, localization=loc)
+
+        try:
+            with autocast_context(options, device_type):
+                loss = step_fn(model, batch)
+        except Exception as exc:  # noqa: BLE001 - the user's step failing is a result to report
+            return outcome("loss", [], error=f"step_fn raised {type(exc).__name__}: {exc}")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+            return outcome("loss", [], error=f"step_fn returned {what}; it must return the scalar loss tensor")
+        loss_value = float(loss.detach().float())
+        loss_ok = math.isfinite(loss_value)
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001
+            return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
+        if options.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                           options.clip_grad_norm)
+        grads = scan_inputs([i for i in model_inputs(model) if i.name.startswith("grad:")])
+        update_report = None
+        if optimizer is not None:
+            try:
+                optimizer.step()
+            except Exception as exc:  # noqa: BLE001 - as for step_fn: the user's optimizer failing is a result
+                return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
+                                                                      f"{type(exc).__name__}: {exc}")
+            update_report = scan_inputs([i for i in model_inputs(model, optimizer)
+                                         if not i.name.startswith("grad:")])
+
+    nonfinite = list(batch_report.nonfinite)
+    nonfinite += [] if loss_ok else ["loss"]
+    nonfinite += grads.nonfinite + (update_report.nonfinite if update_report is not None else [])
+    if not batch_report.ok:
+        category = "input"
+    elif not loss_ok:
+        category = "loss"
+    elif not grads.ok:
+        category = "gradient"
+    elif update_report is not None and not update_report.ok:
+        category = "update"
+    else:
+        category = None
+    localization = None
+    if localizer is not None and category is not None:
+        localization = first_bad(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
+    return outcome(category, nonfinite, loss_value, grads, localization=localization)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with fn applied to every tensor inside nested dicts, lists and tuples (other leaves kept)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return type(value)({k: map_tensors(v, fn) for k, v in value.items()}) if type(value) is not dict \
+            else {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples: the leading size most tensors of the batch share (None for a batch of scalars)."""
+    sizes = [t.shape[0] for _, t in iter_batch_tensors(batch) if t.dim() > 0]
+    if not sizes:
+        return None
+    return max(set(sizes), key=sizes.count)
+
+
+def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None = None) -> Any:
+    """The batch restricted to the given sample rows: spec.select_samples when the entry gives one, else every
+    tensor whose leading dimension is the batch size is indexed along dimension 0 (other tensors kept whole)."""
+    indices = [int(i) for i in indices]
+    if spec is not None and spec.select_samples is not None:
+        try:
+            return spec.select_samples(batch, indices)
+        except Exception as exc:  # noqa: BLE001 - the user's function: name it, not a line deep inside it
+            shown = f"{indices[:8]}{' ...' if len(indices) > 8 else ''}"
+            raise ReplayError(f"ReplaySpec.select_samples raised {type(exc).__name__}: {exc} (selecting rows "
+                              f"{shown}); fix it in the replay entry") from exc
+    size = batch_size(batch)
+    if size is None:
+        raise ReplayError("the batch has no tensor with a sample dimension, so samples cannot be selected; give "
+                          "the replay entry a ReplaySpec.select_samples")
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != size:
+            return t
+        return t.index_select(0, torch.tensor(indices, dtype=torch.long, device=t.device))
+
+    return map_tensors(batch, pick)
+
+
+def prepare_batch(batch: Any, device: torch.device, options: StepOptions) -> Any:
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device)
+        if options.precision is not None and t.dtype in HALF_DTYPES:
+            t = t.float()  # the precision rows start from float32 data; autocast does the rest
+        return t
+
+    return map_tensors(batch, convert)
+
+
+def sample_ids_of(ids: Any, indices: Sequence[int], size: int | None) -> list | None:
+    if isinstance(ids, (list, tuple)) and size is not None and len(ids) == size:
+        return [ids[i] for i in indices]
+    return None
+
+
+def owner_of(names: Sequence[str]) -> str:
+    """The module of the first named tensor ("param:blocks.0.attn.qkv.weight" -> "blocks.0.attn.qkv")."""
+    return owner_module(names[0]) if names else ""
+
+
+def run_localized(attempt: Callable[[bool], StepOutcome]) -> StepOutcome:
+    """`attempt(backward_module_hooks)` with full backward hooks, and once more without them if the step raised.
+
+    Full backward hooks refuse modules that change their input or output in place (nn.ReLU(inplace=True)); the
+    second attempt still localizes the forward pass and the parameter gradients. `attempt` must start each time
+    from the same state.
+    """
+    result = attempt(True)
+    if result.error is None:
+        return result
+    retry = attempt(False)
+    if retry.error is not None:
+        return result
+    retry.notes.append(f"module backward hooks could not be used ({result.error}); backward localization "
+                       "watched parameter gradients only")
+    return retry
