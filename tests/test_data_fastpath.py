@@ -144,7 +144,7 @@ def test_jsonl_fast_path_matches_definition_on_arbitrary_lines(tmp_path_factory,
 
 
 def test_parquet_fast_path_matches_definition(tmp_path, monkeypatch):
-    monkeypatch.setattr("nanscan.data.formats.PARQUET_BATCH_ROWS", 64)
+    monkeypatch.setattr("nanscan.data.parquet.PARQUET_BATCH_ROWS", 64)
     rng = np.random.default_rng(0)
     n = 300
     vec = [list(rng.standard_normal(4)) for _ in range(n)]

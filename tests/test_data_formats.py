@@ -298,7 +298,7 @@ def test_npy_rows_with_nonfinite_values(tmp_path):
 
 
 def test_npy_chunked_scan_fortran_order_and_dtypes(tmp_path, monkeypatch):
-    monkeypatch.setattr("nanscan.data.formats.SCAN_BYTES", 64)  # many chunks, rows split across none
+    monkeypatch.setattr("nanscan.data.arrays.SCAN_BYTES", 64)  # many chunks, rows split across none
     f = np.asfortranarray(np.ones((50, 7), dtype=np.float64))
     f[[4, 33], [6, 2]] = np.nan
     np.save(tmp_path / "f.npy", f)

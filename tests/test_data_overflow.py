@@ -21,7 +21,8 @@ from safetensors.torch import save_file as save_torch
 import nanscan.data
 from nanscan import demo as D
 from nanscan.cli import main
-from nanscan.data import check_paths, columnar, formats, records
+from nanscan.data import arrays, check_paths, columnar, numeric, records
+from nanscan.data import checker as checker_module
 from nanscan.data.findings import OVERFLOW_MIN
 
 BELOW = float(np.nextafter(2.0 ** 64, 0))  # the largest float64 below 2**64: not an overflow value
@@ -137,8 +138,8 @@ def test_parquet(tmp_path):
 @pytest.mark.parametrize("small_chunks", [False, True])
 def test_npy(tmp_path, monkeypatch, order, small_chunks):
     if small_chunks:  # many chunks (a Fortran-order row is met in several) and many pieces to locate values in
-        monkeypatch.setattr(formats, "SCAN_BYTES", 64)
-        monkeypatch.setattr(formats, "LOCATE_ELEMS", 4)
+        monkeypatch.setattr(arrays, "SCAN_BYTES", 64)
+        monkeypatch.setattr(arrays, "LOCATE_ELEMS", 4)
     a = np.array(ROWS, dtype=np.float64, order=order)
     path = tmp_path / "a.npy"
     np.save(path, a)
@@ -287,7 +288,7 @@ def test_the_threshold_is_two_to_the_64():
     assert OVERFLOW_MIN == 2.0 ** 64 == float(1 << 64)
     values = torch.tensor([2.0 ** 64, BELOW, -2.0 ** 64, -BELOW, INF, -INF, NAN, 0.0, F64_MAX, 5e-324],
                           dtype=torch.float64)
-    assert records.overflow_mask(values).tolist() == [True, False, True, False, False, False, False, False, True,
+    assert numeric.overflow_mask(values).tolist() == [True, False, True, False, False, False, False, False, True,
                                                       False]
     report = nanscan.data.check([{"v": values}])
     assert report.findings[0].category == "nonfinite"
@@ -304,8 +305,8 @@ def test_values_are_located_only_in_flagged_data(tmp_path, monkeypatch):
             return original(values)
         return mask
 
-    for module in (formats, records, columnar):
-        monkeypatch.setattr(module, "overflow_mask", counting(records.overflow_mask))
+    for module in (arrays, checker_module, columnar, numeric):
+        monkeypatch.setattr(module, "overflow_mask", counting(numeric.overflow_mask))
     clean = np.linspace(-1e19, 1e19, 200_000)
     np.save(tmp_path / "clean.npy", clean)
     pq.write_table(pa.table({"x": clean}), tmp_path / "clean.parquet")
@@ -319,8 +320,8 @@ def test_values_are_located_only_in_flagged_data(tmp_path, monkeypatch):
     np.save(tmp_path / "huge.npy", huge)
     report = check_paths([tmp_path / "huge.npy"])
     assert [f.record.index for f in report.findings] == [150_000]
-    assert calls[0] == formats.LOCATE_ELEMS  # one piece searched, then the one-element row described
-    assert sum(calls) <= formats.LOCATE_ELEMS + 1
+    assert calls[0] == arrays.LOCATE_ELEMS  # one piece searched, then the one-element row described
+    assert sum(calls) <= arrays.LOCATE_ELEMS + 1
 
 
 # -- command line and JSON ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Checker": "api", "check": "api", "check_paths": "api",
+    "Checker": "checker", "check": "api", "check_paths": "api",
     "CATEGORIES": "findings", "DEFAULT_FAIL_ON": "findings", "Boundary": "findings", "DataReport": "findings",
     "Finding": "findings", "RecordId": "findings",
     "RunsReport": "runs", "check_runs": "runs",
@@ -23,7 +23,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from nanscan.data.api import Checker, check, check_paths
+    from nanscan.data.api import check, check_paths
+    from nanscan.data.checker import Checker
     from nanscan.data.findings import CATEGORIES, DEFAULT_FAIL_ON, Boundary, DataReport, Finding, RecordId
     from nanscan.data.runs import RunsReport, check_runs
 

@@ -9,18 +9,16 @@ would have tallied. A test compares the two paths on generated data.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from nanscan.data.checker import Checker
 from nanscan.data.findings import ROOT_FIELD, RecordRef, overflow_counts
-from nanscan.data.records import as_scannable, largest_finite_element, overflow_mask, scan_tensors
-
-if TYPE_CHECKING:
-    from nanscan.data.api import Checker
+from nanscan.data.numeric import as_scannable, largest_finite_element, overflow_mask, scan_tensors
 
 
 def _scalar_kind(t: pa.DataType) -> str | None:
@@ -109,7 +107,7 @@ class TableCheck:
     line lacks or the line says null, the row simply does not have that field.
     """
 
-    def __init__(self, checker: "Checker", table: pa.Table, ref: Callable[[int], RecordRef],
+    def __init__(self, checker: Checker, table: pa.Table, ref: Callable[[int], RecordRef],
                  inspect_row: Callable[[int], None]):
         self.checker = checker
         self.table = table

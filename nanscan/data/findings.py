@@ -99,6 +99,11 @@ MAX_VARIANTS_PER_FIELD = 10_000
 ROOT_FIELD = "(record)"
 
 
+# The UTF-8 byte order mark. At the start of a text file (JSON Lines, CSV) it marks the encoding, as json.loads of
+# bytes and Arrow take it: it is no part of the first record, nor of its digest.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -23,18 +23,16 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.json as pj
 
+from nanscan.data.checker import Checker, file_digest
 from nanscan.data.columnar import TableCheck
-from nanscan.data.findings import EMPTY, UNREADABLE, RecordRef, sha256_hex
+from nanscan.data.findings import EMPTY, UNREADABLE, UTF8_BOM, RecordRef, sha256_hex
 from nanscan.data.records import inspect_record
-
-if TYPE_CHECKING:
-    from nanscan.data.api import Checker
 
 READ_BYTES = 8 << 20  # bytes read per step; a block is this plus the unfinished line carried over
 ARROW_BLOCK = 4 << 20  # Arrow's own unit of parsing
@@ -46,21 +44,20 @@ PARSE_AHEAD = 2  # blocks being parsed while one is checked: enough to keep two 
 # from about 1,000 levels, so this bound changes no result.
 MAX_ARROW_DEPTH = 512
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class TruncatedStream(Exception):
     """A compressed stream that ends before its end marker."""
 
 
-def _plain_chunks(path: Path, checker: "Checker") -> Iterator[bytes]:
+def _plain_chunks(path: Path, checker: Checker) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(READ_BYTES):
             checker.progress.advance(len(chunk))
             yield chunk
 
 
-def _gzip_chunks(path: Path, checker: "Checker") -> Iterator[bytes]:
+def _gzip_chunks(path: Path, checker: Checker) -> Iterator[bytes]:
     """Decompressed bytes of a (possibly multi-member) gzip file; everything before a truncation is yielded."""
     with open(path, "rb") as f:
         decompressor = zlib.decompressobj(wbits=31)
@@ -92,7 +89,7 @@ def is_gzip(path: Path) -> bool:
 class JsonLinesFile:
     """One JSON Lines file, checked block by block."""
 
-    def __init__(self, checker: "Checker", path: Path, display: str):
+    def __init__(self, checker: Checker, path: Path, display: str):
         self.checker = checker
         self.path = path
         self.display = display
@@ -113,8 +110,6 @@ class JsonLinesFile:
             self._file_finding(f"cannot read the file after line {self.line} ({exc})")
 
     def _file_finding(self, detail: str) -> None:
-        from nanscan.data.api import file_digest
-
         self.checker.sink.add(UNREADABLE, RecordRef(self.display, digest=lambda: file_digest(self.path)), detail)
 
     def _consume(self, chunks: Iterator[bytes]) -> None:
@@ -326,7 +321,7 @@ def _timestamps_as_strings(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
-def check_json_line(checker: "Checker", raw: bytes, ref: RecordRef) -> None:
+def check_json_line(checker: Checker, raw: bytes, ref: RecordRef) -> None:
     """The definition for one JSON line: blank, undecodable, invalid, or a record for inspect_record."""
     if not raw.strip():
         checker.records += 1
@@ -351,5 +346,5 @@ def check_json_line(checker: "Checker", raw: bytes, ref: RecordRef) -> None:
     inspect_record(checker, value, ref)
 
 
-def check_jsonl(checker: "Checker", path: Path, display: str) -> None:
+def check_jsonl(checker: Checker, path: Path, display: str) -> None:
     JsonLinesFile(checker, path, display).run()

@@ -4,8 +4,8 @@ shape.
 
 Every format reader either calls `inspect_record` on each record or (for JSON Lines and Parquet) runs a columnar
 fast path that must reach the same findings; rows the fast path cannot vouch for are sent here. Numbers found in a
-record are not tested one by one: they are gathered into arrays and scanned in bulk by the core scan
-(`nanscan.scan`) in `NumericBatch`.
+record are not tested one by one: they are gathered into the checker's `NumericBatch` (checker.py) and scanned in
+bulk by the core scan (`nanscan.scan`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,14 @@ import datetime as _dt
 import decimal
 import hashlib
 import math
-import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from nanscan.data.findings import (
-    EMPTY, NONFINITE, OVERFLOW, OVERFLOW_MIN, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef, overflow_counts,
-    overflow_detail,
-)
-
-if TYPE_CHECKING:
-    from nanscan.data.api import Checker
+from nanscan.data.checker import Checker, NumericBatch
+from nanscan.data.findings import EMPTY, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef
 
 
 # -- kinds and shapes --------------------------------------------------------------------------------------------
@@ -170,251 +164,7 @@ def _feed(h, value: Any) -> None:
         put(b"O", f"{type(value).__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
 
 
-# -- numbers: gathered per record, scanned in bulk ----------------------------------------------------------------
-def _top_field(path: str) -> str:
-    for i, ch in enumerate(path):
-        if ch in ".[" and i:
-            return path[:i]
-    return path
-
-
-_SCANNED_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
-
-
-def as_scannable(array: Any) -> torch.Tensor | None:
-    """A floating tensor view of an array for nanscan.scan, or None when it cannot hold non-finite values."""
-    if isinstance(array, torch.Tensor):
-        t = array.detach()
-        if not (t.is_floating_point() or t.is_complex()):
-            return None
-        # float8 and other narrow formats are not scanned natively; widening keeps NaN and inf as they are.
-        return t if t.dtype in _SCANNED_TORCH else t.to(torch.complex128 if t.is_complex() else torch.float32)
-    a = np.asarray(array)
-    if a.dtype.kind not in "fc":
-        return None
-    if not a.dtype.isnative:  # e.g. big-endian data from another machine: torch reads native byte order only
-        a = a.astype(a.dtype.newbyteorder("="))
-    if a.dtype not in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
-        a = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)  # e.g. longdouble
-    with warnings.catch_warnings():
-        # Read-only arrays (memory maps, Arrow buffers) are only read by the scan.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
-_SMALL_SCAN_BYTES = 1 << 20
-_one_thread: list = []
-
-
-def scan_tensors(tensors: list[torch.Tensor]):
-    """nanscan.scan for the data checks. A scan of under 1 MiB takes microseconds on one thread, less than waking
-    the native backend's thread team (and far less on a busy machine, where a sleeping team member can delay the
-    call by a scheduler tick), so small CPU scans run single-threaded unless a backend was chosen explicitly."""
-    import nanscan
-    from nanscan import backends
-
-    backend = None
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    if total < _SMALL_SCAN_BYTES and backends.requested_name(None) is None and all(
-            t.device.type == "cpu" for t in tensors):
-        if not _one_thread:
-            try:
-                _one_thread.append(backends.CpuBackend(num_threads=1))
-            except Exception:  # noqa: BLE001 - no native extension: auto selection picks the fallback
-                _one_thread.append(None)
-        backend = _one_thread[0]
-    return nanscan.scan(tensors, backend=backend)
-
-
-def _real_parts(values: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """The values as a flat real tensor (complex: real and imaginary parts), and the shape its indices unravel in."""
-    if values.is_complex():
-        return torch.view_as_real(values).reshape(-1), tuple(values.shape) + (2,)
-    return values.reshape(-1), tuple(values.shape)
-
-
-def _element_path(path: str, i: int, shape: tuple) -> str:
-    return path + ("".join(f"[{j}]" for j in np.unravel_index(i, shape)) if shape else "")
-
-
-def describe_nonfinite(values: torch.Tensor, path: str, limit: int = 5) -> tuple[int, str]:
-    """(count, "NaN at x[3], +inf at x[7] ...") for the non-finite elements of one array."""
-    flat, shape = _real_parts(values)
-    bad = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
-    parts = []
-    for i in bad[:limit].tolist():
-        v = float(flat[i])
-        label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
-        parts.append(f"{label} at {_element_path(path, i, shape)}")
-    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
-    return len(bad), ", ".join(parts) + more
-
-
-def nonfinite_mask(values: torch.Tensor) -> torch.Tensor:
-    """Which elements are NaN or infinite. A complex element is one when either of its parts is."""
-    if values.is_complex():
-        return ~torch.view_as_real(values).isfinite().all(-1)
-    return ~torch.isfinite(values)
-
-
-def largest_finite_element(values: torch.Tensor) -> int:
-    """The flat index of the element of largest finite magnitude (the first, on ties); the caller knows that the
-    values hold a finite one."""
-    magnitude = values.reshape(-1).abs()
-    return int(torch.argmax(torch.where(torch.isfinite(magnitude), magnitude, torch.full_like(magnitude, -1.0))))
-
-
-def overflow_mask(values: torch.Tensor) -> torch.Tensor:
-    """Which elements are overflow values (NOTE: [overflow] in findings.py): finite with |x| >= 2**64. A complex
-    element is one when either of its parts is."""
-    if values.is_complex():
-        return overflow_mask(torch.view_as_real(values)).any(-1)
-    magnitude = values.abs()
-    return (magnitude >= OVERFLOW_MIN) & torch.isfinite(magnitude)
-
-
-def describe_overflow(values: torch.Tensor, path: str, limit: int = 5) -> tuple[int, list[str], float]:
-    """(count, ["3.403e+38 at x[3]", ...] for the first `limit`, the value of largest magnitude) for the overflow
-    values of one array (see findings.overflow_detail)."""
-    flat, shape = _real_parts(values)
-    hits = torch.nonzero(overflow_mask(flat)).reshape(-1)
-    if len(hits) == 0:
-        return 0, [], 0.0
-    found = flat[hits].to(torch.float64)
-    largest = float(found[int(torch.argmax(found.abs()))])
-    parts = [f"{float(found[k]):.4g} at {_element_path(path, i, shape)}"
-             for k, i in enumerate(hits[:limit].tolist())]
-    return len(hits), parts, largest
-
-
-class NumericBatch:
-    """Numbers from many records, scanned with one nanscan.scan call per batch.
-
-    Python floats found while walking records are pooled into one float64 array; arrays and tensors are scanned
-    in place. Non-finite values become one `nonfinite` finding per (record, top-level field), overflow values
-    (NOTE: [overflow] in findings.py) one `overflow` finding per (record, top-level field).
-    """
-
-    MAX_ITEMS = 4096
-    MAX_BYTES = 64 << 20
-    # Pending records: a reference may hold its record until the digest is taken, so few are kept waiting.
-    MAX_RECORDS = 1024
-
-    def __init__(self, checker: "Checker"):
-        self.checker = checker
-        self._arrays: list[tuple[RecordRef, str, torch.Tensor]] = []
-        self._scalars: list[float] = []
-        self._scalar_owners: list[tuple[RecordRef, str]] = []
-        self._bytes = 0
-        self._records = 0
-        self._last_ref: RecordRef | None = None
-        self._order: dict[int, int] = {}  # id(ref) -> the record's position in this batch
-
-    def _owner(self, ref: RecordRef) -> None:
-        """Flush when full, but only between records, so that one record's numbers are judged together."""
-        if ref is not self._last_ref:
-            if (self._records >= self.MAX_RECORDS or len(self._arrays) >= self.MAX_ITEMS
-                    or self._bytes >= self.MAX_BYTES or len(self._scalars) >= self.MAX_ITEMS * 16):
-                self.flush()
-            self._last_ref = ref
-            self._order.setdefault(id(ref), len(self._order))
-            self._records += 1
-
-    def add_array(self, ref: RecordRef, path: str, array: Any) -> None:
-        t = as_scannable(array)
-        if t is None or t.numel() == 0:
-            return
-        self._owner(ref)
-        self._arrays.append((ref, path, t))
-        self._bytes += t.numel() * t.element_size()
-
-    def add_scalar(self, ref: RecordRef, path: str, value: float) -> None:
-        self._owner(ref)
-        self._scalars.append(value)
-        self._scalar_owners.append((ref, path))
-
-    def flush(self) -> None:
-        if not self._arrays and not self._scalars:
-            return
-        arrays, scalars, owners = self._arrays, self._scalars, self._scalar_owners
-        self._arrays, self._scalars, self._scalar_owners, self._bytes = [], [], [], 0
-        order = self._order
-        self._records, self._last_ref, self._order = 0, None, {}
-        tensors = [t for _, _, t in arrays]
-        if scalars:
-            tensors.append(torch.tensor(scalars, dtype=torch.float64))
-        report = scan_tensors(tensors)
-        found: dict[tuple[str, int, str], _Found] = {}  # (category, id(ref), field) -> what that field holds
-
-        def entry(category: str, ref: RecordRef, path: str) -> _Found:
-            key = (category, id(ref), _top_field(path))
-            if key not in found:
-                found[key] = _Found(ref)
-            return found[key]
-
-        largest = (self.checker.largest_magnitude.value if self.checker.largest_magnitude else -1.0)
-        # One reduction for the whole batch: a batch of many tiny arrays would pay more per array.
-        huge_counts = overflow_counts(report.records)
-        for i, stats in enumerate(report.stats):
-            in_arrays = i < len(arrays)
-            # A tensor without finite values has absmax 0: it has no largest finite magnitude to report.
-            if stats.finite and stats.absmax > largest:
-                if in_arrays:
-                    ref, path, _ = arrays[i]
-                else:
-                    ref, path = owners[largest_finite_element(tensors[i])]
-                largest = stats.absmax
-                self.checker.note_magnitude(stats.absmax, ref, _top_field(path))
-            huge = huge_counts[i] > 0
-            if stats.ok and not huge:
-                continue
-            if in_arrays:
-                ref, path, t = arrays[i]
-                if not stats.ok:
-                    count, text = describe_nonfinite(t, path)
-                    entry(NONFINITE, ref, path).add(count, [text])
-                if huge:
-                    count, parts, extreme = describe_overflow(t, path)
-                    entry(OVERFLOW, ref, path).add(count, parts, extreme)
-                continue
-            values = tensors[i]
-            if not stats.ok:
-                for j in torch.nonzero(~torch.isfinite(values)).reshape(-1).tolist():
-                    ref, path = owners[j]
-                    v = float(values[j])
-                    label = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
-                    entry(NONFINITE, ref, path).add(1, [f"{label} at {path}"])
-            if huge:
-                for j in torch.nonzero(overflow_mask(values)).reshape(-1).tolist():
-                    ref, path = owners[j]
-                    v = float(values[j])
-                    entry(OVERFLOW, ref, path).add(1, [f"{v:.4g} at {path}"], v)
-        # In the records' order, not arrays first: past --max-findings, the first records are the ones listed.
-        for (category, _, field), f in sorted(found.items(), key=lambda item: order[id(item[1].ref)]):
-            if category == OVERFLOW:
-                detail = overflow_detail(f.count, f.parts, f.extreme)
-            else:
-                detail = f"{f.count} non-finite value{'s' if f.count != 1 else ''}: " + ", ".join(f.parts[:5])
-                if len(f.parts) > 5:
-                    detail += f" and {len(f.parts) - 5} more"
-            self.checker.sink.add(category, f.ref, detail, field)
-
-
-class _Found:
-    """The values of one category in one (record, field): their count, descriptions, the largest in magnitude."""
-
-    __slots__ = ("ref", "count", "parts", "extreme")
-
-    def __init__(self, ref: RecordRef):
-        self.ref, self.count, self.parts, self.extreme = ref, 0, [], 0.0
-
-    def add(self, count: int, parts: list[str], extreme: float = 0.0) -> None:
-        self.count += count
-        self.parts.extend(parts)
-        if abs(extreme) > abs(self.extreme):
-            self.extreme = extreme
-
-
+# -- numbers: gathered per record ---------------------------------------------------------------------------------
 # Integers this far from zero fit no integer tensor: readers (Arrow's JSON reader, torch.tensor) turn them into
 # floats, which can be past 2**64 or even infinite, so they are checked as the floats they become.
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -468,7 +218,7 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
 
 
 # -- one record ---------------------------------------------------------------------------------------------------
-def inspect_record(checker: "Checker", record: Any, ref: RecordRef) -> None:
+def inspect_record(checker: Checker, record: Any, ref: RecordRef) -> None:
     """Check one record: empty fields, numbers (via the batch), token length, field kinds and shapes, keys."""
     checker.records += 1
     # A null field is absent, like a missing key (Arrow cannot tell them apart, and neither matters by itself): it

@@ -1,376 +1,36 @@
-"""Readers for every data format `nanscan data` checks, and the walk over files and folders.
+"""Stored arrays: .npy files, the members of .npz archives and the tensors of safetensors files, scanned in slices
+of at most SCAN_BYTES of their memory.
 
-Formats are chosen by suffix (".jsonl", ".csv.gz", ".parquet", ".npy", ".png", ...), or for a file named
-explicitly with an unknown suffix, by its first bytes. Each reader streams: JSON Lines in blocks (jsonl.py), CSV
-record by record, Parquet by record batches, arrays in slices of at most SCAN_BYTES of their memory, images one
-file at a time. Whatever is wrong with a file
-becomes a finding; no reader raises on bad content.
-
-What a record is: a line (JSON Lines), a row after the header (CSV; its lines when quoted text spans several), a
-row (Parquet), a row along axis 0 of each array (.npy, .npz members, safetensors tensors; the whole array when it
-is compared with the arrays of other files or members), an image file. Arrays of a structured dtype are scanned
-field by field; object arrays are never loaded (that needs pickle).
+A record is a row along axis 0 of each array (the whole array when it is compared with the arrays of other files
+or members); its identifier is the row index, the member's name, and the sha256 of the row's bytes in C order.
+Arrays of a structured dtype are scanned field by field; object arrays are never loaded (that needs pickle).
 """
 
 from __future__ import annotations
 
-import csv
+import hashlib
 import math
-import os
-import warnings
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from nanscan.data.columnar import TableCheck
+from nanscan import _layout as L
+from nanscan.data.checker import Checker, file_ref
 from nanscan.data.findings import (
-    CORRUPT_IMAGE, EMPTY, INCONSISTENT, NONFINITE, OVERFLOW, OVERFLOW_EXPONENT, UNREADABLE, RecordRef,
-    overflow_count, overflow_counts, overflow_detail, sha256_hex,
+    EMPTY, NONFINITE, OVERFLOW, OVERFLOW_EXPONENT, UNREADABLE, RecordRef, overflow_count, overflow_counts,
+    overflow_detail, sha256_hex,
 )
-from nanscan.data.jsonl import UTF8_BOM, check_jsonl
-from nanscan.data.records import (
-    as_scannable, describe_nonfinite, describe_overflow, digest_object, inspect_record, largest_finite_element,
-    nonfinite_mask, overflow_mask, scan_tensors,
+from nanscan.data.numeric import (
+    as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, nonfinite_mask, overflow_mask,
+    scan_tensors,
 )
 
-if TYPE_CHECKING:
-    from nanscan.data.api import Checker
-
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
-TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
-BINARY_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".npy": "npy", ".npz": "npz",
-                   ".safetensors": "safetensors"}
 SCAN_BYTES = 16 << 20  # array memory per core-scan call: enough for the thread team, little to re-read
-PARQUET_BATCH_ROWS = 64 << 10
 
 
-def format_of(path: Path) -> str | None:
-    """The format implied by the file name, or None."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if not suffixes:
-        return None
-    last = suffixes[-1]
-    if last == ".gz" and len(suffixes) >= 2 and suffixes[-2] in TEXT_SUFFIXES:
-        return TEXT_SUFFIXES[suffixes[-2]]
-    if last in TEXT_SUFFIXES:
-        return TEXT_SUFFIXES[last]
-    if last in BINARY_SUFFIXES:
-        return BINARY_SUFFIXES[last]
-    if last in IMAGE_SUFFIXES:
-        return "image"
-    return None
-
-
-def sniff_format(path: Path) -> str | None:
-    """The format implied by a file's first bytes, for files named explicitly with an unknown suffix."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except OSError:
-        return None
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    if head.startswith(b"\x93NUMPY"):
-        return "npy"
-    if head.startswith(b"PK\x03\x04"):
-        return "npz"
-    if head.startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")) or (
-            head.startswith(b"RIFF") and head[8:12] == b"WEBP"):
-        return "image"
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
-        return "safetensors"
-    if head.lstrip()[:1] in (b"{", b"["):
-        return "jsonl"
-    return None
-
-
-def _visible_files(root: Path) -> Iterator[Path]:
-    """Files under a folder in a stable (sorted) order, skipping hidden and temporary names."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.startswith("."):
-                yield Path(dirpath) / name
-
-
-def walk_total_bytes(path: Path) -> int:
-    if path.is_dir():
-        total = 0
-        for p in _visible_files(path):
-            if format_of(p) is not None:
-                try:
-                    total += p.stat().st_size
-                except OSError:
-                    pass
-        return total
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-# Formats whose records have comparable fields: records (dicts), stored arrays, images.
-FAMILIES = {"jsonl": "records", "csv": "records", "parquet": "records", "npy": "arrays", "npz": "arrays",
-            "safetensors": "arrays", "image": "images"}
-
-
-def check_path(checker: "Checker", path: Path) -> None:
-    """Check a file or every known file under a folder (files of unknown formats in folders are skipped).
-
-    A path given to the check is one dataset: its records are compared field by field with each other (per family
-    of formats), not with the records of another path.
-    """
-    with _Images(checker, (str(path), FAMILIES["image"])) as images:
-        if path.is_dir():
-            for p in _visible_files(path):
-                fmt = format_of(p)
-                if fmt is None:
-                    checker.skip(p)
-                elif fmt == "image":
-                    images.add(p)
-                else:
-                    checker.scope = (str(path), FAMILIES[fmt])
-                    check_file(checker, p, fmt)
-        else:
-            fmt = format_of(path) or sniff_format(path)
-            checker.scope = (str(path), FAMILIES.get(fmt, ""))
-            if fmt == "image":
-                images.add(path)
-            elif fmt is None:
-                _count_file(checker, path)
-                checker.records += 1
-                checker.sink.add(UNREADABLE, _file_ref(path), "format not recognised from the file name or its "
-                                 "first bytes; name it .jsonl, .csv, .parquet, .npy, .npz, .safetensors or an image "
-                                 "suffix")
-            else:
-                check_file(checker, path, fmt)
-
-
-def _count_file(checker: "Checker", path: Path) -> int:
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0
-    checker.files += 1
-    checker.bytes += size
-    return size
-
-
-def _file_ref(path: Path, member: str | None = None) -> RecordRef:
-    from nanscan.data.api import file_digest
-
-    return RecordRef(str(path), member=member, digest=lambda: file_digest(path), lazy=True)
-
-
-def check_file(checker: "Checker", path: Path, fmt: str) -> None:
-    size = _count_file(checker, path)
-    checker.progress.describe(str(path))
-    records_before = checker.records
-    if fmt == "jsonl":
-        check_jsonl(checker, path, str(path))
-    elif fmt == "csv":
-        check_csv(checker, path)
-        checker.progress.advance(size)
-    elif fmt == "parquet":
-        check_parquet(checker, path, size)
-    elif fmt == "npy":
-        check_npy(checker, path)
-        checker.progress.advance(size)
-    elif fmt == "npz":
-        check_npz(checker, path)
-        checker.progress.advance(size)
-    elif fmt == "safetensors":
-        check_safetensors(checker, path)
-        checker.progress.advance(size)
-    else:  # pragma: no cover - format_of and sniff_format return only the formats above
-        raise ValueError(f"unknown format {fmt!r}")
-    if fmt in ("jsonl", "csv", "parquet") and checker.records == records_before:
-        checker.sink.add(EMPTY, _file_ref(path), "the file holds no records")
-
-
-# -- CSV ----------------------------------------------------------------------------------------------------------
-class _CsvLines:
-    """Decoded lines for csv.reader that remember the raw bytes and line numbers of the record being read."""
-
-    def __init__(self, stream, limit: int):
-        self.stream = stream
-        self.limit = limit
-        self.line = 0
-        self.record_first_line = 1
-        self.parts: list[bytes] = []
-        self.problem: str | None = None
-        self.digest: str | None = None  # set for an over-long line, hashed while skipped
-
-    def start_record(self) -> None:
-        self.record_first_line = self.line + 1
-        self.parts, self.problem, self.digest = [], None, None
-
-    def raw(self) -> bytes:
-        return b"".join(self.parts).rstrip(b"\r\n")
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        raw = self.stream.readline(self.limit + 1)
-        if not raw:
-            raise StopIteration
-        self.line += 1
-        if self.line == 1 and raw.startswith(UTF8_BOM):
-            raw = raw[len(UTF8_BOM):]  # the file's encoding mark, not part of the first column's name
-        if len(raw) > self.limit and not raw.endswith(b"\n"):
-            import hashlib
-
-            h, size = hashlib.sha256(raw), len(raw)
-            while rest := self.stream.readline(1 << 20):
-                size += len(rest)
-                if rest.endswith(b"\n"):
-                    h.update(rest[:-1])
-                    break
-                h.update(rest)
-            self.problem = f"line of {size} bytes exceeds --max-record-bytes {self.limit}; not parsed"
-            self.digest = h.hexdigest()
-            return "\n"
-        self.parts.append(raw)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            self.problem = self.problem or f"not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}"
-            return raw.decode("utf-8", "replace")
-
-
-def _csv_value(cell: str):
-    """A CSV cell as the number it spells (int or float, so "nan" and "1e999" are non-finite), else the text."""
-    try:
-        return int(cell)
-    except ValueError:
-        pass
-    try:
-        return float(cell)
-    except ValueError:
-        return cell
-
-
-def check_csv(checker: "Checker", path: Path) -> None:
-    import gzip
-
-    display = str(path)
-    delimiter = "\t" if ".tsv" in [s.lower() for s in path.suffixes] else ","
-    opener = gzip.open if path.suffix.lower() == ".gz" else open
-    csv.field_size_limit(max(checker.max_record_bytes, 1 << 20))
-    try:
-        with opener(path, "rb") as stream:
-            lines = _CsvLines(stream, checker.max_record_bytes)
-            reader = csv.reader(lines, delimiter=delimiter)
-            header = None
-            while True:
-                lines.start_record()
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    break
-                except csv.Error as exc:
-                    checker.records += 1
-                    checker.sink.add(UNREADABLE, _csv_ref(display, lines), f"CSV syntax error: {exc}")
-                    continue
-                ref = _csv_ref(display, lines)
-                if lines.problem:
-                    checker.records += 1
-                    checker.sink.add(UNREADABLE, ref, lines.problem)
-                    continue
-                if header is None:
-                    header = row
-                    if not row:
-                        header = None  # blank lines before the header
-                    continue
-                _csv_record(checker, header, row, ref)
-    except (OSError, EOFError, zipfile.BadZipFile) as exc:
-        checker.sink.add(UNREADABLE, _file_ref(path), f"cannot read the file ({type(exc).__name__}: {exc})")
-    except Exception as exc:  # noqa: BLE001 - e.g. zlib.error from a corrupt gzip stream
-        checker.sink.add(UNREADABLE, _file_ref(path), f"cannot read the file ({type(exc).__name__}: {exc})")
-
-
-def _csv_ref(display: str, lines: _CsvLines) -> RecordRef:
-    digest = lines.digest if lines.digest is not None else sha256_hex(lines.raw())
-    return RecordRef(display, line=lines.record_first_line, digest=digest)
-
-
-def _csv_record(checker: "Checker", header: list[str], row: list[str], ref: RecordRef) -> None:
-    if not row:
-        checker.records += 1
-        checker.sink.add(EMPTY, ref, "blank line")
-        return
-    if len(row) != len(header):
-        checker.records += 1
-        checker.sink.add(INCONSISTENT, ref, f"{len(row)} cells where the header has {len(header)}")
-        return
-    names = _unique_names(header)
-    inspect_record(checker, {name: _csv_value(cell) for name, cell in zip(names, row)}, ref)
-
-
-def _unique_names(header: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for i, name in enumerate(header):
-        name = name or f"column {i + 1}"
-        if name in seen:
-            seen[name] += 1
-            name = f"{name}#{seen[name]}"
-        else:
-            seen[name] = 1
-        out.append(name)
-    return out
-
-
-# -- Parquet ------------------------------------------------------------------------------------------------------
-def check_parquet(checker: "Checker", path: Path, size: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    display = str(path)
-    try:
-        pf = pq.ParquetFile(path)
-        total_rows = pf.metadata.num_rows
-    except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, ... : not a readable Parquet file
-        checker.progress.advance(size)
-        checker.sink.add(UNREADABLE, _file_ref(path), f"not a readable Parquet file ({exc})")
-        return
-    base = 0
-    advanced = 0
-    try:
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            table = pa.Table.from_batches([batch])
-            offset = base
-
-            def ref(i: int, table=table, offset=offset) -> RecordRef:
-                return RecordRef(display, index=offset + i,
-                                 digest=lambda: digest_object(table.slice(i, 1).to_pylist()[0]))
-
-            def inspect_row(i: int, table=table, offset=offset) -> None:
-                row_ref = ref(i)
-                try:
-                    row = table.slice(i, 1).to_pylist()[0]
-                except Exception as exc:  # noqa: BLE001 - e.g. invalid UTF-8 stored in a string column
-                    checker.records += 1
-                    checker.sink.add(UNREADABLE, RecordRef(display, index=offset + i),
-                                     f"row cannot be converted ({type(exc).__name__}: {exc})")
-                    return
-                inspect_record(checker, row, row_ref)
-
-            TableCheck(checker, table, ref, inspect_row).run()
-            base += batch.num_rows
-            step = size * base // max(total_rows, 1) - advanced
-            checker.progress.advance(step)
-            advanced += step
-    except Exception as exc:  # noqa: BLE001 - corrupt pages, bad compression, truncated row groups
-        checker.sink.add(UNREADABLE, _file_ref(path), f"Parquet data unreadable after row {base} ({exc})")
-    checker.progress.advance(size - advanced)
-
-
-# -- arrays: .npy, .npz, safetensors ------------------------------------------------------------------------------
 class ArrayLeaf:
     """A floating part of every element of a stored array: the element itself (path ()), or a field of a
     structured dtype (path ("pos", "x")) holding `per_element` values (a sub-array field holds several)."""
@@ -415,7 +75,7 @@ class ArrayCheck:
     its bytes in C order. `leaves` are the floating parts that are scanned (see floating_leaves).
     """
 
-    def __init__(self, checker: "Checker", display: str, member: str | None, field: str, shape: tuple,
+    def __init__(self, checker: Checker, display: str, member: str | None, field: str, shape: tuple,
                  kind: str, fortran: bool, row: "Callable[[int], np.ndarray | torch.Tensor | None]",
                  leaves: "list[ArrayLeaf] | None" = None):
         self.checker, self.display, self.member, self.field = checker, display, member, field
@@ -539,8 +199,6 @@ def _pieces(values: torch.Tensor) -> tuple[list[torch.Tensor], np.ndarray]:
 def _locate_elements(values: torch.Tensor, *, nonfinite: bool, overflow: bool) -> dict[str, np.ndarray]:
     """Indices of the non-finite elements, and of the overflow elements, of a 1-D chunk, for the categories asked
     for (NOTE: [locating values]): {NONFINITE: ..., OVERFLOW: ...}."""
-    from nanscan import _layout as L
-
     pieces, records = _pieces(values)
     flagged = {}  # category -> (which pieces hold such values, which elements of a piece are such values)
     if nonfinite:
@@ -559,8 +217,6 @@ def _largest_element(values: torch.Tensor) -> int:
     """Index of the element with the largest finite magnitude in a 1-D chunk (NOTE: [locating values]).
 
     Stored magnitudes are bit patterns of non-negative numbers of one format, which order like the numbers."""
-    from nanscan import _layout as L
-
     pieces, records = _pieces(values)
     nonfinite = records[:, L.REC_NAN: L.REC_NEGINF + 1].sum(axis=1)
     has_finite = nonfinite < np.array([p.numel() * (2 if p.is_complex() else 1) for p in pieces])  # parts scanned
@@ -602,7 +258,7 @@ def _chunk_elems(itemsize: int, row_elems: int) -> int:
     return per_chunk
 
 
-def check_npy(checker: "Checker", path: Path) -> None:
+def check_npy(checker: Checker, path: Path) -> None:
     display = str(path)
     try:
         with open(path, "rb") as f:
@@ -610,23 +266,23 @@ def check_npy(checker: "Checker", path: Path) -> None:
             offset = f.tell()
     except Exception as exc:  # noqa: BLE001 - ValueError for a bad magic or header, OSError
         checker.records += 1
-        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid .npy file ({exc})")
+        checker.sink.add(UNREADABLE, file_ref(path), f"not a valid .npy file ({exc})")
         return
     if dtype.hasobject:
         checker.records += 1
-        checker.sink.add(UNREADABLE, _file_ref(path), "an object array: loading it needs pickle, which nanscan "
+        checker.sink.add(UNREADABLE, file_ref(path), "an object array: loading it needs pickle, which nanscan "
                          "never uses on data files; save the array with a numeric dtype")
         return
     expected = offset + math.prod(shape) * dtype.itemsize
     actual = path.stat().st_size
     if actual < expected:
         checker.records += 1
-        checker.sink.add(UNREADABLE, _file_ref(path), f"truncated: the header promises {expected} bytes, the file "
+        checker.sink.add(UNREADABLE, file_ref(path), f"truncated: the header promises {expected} bytes, the file "
                          f"has {actual}")
         return
     check = ArrayCheck(checker, display, None, "array", tuple(shape), _numpy_kind(dtype), fortran,
                        row=lambda i: None, leaves=floating_leaves(dtype))
-    if not check.start(_file_ref(path)):
+    if not check.start(file_ref(path)):
         return
     # A read-only memory map: pages come from the page cache and are dropped under memory pressure, so memory
     # stays bounded whatever the file size.
@@ -643,24 +299,24 @@ def check_npy(checker: "Checker", path: Path) -> None:
     check.scan(chunks(), reread=lambda start, count: flat[start:start + count])
 
 
-def check_npz(checker: "Checker", path: Path) -> None:
+def check_npz(checker: Checker, path: Path) -> None:
     display = str(path)
     try:
         archive = zipfile.ZipFile(path)
     except Exception as exc:  # noqa: BLE001 - BadZipFile, OSError
         checker.records += 1
-        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid .npz (zip) file ({exc})")
+        checker.sink.add(UNREADABLE, file_ref(path), f"not a valid .npz (zip) file ({exc})")
         return
     with archive:
         members = [i for i in archive.infolist() if i.filename.endswith(".npy")]
         if not members:
-            checker.sink.add(EMPTY, _file_ref(path), "the .npz archive holds no arrays")
+            checker.sink.add(EMPTY, file_ref(path), "the .npz archive holds no arrays")
         for info in members:
             name = info.filename[: -len(".npy")]
             try:
                 _check_npz_member(checker, archive, info, display, name)
             except Exception as exc:  # noqa: BLE001 - bad CRC, truncated or corrupt member data
-                checker.sink.add(UNREADABLE, _file_ref(path, member=name), f"array {name!r} unreadable ({exc})")
+                checker.sink.add(UNREADABLE, file_ref(path, member=name), f"array {name!r} unreadable ({exc})")
 
 
 def _npz_field(name: str) -> str:
@@ -668,7 +324,7 @@ def _npz_field(name: str) -> str:
     return "arr_*" if name.startswith("arr_") and name[4:].isdigit() else name
 
 
-def _check_npz_member(checker: "Checker", archive: zipfile.ZipFile, info: zipfile.ZipInfo, display: str,
+def _check_npz_member(checker: Checker, archive: zipfile.ZipFile, info: zipfile.ZipInfo, display: str,
                       name: str) -> None:
     with archive.open(info) as f:
         shape, fortran, dtype = _npy_header(f)
@@ -714,8 +370,6 @@ def _check_npz_member(checker: "Checker", archive: zipfile.ZipFile, info: zipfil
 
 
 def _zip_member_digest(archive_path: str, member: str) -> str | None:
-    import hashlib
-
     h = hashlib.sha256()
     try:
         with zipfile.ZipFile(archive_path) as archive, archive.open(member) as f:
@@ -742,7 +396,7 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 
 
-def check_safetensors(checker: "Checker", path: Path) -> None:
+def check_safetensors(checker: Checker, path: Path) -> None:
     from safetensors import safe_open
 
     display = str(path)
@@ -751,18 +405,18 @@ def check_safetensors(checker: "Checker", path: Path) -> None:
         names = list(handle.keys())
     except Exception as exc:  # noqa: BLE001 - SafetensorError for bad headers, truncated data
         checker.records += 1
-        checker.sink.add(UNREADABLE, _file_ref(path), f"not a valid safetensors file ({exc})")
+        checker.sink.add(UNREADABLE, file_ref(path), f"not a valid safetensors file ({exc})")
         return
     if not names:
-        checker.sink.add(EMPTY, _file_ref(path), "the safetensors file holds no tensors")
+        checker.sink.add(EMPTY, file_ref(path), "the safetensors file holds no tensors")
     for name in names:
         try:
             _check_safetensor(checker, handle, name, display)
         except Exception as exc:  # noqa: BLE001
-            checker.sink.add(UNREADABLE, _file_ref(path, member=name), f"tensor {name!r} unreadable ({exc})")
+            checker.sink.add(UNREADABLE, file_ref(path, member=name), f"tensor {name!r} unreadable ({exc})")
 
 
-def _check_safetensor(checker: "Checker", handle, name: str, display: str) -> None:
+def _check_safetensor(checker: Checker, handle, name: str, display: str) -> None:
     sl = handle.get_slice(name)
     shape = tuple(sl.get_shape())
     raw_dtype = sl.get_dtype()
@@ -789,85 +443,3 @@ def _check_safetensor(checker: "Checker", handle, name: str, display: str) -> No
             yield first * check.row_elems, sl[first: first + step_rows].reshape(-1)
 
     check.scan(chunks())
-
-
-# -- images -------------------------------------------------------------------------------------------------------
-def _decode_image(path: Path) -> dict:
-    """Fully decode one image file (every frame). The file's digest is taken later, and only for the files that a
-    finding or a sample names."""
-    from PIL import Image
-
-    out: dict = {"error": None, "size": 0}
-    try:
-        out["size"] = os.stat(path).st_size
-    except OSError as exc:
-        out["error"] = f"cannot read the file ({exc})"
-        return out
-    if out["size"] == 0:
-        out["error"] = "zero bytes"
-        return out
-    try:
-        with Image.open(path) as im:
-            out["mode"], out["height"], out["width"] = im.mode, im.height, im.width
-            for frame in range(getattr(im, "n_frames", 1)):
-                if frame:
-                    im.seek(frame)
-                im.load()
-                if frame == 0 and im.mode == "F":
-                    out["pixels"] = np.asarray(im)
-    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for broken files
-        out["error"] = f"cannot be decoded ({type(exc).__name__}: {exc})"
-    return out
-
-
-class _Images:
-    """Decodes images one by one, strictly: within it a truncated image fails to decode (Pillow must never pad it
-    silently), and Pillow's warnings (e.g. DecompressionBombWarning: size alone is not a defect) are not printed
-    per file.
-
-    One loop in this process: decoding small images is mostly Python work inside Pillow, and on the 2-core dev
-    machine neither threads nor a process pool beat it (measured with 64-128 px PNG/JPEG files).
-    """
-
-    def __init__(self, checker: "Checker", scope: tuple[str, str]):
-        self.checker = checker
-        self.scope = scope
-
-    def __enter__(self):
-        from PIL import ImageFile
-
-        self._strict = ImageFile.LOAD_TRUNCATED_IMAGES
-        ImageFile.LOAD_TRUNCATED_IMAGES = False
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.filterwarnings("ignore", module=r"PIL\.")  # Pillow's own warnings only; a broken file is a finding
-        return self
-
-    def __exit__(self, *exc):
-        from PIL import ImageFile
-
-        self._warnings.__exit__(*exc)
-        ImageFile.LOAD_TRUNCATED_IMAGES = self._strict
-        return False
-
-    def add(self, path: Path) -> None:
-        result = _decode_image(path)
-        scope, self.checker.scope = self.checker.scope, self.scope
-        try:
-            self._record(path, result)
-        finally:
-            self.checker.scope = scope
-
-    def _record(self, path: Path, result: dict) -> None:
-        checker = self.checker
-        checker.files += 1
-        checker.bytes += result["size"]
-        checker.records += 1
-        checker.progress.advance(result["size"])
-        ref = _file_ref(path)
-        if result["error"]:
-            checker.sink.add(CORRUPT_IMAGE, ref, result["error"], "image")
-            return
-        checker.tracker.add("image", f"image[{result['mode']}]", (result["height"], result["width"]), ref)
-        if "pixels" in result:
-            checker.numbers.add_array(ref, "image", result["pixels"])
