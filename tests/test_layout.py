@@ -1,0 +1,163 @@
+"""The package's structure holds: no import cycle among nanscan's modules (imports inside functions counted), no
+module importing another's private name, every module opening with a purpose line, and the layers importing one
+way only (tools -> runtime -> evidence -> engine; ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
+
+# Each layer may import its own modules and those of the layers after it, never those before it.
+LAYERS = {
+    "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
+              "bench_scan", "__main__"),
+    "runtime": ("monitor", "distributed", "snapshot", "history"),
+    "evidence": ("bundle", "provenance", "entry"),
+    "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
+               "_native", "_layout", "_atomic"),
+}
+ORDER = list(LAYERS)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+@functools.cache
+def _imports(name: str) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names taken from it) for every import in a module, inside functions too."""
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found.append((node.lineno, base, [alias.name for alias in node.names]))
+    return found
+
+
+def _resolve(target: str) -> str | None:
+    """The nanscan module an import names (the longest known prefix), or None outside the package."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+@functools.cache
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for _, target, names in _imports(name):
+            for candidate in [target] + [f"{target}.{n}" for n in names]:
+                resolved = _resolve(candidate)
+                # A package re-exporting its own modules is how a package shows its face, not a cycle.
+                if resolved and resolved != name and not (_is_package(name) and resolved.startswith(name + ".")):
+                    edges[name].add(resolved)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle():
+    assert _cycles(_edges()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_another_modules_private_name():
+    offences = []
+    for name in MODULES:
+        for line, target, names in _imports(name):
+            resolved = _resolve(target)
+            if resolved is None:
+                continue
+            for imported in names:
+                is_module = f"{resolved}.{imported}" in MODULES or imported in ("_C", "_torch_access")
+                if imported.startswith("_") and not is_module:
+                    offences.append(f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} imports {imported} from "
+                                    f"{resolved}")
+    assert offences == []
+
+
+def _layer(name: str) -> str:
+    top = name.split(".")[1] if name.count(".") else "__init__"
+    for layer, tops in LAYERS.items():
+        if top in tops:
+            return layer
+    raise AssertionError(f"{name} belongs to no layer: add it to LAYERS in tests/test_layout.py and ARCHITECTURE.md")
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if n != "nanscan"])
+def test_imports_point_down_the_layers(name):
+    mine = ORDER.index(_layer(name))
+    upward = [target for target in _edges()[name] if target != "nanscan" and ORDER.index(_layer(target)) < mine]
+    assert upward == [], f"{name} ({ORDER[mine]}) imports from a layer above it"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_opens_with_a_purpose_line(name):
+    docstring = ast.get_docstring(ast.parse(MODULES[name].read_text()))
+    assert docstring and len(docstring.splitlines()[0]) > 20, f"{MODULES[name]} has no purpose line"
