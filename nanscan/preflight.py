@@ -26,6 +26,8 @@ from nanscan import _layout as L
 from nanscan.data.cli import data_options
 from nanscan.entry import EntryError, ReplaySpec, build_spec
 from nanscan.headroom import headroom
+from nanscan.incident import shown_names
+from nanscan.replay.step import StepOutcome, run_step
 from nanscan.stats import ScanReport
 
 DEFAULT_STEPS = 20
@@ -168,11 +170,6 @@ def _loss_value(loss: Any) -> float:
     return float(loss.detach().float().cpu())
 
 
-def _describe_nonfinite(report: ScanReport, limit: int = 4) -> str:
-    names = report.nonfinite
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 # -- canary -------------------------------------------------------------------------------------------------------
 def _inject_into_input(batch: Any) -> tuple[Any, str] | None:
     """A copy of the batch with a NaN in the first element of its first floating tensor (None if it has none)."""
@@ -232,7 +229,7 @@ def _canary_step(spec: ReplaySpec, model, optimizer, batch, where: str, paramete
         return CanaryResult(where, False, f"the step raised {type(exc).__name__}: {exc} before the scan ran")
     report = scan(canary_model, canary_optimizer)
     if not report.ok:
-        return CanaryResult(where, True, f"non-finite values in {_describe_nonfinite(report)} (loss {loss_value})")
+        return CanaryResult(where, True, f"non-finite values in {shown_names(report.nonfinite, 4)} (loss {loss_value})")
     return CanaryResult(where, False, f"the scan saw only finite values (loss {loss_value})")
 
 
@@ -242,53 +239,40 @@ def _group_of(name: str) -> str:
 
 
 def train_steps(spec: ReplaySpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                sample: list[tuple[SampleBatch, Any]], steps: int, scan: Callable = scan_model,
-                ) -> tuple[list[StepResult], dict[str, np.ndarray]]:
-    """Train `steps` steps cycling through the sample; scan after backward and after the optimizer step.
-    Stops at the first problem. Returns the step results and exponent histograms summed per tensor group."""
+                sample: list[tuple[SampleBatch, Any]], steps: int) -> tuple[list[StepResult], dict[str, np.ndarray]]:
+    """Train `steps` steps cycling through the sample, each through the replay's step runner (run_step: the batch
+    and starting state, the loss, the gradients after backward and the state after the optimizer step are
+    scanned). Stops at the first problem. Returns the step results and exponent histograms summed per tensor
+    group over the gradients and the updated state."""
     results: list[StepResult] = []
     hists: dict[str, np.ndarray] = {}
-    model.train()
     for step in range(steps):
         info, batch = sample[step % len(sample)]
-        label = info.label()
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            loss = spec.step_fn(model, batch)
-            loss_value = _loss_value(loss)
-        except Exception as exc:  # noqa: BLE001 - the user's step failing is a finding of the preflight
-            results.append(StepResult(step, label, None, False, f"step_fn raised {type(exc).__name__}: {exc}"))
+        out = run_step(model, optimizer, spec.step_fn, batch)
+        for scanned in (out.gradients, out.updated):
+            for name, record in zip(scanned.names, scanned.records) if scanned is not None else ():
+                group = _group_of(name)
+                hists.setdefault(group, np.zeros(L.HIST_BINS, dtype=np.int64))
+                hists[group] += record[L.REC_HIST:]
+        problem = None if out.finite else _step_problem(out)
+        results.append(StepResult(step, info.label(), out.loss, out.finite, problem))
+        if problem is not None:
             break
-        if not math.isfinite(loss_value):
-            results.append(StepResult(step, label, loss_value, False, f"the loss is {loss_value}"))
-            break
-        try:
-            loss.backward()
-        except Exception as exc:  # noqa: BLE001
-            results.append(StepResult(step, label, loss_value, False, f"backward raised {type(exc).__name__}: {exc}"))
-            break
-        after_backward = scan(model, None, step)
-        if not after_backward.ok:
-            results.append(StepResult(step, label, loss_value, False, "non-finite after backward in "
-                                      + _describe_nonfinite(after_backward)))
-            break
-        try:
-            optimizer.step()
-        except Exception as exc:  # noqa: BLE001
-            results.append(StepResult(step, label, loss_value, False,
-                                      f"optimizer.step raised {type(exc).__name__}: {exc}"))
-            break
-        after_step = scan(model, optimizer, step)
-        for name, record in zip(after_step.names, after_step.records):
-            group = _group_of(name)
-            hists.setdefault(group, np.zeros(L.HIST_BINS, dtype=np.int64))
-            hists[group] += record[L.REC_HIST:]
-        if not after_step.ok:
-            results.append(StepResult(step, label, loss_value, False, "non-finite after the optimizer step in "
-                                      + _describe_nonfinite(after_step)))
-            break
-        results.append(StepResult(step, label, loss_value, True))
     return results, hists
+
+
+# What a failed rehearsal step says, by the step's category (the error, when the step raised, says it itself).
+_PROBLEM_AT = {"input": "non-finite input in ", "parameter": "non-finite weights before the step in ",
+               "optimizer_state": "non-finite optimizer state before the step in ",
+               "gradient": "non-finite after backward in ", "update": "non-finite after the optimizer step in "}
+
+
+def _step_problem(out: StepOutcome) -> str:
+    if out.error is not None:
+        return out.error
+    if out.category == "loss":
+        return f"the loss is {out.loss}"
+    return _PROBLEM_AT[out.category] + shown_names(out.nonfinite, 4)
 
 
 def headroom_report(hists: dict[str, np.ndarray], low_precision: list[str]) -> tuple[dict, list[str]]:
@@ -394,7 +378,7 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
                               + "; ".join(f"{c.injected_into}: {c.detail}" for c in report.canaries) + ")")
         return
     sample = [(info, batches[info.index]) for info in report.sample]
-    report.steps, hists = train_steps(spec, model, optimizer, sample, steps, scan)
+    report.steps, hists = train_steps(spec, model, optimizer, sample, steps)
     failed = [s for s in report.steps if not s.ok]
     if failed:
         s = failed[0]

@@ -73,6 +73,10 @@ class StepOutcome:
     localization: Localization | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    # The scans behind the outcome, for callers that read more than the verdict (preflight's headroom): the
+    # gradients after backward (and clipping) and the weights and optimizer state after optimizer.step().
+    gradients: ScanReport | None = field(default=None, repr=False, compare=False)
+    updated: ScanReport | None = field(default=None, repr=False, compare=False)
 
     @property
     def signature(self) -> tuple:
@@ -170,13 +174,13 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             seen_autocast.append(str(torch.get_autocast_dtype(device_type)).removeprefix("torch.") if enabled
                                  else None)
 
-    def outcome(category, nonfinite, loss_value=None, grads=None, error=None, localization=None):
+    def outcome(category, nonfinite, loss_value=None, grads=None, error=None, localization=None, updated=None):
         return StepOutcome(
             finite=category is None and error is None, category=category, loss=loss_value, nonfinite=nonfinite,
             grad_norm=float(np.sqrt(grads.totals.sumsq)) if grads is not None and len(grads) else None,
             grad_max_exponent=top_exponent(grads) if grads is not None else None,
             autocast=seen_autocast[0] if seen_autocast else None, param_dtypes=param_dtypes(model),
-            localization=localization, error=error, notes=notes)
+            localization=localization, error=error, notes=notes, gradients=grads, updated=updated)
 
     localizer = Localizer(model, backward_modules=backward_module_hooks) if localize else None
     with contextlib.ExitStack() as stack:
@@ -250,7 +254,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     localization = None
     if localizer is not None and category is not None:
         localization = first_bad(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
-    return outcome(category, nonfinite, loss_value, grads, localization=localization)
+    return outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
