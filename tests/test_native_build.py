@@ -423,7 +423,8 @@ print(json.dumps({{"file": _C.__file__, "simd": _C.build_info()["cpu_simd"]}}))
 @pytest.mark.slow
 def test_portable_kernel_matches_the_reference(tmp_path):
     """The kernel built without -march=native takes the vector-extension paths instead of AVX-512 ones (NOTE:
-    [vector types]): built into a separate directory, it must agree with the reference just the same."""
+    [vector types] in csrc/cpu/simd.h): built into a separate directory, it must agree with the reference just the
+    same."""
     if not shutil.which(os.environ.get("CXX", "g++")):
         pytest.skip("no C++ compiler here")
     src = copy_source(tmp_path / "src")
