@@ -1001,6 +1001,15 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
   }
 }
 
+int64_t count_nonfinite(const int64_t* records, int64_t num_tasks) {
+  int64_t nonfinite = 0;
+  for (int64_t t = 0; t < num_tasks; ++t) {
+    const int64_t* r = records + t * record::kWidth;
+    nonfinite += (r[record::kNaN] | r[record::kPosInf] | r[record::kNegInf]) != 0;
+  }
+  return nonfinite;
+}
+
 uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t chunk_elems, int num_threads) {
   const std::vector<Chunk> chunks = make_chunks(tasks, num_tasks, chunk_elems).chunks;
   const int64_t n = static_cast<int64_t>(chunks.size());
