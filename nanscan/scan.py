@@ -182,7 +182,7 @@ class ModelScanPlan:
     def _check(self, optimizer: torch.optim.Optimizer | None, extra_ptrs: list[int]) -> tuple | None:
         """(data pointers of the extra inputs, parameters, gradients and state; the gradients) when nothing changed
         since the rebuild, else None. nanscan._C.PlanCheck does it in C++ (NOTE: [plan check] in
-        csrc/bindings.cpp); this is the same check in Python, for gradients with permuted layouts and for
+        csrc/plan/plan_check.cpp); this is the same check in Python, for gradients with permuted layouts and for
         installations without the extension."""
         state = None if optimizer is None else optimizer.state
         if self._native is not None:
