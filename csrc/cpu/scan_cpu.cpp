@@ -14,38 +14,11 @@
 
 #include "nanscan/classify.h"
 #include "nanscan/stats_record.h"
+#include "simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-// GCC 12's AVX-512 header trips -Wmaybe-uninitialized on its own "undefined" placeholders (GCC bug 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#define NANSCAN_AVX512 1
-#else
-#define NANSCAN_AVX512 0
-#endif
-
-// One vector register: the width of every vector in the passes (NOTE: [vector types]).
-#if NANSCAN_AVX512
-constexpr int kVectorBytes = 64;
-#elif defined(__AVX2__)
-constexpr int kVectorBytes = 32;
-#else
-constexpr int kVectorBytes = 16;  // SSE2, NEON
-#endif
-
 
 namespace nanscan {
 namespace {
@@ -157,135 +130,6 @@ class ExactFloatMode {
   unsigned saved_ = 0;
 };
 
-template <typename T>
-T load_bits(const void* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-// The same bits seen as another type of the same size (C++20's std::bit_cast).
-template <typename To, typename From>
-To bits_as(const From& from) {
-  static_assert(sizeof(To) == sizeof(From), "bits_as needs types of one size");
-  return load_bits<To>(&from);
-}
-
-// NOTE: [vector types]
-// The passes are written once with GCC/Clang vector extensions: element-wise operators on fixed-size vectors,
-// which the compiler lowers to AVX-512, AVX2, SSE or NEON registers, or to scalar code where a target lacks an
-// operation, so every target builds the same source. Plain loops left to the auto-vectoriser stayed scalar
-// (nested lane loops, variable shifts). A vector is one register wide (kVectorBytes): GCC kept wider ones in
-// memory, at half the speed. Where the lowering of an operation is poor or the instruction set offers a
-// better one (widening floats to doubles; a 16-entry table lookup for the field counters), an AVX-512 version
-// (NANSCAN_AVX512) replaces it; the two compute the same result. Every floating-point sum keeps one accumulator
-// per lane and adds the lanes in a fixed order, so no reassociation is involved.
-#if !defined(__GNUC__) && !defined(__clang__)
-#error "csrc/cpu/scan_cpu.cpp needs GCC or Clang (vector extensions, see NOTE: [vector types])"
-#endif
-typedef uint16_t VU16 __attribute__((vector_size(kVectorBytes)));
-typedef uint32_t VU32 __attribute__((vector_size(kVectorBytes)));
-typedef uint64_t VU64 __attribute__((vector_size(kVectorBytes)));
-typedef float VF32 __attribute__((vector_size(kVectorBytes)));
-typedef double VF64 __attribute__((vector_size(kVectorBytes)));
-// Pieces that widen into one full vector: half a vector of floats or 32-bit integers, a quarter of 16-bit ones.
-typedef float VF32Half __attribute__((vector_size(kVectorBytes / 2)));
-typedef uint32_t VU32Half __attribute__((vector_size(kVectorBytes / 2)));
-typedef uint16_t VU16Quarter __attribute__((vector_size(kVectorBytes / 4)));
-
-// Per format: the vector one load fills, and how the squares of the elements at `p` (one vector's worth) are
-// added, as doubles, to kSquareVectors accumulators. Signs do not matter to a square, so the raw elements are
-// read, each piece straight from memory into the width it is widened from. Finite values reach it on the fast
-// path, and for them every square here is exact, subnormals included (NOTE: [float mode]).
-template <typename F>
-struct VectorOps;
-
-template <>
-struct VectorOps<Float32> {
-  using V = VU32;
-  static constexpr int kSquareVectors = 2;
-  static void add_squares(const uint32_t* p, VF64* acc) {
-#if NANSCAN_AVX512
-    const __m512d lo = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p)));
-    const __m512d hi = _mm512_cvtps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8));
-    acc[0] = bits_as<VF64>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[0])));
-    acc[1] = bits_as<VF64>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[1])));
-#else
-    constexpr int kHalf = sizeof(VF32Half) / sizeof(float);
-    for (int h = 0; h < 2; ++h) {
-      const VF64 v = __builtin_convertvector(load_bits<VF32Half>(p + kHalf * h), VF64);
-      acc[h] += v * v;  // exact: a 24-bit significand squares into 48 bits
-    }
-#endif
-  }
-};
-
-template <>
-struct VectorOps<Float64> {
-  using V = VU64;
-  static constexpr int kSquareVectors = 1;
-  static void add_squares(const uint64_t* p, VF64* acc) {
-    const VF64 v = load_bits<VF64>(p);
-    acc[0] += v * v;
-  }
-};
-
-template <>
-struct VectorOps<BFloat16> {
-  using V = VU16;
-  static constexpr int kSquareVectors = 4;
-  static void add_squares(const uint16_t* p, VF64* acc) {
-    // bfloat16 is the top half of a float32. (The AVX-512 interleave takes the elements in another order, which
-    // only changes which lane adds which square.)
-#if NANSCAN_AVX512
-    const __m512i bits = _mm512_loadu_si512(p);
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512 halves[2] = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, bits)),
-                              _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, bits))};
-    for (int h = 0; h < 2; ++h) {
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(halves[h]));
-      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(halves[h]), 1)));
-      acc[2 * h] = bits_as<VF64>(_mm512_fmadd_pd(lo, lo, bits_as<__m512d>(acc[2 * h])));
-      acc[2 * h + 1] = bits_as<VF64>(_mm512_fmadd_pd(hi, hi, bits_as<__m512d>(acc[2 * h + 1])));
-    }
-#else
-    constexpr int kQuarter = sizeof(VU16Quarter) / sizeof(uint16_t);
-    for (int q = 0; q < 4; ++q) {
-      const VU32Half widened = __builtin_convertvector(load_bits<VU16Quarter>(p + kQuarter * q), VU32Half) << 16;
-      const VF64 v = __builtin_convertvector(bits_as<VF32Half>(widened), VF64);
-      acc[q] += v * v;
-    }
-#endif
-  }
-};
-
-template <>
-struct VectorOps<Float16> {
-  using V = VU16;
-  static constexpr int kSquareVectors = 4;
-  // Squares are taken in float: 11-bit significands square into 22 bits, and 65504^2 is far below float's limit.
-  static void add_squares(const uint16_t* p, VF64* acc) {
-#if NANSCAN_AVX512
-    for (int h = 0; h < 2; ++h) {
-      const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h)));
-      const __m512 sq = _mm512_mul_ps(x, x);
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(sq));
-      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1)));
-      acc[2 * h] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h]), lo));
-      acc[2 * h + 1] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h + 1]), hi));
-    }
-#else
-    constexpr int kQuarter = sizeof(VU16Quarter) / sizeof(uint16_t);
-    for (int q = 0; q < 4; ++q) {
-      // The float16 fields moved into float32 positions encode |x| * 2^-112 (the bias difference): rescale exactly.
-      const VU32Half moved = (__builtin_convertvector(load_bits<VU16Quarter>(p + kQuarter * q), VU32Half) & 0x7fff)
-                             << 13;
-      const VF32Half x = bits_as<VF32Half>(moved) * 0x1p112f;
-      acc[q] += __builtin_convertvector(x * x, VF64);
-    }
-#endif
-  }
-};
 
 // NOTE: [window counters]
 // Sixteen 4-bit counters packed in a 64-bit word count the elements of a window of 16 consecutive exponent fields
@@ -299,7 +143,6 @@ constexpr int kWindowFields = 16;
 // Vectors per step, each with its own counters (independent dependency chains): a step is 128 bytes on any target,
 // so the counter limits below hold for every vector width.
 constexpr int kChains = 128 / kVectorBytes;
-constexpr int kWordsPerVector = kVectorBytes / 8;
 constexpr uint64_t kNibbles = 0x0f0f0f0f0f0f0f0full;
 constexpr uint64_t kByteSlots = 0x00ff00ff00ff00ffull;
 
@@ -806,11 +649,7 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
   counts.fold_into<F>(record + record::kHist);
   record[record::kAbsMaxBits] = static_cast<int64_t>(st.absmax);
   if (st.absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(st.absmin);
-  double sumsq = 0.0;
-  for (int c = 0; c < kChains; ++c)
-    for (int k = 0; k < kSquareVectors; ++k)
-      for (size_t l = 0; l < sizeof(VF64) / sizeof(double); ++l) sumsq += lanes[c][k][l];
-  sumsq_out = sumsq + st.exact_sumsq;
+  sumsq_out = sum_lanes(lanes) + st.exact_sumsq;
 }
 
 // NOTE: [small chunks]
@@ -823,7 +662,7 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
 // decided element by element with classify() instead (scan_small_exact, like scan_block_exact).
 // The record is the one scan_chunk would give, bit for bit: counts, extremes and bins are integers, and the sum of
 // squares is added in scan_chunk's order, which for a chunk of one block is pass 1's vector lanes (the same
-// VectorOps::add_squares, steps and zero-padded tail, lanes added in the same order), or element order when the
+// VectorOps::add_squares, steps and zero-padded tail, lanes added by the same sum_lanes), or element order when the
 // block holds an inf or NaN. Element order alone would change the last bits of most sums; tests/test_many_tensors.py
 // compares each short tensor with the same tensor padded with zeros into the block path. A small chunk is never
 // longer than one block of the widest format, so there is no other case.
@@ -912,19 +751,7 @@ void scan_small(const typename F::Bits* p, int64_t n, int64_t* record, double& s
     scan_small_exact<F>(p, n, record, sumsq_out);
     return;
   }
-  // Lanes in scan_chunk's order. A vector of lanes that saw only zeros or padding is skipped: adding +0.0 to a sum
-  // that is +0.0 or more leaves it unchanged, and a short chunk leaves most of them so.
-  double sumsq = 0.0;
-  for (int c = 0; c < kChains; ++c) {
-    for (int k = 0; k < Ops::kSquareVectors; ++k) {
-      const VU64 nonzero = bits_as<VU64>(lanes[c][k]) != 0;
-      uint64_t any = 0;
-      for (int l = 0; l < kWordsPerVector; ++l) any |= nonzero[l];
-      if (any)
-        for (int l = 0; l < kWordsPerVector; ++l) sumsq += lanes[c][k][l];
-    }
-  }
-  sumsq_out = sumsq;
+  sumsq_out = sum_lanes(lanes);  // in scan_chunk's order
   if (min_below == kAllOnes) {  // zeros only
     record[record::kZero] += n;
     return;
@@ -1172,6 +999,15 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
     merge(own, sumsq, partials[chunk.partial]);
     if (chunk.end == tasks[chunk.task].numel) std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
   }
+}
+
+int64_t count_nonfinite(const int64_t* records, int64_t num_tasks) {
+  int64_t nonfinite = 0;
+  for (int64_t t = 0; t < num_tasks; ++t) {
+    const int64_t* r = records + t * record::kWidth;
+    nonfinite += (r[record::kNaN] | r[record::kPosInf] | r[record::kNegInf]) != 0;
+  }
+  return nonfinite;
 }
 
 uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t chunk_elems, int num_threads) {

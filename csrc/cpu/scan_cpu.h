@@ -28,6 +28,11 @@ using Prologue = std::function<bool(ScanTask* tasks)>;
 void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads,
               const Prologue& prologue = {});
 
+// How many of `num_tasks` records (as scan_cpu writes them) count a NaN or an infinity: the step's verdict, read
+// while the records are in cache (asked from Python after every Monitor check, a numpy reduction over them cost
+// tens of microseconds).
+int64_t count_nonfinite(const int64_t* records, int64_t num_tasks);
+
 // Reads every byte of the tasks once with the same chunking and threads as scan_cpu and does nothing else of note:
 // the read speed a scan could reach at best (benchmarks compare against it). Returns the XOR of all bytes read, so
 // the reads cannot be optimised away and a test can check that they covered every byte.

@@ -1,5 +1,5 @@
 // tensor_access.h: the C interface through which nanscan._C reads tensors during the plan check (NOTE: [plan
-// check] in csrc/bindings.cpp) without a Python call per tensor. The optional module nanscan._torch_access
+// check] in csrc/plan/plan_check.cpp) without a Python call per tensor. The optional module nanscan._torch_access
 // (csrc/torch/tensor_access.cpp), built against torch's headers, exports these functions in a PyCapsule; this
 // header names no torch type, so nanscan._C itself never depends on torch's ABI.
 #pragma once

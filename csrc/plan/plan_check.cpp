@@ -1,0 +1,299 @@
+// plan_check.cpp: the Monitor's per-step plan checks (NOTE: [plan check]): the comparisons of the model's, the
+// optimizer's and the batch's Python objects with those the plan was built from, and the data pointers they yield.
+#include "plan/plan_check.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nanscan/classify.h"
+#include "nanscan/stats_record.h"
+
+namespace nanscan {
+namespace plan {
+
+// NOTE: [plan check]
+// The per-step check of nanscan.scan.ModelScanPlan (NOTE: [model scan plan] in nanscan/scan.py), done here because
+// in a training step the same check in Python cost more than the scan of a small model: between two checks the
+// forward and backward passes evict the interpreter's code and data from the caches, so each Python function on
+// the path costs tens of microseconds. Only identities are compared (the plan holds every object it compares
+// with, so no id can have been reused). Tensors are read through nanscan._torch_access's functions when the caller
+// passes them (NOTE: [tensor access] in csrc/torch/tensor_access.cpp), else through the methods it passes
+// (Tensor.data_ptr, Tensor.is_contiguous) and attribute lookups: this file needs no torch headers either way.
+
+void check_dtype_code(int32_t code, const char* where) {
+  if (code < kFloat16 || code > kFloat64)
+    throw py::value_error(std::string(where) + ": unknown dtype code " + std::to_string(code));
+}
+
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& numels, const CArray<int32_t>& dtypes, const char* where) {
+  const py::ssize_t n = numels.size();
+  if (dtypes.size() != n) throw py::value_error(std::string(where) + ": numels and dtypes must have the same length");
+  std::vector<ScanTask> tasks(n);
+  for (py::ssize_t i = 0; i < n; ++i) {
+    check_dtype_code(dtypes.at(i), where);
+    if (numels.at(i) < 0)
+      throw py::value_error(std::string(where) + ": numels[" + std::to_string(i) + "] is negative");
+    tasks[i] = {nullptr, numels.at(i), dtypes.at(i)};
+  }
+  return tasks;
+}
+
+void set_data(ScanTask& task, int64_t address, py::ssize_t i, const char* where) {
+  if (task.numel > 0 && address == 0)
+    throw py::value_error(std::string(where) + ": ptrs[" + std::to_string(i) + "] is null for a non-empty tensor");
+  task.data = reinterpret_cast<const void*>(address);
+}
+
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
+                                const CArray<int32_t>& dtypes, const char* where) {
+  if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size())
+    throw py::value_error(std::string(where) + ": ptrs, numels and dtypes must have the same length");
+  std::vector<ScanTask> tasks = make_tasks(numels, dtypes, where);
+  for (py::ssize_t i = 0; i < ptrs.size(); ++i) set_data(tasks[i], ptrs.at(i), i, where);
+  return tasks;
+}
+
+namespace {
+
+// Whether the values of the dictionaries in `dicts`, in order, are exactly the objects in `expected`. With
+// `nested`, each value of each dictionary is itself a dictionary whose values are compared (optimizer.state).
+bool same_dict_values(PyObject* dicts, PyObject* expected, bool nested, Py_ssize_t& k) {
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  if (!PyDict_Check(dicts)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(expected);
+  while (PyDict_Next(dicts, &pos, &key, &value)) {
+    if (nested) {
+      if (!same_dict_values(value, expected, false, k)) return false;
+    } else {
+      if (k >= n || value != PyList_GET_ITEM(expected, k)) return false;
+      ++k;
+    }
+  }
+  return true;
+}
+
+bool same_values_of_all(const py::list& dicts, const py::list& expected) {
+  Py_ssize_t k = 0;
+  for (py::handle d : dicts)
+    if (!same_dict_values(d.ptr(), expected.ptr(), false, k)) return false;
+  return k == PyList_GET_SIZE(expected.ptr());
+}
+
+int64_t call_data_ptr(PyObject* data_ptr, PyObject* tensor) {
+  PyObject* result = PyObject_CallOneArg(data_ptr, tensor);
+  if (result == nullptr) throw py::error_already_set();
+  const int64_t address = static_cast<int64_t>(reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(result)));
+  Py_DECREF(result);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return address;
+}
+
+// Whether a parameter or state tensor still holds the bytes the plan's table describes: its dtype is the same
+// object and its size in bytes is the same. A `.data` swap can land at the old address (the allocator reuses
+// freed blocks): `w.data = w.data[:4]`, or `model.half()` then `model.bfloat16()`; the old element count or
+// format would then be read, past the tensor's end or as the wrong format.
+bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nbytes) {
+  static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+  static PyObject* nbytes_name = PyUnicode_InternFromString("nbytes");
+  PyObject* dtype = PyObject_GetAttr(tensor, dtype_name);
+  if (dtype == nullptr) throw py::error_already_set();
+  Py_DECREF(dtype);  // torch's dtype objects live as long as torch: only identity is compared
+  if (dtype != expected_dtype) return false;
+  PyObject* nbytes = PyObject_GetAttr(tensor, nbytes_name);
+  if (nbytes == nullptr) throw py::error_already_set();
+  const long long value = PyLong_AsLongLong(nbytes);
+  Py_DECREF(nbytes);
+  if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return value == expected_nbytes;
+}
+
+}  // namespace
+
+PlanCheck::PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
+                     py::list state_values, py::list params, py::list grad_absent, py::list state_tensors,
+                     py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs,
+                     py::list stable_dtypes,
+                     py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes,
+                     py::object data_ptr, py::object is_contiguous, py::object tensor_access)
+    : child_dicts_(std::move(child_dicts)), children_(std::move(children)), param_dicts_(std::move(param_dicts)),
+      raw_params_(std::move(raw_params)), state_values_(std::move(state_values)), params_(std::move(params)),
+      grad_absent_(std::move(grad_absent)), state_tensors_(std::move(state_tensors)),
+      stable_ptrs_(std::move(stable_ptrs)), stable_dtypes_(std::move(stable_dtypes)),
+      stable_nbytes_(std::move(stable_nbytes)), data_ptr_(std::move(data_ptr)),
+      is_contiguous_(std::move(is_contiguous)) {
+  num_params_ = py::len(params_);
+  num_state_ = py::len(state_tensors_);
+  const py::ssize_t num_stable = num_params_ + num_state_;
+  if (py::len(grad_absent_) != static_cast<size_t>(num_params_) || stable_ptrs_.size() != num_stable ||
+      py::len(stable_dtypes_) != static_cast<size_t>(num_stable) || stable_nbytes_.size() != num_stable)
+    throw py::value_error("PlanCheck: grad_absent needs one entry per parameter, and stable_ptrs, stable_dtypes "
+                          "and stable_nbytes one per parameter and state tensor");
+  num_grads_ = 0;
+  for (py::handle absent : grad_absent_) num_grads_ += absent.ptr() != Py_True;
+  if (!tensor_access.is_none()) {
+    access_ = static_cast<const TensorAccess*>(PyCapsule_GetPointer(tensor_access.ptr(), kTensorAccessCapsule));
+    if (access_ == nullptr) throw py::error_already_set();
+    access_owner_ = std::move(tensor_access);
+  }
+}
+
+py::object PlanCheck::check(const py::object& optimizer_state, const py::list& extra_ptrs) const {
+  py::array_t<int64_t> ptrs(py::len(extra_ptrs) + num_inputs());
+  py::list grads;
+  if (!run(optimizer_state, extra_ptrs, ptrs.mutable_data(), grads)) return py::none();
+  return py::make_tuple(ptrs, grads);
+}
+
+py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py::list& extra_ptrs,
+                                     const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                                     py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
+                                     int num_threads) const {
+  const py::ssize_t n = py::len(extra_ptrs) + num_inputs();
+  if (numels.size() != n || dtypes.size() != n || records.ndim() != 2 || records.shape(0) != n ||
+      records.shape(1) != record::kWidth)
+    throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
+                          std::to_string(n) + ")");
+  std::vector<ScanTask> tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
+  std::vector<int64_t> address(n);
+  py::list grads;  // only held while the scan reads them
+  bool unchanged = false;
+  int64_t* out = records.mutable_data();
+  // The check needs the GIL, which this thread holds throughout: the scan is short, and releasing the GIL
+  // inside the parallel region would tie the kernel to Python.
+  scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
+    if (!run(optimizer_state, extra_ptrs, address.data(), grads)) return false;
+    unchanged = true;
+    for (py::ssize_t i = 0; i < n; ++i) set_data(to_fill[i], address[i], i, "PlanCheck.check_and_scan");
+    return true;
+  });
+  if (!unchanged) return py::none();  // nothing was scanned
+  return py::int_(count_nonfinite(out, n));
+}
+
+bool PlanCheck::run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out,
+                    py::list& grads) const {
+  if (!same_values_of_all(child_dicts_, children_) || !same_values_of_all(param_dicts_, raw_params_)) return false;
+  Py_ssize_t k = 0;  // state values matched; no optimizer has none
+  if (!optimizer_state.is_none() && !same_dict_values(optimizer_state.ptr(), state_values_.ptr(), true, k))
+    return false;
+  if (k != static_cast<Py_ssize_t>(py::len(state_values_))) return false;
+  static PyObject* grad_name = PyUnicode_InternFromString("grad");
+  py::list found;
+  const py::ssize_t num_extra = py::len(extra_ptrs);
+  for (py::ssize_t i = 0; i < num_extra; ++i) out[i] = py::cast<int64_t>(extra_ptrs[i]);
+  out += num_extra;
+  int64_t* grad_out = out + num_params_;
+  for (py::ssize_t i = 0; i < num_params_; ++i) {
+    PyObject* grad = PyObject_GetAttr(PyList_GET_ITEM(params_.ptr(), i), grad_name);
+    if (grad == nullptr) throw py::error_already_set();
+    py::object owned = py::reinterpret_steal<py::object>(grad);
+    const bool absent = grad == Py_None;
+    if (absent != (PyList_GET_ITEM(grad_absent_.ptr(), i) == Py_True)) return false;
+    if (absent) continue;
+    // The plan uses this check only when every gradient was contiguous at the rebuild.
+    if (!contiguous_address(grad, grad_out)) return false;
+    ++grad_out;
+    found.append(owned);
+  }
+  const int64_t* expected = stable_ptrs_.data();
+  for (py::ssize_t j = 0; j < num_params_ + num_state_; ++j) {
+    PyObject* tensor = j < num_params_ ? PyList_GET_ITEM(params_.ptr(), j)
+                                       : PyList_GET_ITEM(state_tensors_.ptr(), j - num_params_);
+    int64_t& address = j < num_params_ ? out[j] : out[num_grads_ + j];
+    if (!stable_address(tensor, j, address) || address != expected[j]) return false;
+  }
+  grads = std::move(found);
+  return true;
+}
+
+bool PlanCheck::stable_address(PyObject* tensor, py::ssize_t j, int64_t& address) const {
+  PyObject* dtype = PyList_GET_ITEM(stable_dtypes_.ptr(), j);
+  const int64_t nbytes = stable_nbytes_.data()[j];
+  if (access_ != nullptr) return access_->stable(tensor, dtype, nbytes, &address) == 1;
+  address = call_data_ptr(data_ptr_.ptr(), tensor);
+  return same_extent(tensor, dtype, nbytes);
+}
+
+bool PlanCheck::contiguous_address(PyObject* grad, int64_t* address) const {
+  if (access_ != nullptr) return access_->contiguous(grad, address) == 1;
+  PyObject* contiguous = PyObject_CallOneArg(is_contiguous_.ptr(), grad);
+  if (contiguous == nullptr) throw py::error_already_set();
+  Py_DECREF(contiguous);
+  if (contiguous != Py_True) return false;
+  *address = call_data_ptr(data_ptr_.ptr(), grad);
+  return true;
+}
+
+py::object batch_leaves(const py::handle& batch, const py::handle& loss, const py::tuple& plan) {
+  if (plan.size() != 8) throw py::value_error("batch_leaves: the plan is an 8-tuple");
+  const int kind = plan[0].cast<int>();
+  PyObject* keys = plan[1].ptr();
+  PyObject* dtypes = plan[2].ptr();
+  PyObject* nbytes = plan[3].ptr();
+  PyObject* tensor_type = plan[4].ptr();
+  const auto* access = static_cast<const TensorAccess*>(PyCapsule_GetPointer(plan[5].ptr(), kTensorAccessCapsule));
+  if (access == nullptr) throw py::error_already_set();
+  if (!PyTuple_Check(dtypes) || !PyTuple_Check(nbytes) || PyTuple_GET_SIZE(dtypes) != PyTuple_GET_SIZE(nbytes))
+    throw py::value_error("batch_leaves: dtypes and nbytes are tuples of one length");
+  const Py_ssize_t n = PyTuple_GET_SIZE(dtypes);
+  py::list scanned, addresses;
+  int64_t address = 0;
+  auto leaf = [&](PyObject* value, PyObject* dtype, PyObject* size) {
+    if (Py_TYPE(value) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
+    const long long expected = PyLong_AsLongLong(size);
+    if (expected == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (access->batch_leaf(value, dtype, expected, &address) != 1) return false;
+    if (expected >= 0) {
+      scanned.append(value);
+      addresses.append(py::int_(address));
+    }
+    return true;
+  };
+  PyObject* root = batch.ptr();
+  switch (kind) {
+    case 0:
+      if (root != Py_None) return py::none();
+      break;
+    case 1:
+      if (n != 1 || !leaf(root, PyTuple_GET_ITEM(dtypes, 0), PyTuple_GET_ITEM(nbytes, 0))) return py::none();
+      break;
+    case 2: {
+      if (!PyDict_CheckExact(root) || PyDict_GET_SIZE(root) != n || !PyTuple_Check(keys)) return py::none();
+      PyObject *key, *value;
+      Py_ssize_t pos = 0, i = 0;
+      while (PyDict_Next(root, &pos, &key, &value)) {
+        PyObject* expected_key = PyTuple_GET_ITEM(keys, i);
+        if (key != expected_key) {
+          const int same = PyObject_RichCompareBool(key, expected_key, Py_EQ);
+          if (same < 0) throw py::error_already_set();
+          if (!same) return py::none();
+        }
+        if (!leaf(value, PyTuple_GET_ITEM(dtypes, i), PyTuple_GET_ITEM(nbytes, i))) return py::none();
+        ++i;
+      }
+      break;
+    }
+    case 3:
+    case 4: {
+      const bool is_list = kind == 3;
+      if (is_list ? !PyList_CheckExact(root) : !PyTuple_CheckExact(root)) return py::none();
+      if ((is_list ? PyList_GET_SIZE(root) : PyTuple_GET_SIZE(root)) != n) return py::none();
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* value = is_list ? PyList_GET_ITEM(root, i) : PyTuple_GET_ITEM(root, i);
+        if (!leaf(value, PyTuple_GET_ITEM(dtypes, i), PyTuple_GET_ITEM(nbytes, i))) return py::none();
+      }
+      break;
+    }
+    default:
+      throw py::value_error("batch_leaves: unknown batch kind " + std::to_string(kind));
+  }
+  PyObject* loss_dtype = plan[6].ptr();
+  if ((loss_dtype == Py_None) != loss.is_none()) return py::none();
+  if (loss_dtype != Py_None && !leaf(loss.ptr(), loss_dtype, plan[7].ptr())) return py::none();
+  return py::make_tuple(scanned, addresses);
+}
+
+}  // namespace plan
+}  // namespace nanscan

@@ -1,0 +1,90 @@
+// plan_check.h: the Monitor's per-step plan checks in C++ (NOTE: [plan check] in plan_check.cpp): PlanCheck for
+// nanscan.scan.ModelScanPlan, batch_leaves for nanscan.inputs.BatchPlan, and the checks of numpy scan arguments that
+// they share with csrc/bindings.cpp. Python-facing: they compare Python objects, through pybind11 and the C API.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/scan_cpu.h"
+#include "nanscan/tensor_access.h"
+
+namespace nanscan {
+namespace plan {
+
+namespace py = pybind11;
+
+template <typename T>
+using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+// Raises ValueError, naming `where`, for a code that is no classify.h DType.
+void check_dtype_code(int32_t code, const char* where);
+
+// Tasks for tensors of `numels` elements in the formats `dtypes`, checked; set_data gives each its memory.
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& numels, const CArray<int32_t>& dtypes, const char* where);
+
+// Points task i at `address`; a null address is refused for a tensor with elements.
+void set_data(ScanTask& task, int64_t address, py::ssize_t i, const char* where);
+
+// Tasks for the tensors at `ptrs`, checked like the two above.
+std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
+                                const CArray<int32_t>& dtypes, const char* where);
+
+// The plan's per-step check, holding what the rebuild found: the module tree (each module's child and parameter
+// dicts and their values), the optimizer state's values, the parameters, which of them had no gradient, the
+// scanned state tensors, and the parameters' then the state tensors' data pointers, dtypes and sizes in bytes.
+// check() returns None when anything differs, else (pointers, gradients): the int64 data pointers of the extra
+// inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
+// check_and_scan() instead scans them when nothing changed, the check running on the calling thread inside the
+// scan's parallel region (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and returns None or the number of
+// tensors that hold a NaN or an infinity.
+class PlanCheck {
+ public:
+  PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
+            py::list state_values, py::list params, py::list grad_absent, py::list state_tensors,
+            py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs, py::list stable_dtypes,
+            py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes, py::object data_ptr,
+            py::object is_contiguous, py::object tensor_access);
+
+  py::object check(const py::object& optimizer_state, const py::list& extra_ptrs) const;
+
+  py::object check_and_scan(const py::object& optimizer_state, const py::list& extra_ptrs,
+                            const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                            py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
+                            int num_threads) const;
+
+ private:
+  py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
+
+  // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.
+  bool run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out, py::list& grads) const;
+
+  // A parameter's or state tensor's data pointer, when it still has the dtype and size in bytes of stable tensor j.
+  bool stable_address(PyObject* tensor, py::ssize_t j, int64_t& address) const;
+
+  // A gradient's data pointer, when it is contiguous.
+  bool contiguous_address(PyObject* grad, int64_t* address) const;
+
+  py::list child_dicts_, children_, param_dicts_, raw_params_, state_values_, params_, grad_absent_, state_tensors_;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs_;
+  py::list stable_dtypes_;
+  py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_nbytes_;
+  py::object data_ptr_, is_contiguous_;
+  const TensorAccess* access_ = nullptr;  // nanscan._torch_access's reads (NOTE: [tensor access]), else Python calls
+  py::object access_owner_;               // the capsule, held as long as its pointer is used
+  py::ssize_t num_params_ = 0, num_state_ = 0, num_grads_ = 0;
+};
+
+// The per-step check of nanscan.inputs.BatchPlan (NOTE: [batch plan] in nanscan/inputs.py): whether `batch` and
+// `loss` have the structure of the batch the plan prepared, given as the tuple (kind, keys, dtypes, nbytes,
+// tensor_type, tensor_access, loss_dtype, loss_nbytes): kind 0 no batch, 1 one tensor, 2 a dict with `keys` in
+// this order, 3 a list, 4 a tuple; per leaf its dtype object and, for a scanned one, its size in bytes (-1 for a
+// skipped one); leaves and the loss of exactly type tensor_type (torch.Tensor); loss_dtype None for no loss.
+// Returns (the scanned leaves then the loss, their data pointers), or None when anything differs.
+py::object batch_leaves(const py::handle& batch, const py::handle& loss, const py::tuple& plan);
+
+}  // namespace plan
+}  // namespace nanscan

@@ -1,0 +1,100 @@
+"""Typed stub of nanscan._C, the compiled extension registered in csrc/bindings.cpp: the CPU scan, classify.h per
+element, the per-step plan checks (csrc/plan), and the CUDA entry points, which exist only in a build with CUDA."""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+def scan_cpu(
+    ptrs: npt.ArrayLike,
+    numels: npt.ArrayLike,
+    dtypes: npt.ArrayLike,
+    records: npt.NDArray[np.int64],
+    chunk_elems: int,
+    num_threads: int = 0,
+) -> int:
+    """Scan raw pointers into a C-contiguous (n, record width) int64 records array; returns how many hold NaN/inf."""
+
+def read_bandwidth_probe(
+    ptrs: npt.ArrayLike, numels: npt.ArrayLike, dtypes: npt.ArrayLike, chunk_elems: int, num_threads: int = 0
+) -> int:
+    """Read the tensors as scan_cpu does, doing nothing else (a speed ceiling); returns the XOR of the bytes read."""
+
+def classify_bits(bits: npt.ArrayLike, dtype: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Classify bit patterns with classify.h: returns (value classes, exponent bins or -1)."""
+
+def build_info() -> dict[str, Any]:
+    """How the extension was built: OpenMP, CUDA and SIMD, and the record layout and dtype codes it uses."""
+
+def batch_leaves(batch: object, loss: object, plan: tuple[Any, ...]) -> tuple[list[Any], list[int]] | None:
+    """The per-step check of nanscan.inputs.BatchPlan: (scanned leaves and loss, data pointers), or None if changed."""
+
+class PlanCheck:
+    """The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild."""
+
+    def __init__(
+        self,
+        child_dicts: list[dict[str, Any]],
+        children: list[Any],
+        param_dicts: list[dict[str, Any]],
+        raw_params: list[Any],
+        state_values: list[Any],
+        params: list[Any],
+        grad_absent: list[bool],
+        state_tensors: list[Any],
+        stable_ptrs: npt.ArrayLike,
+        stable_dtypes: list[Any],
+        stable_nbytes: npt.ArrayLike,
+        data_ptr: Callable[[Any], int],
+        is_contiguous: Callable[[Any], bool],
+        tensor_access: object | None = None,
+    ) -> None:
+        """Hold what the rebuild found; tensor_access is nanscan._torch_access's capsule, or None for Python calls."""
+
+    def check(
+        self, optimizer_state: dict[Any, dict[str, Any]] | None, extra_ptrs: list[int]
+    ) -> tuple[npt.NDArray[np.int64], list[Any]] | None:
+        """None if anything changed since the rebuild, else (pointers, gradients)."""
+
+    def check_and_scan(
+        self,
+        optimizer_state: dict[Any, dict[str, Any]] | None,
+        extra_ptrs: list[int],
+        numels: npt.ArrayLike,
+        dtypes: npt.ArrayLike,
+        records: npt.NDArray[np.int64],
+        chunk_elems: int,
+        num_threads: int = 0,
+    ) -> int | None:
+        """check() and, when nothing changed, the scan into records: None, or how many tensors hold NaN/inf."""
+
+# Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
+
+def scan_cuda(
+    chunks: int,
+    num_chunks: int,
+    block_begin: int,
+    num_blocks: int,
+    records: int,
+    num_tensors: int,
+    found_inf: int,
+    stream: int,
+    device: int,
+) -> None:
+    """CUDA builds only: enqueue the scan on `stream` (device pointers and the stream handle as ints)."""
+
+def cuda_grid(device: int) -> int:
+    """CUDA builds only: how many scan blocks fit on CUDA device `device` at once."""
+
+def cuda_probe(device: int) -> None:
+    """CUDA builds only: raise RuntimeError when this build's kernels cannot run on CUDA device `device`."""
+
+def cuda_layout() -> dict[str, Any]:
+    """CUDA builds only: kernel constants and the ChunkMeta layout of the CUDA scan."""
+
+def scan_cuda_on_host(
+    chunk_table: npt.NDArray[np.uint8], block_begin: npt.ArrayLike, records: npt.NDArray[np.int64]
+) -> None:
+    """CUDA builds only: the CUDA kernel's per-thread code on the CPU over a chunk table of host addresses."""
