@@ -39,7 +39,7 @@ JUMPS_SHOWN = 5
 JUMP_BINADES = 8  # a largest value that grew 256-fold in one step is worth a look
 MAP_MAX_ROWS = 40  # beyond this many modules the non-finite map is drawn per layer
 TABLE_MAX_ROWS = 20
-# Kinds (nanscan.bundle.tensor_kind) in the order of the failure categories; a category names its own kind.
+# Kinds (nanscan.incident.tensor_kind) in the order of the failure categories; a category names its own kind.
 KIND_ORDER = ("input", "parameter", "optimizer_state", "loss", "gradient", "other")
 KIND_LABEL = {"input": "input", "parameter": "param", "optimizer_state": "optim", "loss": "loss",
               "gradient": "grad", "other": "other"}
@@ -123,7 +123,7 @@ def summarize(bundle, history: list | None = None) -> dict:
         "source": manifest.get("source"),
         "replay_entry": manifest.get("replay_entry"),
         "files": sorted(manifest.get("files", {})),
-        # a distributed incident's ranks (nanscan.distributed.BundleSet); None for a single process
+        # a distributed incident's ranks (nanscan.bundle.BundleSet); None for a single process
         "distributed": bundle.set_summary() if hasattr(bundle, "set_summary") else None,
     }
 
