@@ -15,6 +15,7 @@ import torch
 
 from nanscan._native import native_function, tensor_access
 from nanscan.dispatch import launch
+from nanscan.incident import LOSS, tensor_name
 from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, bind, is_dense_permutation, iter_batch_tensors,
                             prepare, read_host_scalar)
 from nanscan.pending import StepScan, completed_scan
@@ -107,15 +108,16 @@ class BatchPlan:
         items, skipped, leaves = [], [], []
         if batch is not None:
             for path, tensor in iter_batch_tensors(batch):
-                item = prepare(f"input:{path}", tensor)
+                name = tensor_name("input", path)
+                item = prepare(name, tensor)
                 leaves.append((tensor, item))
                 if item is None:
-                    skipped.append(f"input:{path}")
+                    skipped.append(name)
                 else:
                     items.append(item)
         loss_input = None
         if loss is not None:
-            loss_input = prepare("loss", loss)
+            loss_input = prepare(LOSS, loss)
             if loss_input is not None:
                 items.append(loss_input)
         self._plan = self._describe(batch, leaves, loss, loss_input)
@@ -356,7 +358,7 @@ class ModelScanPlan:
         def add(kind: str, name: str, t: torch.Tensor, key: str = "") -> bool:
             nonlocal fast
             local, suffix = self._shard(t)
-            item = prepare(f"{kind}:{name}{suffix}{key}", local)
+            item = prepare(tensor_name(kind, f"{name}{suffix}{key}"), local)
             if item is None or item.tensor is not t or item.layout == GAPPED:
                 fast = False  # skipped (integer), derived (complex parts, sparse values, a shard) or compacted
             if item is not None:
@@ -365,10 +367,10 @@ class ModelScanPlan:
 
         grads = [p.grad for _, p in named]
         for name, p in named:
-            add("param", name, p)
+            add("parameter", name, p)
         for (name, _), g in zip(named, grads):
             if g is not None:
-                add("grad", name, g)
+                add("gradient", name, g)
         state_tensors = []
         if optimizer is not None:
             names = {id(p): name for name, p in named}
@@ -377,7 +379,7 @@ class ModelScanPlan:
                     pname = names[id(p)]
                     for key, value in optimizer.state.get(p, {}).items():
                         if _scanned_state(value):
-                            if add("optim", pname, value, f".{key}"):
+                            if add("optimizer_state", pname, value, f".{key}"):
                                 state_tensors.append(value)
                         elif isinstance(value, list):
                             # LBFGS keeps its curvature history (old_dirs, old_stps, ro, al) as lists that it
@@ -385,7 +387,7 @@ class ModelScanPlan:
                             fast = False
                             for i, element in enumerate(value):
                                 if _scanned_state(element):
-                                    add("optim", pname, element, f".{key}.{i}")
+                                    add("optimizer_state", pname, element, f".{key}.{i}")
         inputs = ScanInputs(items)
         modules = list(model.modules())
         self._fast = fast and all(map(_uses_module_walk, modules))

@@ -22,7 +22,7 @@ import numpy as np
 from nanscan import _layout as L
 from nanscan.bundle import BundleError, json_float, load_bundle
 from nanscan.headroom import FORMATS, Format, headroom
-from nanscan.incident import CATEGORY_EXPLANATIONS, tensor_kind
+from nanscan.incident import CATEGORY_EXPLANATIONS, KINDS, PREFIX, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 
@@ -39,10 +39,9 @@ JUMPS_SHOWN = 5
 JUMP_BINADES = 8  # a largest value that grew 256-fold in one step is worth a look
 MAP_MAX_ROWS = 40  # beyond this many modules the non-finite map is drawn per layer
 TABLE_MAX_ROWS = 20
-# Kinds (nanscan.incident.tensor_kind) in the order of the failure categories; a category names its own kind.
-KIND_ORDER = ("input", "parameter", "optimizer_state", "loss", "gradient", "other")
-KIND_LABEL = {"input": "input", "parameter": "param", "optimizer_state": "optim", "loss": "loss",
-              "gradient": "grad", "other": "other"}
+# Kinds (nanscan.incident.tensor_kind) in the order of the failure categories, and their short labels.
+KIND_ORDER = KINDS
+KIND_LABEL = {kind: PREFIX[kind][:-1] if kind in PREFIX else kind for kind in KINDS}
 
 
 # ---------------------------------------------------------------------------------------------------------------

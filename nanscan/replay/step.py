@@ -20,7 +20,7 @@ import torch
 from nanscan import _layout as L
 from nanscan.bundle import json_float
 from nanscan.entry import ReplaySpec
-from nanscan.incident import owner_module
+from nanscan.incident import is_kind, owner_module, tensor_name
 from nanscan.inputs import iter_batch_tensors
 from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
 from nanscan.scan import model_inputs, scan, scan_inputs
@@ -197,14 +197,14 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        batch_report = scan([(f"input:{path}", t) for path, t in iter_batch_tensors(batch)])
+        batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(batch)])
         state_report = scan_inputs(model_inputs(model, optimizer))
         if not state_report.ok:
             bad = state_report.nonfinite
-            category = "parameter" if any(n.startswith("param:") for n in bad) else "optimizer_state"
+            category = "parameter" if any(is_kind(n, "parameter") for n in bad) else "optimizer_state"
             notes.append("the starting state is already non-finite: an earlier step (or an outside write) did "
                          "the damage, and this step cannot show where")
-            where = owner_of([n for n in bad if n.startswith("param:")] or bad)
+            where = owner_of([n for n in bad if is_kind(n, "parameter")] or bad)
             owner = dict(model.named_modules()).get(where, model)
             loc = Localization("state", where, type(owner).__name__, ValueSummary(), summary_of(state_report),
                                f"{category}: {len(bad)} non-finite tensor(s), first {bad[0]}")
@@ -227,7 +227,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         if options.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                            options.clip_grad_norm)
-        grads = scan_inputs([i for i in model_inputs(model) if i.name.startswith("grad:")])
+        grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
         update_report = None
         if optimizer is not None:
             try:
@@ -236,7 +236,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                 return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
                                                                       f"{type(exc).__name__}: {exc}")
             update_report = scan_inputs([i for i in model_inputs(model, optimizer)
-                                         if not i.name.startswith("grad:")])
+                                         if not is_kind(i.name, "gradient")])
 
     nonfinite = list(batch_report.nonfinite)
     nonfinite += [] if loss_ok else ["loss"]
