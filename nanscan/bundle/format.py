@@ -1,6 +1,8 @@
 """The bundle format: file names, the schema, the records a bundle is written from (Incident, HistoryEntry),
-paths and JSON helpers. The evidence bundle is one directory per incident, `<bundle_dir>/<run_id>/step-<N>/`, holding everything needed
-to understand and replay the first non-finite step, and `load_bundle` to read it back safely.
+paths and JSON helpers.
+
+A bundle is one directory per incident, `<bundle_dir>/<run_id>/step-<N>/`, holding everything needed to understand
+and replay the first non-finite step (nanscan.bundle.write writes it, nanscan.bundle.read validates and reads it).
 
 Layout (schema "nanscan.bundle/1"):
   manifest.json        what happened, where the code and config came from, and the sha256 of every other file
@@ -14,15 +16,7 @@ Layout (schema "nanscan.bundle/1"):
   ledger.jsonl         one JSON record per automatic finding and reviewer note
   INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
 
-Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
-A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
-the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
-and no unlisted file sits in the directory, and every listed file has its recorded size and sha256.
-Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
-writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
-valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
-a small journal: new files are written under `.pending-*` names and the new manifest's arrival is the commit
-point, so an interrupted update is either finished or discarded the next time the bundle is opened.
+Tensors are safetensors and everything else JSON, so reading a bundle never runs code.
 """
 
 from __future__ import annotations

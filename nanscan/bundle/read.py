@@ -1,27 +1,12 @@
-"""The evidence bundle: one directory per incident, `<bundle_dir>/<run_id>/step-<N>/`, holding everything needed
-to understand and replay the first non-finite step, and `load_bundle` to read it back safely.
-
-Layout (schema "nanscan.bundle/1"):
-  manifest.json        what happened, where the code and config came from, and the sha256 of every other file
-  batch.safetensors    the failing step's batch (every tensor, integer ones too); its nesting is in the manifest
-  rng.safetensors      RNG states (torch CPU/CUDA, numpy, Python random) at the failing step's start, or at its
-                       check where the manifest's rng.captured_at_by_source says so
-  history.safetensors  stats records of the last steps; history.json names their tensors, loss, lr, grad norm
-  state.safetensors    model and optimizer state; state.json holds the optimizer's non-tensor structure
-  source.diff          uncommitted changes (`git diff HEAD`), when the work tree was dirty and the diff is small
-  logs/                the last lines of each log file
-  ledger.jsonl         one JSON record per automatic finding and reviewer note
-  INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
+"""Reading a bundle back safely: validation before anything is read, the Bundle's accessors, and later additions.
 
 Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
 A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
 the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
-and no unlisted file sits in the directory, and every listed file has its recorded size and sha256.
-Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
-writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
-valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
-a small journal: new files are written under `.pending-*` names and the new manifest's arrival is the commit
-point, so an interrupted update is either finished or discarded the next time the bundle is opened.
+and no unlisted file sits in the directory, and every listed file has its recorded size and sha256. Later additions
+(findings, notes) go through a small journal: new files are written under `.pending-*` names and the new
+manifest's arrival is the commit point, so an interrupted update is either finished or discarded the next time
+the bundle is opened.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Writing a bundle: atomically (a temporary directory renamed into place, the manifest last) and idempotently."""
+"""Writing a bundle: atomically (a temporary `.tmp-*` directory renamed into place, manifest written last; one that
+a killed writer left behind is removed by the next write of that bundle on the same host) and idempotently (an
+existing valid bundle for the same run and step is kept as is).
+"""
 
 from __future__ import annotations
 
