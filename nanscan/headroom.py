@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanscan import _layout as L
+from nanscan.incident import tensor_kind
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,18 @@ def headroom(exp_hist, formats=FORMATS) -> list[Headroom]:
         out.append(Headroom(fmt.name, total, frac(over), frac(sub), frac(under), top,
                             None if top is None else fmt.max_binade - top))
     return out
+
+
+MIXED_PRECISION_KINDS = ("input", "parameter", "gradient")
+
+
+def headroom_by_kind(report, kinds=MIXED_PRECISION_KINDS, formats=FORMATS) -> dict[str, list[Headroom]]:
+    """Headroom per kind of scanned tensor (activations, weights, gradients: NOTE: [tensor names]) of a report,
+    its tensors' histograms summed; a report's gradient histograms are unscaled (NOTE: [unscaled gradients]).
+    Kinds with no tensor in the report are left out."""
+    sums: dict[str, np.ndarray] = {}
+    for stats in report:
+        kind = tensor_kind(stats.name)
+        if kind in kinds:
+            sums[kind] = sums.get(kind, 0) + stats.exp_hist
+    return {kind: headroom(sums[kind], formats) for kind in kinds if kind in sums}

@@ -21,12 +21,13 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.pending import CompletedScan, StepScan
-from nanscan.stats import ScannedTensor, ScanReport
+from nanscan.stats import ScannedTensor, ScanReport, Scaling
 
 
 class RingEntry(NamedTuple):
     """What the ring keeps about one step besides its records. `loss` and `lr` are floats, None, or 0-dim tensor
-    copies on the GPU, read only when the history is read."""
+    copies on the GPU, read only when the history is read. `scaling`: the GradScaler's scale at the check (None
+    without one; nanscan.amp)."""
 
     step: int
     tensors: tuple[ScannedTensor, ...]  # shared with the step's report (ScanReport keeps a tuple), not copied
@@ -34,6 +35,7 @@ class RingEntry(NamedTuple):
     backend: str
     loss: Any
     lr: Any
+    scaling: Scaling | None = None
 
 
 # What the ring keeps of one device's part of a step: its rows (None: all), its records (a host array or a device
@@ -68,6 +70,9 @@ class HistoryRing:
         self.size = size
         # Per slot: what the step was, and its records per device (KeptPart).
         self._slots: list[tuple[RingEntry, list[KeptPart]] | None] = [None] * size
+        # Per slot: whether the step was a GradScaler overflow skip (NOTE: [overflow skips] in nanscan.amp), set
+        # once its verdict is read, which in mode="async" is one step after the slot was filled.
+        self._overflow_skips = [False] * size
         self._count = 0  # steps appended so far; the newest is in slot (_count - 1) % size
         self._flags: torch.Tensor | None = None  # pinned float32 [size]: each slot's verdict flag, for GPU scans
         self._events: list[torch.cuda.Event] = []
@@ -89,7 +94,7 @@ class HistoryRing:
         return min(self._count, self.size)
 
     def append(self, step: int, scan: StepScan, tensors: Sequence[ScannedTensor], skipped: Sequence[str], *,
-               loss: Any = None, lr: Any = None, verdict: bool = False) -> int:
+               loss: Any = None, lr: Any = None, verdict: bool = False, scaling: Scaling | None = None) -> int:
         """Keep one step in the next slot (the oldest step's) and return the slot. verdict=True also copies the
         scan's flag to pinned host memory (GPU scans) for `verdict(slot)`."""
         slot = self._count % self.size
@@ -106,20 +111,26 @@ class HistoryRing:
                 self._events = [torch.cuda.Event() for _ in range(self.size)]
             self._flags[slot].copy_(flag, non_blocking=True)
             self._events[slot].record(torch.cuda.current_stream(flag.device))
-        return self._keep(RingEntry(step, tuple(tensors), tuple(skipped), scan.backend, loss, lr), parts)
+        return self._keep(RingEntry(step, tuple(tensors), tuple(skipped), scan.backend, loss, lr, scaling), parts)
 
     def append_host(self, step: int, tensors: tuple[ScannedTensor, ...], records: np.ndarray,
-                    skipped: tuple[str, ...], backend: str, *, loss: Any = None, lr: Any = None) -> int:
+                    skipped: tuple[str, ...], backend: str, *, loss: Any = None, lr: Any = None,
+                    scaling: Scaling | None = None) -> int:
         """append() for a step whose records one host scan returned (ModelScanPlan.scan_on_host): no StepScan."""
         records.setflags(write=False)  # shared by the step's report and the history (NOTE: [history ring])
-        return self._keep(RingEntry(step, tensors, skipped, backend, loss, lr), [(None, records, None)])
+        return self._keep(RingEntry(step, tensors, skipped, backend, loss, lr, scaling), [(None, records, None)])
 
     def _keep(self, entry: RingEntry, parts: list[KeptPart]) -> int:
         """Store a step in the next slot (the oldest step's) and return the slot."""
         slot = self._count % self.size
         self._slots[slot] = (entry, parts)
+        self._overflow_skips[slot] = False
         self._count += 1
         return slot
+
+    def mark_overflow_skip(self, slot: int) -> None:
+        """Record that the step in `slot` was a GradScaler overflow skip."""
+        self._overflow_skips[slot] = True
 
     def verdict(self, slot: int, scan: StepScan) -> bool:
         """True when the step stored in `slot` (by append(..., verdict=True)) saw a NaN or an infinity. Waits for
@@ -135,8 +146,10 @@ class HistoryRing:
         count = len(self)
         out = []
         for k in range(count):
-            entry, parts = self._slots[(self._count - count + k) % self.size]
+            slot = (self._count - count + k) % self.size
+            entry, parts = self._slots[slot]
             records = _host_records(len(entry.tensors), parts)
             out.append((entry, ScanReport(entry.tensors, records, skipped=entry.skipped, backend=entry.backend,
-                                          step=entry.step)))
+                                          step=entry.step, scaling=entry.scaling,
+                                          overflow_skip=self._overflow_skips[slot])))
         return out

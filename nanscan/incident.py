@@ -32,6 +32,19 @@ OTHER_RANK = "other_rank"
 # Kinds of tensor in the order of the categories; a category names its own kind.
 KINDS = (*CATEGORIES, OTHER)
 
+# Why a step is an incident: a non-finite value at that step, or under a GradScaler a streak of overflow skips
+# (nanscan.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
+NONFINITE = "nonfinite"
+SKIP_STREAK = "skip_streak"
+REASONS = (NONFINITE, SKIP_STREAK)
+OVERFLOW_SKIP = "overflow_skip"
+REASON_EXPLANATIONS = {
+    SKIP_STREAK: "GradScaler skipped every step from this one on: only gradients were non-finite (inputs, weights, "
+                 "optimizer state and loss finite), the scaler halved its scale each time and no update was "
+                 "applied. A healthy run settles after a few such skips; this streak did not, so the gradients "
+                 "are non-finite whatever the scale (a backward-pass bug, not mixed-precision overflow).",
+}
+
 # NOTE: [tensor names] prefixes, by kind; the loss is one tensor named LOSS.
 PREFIX = {"input": "input:", "parameter": "param:", "optimizer_state": "optim:", "gradient": "grad:"}
 LOSS = "loss"

@@ -38,6 +38,14 @@ found_inf is 1.0 (Adam's step count included):
 
 Non-fused optimizers raise on a found_inf attribute. GradScaler.step() sets and deletes found_inf itself; with a
 scaler, let it skip (its own check covers the gradients).
+
+With a GradScaler, pass it (`Monitor(..., scaler=scaler)`): a step whose only non-finite tensors are gradients is an
+expected overflow skip, recorded but never bundled, and only a streak of them is an incident (nanscan.amp NOTE:
+[overflow skips]); gradient statistics are reported unscaled (nanscan.stats NOTE: [unscaled gradients]). Always
+call scaler.step(optimizer) and scaler.update() (they skip and back off on their own); an overflow skip's report has
+`ok` False (its gradients are non-finite) and `overflow_skip` True, so skip a step yourself only when
+`not report.ok and not report.overflow_skip`. Pass the unscaled loss, and check after scaler.unscale_() and
+clip_grad_norm_ if the loop uses them.
 """
 
 from __future__ import annotations
@@ -59,10 +67,11 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, Streak, autocast_state, mixed_precision_record, read_scaling
 from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, write_bundle
 from nanscan.dispatch import launch, select_for_part
 from nanscan.history import HistoryRing
-from nanscan.incident import NonFiniteError, categorize, is_kind, shown_names, warn_user
+from nanscan.incident import SKIP_STREAK, NonFiniteError, categorize, is_kind, shown_names, warn_user
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
@@ -81,12 +90,14 @@ _REPLAY_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def grad_norm(report: ScanReport) -> float | None:
-    """L2 norm over the finite values of every `grad:` tensor of the report (from the records' sumsq)."""
+    """L2 norm over the finite values of every `grad:` tensor of the report (from the records' sumsq), of the
+    unscaled gradients under a GradScaler (nanscan.stats NOTE: [unscaled gradients])."""
     rows = [i for i, t in enumerate(report.tensors) if is_kind(t.name, "gradient")]
     if not rows:
         return None
     sumsq = np.ascontiguousarray(report.records[rows, L.REC_SUMSQ]).view(np.float64)
-    return float(np.sqrt(sumsq.sum()))
+    exponent = 0 if report.scaling is None else report.scaling.grad_exponent
+    return float(np.ldexp(np.sqrt(sumsq.sum()), -exponent))
 
 
 def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -199,6 +210,17 @@ class _PendingStep:
     start: _StepStart
 
 
+@dataclasses.dataclass(frozen=True)
+class _SkipEvidence:
+    """What a streak of overflow skips keeps of its first step, for the bundle if the streak becomes an incident."""
+
+    report: ScanReport
+    batch: Any
+    sample_ids: Any
+    started: bool
+    rng: dict | None
+
+
 class _StepStartHook:
     """The forward pre-hook that marks a step's start. It holds the Monitor weakly (the model must not keep it
     alive) and pickles as an inert hook, so torch.save or deepcopy of the whole module keeps working."""
@@ -269,6 +291,8 @@ class Monitor:
         `report.found_inf` went to a fused optimizer or `flush()` was called before optimizer.step(). With a
         process group the scan is always read at the check (the ranks' agreement needs each rank's answer on
         the host): use agreement="async" there, not mode="async".
+    scaler: the torch.amp.GradScaler whose scaled gradients are checked (see the module docstring); max_skips and
+        min_scale: when a streak of its overflow skips becomes an incident (nanscan.amp NOTE: [overflow skips]).
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -280,7 +304,8 @@ class Monitor:
                  history: int = 64, log_files: Sequence[str | os.PathLike] = (),
                  on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
-                 agreement: str = "sync", mode: str = "auto"):
+                 agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
+                 min_scale: float = MIN_SCALE):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -336,6 +361,11 @@ class Monitor:
         self._hook = hooked.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
 
+        self.max_skips, self.min_scale = max_skips, min_scale
+        self._scaler: ScalerWatch | None = None
+        self.scaler = scaler
+        self._autocast: dict | None = None  # the autocast region of the last step's forward (nanscan.amp)
+
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see _backend_for
@@ -349,6 +379,10 @@ class Monitor:
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.distributed import Agreement  # noqa: PLC0415
 
+            if scaler is not None:
+                raise ValueError("scaler= with a process group: overflow skips are decided per process, the ranks' "
+                                 "agreement does not know them yet; use a Monitor without a process group "
+                                 "(process_group=False) on each rank")
             if mode == "async":
                 raise ValueError("mode='async' with a process group: the ranks' agreement reads every rank's scan at "
                                  "its check; pass agreement='async' (the verdict arrives one step later) and leave "
@@ -367,6 +401,17 @@ class Monitor:
     def step(self) -> int:
         """The step number the next check() will use."""
         return self._next_step
+
+    @property
+    def scaler(self) -> Any:
+        """The GradScaler whose overflow skips are expected (nanscan.amp), or None."""
+        return None if self._scaler is None else self._scaler.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: Any) -> None:
+        if scaler is not self.scaler:
+            self._scaler = None if scaler is None else ScalerWatch(scaler, max_skips=self.max_skips,
+                                                                   min_scale=self.min_scale)
 
     @property
     def history(self) -> tuple[HistoryEntry, ...]:
@@ -389,8 +434,10 @@ class Monitor:
         pending = self._pending
         if pending is None:
             return None
-        self._read_verdict(read_at="flush")
-        return pending.report.result()
+        _, _, overflow_skip = self._read_verdict(read_at="flush")
+        result = pending.report.result()
+        result.overflow_skip = overflow_skip
+        return result
 
     def close(self) -> None:
         """Act on a pending verdict (flush()), then remove the forward pre-hook from the model."""
@@ -430,6 +477,7 @@ class Monitor:
         # torch's generators drive the random ops inside the model (dropout); numpy's and Python's state APIs are
         # slow enough (~0.2 ms) to be taken every step only in exact-snapshot mode, else at the incident.
         self._rng = capture_rng(RNG_SOURCES if self._snapshot is not None else ("torch",))
+        self._autocast = autocast_state("cuda") or autocast_state("cpu")
         if self._snapshot is not None:
             self._snapshot.capture(model, self.optimizer)
 
@@ -454,6 +502,7 @@ class Monitor:
             loss = torch.tensor(float(loss), dtype=torch.float64)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
         skipped = step_inputs.skipped
+        scaling = read_scaling(self.scaler, self.optimizer)  # NOTE: [overflow skips]; before the scan is enqueued
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
         host = None  # the every-step path on the CPU: one native call, no StepScan (ModelScanPlan.scan_on_host)
@@ -468,25 +517,28 @@ class Monitor:
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         if self.mode == "async":
-            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started)
+            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling)
 
         kept_loss, kept_lr = _kept_scalar(loss, step_inputs), _kept_scalar(lr)
         if host is not None:
             tensors, records, nonfinite, backend = host
-            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite)
-            self._ring.append_host(step, tensors, records, skipped, backend, loss=kept_loss, lr=kept_lr)
+            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite,
+                                scaling=scaling)
+            slot = self._ring.append_host(step, tensors, records, skipped, backend, loss=kept_loss, lr=kept_lr,
+                                          scaling=scaling)
         else:
             tensors = scan.tensors
             on_host = scan.on_host
             report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                                 found_inf=None if on_host else scan.found_inf,
-                                any_nonfinite=scan.nonfinite_on_host if on_host else None)
-            self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr)
+                                any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
+            slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
+            self._finite_step()
             return report
-        return self._invalid(report, step, batch, sample_ids, started)
+        return self._invalid(report, step, batch, sample_ids, started, slot=slot)
 
     def _backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
@@ -514,15 +566,15 @@ class Monitor:
         return "async" if first is not None and first.device.type == "cuda" else "sync"
 
     def _check_async(self, inputs: list, skipped: list[str], step: int, batch: Any, loss: Any, sample_ids: Any,
-                     lr: Any, started: bool) -> PendingReport:
+                     lr: Any, started: bool, scaling: Any) -> PendingReport:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
-        decided_step, decided_ok = self._read_verdict(read_at="next_check")
+        decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self._backend_for(inputs.devices))
         tensors = inputs.identities
         slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
-                                 verdict=True)
+                                 verdict=True, scaling=scaling)
         report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
-                               decided_step=decided_step)
+                               decided_step=decided_step, scaling=scaling, overflow_skip=decided_skip)
         start = _StepStart(self._rng, self._snapshot) if started else _StepStart(None, None)
         self._pending = _PendingStep(step, report, scan, slot, _retained(batch), _retained(sample_ids), started,
                                      start)
@@ -532,23 +584,27 @@ class Monitor:
             self._snapshot, self._spare_snapshot = spare, self._snapshot
         return report
 
-    def _read_verdict(self, *, read_at: str) -> tuple[int | None, bool]:
+    def _read_verdict(self, *, read_at: str) -> tuple[int | None, bool, bool]:
         """Read the pending step's verdict (waiting for its flag only) and act on it as check() does in sync mode.
-        Returns (that step or None, whether it was finite)."""
+        Returns (that step or None, whether it was finite, whether it was an overflow skip)."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return None, True
+            return None, True, False
         if not self._ring.verdict(pending.slot, pending.scan):
-            return pending.step, True
-        self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids, pending.started,
-                      start=pending.start, read_at=read_at)
-        return pending.step, False
+            self._finite_step()
+            return pending.step, True, False
+        result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
+                               pending.started, start=pending.start, read_at=read_at, slot=pending.slot)
+        return pending.step, False, result.overflow_skip
 
     # -- the incident ---------------------------------------------------------------------------------------
     def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
-                 start: _StepStart | None = None, read_at: str | None = None) -> ScanReport:
+                 start: _StepStart | None = None, read_at: str | None = None, slot: int | None = None) -> ScanReport:
         """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
-        check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures)."""
+        check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures).
+        Under a GradScaler an overflow skip goes to _overflow_skip instead (slot: the step's in the history)."""
+        if self._scaler is not None and self._scaler.is_skip(report):
+            return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
         category, tensors = categorize(report)
         first = self.first_invalid_step is None
         if first:
@@ -565,6 +621,57 @@ class Monitor:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at)
         return report
+
+    # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
+    def _finite_step(self) -> None:
+        if self._scaler is not None:
+            self._scaler.end_streak()
+
+    def _overflow_skip(self, report: ScanReport, batch: Any, sample_ids: Any, started: bool, *,
+                       start: _StepStart | None, read_at: str | None, slot: int | None) -> ScanReport:
+        """Record an expected overflow skip; bundle its streak, from the streak's first step, once the streak has
+        become an incident, and apply on_invalid to it then. Only a streak's first step is kept: its batch as
+        _retained keeps a pending step's (an async verdict's batch is already retained)."""
+        report.overflow_skip = True
+        if slot is not None:
+            self._ring.mark_overflow_skip(slot)
+        evidence = None
+        if self._scaler.streak is None:
+            rng = (start.rng if start is not None else self._rng) if started else None
+            evidence = _SkipEvidence(report, batch if read_at else _retained(batch),
+                                     sample_ids if read_at else _retained(sample_ids), started, rng)
+        streak = self._scaler.record_skip(report, evidence)
+        if streak is None:
+            return report
+        first, step = streak.first, streak.first_step
+        category, tensors = categorize(first.report)
+        if self.first_invalid_step is None:
+            self.first_invalid_step = step
+            try:
+                self.bundle_path = write_bundle(self._streak_incident(streak, category, tensors, read_at),
+                                                self.bundle_dir)
+            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the streak; reported below
+                self.bundle_error = exc
+                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                          type(exc).__name__, exc)
+            first_incident = True
+        else:
+            self.invalid_steps += 1
+            first_incident = False
+        self._apply_policy(report, step, category, tensors, first_incident, read_at=read_at, streak=streak.reason)
+        return report
+
+    def _streak_incident(self, streak: Streak, category: str, tensors: list[str], read_at: str | None) -> Incident:
+        """The incident of a streak of overflow skips: its first step's report, batch and RNG, the state now (no
+        update was applied since that step's start), the scale history."""
+        first = streak.first
+        incident = self.incident(first.report, streak.first_step, category, tensors, first.batch, first.sample_ids,
+                                 first.started, start=_StepStart(first.rng, None), read_at=read_at)
+        note = (f"a streak of {len(streak.skips)} GradScaler overflow skips from step {streak.first_step}: no update "
+                f"was applied since that step's start, so weights and optimizer state are the ones it started from; "
+                "buffers updated by the forward pass (e.g. BatchNorm statistics) include the later batches")
+        return dataclasses.replace(incident, reason=SKIP_STREAK, state_note=note, state_pre_step=False,
+                                   mixed_precision=mixed_precision_record(self._scaler, self._autocast, streak))
 
     def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                  sample_ids: Any, started: bool, *, start: _StepStart | None = None,
@@ -609,10 +716,14 @@ class Monitor:
             source=self.source, environment=environment(report.backend), rng=rng, rng_captured_at=rng_at,
             model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
+            mixed_precision=mixed_precision_record(self._scaler, self._autocast),
         )
 
-    def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None) -> str:
+    def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
+                 streak: str | None = None) -> str:
         text = f"nanscan: non-finite values at step {step} (category {category}: {shown_names(tensors)})"
+        if streak:
+            text += f"; GradScaler skipped every step since: {streak}"
         if read_at == "next_check":
             text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
                      "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
@@ -626,11 +737,13 @@ class Monitor:
         return text
 
     def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
-                      read_at: str | None = None) -> None:
+                      read_at: str | None = None, streak: str | None = None) -> None:
+        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident)."""
         policy = self.on_invalid
         if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors, read_at), bundle_path=self.bundle_path,
-                                 step=step, category=category, tensors=tensors) from self.bundle_error
+            raise NonFiniteError(self._message(step, category, tensors, read_at, streak),
+                                 bundle_path=self.bundle_path, step=step, category=category,
+                                 tensors=tensors) from self.bundle_error
         if policy == "skip":
             for p in self.model.parameters():
                 p.grad = None
@@ -640,7 +753,7 @@ class Monitor:
                         p.grad = None
         if policy in ("warn", "skip"):
             if first:
-                warn_user(self._message(step, category, tensors, read_at))
+                warn_user(self._message(step, category, tensors, read_at, streak))
             return
         policy(report, self.bundle_path)
 
@@ -662,7 +775,7 @@ def default_monitor(model: torch.nn.Module, *, create: bool = True) -> Monitor |
 
 
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
-          backend=None) -> ScanReport:
+          backend=None, scaler: Any = None) -> ScanReport:
     """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state, and the
     parameters it trains outside the model.
 
@@ -672,11 +785,13 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     $NANSCAN_BUNDLE_DIR (default "nanscan-bundles") and issues a NonFiniteWarning; use a Monitor directly to
     include the batch and loss, raise instead, or choose the bundle directory. On a GPU the default Monitor
     checks asynchronously (no host sync): the verdict for a step arrives with the next call, still naming the
-    step, so `first_invalid(model)` is set one call later than on the CPU.
+    step, so `first_invalid(model)` is set one call later than on the CPU. `scaler`: the torch.amp.GradScaler of
+    a mixed-precision loop, whose overflow skips are then expected (see nanscan.monitor's module docstring).
     """
     monitor = default_monitor(model)
     monitor.optimizer = optimizer
     monitor.backend = backend
+    monitor.scaler = scaler
     return monitor.check(step=step)
 
 

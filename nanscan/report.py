@@ -21,7 +21,8 @@ import numpy as np
 
 from nanscan import _layout as L
 from nanscan.bundle import BundleError, json_float, load_bundle
-from nanscan.headroom import FORMATS, Format, headroom
+from nanscan.bundle.incident_md import mixed_precision_lines
+from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
 from nanscan.incident import CATEGORY_EXPLANATIONS, KINDS, PREFIX, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
@@ -124,7 +125,42 @@ def summarize(bundle, history: list | None = None) -> dict:
         "files": sorted(manifest.get("files", {})),
         # a distributed incident's ranks (nanscan.bundle.BundleSet); None for a single process
         "distributed": bundle.set_summary() if hasattr(bundle, "set_summary") else None,
+        "reason": manifest.get("reason", "nonfinite"),
+        "mixed_precision": _mixed_precision(manifest.get("mixed_precision"), history, failing),
     }
+
+
+def _mixed_precision(record: dict | None, history: list, failing) -> dict | None:
+    """The mixed-precision section: the bundle's record (autocast, scaler, skips, streak), the scale and overflow
+    skip of every history step under a scaler, and per-kind headroom of the failing step's scanned values, its
+    gradients unscaled (nanscan.stats NOTE: [unscaled gradients])."""
+    if record is None:
+        return None
+    steps = [{"step": e.step, "scale": json_float(e.report.scale), "overflow_skip": e.report.overflow_skip,
+              "stats_unscaled": e.report.scaling.unscaled}
+             for e in history if e.report.scaling is not None]
+    kinds = headroom_by_kind(failing.report) if failing is not None else {}
+    return {**record, "steps": steps,
+            "headroom": {kind: [h.to_dict() for h in rooms] for kind, rooms in kinds.items()}}
+
+
+def _mixed_precision_text(summary: dict) -> list[str]:
+    """The mixed-precision section as lines of Markdown (the same as INCIDENT.md's)."""
+    mp = summary["mixed_precision"]
+    rooms = {kind: [_HeadroomRow(**h) for h in rows] for kind, rows in mp["headroom"].items()}
+    lines = mixed_precision_lines(mp, rooms)
+    scaled = [s["step"] for s in mp["steps"] if not s["stats_unscaled"]]
+    if scaled:
+        lines.append(f"- gradient statistics of steps {scaled[:5]} are of the scaled gradients (scale not a power "
+                     "of two)")
+    return lines
+
+
+class _HeadroomRow:
+    """A headroom row read back from the summary's JSON, with the fields mixed_precision_lines uses."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
 
 
 def _group_by_module(offenders: list[dict]) -> list[dict]:
@@ -301,6 +337,11 @@ def render_terminal(summary: dict, console=None) -> None:
         if summary["exponent_jumps_total"] > len(summary["exponent_jumps"]):
             jumps.caption = f"{summary['exponent_jumps_total']} tensors in all"
         console.print(jumps)
+
+    if summary.get("mixed_precision"):
+        console.print("[bold]mixed precision[/bold]")
+        for line in _mixed_precision_text(summary):
+            console.print(_literal(line)[0], highlight=False)
 
     if summary["headroom"]:
         room = table("if stored in another dtype: overflow/below-normal share; f32: binades left", "tensor", "dtype",
@@ -605,6 +646,8 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
                               _fmt(r["formats"]["float32"]["binades_to_overflow"], "d"),
                               *[_headroom_cell(r["formats"][f.name]) for f in FORMATS]]
                              for r in summary["headroom"]]))
+    if summary.get("mixed_precision"):
+        parts.append(f"<h2>Mixed precision</h2><pre>{esc(chr(10).join(_mixed_precision_text(summary)))}</pre>")
     provenance = {"source": summary["source"], "replay_entry": summary["replay_entry"]}
     parts.append(f"<h2>Provenance</h2><pre>{esc(json.dumps(provenance, indent=2, default=str))}</pre>")
     incident = bundle.incident_text() if incident is None else incident

@@ -1,16 +1,102 @@
-"""Result types of a scan: per-tensor statistics (TensorStats), the report over many tensors (ScanReport) and the
-report of a scan that may still be running on a GPU (PendingReport)."""
+"""Result types of a scan: per-tensor statistics (TensorStats), the report over many tensors (ScanReport), the
+report of a scan that may still be running on a GPU (PendingReport) and the loss scale its gradients carried
+(Scaling).
+
+NOTE: [unscaled gradients]
+Under a GradScaler the scanned gradients are the real ones times the loss scale S. The records keep what the scan
+saw (the scaled tensors); every decoded view of a `grad:` row (TensorStats, totals, to_dict, headroom and grad
+norms built on them) describes the real gradients x / S, whenever S = 2**e is a power of two (GradScaler's
+defaults keep it one: init 2**16, growth 2, backoff 0.5). Dividing by 2**e is exact, so:
+- the exponent histogram moves down by e bins: bin b's count goes to clamp(b - e, 0, 255), counts that land
+  beyond an end merge into it exactly as clamp(floor(log2|x / S|), -128, 127) would put them;
+- absmax and absmin are the scaled extremes times 2**-e, as float64 (exact: no fp16, bf16 or fp32 extreme times a
+  float32 power of two leaves float64's range), not rounded back into the tensor's dtype;
+- sumsq is divided by 4**e (exact in float64, it is a power of two);
+- the counts (NaN, +-inf, zero, subnormal) stay the scanned tensor's: a power-of-two division keeps a value
+  non-finite, zero or non-zero, and `subnormal` tells how the stored tensor holds its values.
+The one inexact case is an end bin whose values have unknown binades: it moves as if they sat at the clamp's edge.
+Bin 0 (values below 2**-127) is exact under e >= 0 (it stays bin 0) but under a scale below 1 (e < 0) moves up by
+-e from -128 although its values may lie lower (fp32 subnormals reach 2**-149); bin 255 is exact for fp16, bf16 and
+fp32 (no value reaches 2**128), and for a float64 tensor under e > 0 it moves down to 127 - e, the lower bound of
+its values. A scale that is not a power of two leaves the views scaled (Scaling.unscaled is False and the report
+says so), as does a scaler whose unscale_() already ran (the gradients are real then: Scaling.scaled is False).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan.incident import is_kind
+
+
+def unscaled_hist(exp_hist: np.ndarray, exponent: int) -> np.ndarray:
+    """The exponent histogram of x / 2**exponent from that of x (NOTE: [unscaled gradients])."""
+    if exponent == 0:
+        return exp_hist.copy()
+    out = np.zeros(L.HIST_BINS, dtype=np.int64)
+    np.add.at(out, np.clip(np.arange(L.HIST_BINS) - exponent, 0, L.HIST_BINS - 1), exp_hist)
+    return out
+
+
+def _times_power_of_two(value: float, exponent: int) -> float:
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:  # a float64 sumsq near its ceiling under a scale below 1
+        return math.inf
+
+
+def power_of_two_exponent(value: float) -> int | None:
+    """e when value == 2**e exactly, else None (a scale of 1000 cannot be divided out exactly)."""
+    if not (value > 0 and math.isfinite(value)):
+        return None
+    mantissa, exponent = math.frexp(value)
+    return exponent - 1 if mantissa == 0.5 else None
+
+
+class Scaling:
+    """The loss scale at one check and whether the scanned gradients carry it (NOTE: [unscaled gradients]).
+
+    `value`: a float, or for a GPU scaler a 0-dim pinned host tensor that a non-blocking copy fills before `event`
+    (so reading it waits for that copy only, which the verdict of its step has already waited for). `scaled`:
+    False when GradScaler.unscale_() ran before the check, so the gradients are already the real ones."""
+
+    __slots__ = ("_value", "_event", "scaled", "backoff")
+
+    def __init__(self, value: Any, scaled: bool, *, event: Any = None, backoff: float = 0.5):
+        self._value, self._event, self.scaled, self.backoff = value, event, scaled, backoff
+
+    @property
+    def scale(self) -> float:
+        """The scale, read from host memory (a GPU scaler's after its copy's event)."""
+        if not isinstance(self._value, float):
+            if self._event is not None:
+                self._event.synchronize()
+            self._value, self._event = float(self._value), None
+        return self._value
+
+    @property
+    def grad_exponent(self) -> int:
+        """e where the scanned gradients are the real ones times 2**e; 0 when they are not scaled or cannot be
+        unscaled exactly (see `unscaled`)."""
+        if not self.scaled:
+            return 0
+        return power_of_two_exponent(self.scale) or 0
+
+    @property
+    def unscaled(self) -> bool:
+        """Whether the decoded gradient statistics describe the real gradients."""
+        return not self.scaled or power_of_two_exponent(self.scale) is not None
+
+    def to_dict(self) -> dict:
+        return {"scale": self.scale, "grads_scaled": self.scaled, "grad_exponent": self.grad_exponent,
+                "stats_unscaled": self.unscaled}
 
 
 @dataclass(frozen=True)
@@ -67,17 +153,20 @@ class TensorStats:
 
     @classmethod
     def from_record(cls, name: str, dtype: str, device: str, numel: int, scanned_code: int,
-                    record: np.ndarray) -> "TensorStats":
-        """Decode one stats record (NOTE: [stats record] in stats_record.h)."""
+                    record: np.ndarray, scale_exponent: int = 0) -> "TensorStats":
+        """Decode one stats record (NOTE: [stats record] in stats_record.h); `scale_exponent`: e of a record
+        scanned from x * 2**e, decoded as x (NOTE: [unscaled gradients])."""
         absmin_bits = int(record[L.REC_ABSMIN_BITS])
+        absmax = L.abs_bits_to_float(int(record[L.REC_ABSMAX_BITS]), scanned_code)
+        absmin = 0.0 if absmin_bits == L.ABSMIN_NONE else L.abs_bits_to_float(absmin_bits, scanned_code)
+        sumsq = float(record[L.REC_SUMSQ : L.REC_SUMSQ + 1].view(np.float64)[0])
         return cls(
             name=name, dtype=dtype, device=device, numel=numel,
             nan=int(record[L.REC_NAN]), posinf=int(record[L.REC_POSINF]), neginf=int(record[L.REC_NEGINF]),
             zero=int(record[L.REC_ZERO]), subnormal=int(record[L.REC_SUBNORMAL]),
-            absmax=L.abs_bits_to_float(int(record[L.REC_ABSMAX_BITS]), scanned_code),
-            absmin=0.0 if absmin_bits == L.ABSMIN_NONE else L.abs_bits_to_float(absmin_bits, scanned_code),
-            sumsq=float(record[L.REC_SUMSQ : L.REC_SUMSQ + 1].view(np.float64)[0]),
-            exp_hist=record[L.REC_HIST:].copy(),
+            absmax=_times_power_of_two(absmax, -scale_exponent), absmin=_times_power_of_two(absmin, -scale_exponent),
+            sumsq=_times_power_of_two(sumsq, -2 * scale_exponent),
+            exp_hist=unscaled_hist(record[L.REC_HIST:], scale_exponent),
         )
 
 
@@ -135,11 +224,16 @@ class ScanReport:
     `tensors` is kept as a tuple, so the identities of a step are shared by its report and the Monitor's history
     rather than copied. `any_nonfinite`: the verdict when the scan already gave it (the native CPU backend does),
     else it is read from the records when asked.
+
+    Under a GradScaler (nanscan.amp): `scaling` is the loss scale the gradients were scanned under, `scale` its
+    value, and the decoded gradient statistics are unscaled (NOTE: [unscaled gradients]); `overflow_skip` is True
+    when this step's only non-finite tensors were gradients, which GradScaler skips (NOTE: [overflow skips] in
+    nanscan.amp). Without a scaler: None, None and False.
     """
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None,
-                 any_nonfinite: bool | None = None):
+                 any_nonfinite: bool | None = None, scaling: Scaling | None = None, overflow_skip: bool = False):
         self.tensors = tuple(tensors)
         self.records = _check_records(records, self.tensors)
         self.skipped = list(skipped)
@@ -147,6 +241,8 @@ class ScanReport:
         self.step = step
         self._found_inf = found_inf
         self._any_nonfinite = any_nonfinite
+        self.scaling = scaling
+        self.overflow_skip = overflow_skip
 
     @cached_property
     def _index(self) -> dict[str, int]:  # built on first lookup by name, not on the every-step path
@@ -174,9 +270,20 @@ class ScanReport:
         return [self.tensors[i].name for i in bad]
 
     # -- decoded views -------------------------------------------------------------------------------------
+    @property
+    def scale(self) -> float | None:
+        """The loss scale at this check (nanscan.amp), or None without a scaler."""
+        return None if self.scaling is None else self.scaling.scale
+
+    @property
+    def _grad_exponent(self) -> int:
+        return 0 if self.scaling is None else self.scaling.grad_exponent
+
     @cached_property
     def stats(self) -> list[TensorStats]:
-        return [TensorStats.from_record(t.name, t.dtype, t.device, t.numel, t.scanned_code, r)
+        exponent = self._grad_exponent
+        return [TensorStats.from_record(t.name, t.dtype, t.device, t.numel, t.scanned_code, r,
+                                        exponent if exponent and is_kind(t.name, "gradient") else 0)
                 for t, r in zip(self.tensors, self.records)]
 
     def __getitem__(self, name: str) -> TensorStats:
@@ -209,12 +316,19 @@ class ScanReport:
             subnormal=subnormal, finite=numel - nan - posinf - neginf,
             absmax=max((s.absmax for s in self.stats), default=0.0),
             sumsq=float(sum(s.sumsq for s in self.stats)),
-            exp_hist=r[:, L.REC_HIST:].sum(axis=0) if len(r) else np.zeros(L.HIST_BINS, np.int64),
+            exp_hist=self._total_hist(),
         )
+
+    def _total_hist(self) -> np.ndarray:
+        if not len(self.records):
+            return np.zeros(L.HIST_BINS, np.int64)
+        if self._grad_exponent:  # the gradients' rows decoded unscaled (NOTE: [unscaled gradients])
+            return np.sum([s.exp_hist for s in self.stats], axis=0)
+        return self.records[:, L.REC_HIST:].sum(axis=0)
 
     def to_dict(self, *, hist: bool = True) -> dict:
         t = self.totals
-        return {
+        out = {
             "ok": self.ok, "step": self.step, "backend": self.backend, "nonfinite": self.nonfinite,
             "skipped": self.skipped,
             "totals": {"tensors": t.tensors, "numel": t.numel, "nan": t.nan, "posinf": t.posinf,
@@ -222,6 +336,9 @@ class ScanReport:
                        "absmax": t.absmax, "sumsq": t.sumsq},
             "tensors": [s.to_dict(hist=hist) for s in self.stats],
         }
+        if self.scaling is not None:
+            out["scaler"] = {**self.scaling.to_dict(), "overflow_skip": self.overflow_skip}
+        return out
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else f"non-finite in {len(self.nonfinite)} tensor(s): {self.nonfinite[:5]}"
@@ -243,18 +360,21 @@ class PendingReport(ScanReport):
     Nothing here waits for the GPU unless asked to.
 
     Known at once: `step`, `tensors`, `names`, `skipped`, `backend`, `found_inf` (this step's flag, on the GPU
-    for a GPU scan: pass it to a fused optimizer), `ready()` and `ok`.
+    for a GPU scan: pass it to a fused optimizer), `ready()`, `ok` and `overflow_skip`.
 
     `ok` is the verdict the Monitor acted on at this check: False when the step it decided here (`decided_step`,
     the previous one, whose scan has finished by now) was non-finite and on_invalid did not raise, else True.
-    This step's own verdict arrives at the next check, or at Monitor.flush().
+    `overflow_skip` is, like `ok`, about `decided_step`: True when that step was a GradScaler overflow skip.
+    This step's own verdict arrives at the next check, or at Monitor.flush(); `scale` is this step's (for a GPU
+    scaler, reading it waits for its copy).
 
     Waiting for the scan (a host sync on a GPU): `records` and all that is decoded from it (`stats`, `nonfinite`,
     `totals`, `report[name]`, `to_dict()`), and `result()`, the finished ScanReport of this step.
     """
 
     def __init__(self, tensors: Sequence[ScannedTensor], scan: PendingScan, *, skipped: Sequence[str] = (),
-                 backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None):
+                 backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None,
+                 scaling: Scaling | None = None, overflow_skip: bool = False):
         self.tensors = tuple(tensors)
         self.skipped = list(skipped)
         self.backend = backend
@@ -263,6 +383,8 @@ class PendingReport(ScanReport):
         self._scan = scan
         self._records: np.ndarray | None = None
         self._verdict_ok = ok
+        self.scaling = scaling
+        self.overflow_skip = overflow_skip
 
     @property
     def records(self) -> np.ndarray:
@@ -286,7 +408,7 @@ class PendingReport(ScanReport):
     def result(self) -> ScanReport:
         """This step's finished report (waits for the scan); its `ok` is this step's own verdict."""
         return ScanReport(self.tensors, self.records, skipped=self.skipped, backend=self.backend, step=self.step,
-                          found_inf=self.found_inf)
+                          found_inf=self.found_inf, scaling=self.scaling)
 
     def __repr__(self) -> str:
         if self.ready():

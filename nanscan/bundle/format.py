@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from nanscan.incident import NONFINITE
 from nanscan.provenance import SourceInfo
 from nanscan.stats import ScanReport
 
@@ -147,6 +148,10 @@ class Incident:
     # `distributed` mapping stored in the manifest.
     rank: int | None = None
     distributed: Mapping | None = None
+    # Why the step is an incident (nanscan.incident REASONS): a non-finite value, or a streak of GradScaler overflow
+    # skips starting at `step`; `mixed_precision`: autocast, the scaler's state and skips (nanscan.amp), or None.
+    reason: str = NONFINITE
+    mixed_precision: Mapping | None = None
 
 
 def json_float(value: float | None) -> float | str | None:

@@ -1,4 +1,6 @@
-"""The history window on disk: every kept step's stats records in history.safetensors, its scalars in history.json."""
+"""The history window on disk: every kept step's stats records in history.safetensors, its scalars in history.json
+(with, under a GradScaler, the scale its gradients carried and whether it was an overflow skip; bundles written
+before these keys load as without a scaler)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.bundle.format import HISTORY_INDEX, BundleError, HistoryEntry, float_from_json, is_int, json_float
-from nanscan.stats import ScannedTensor, ScanReport
+from nanscan.stats import ScannedTensor, ScanReport, Scaling
 
 
 def history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -32,12 +34,33 @@ def history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.Te
         offsets.append(offsets[-1] + len(report.records))
         index_entries.append({"step": entry.step, "loss": json_float(entry.loss), "lr": json_float(entry.lr),
                               "grad_norm": json_float(entry.grad_norm), "layout": layout_index[key],
-                              "backend": report.backend})
+                              "backend": report.backend, **_scaler_fields(report)})
     records = np.concatenate(rows) if rows else L.empty_records(0)
     tensors = {"records": torch.from_numpy(np.ascontiguousarray(records)),
                "row_offsets": torch.tensor(offsets, dtype=torch.int64)}
     index = {"record_width": L.RECORD_WIDTH, "entries": index_entries, "layouts": layouts}
     return tensors, index
+
+
+def _scaler_fields(report: ScanReport) -> dict:
+    """A step's GradScaler keys (none without a scaler): the records stay scaled, the reader unscales them again
+    (NOTE: [unscaled gradients] in nanscan.stats)."""
+    if report.scaling is None:
+        return {}
+    return {"scale": json_float(report.scaling.scale), "grads_scaled": report.scaling.scaled,
+            "backoff": report.scaling.backoff, "overflow_skip": report.overflow_skip}
+
+
+def _scaling_from(entry: Mapping, i: int) -> tuple[Scaling | None, bool]:
+    """The Scaling and overflow-skip flag of a stored entry; (None, False) for one without (older bundles too)."""
+    if "scale" not in entry:
+        return None, False
+    scale, scaled, backoff, skip = (entry.get(k) for k in ("scale", "grads_scaled", "backoff", "overflow_skip"))
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and isinstance(scaled, bool)
+            and isinstance(skip, bool) and isinstance(backoff, (int, float))):
+        raise ValueError(f"entry {i} (step {entry.get('step')}) has scale {scale!r}, grads_scaled {scaled!r}, "
+                         f"backoff {backoff!r}, overflow_skip {skip!r}")
+    return Scaling(float(scale), scaled, backoff=float(backoff)), skip
 
 
 _JSON_FLOAT_STRINGS = ("nan", "inf", "-inf")
@@ -76,7 +99,9 @@ def history_from_payload(tensors: Mapping[str, torch.Tensor], index: Mapping) ->
         values = [entry[k] for k in ("loss", "lr", "grad_norm")]
         if not all(v is None or is_int(v) or isinstance(v, float) or v in _JSON_FLOAT_STRINGS for v in values):
             raise ValueError(f"entry {i} (step {entry['step']}) has loss, lr, grad_norm {values}")
+        scaling, overflow_skip = _scaling_from(entry, i)
         report = ScanReport(scanned, records[offsets[i]:offsets[i + 1]].copy(), skipped=layout["skipped"],
-                            backend=entry["backend"], step=entry["step"])
+                            backend=entry["backend"], step=entry["step"], scaling=scaling,
+                            overflow_skip=overflow_skip)
         out.append(HistoryEntry(entry["step"], *map(float_from_json, values), report))
     return out

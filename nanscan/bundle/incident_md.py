@@ -6,8 +6,12 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
-from nanscan.bundle.format import DETECT_FINDING, MANIFEST, Incident
-from nanscan.incident import CATEGORY_EXPLANATIONS
+from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
+from nanscan.headroom import FORMATS, headroom_by_kind
+from nanscan.incident import CATEGORY_EXPLANATIONS, REASON_EXPLANATIONS
+
+MIXED_PRECISION_FINDING = "mixed_precision"
+SKIPS_SHOWN = 12
 
 
 def _fmt(value: Any) -> str:
@@ -98,7 +102,7 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     culprits = [row for row in nonfinite if row["name"] in deciding]
     others = len(nonfinite) - len(culprits)
     shown = (culprits + [row for row in nonfinite if row["name"] not in deciding])[:20]
-    body = [CATEGORY_EXPLANATIONS.get(inc.category, ""), "",
+    body = [REASON_EXPLANATIONS.get(inc.reason) or CATEGORY_EXPLANATIONS.get(inc.category, ""), "",
             f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")
             + (f"; {others} other tensor(s) were non-finite too." if others else "."), "",
@@ -107,7 +111,7 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
              for r in shown]
     if len(nonfinite) > len(shown):
         body.append(f"| ... {len(nonfinite) - len(shown)} more in {MANIFEST} | | | | | |")
-    last = inc.history[-1] if inc.history and inc.history[-1].step == inc.step else None
+    last = step_entry(inc)
     finite_before = [e for e in inc.history if e.step < inc.step and e.report.ok]
     body += ["", f"At this step: loss {_fmt(last.loss if last else None)}, learning rate "
                  f"{_fmt(last.lr if last else None)}, gradient norm {_fmt(last.grad_norm if last else None)}."]
@@ -116,10 +120,64 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
         body.append(f"Last finite step in the history: {prev.step} (loss {_fmt(prev.loss)}, "
                     f"gradient norm {_fmt(prev.grad_norm)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
-              "nonfinite_count": len(nonfinite)}
+              "nonfinite_count": len(nonfinite), "reason": inc.reason}
+    streak = ", the first of a streak of skipped steps" if inc.reason in REASON_EXPLANATIONS else ""
     return {"kind": "finding", "key": DETECT_FINDING,
-            "title": f"First non-finite step: {inc.step} ({inc.category})",
+            "title": f"First non-finite step: {inc.step} ({inc.category}{streak})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
+
+
+def step_entry(inc: Incident) -> HistoryEntry | None:
+    """The history entry of the incident's step (a streak's first step is not the newest entry)."""
+    return next((e for e in reversed(inc.history) if e.step == inc.step), None)
+
+
+def mixed_precision_lines(mp: Mapping, kinds: Mapping[str, list]) -> list[str]:
+    """The mixed-precision section: autocast, the scaler and its skips, headroom of the scanned tensors by kind
+    (`kinds`: headroom_by_kind of a report whose gradients are unscaled; NOTE: [unscaled gradients])."""
+    autocast = mp.get("autocast")
+    scaler = mp.get("scaler")
+    lines = [f"- autocast: {autocast['dtype']} on {autocast['device_type']}" if autocast else
+             "- autocast: not active in the last forward pass"]
+    if scaler:
+        lines.append(f"- GradScaler: scale {_fmt(mp.get('scale'))} now, growth x{_fmt(scaler['growth_factor'])} "
+                     f"every {scaler['growth_interval']} steps, backoff x{_fmt(scaler['backoff_factor'])}; a streak "
+                     f"is an incident at {scaler['max_skips']} skips or below scale {_fmt(scaler['min_scale'])}")
+        lines.append(f"- overflow skips in the run: {mp.get('skips_total', 0)}")
+    else:
+        lines.append("- GradScaler: none (every non-finite value is an incident)")
+    streak = mp.get("streak")
+    skips = streak["scale_history"] if streak else mp.get("recent_skips") or []
+    if streak:
+        lines += ["", f"Streak of {streak['length']} skipped steps from step {streak['first_step']}: "
+                      f"{streak['reason']}."]
+    if skips:
+        lines += ["", "| skipped step | scale before | scale after |", "|---:|---:|---:|"]
+        lines += [f"| {s['step']} | {_fmt(s['scale_before'])} | {_fmt(s['scale_after'])} |"
+                  for s in skips[-SKIPS_SHOWN:]]
+    if kinds:
+        lines += ["", "Headroom of the scanned values (gradients unscaled), overflow / below normal:", "",
+                  "| kind | values | " + " | ".join(f.name for f in FORMATS) + " |",
+                  "|---|---:|" + "---:|" * len(FORMATS)]
+        for kind, rooms in kinds.items():
+            cells = " | ".join(f"{_share(h.overflow)} / {_share(h.subnormal + h.underflow)}" for h in rooms)
+            lines.append(f"| {kind} | {rooms[0].values} | {cells} |")
+    return lines
+
+
+def _share(fraction: float) -> str:
+    return "0" if fraction == 0 else ("<0.1%" if fraction < 0.001 else f"{100 * fraction:.1f}%")
+
+
+def mixed_precision_finding(inc: Incident) -> dict:
+    """The "Mixed precision" finding, from the incident's mixed_precision record and its step's report."""
+    mp = dict(inc.mixed_precision or {})
+    kinds = headroom_by_kind(inc.report)
+    return {"kind": "finding", "key": MIXED_PRECISION_FINDING, "title": "Mixed precision",
+            "body": "\n".join(mixed_precision_lines(mp, kinds)),
+            "record": {"streak_first_step": (mp.get("streak") or {}).get("first_step"),
+                       "skips_total": mp.get("skips_total", 0)},
+            "at": inc.detected_at}
 
 
 def valid_ledger_record(record: Any) -> bool:

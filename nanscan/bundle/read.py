@@ -136,6 +136,8 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
         ("ledger", isinstance(manifest["ledger"], str), "a file name"),
         ("detected_at", optional(manifest.get("detected_at"), str), "a string or null"),
         ("distributed", optional(manifest.get("distributed"), dict), "an object"),
+        ("reason", optional(manifest.get("reason"), str), "a string"),
+        ("mixed_precision", optional(manifest.get("mixed_precision"), dict), "an object"),
         ("category_tensors", isinstance(manifest.get("category_tensors", []), list)
          and all(isinstance(n, str) for n in manifest.get("category_tensors", [])), "a list of tensor names"),
     ) if not ok]

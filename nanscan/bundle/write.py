@@ -17,7 +17,8 @@ from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDG
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
                                    BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
 from nanscan.bundle.history import history_payload
-from nanscan.bundle.incident_md import detect_finding, ledger_bytes, render_incident
+from nanscan.bundle.incident_md import (detect_finding, ledger_bytes, mixed_precision_finding, render_incident,
+                                        step_entry)
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
 from nanscan.incident import tensor_kind
@@ -88,12 +89,13 @@ def _write_contents(root: Path, inc: Incident) -> None:
     nonfinite = [{"name": s.name, "kind": tensor_kind(s.name), "dtype": s.dtype, "nan": s.nan,
                   "posinf": s.posinf, "neginf": s.neginf, "numel": s.numel}
                  for s in inc.report.stats if not s.ok]
-    last = inc.history[-1] if inc.history and inc.history[-1].step == inc.step else None
+    last = step_entry(inc)
     manifest: dict[str, Any] = {
         "schema": SCHEMA, "run_id": inc.run_id, "first_invalid_step": inc.step, "category": inc.category,
         "category_tensors": list(inc.tensors), "nonfinite_tensors": nonfinite, "detected_at": inc.detected_at,
         "loss": json_float(last.loss) if last else None, "lr": json_float(last.lr) if last else None,
         "grad_norm": json_float(last.grad_norm) if last else None,
+        "reason": inc.reason,
         "source": _write_source(root, inc.source),
         "config": inc.config, "config_sha256": config_sha256(inc.config),
         "environment": inc.environment or {},
@@ -109,7 +111,11 @@ def _write_contents(root: Path, inc: Incident) -> None:
     manifest["replay_entry"] = inc.replay_entry
     if inc.distributed is not None:
         manifest["distributed"] = plain_json(inc.distributed, "distributed")
+    if inc.mixed_precision is not None:
+        manifest["mixed_precision"] = plain_json(inc.mixed_precision, "mixed_precision")
     ledger = [detect_finding(inc, nonfinite)]
+    if inc.mixed_precision is not None:
+        ledger.append(mixed_precision_finding(inc))
     (root / LEDGER).write_bytes(ledger_bytes(ledger))
     manifest["ledger"] = LEDGER
     manifest["incident"] = INCIDENT
