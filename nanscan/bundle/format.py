@@ -90,8 +90,15 @@ LOG_TAIL_LINES = 200
 LOG_TAIL_BYTES = 64 << 10
 
 
-# Findings of the detection itself; later issues (replay, ablation) add their own keys.
+# Ledger keys of the automatic findings: the detection's, the replay's, and one per ablation factor
+# (ABLATE_FINDING_PREFIX + the factor's key, "ablate:baseline" for the unchanged step).
 DETECT_FINDING = "detect"
+
+
+REPLAY_FINDING = "replay"
+
+
+ABLATE_FINDING_PREFIX = "ablate:"
 
 
 REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "category", "nonfinite_tensors", "source", "config",
