@@ -26,6 +26,8 @@ class ReplaySpec:
     batches: optional healthy batches (e.g. for preflight and for confirming an ablation on held-out data).
     select_samples: optional `select_samples(batch, indices) -> batch` that keeps only the given sample rows;
         when absent, nanscan slices every tensor in the batch along dimension 0.
+    extras: the entry's own objects (a tokenizer, a scheduler); nanscan carries them and never reads them.
+    The model is built on the device it should run on; replay moves the batch and the bundle's state there.
     """
 
     model: torch.nn.Module

@@ -389,7 +389,8 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
     if failed:
         s = failed[0]
         report.reasons.append(f"step {s.step} on {s.batch}: {s.problem}")
-    report.headroom, report.warnings = headroom_report(hists, report.low_precision)
+    report.headroom, headroom_warnings = headroom_report(hists, report.low_precision)
+    report.warnings += headroom_warnings
 
 
 def _finish(report: PreflightReport) -> PreflightReport:
