@@ -17,7 +17,10 @@ Layout (schema "nanscan.bundle/1"):
 Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
 A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
 the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
-and no unlisted file sits in the directory, and every listed file has its recorded size and sha256.
+and no unlisted file sits in the directory, every listed file has its recorded size and sha256 (but
+INCIDENT.md, which reviewers edit: its automatic part is compared with its rendering from the ledger, see
+NOTE: [editable incident note]), and the digests the manifest holds about its own fields (config_sha256)
+match them.
 Writing is atomic (a temporary `.tmp-*` directory renamed into place, manifest written last; one that a killed
 writer left behind is removed by the next write of that bundle on the same host) and idempotent (an existing
 valid bundle for the same run and step is kept as is). Later additions (findings, notes) go through
