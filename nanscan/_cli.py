@@ -23,5 +23,8 @@ def cli_errors() -> Iterator[None]:
     """Turn nanscan's own errors into one-line command-line messages (no traceback)."""
     try:
         yield
-    except (BundleError, EntryError, ReplayError, ValueError) as exc:
+    except EntryError as exc:
+        # a wrong or unimportable --entry (or the bundle's) is a usage error: exit 2, as `nanscan --help` says
+        raise click.UsageError(str(exc)) from None
+    except (BundleError, ReplayError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None

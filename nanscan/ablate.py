@@ -18,6 +18,7 @@ import click
 
 from nanscan._cli import cli_errors, json_out
 from nanscan.bundle import Bundle, load_bundle
+from nanscan.bundle.format import ABLATE_FINDING_PREFIX
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import fmt_value
 from nanscan.replay.replayer import Replayer
@@ -25,7 +26,7 @@ from nanscan.replay.reproduce import recorded_replay
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome, sample_ids_of
 
 DEFAULT_HOLDOUT = 3
-FINDING_PREFIX = "ablate:"
+FINDING_PREFIX = ABLATE_FINDING_PREFIX
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,24 @@ CATEGORY_EXPLANATIONS = {
 }
 
 
+def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True) -> str:
+    """CATEGORY_EXPLANATIONS[category], worded for what was actually checked: `nanscan.check(model)` sees no loss
+    and no batch, so a NaN from the forward pass first shows in the gradients and must not be called a backward
+    pass failure, and "the inputs were finite" is not known."""
+    text = CATEGORY_EXPLANATIONS.get(category, "")
+    if category == "gradient" and not loss_checked:
+        text = ("A gradient was the first non-finite tensor checked; no loss was checked (none was given), so this "
+                "cannot tell the forward pass from the backward pass: a non-finite loss makes every gradient "
+                "non-finite too.")
+    elif category == "loss" and not inputs_checked:
+        text = "The loss was non-finite while weights and optimizer state were finite."
+    elif category == "optimizer_state" and not inputs_checked:
+        text = "The optimizer state was non-finite while the weights were finite: its moments or counters broke first."
+    if category in ("parameter", "optimizer_state", "loss", "gradient") and not inputs_checked:
+        text += " No batch was checked (none was given), so the inputs may have been non-finite already."
+    return text
+
+
 def tensor_name(kind: str, body: str) -> str:
     """The scanned name of a tensor of `kind` (NOTE: [tensor names]): tensor_name("gradient", "fc.weight") is
     "grad:fc.weight"."""

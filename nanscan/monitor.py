@@ -70,6 +70,7 @@ from nanscan import _layout as L
 from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, Streak, autocast_state, mixed_precision_record, read_scaling
 from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, write_bundle
 from nanscan.dispatch import launch, select_for_part
+from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
 from nanscan.incident import SKIP_STREAK, NonFiniteError, categorize, is_kind, shown_names, warn_user
 from nanscan.pending import StepScan
@@ -325,6 +326,9 @@ class Monitor:
             raise ValueError(f"history={history!r}: keep at least 1 step (the failing one)")
         if replay_entry is not None and not _REPLAY_ENTRY.match(replay_entry):
             raise ValueError(f"replay_entry={replay_entry!r} must look like 'package.module:function'")
+        entry_unusable = entry_problem(replay_entry) if replay_entry is not None else None
+        if entry_unusable:  # now, while the run can still be fixed; after an incident replay would fail on it
+            warn_user(f"nanscan: {entry_unusable}; bundles will record it, but replay cannot use it", EntryWarning)
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
         hooked, model = _unwrap(model)

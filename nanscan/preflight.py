@@ -24,7 +24,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.data.cli import data_options
-from nanscan.entry import EntryError, ReplaySpec, build_spec
+from nanscan.entry import EntryError, ReplaySpec, build_spec, entry_search_dirs, locate_entry
 from nanscan.headroom import headroom
 from nanscan.incident import shown_names
 from nanscan.replay.step import StepOutcome, run_step
@@ -331,12 +331,18 @@ def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, step
     if isinstance(entry, ReplaySpec):
         spec = entry
     else:
+        found_in = locate_entry(entry, entry_search_dirs())
+        if found_in is not None:
+            report.warnings.append(f"the replay entry {entry!r} is not importable as is; imported it from "
+                                   f"{found_in} (set PYTHONPATH or install the package for replay in CI)")
         try:
             spec = build_spec(entry, config)
         except EntryError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's entry failing is a no-go, not a crash
-            report.reasons.append(f"the replay entry {entry!r} raised {type(exc).__name__}: {exc}")
+            empty = ("; it was called with an empty config {} (no --config given): pass --config config.json "
+                     "with the keys it reads") if not config else ""
+            report.reasons.append(f"the replay entry {entry!r} raised {type(exc).__name__}: {exc}{empty}")
             return _finish(report)
     _rehearse(spec, report, steps, sample_batches, scan)
     return _finish(report)
@@ -383,7 +389,8 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
     if failed:
         s = failed[0]
         report.reasons.append(f"step {s.step} on {s.batch}: {s.problem}")
-    report.headroom, report.warnings = headroom_report(hists, report.low_precision)
+    report.headroom, headroom_warnings = headroom_report(hists, report.low_precision)
+    report.warnings += headroom_warnings
 
 
 def _finish(report: PreflightReport) -> PreflightReport:

@@ -133,6 +133,9 @@ def environment(backends: str | None = None) -> dict:
         "cuda_version": torch.version.cuda,
         "cudnn_version": cudnn.version() if cudnn.is_available() else None,
         "torch_threads": torch.get_num_threads(),
+        # where the run imported from, so the CLI can import its replay entry the same way (nanscan.entry)
+        "working_directory": os.getcwd(),
+        "main_path": os.path.abspath(sys.path[0]) if sys.path else None,
         "deterministic": {
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),

@@ -21,9 +21,10 @@ import numpy as np
 
 from nanscan import _layout as L
 from nanscan.bundle import BundleError, json_float, load_bundle
+from nanscan.bundle.findings import findings_lines, recorded_findings
 from nanscan.bundle.incident_md import mixed_precision_lines
 from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import CATEGORY_EXPLANATIONS, KINDS, PREFIX, tensor_kind
+from nanscan.incident import KINDS, LOSS, PREFIX, explain_category, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 
@@ -93,7 +94,9 @@ def summarize(bundle, history: list | None = None) -> dict:
     history = load_history(bundle) if history is None else history
     failing = next((e for e in history if e.step == step), None)
     before = [e for e in history if step is None or e.step < step]
-    last_finite = next((e for e in reversed(before) if e.report.ok and _is_finite(e.loss)), None)
+    # the scan alone decides: nanscan.check(model) records no loss, and its steps are still finite or not
+    last_finite = next((e for e in reversed(before) if e.report.ok and (e.loss is None or _is_finite(e.loss))), None)
+    checked = [s.name for s in failing.report] if failing is not None else None
 
     offenders = [dict(t) for t in manifest.get("nonfinite_tensors", [])]
     for t in offenders:
@@ -107,7 +110,9 @@ def summarize(bundle, history: list | None = None) -> dict:
         "run_id": manifest.get("run_id"),
         "first_invalid_step": step,
         "category": category,
-        "category_meaning": CATEGORY_EXPLANATIONS.get(category, ""),
+        "category_meaning": explain_category(category, loss_checked=checked is None or LOSS in checked,
+                                             inputs_checked=checked is None
+                                             or any(tensor_kind(n) == "input" for n in checked)),
         "nonfinite_tensors": [{k: t[k] for k in ("name", "kind", "module", "layer", "nan", "posinf", "neginf",
                                                    "numel")} for t in offenders],
         "groups": groups,
@@ -127,6 +132,8 @@ def summarize(bundle, history: list | None = None) -> dict:
         "distributed": bundle.set_summary() if hasattr(bundle, "set_summary") else None,
         "reason": manifest.get("reason", "nonfinite"),
         "mixed_precision": _mixed_precision(manifest.get("mixed_precision"), history, failing),
+        # what replay, ablate and reviewers added to the ledger so far
+        "findings": recorded_findings(bundle),
     }
 
 
@@ -179,7 +186,13 @@ def _step_values(entry) -> dict | None:
     if entry is None:
         return None
     return {"step": entry.step, "loss": json_float(entry.loss), "lr": json_float(entry.lr),
-            "grad_norm": json_float(entry.grad_norm), "nonfinite_tensors": len(entry.report.nonfinite)}
+            "grad_norm": json_float(entry.grad_norm), "nonfinite_tensors": len(entry.report.nonfinite),
+            # grad_norm sums the finite values only: with any of these, it is not the step's gradient norm
+            "nonfinite_gradients": sum(1 for n in entry.report.nonfinite if tensor_kind(n) == "gradient")}
+
+
+def _grad_norm_cell(values: dict) -> str:
+    return "non-finite" if values.get("nonfinite_gradients") else _fmt(values["grad_norm"])
 
 
 def _inputs(report) -> list[dict]:
@@ -276,6 +289,7 @@ def render_terminal(summary: dict, console=None) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     def table(title: str, *columns: str, left: int = 1) -> Table:
         t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
@@ -297,12 +311,13 @@ def render_terminal(summary: dict, console=None) -> None:
     if not summary["history"]["steps"]:
         console.print("[yellow]this bundle holds no history steps:[/yellow] no loss, gradient norm, batch statistics "
                       "or headroom to show")
-    steps = table("around the failure", "", "step", "loss", "lr", "finite grad norm", "non-finite tensors")
+    steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
     for label, values in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"])):
         if values is not None:
             steps.add_row(*_literal(label, str(values["step"]), _fmt(values["loss"]), _fmt(values["lr"], ".3e"),
-                                    _fmt(values["grad_norm"]), str(values["nonfinite_tensors"])))
+                                    _grad_norm_cell(values), str(values["nonfinite_tensors"])))
     console.print(steps)
+    console.print(Text("\n".join(findings_lines(summary["findings"]))))
 
     groups = table(f"non-finite tensors by module ({len(summary['nonfinite_tensors'])})",
                    "module", "tensors", "NaN", "+inf", "-inf", "elements", left=2)
@@ -606,11 +621,11 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
         parts.append(f"<h2>{esc(_ranks_title(summary['distributed'], summary['first_invalid_step']))}</h2>")
         parts.append(_table(["rank", "category", "deciding tensors", "non-finite tensors"],
                             _ranks_rows(summary["distributed"]), left=3))
-    rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _fmt(v["grad_norm"]), v["nonfinite_tensors"]]
+    rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _grad_norm_cell(v), v["nonfinite_tensors"]]
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]
     parts.append("<h2>Loss, learning rate and gradient norm</h2>")
-    parts.append(_table(["", "step", "loss", "lr", "finite grad norm", "non-finite tensors"], rows))
+    parts.append(_table(["", "step", "loss", "lr", "grad norm", "non-finite tensors"], rows))
     parts += _img(plot_curves(summary, history), "loss and gradient norm")
 
     parts.append("<h2>Non-finite tensors by module</h2>")

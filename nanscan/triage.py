@@ -1,7 +1,8 @@
 """`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
 replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
-number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part.
-Unreadable bundles are listed separately with the reason.
+number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part, and so
+do copies of one incident (same run, step and detection time). Unreadable bundles are listed separately with the
+reason; a hand-edited INCIDENT.md is not unreadable (its edited automatic sections are named).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import click
 
 from nanscan._atomic import is_temp_name
 from nanscan._cli import cli_errors, json_out
-from nanscan.bundle import Bundle, BundleError, BundleSet, load_bundle
+from nanscan.bundle import BundleError, BundleSet, load_bundle
+from nanscan.bundle.findings import NOT_REPLAYED, first_bad_module
 from nanscan.bundle.format import MANIFEST, PENDING_PREFIX
 from nanscan.bundle.rank_set import INDEX
-
-NOT_REPLAYED = "(not replayed)"
 
 
 @dataclass
@@ -33,6 +33,8 @@ class TriageEntry:
     detected_at: str | None
     first_bad_ranks: list[int] | None = None  # a distributed incident's first bad rank(s); None for one process
     world_size: int | None = None
+    copies: list[str] = field(default_factory=list)  # other directories holding the same incident, not counted
+    note_edited: list[str] = field(default_factory=list)  # INCIDENT.md's automatic sections edited by hand
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -77,37 +79,13 @@ def find_bundle_dirs(root: str | os.PathLike) -> list[Path]:
     return sorted(found)
 
 
-def first_bad_module(bundle: Bundle) -> tuple[str, str, str | None]:
-    """(module, finding key, replay verdict) from the bundle's findings; the replay's localization wins over the
-    ablation baseline's."""
-    records = {f.get("key"): f.get("record") or {} for f in bundle.findings()}
-    replayed, ablated = records.get("replay", {}), records.get("ablate:baseline", {})
-    verdict = replayed.get("verdict")
-    if verdict is not None and not isinstance(verdict, str):
-        raise BundleError(f"{bundle.path}: the replay finding's verdict is {verdict!r}, not a word; the ledger was "
-                          "edited, run `nanscan replay` again on an untouched copy")
-    outcome = ablated.get("outcome") or {}
-    # an outcome that is not an object is as malformed as a bad localization: it is refused below
-    ablated_loc = outcome.get("localization") if isinstance(outcome, dict) else outcome
-    for key, loc in (("replay", replayed.get("localization")), ("ablate:baseline", ablated_loc)):
-        if not loc:
-            continue
-        if not isinstance(loc, dict) or not all(isinstance(loc.get(k), str) for k in ("label", "module_type", "phase")):
-            raise BundleError(f"{bundle.path}: the {key!r} finding in its ledger names no module (label, module_type "
-                              "and phase); the ledger was edited, run `nanscan replay` again on an untouched copy")
-        return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
-    if verdict == "transient":
-        return "(transient: not reproduced)", "replay", verdict
-    return NOT_REPLAYED, "", verdict
-
-
 def triage(root: str | os.PathLike) -> TriageResult:
     """Read every bundle under `root`; the ones that fail to load are listed with their error, not skipped."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the directory that holds the bundles "
                          "(the Monitor's bundle_dir)")
-    entries, unreadable = [], []
+    entries, unreadable, seen = [], [], {}
     for path in find_bundle_dirs(root):
         # Everything read from one bundle stays inside the try: one damaged bundle is listed, the others still count.
         try:
@@ -115,12 +93,32 @@ def triage(root: str | os.PathLike) -> TriageResult:
             module, source, verdict = first_bad_module(bundle)
             ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
             entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
-                                module, source, verdict, bundle.manifest.get("detected_at"), *ranks)
+                                module, source, verdict, bundle.manifest.get("detected_at"), *ranks,
+                                note_edited=list(bundle.note_review().edited))
+            identity = _incident_identity(bundle)
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
             continue
+        if identity in seen:  # a copy (cp -r, a download) of an incident already counted
+            seen[identity].copies.append(entry.path)
+            continue
+        seen[identity] = entry
         entries.append(entry)
     return TriageResult(str(root), entries, unreadable)
+
+
+def _incident_identity(bundle) -> tuple:
+    """What makes two bundle directories one incident: the run, the step and the detection time; without a
+    detection time, the evidence itself (every file's sha256 but the ledger's and the note's, which reviews
+    change)."""
+    manifest = bundle.manifest
+    detected = manifest.get("detected_at")
+    if detected is not None:
+        return manifest["run_id"], bundle.step, detected
+    skip = (manifest["ledger"], manifest["incident"])
+    return manifest["run_id"], bundle.step, tuple(sorted((name, entry["sha256"])
+                                                         for name, entry in manifest["files"].items()
+                                                         if name not in skip))
 
 
 def print_triage(result: TriageResult, console) -> None:
@@ -151,6 +149,17 @@ def print_triage(result: TriageResult, console) -> None:
                     f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
                 table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)))
         console.print(table)
+    copies = [e for e in result.entries if e.copies]
+    if copies:
+        console.print(f"{sum(len(e.copies) for e in copies)} copy(ies) of incidents counted once:")
+        for e in copies:
+            console.print(f"  {e.path}: also {', '.join(e.copies)}", highlight=False, markup=False)
+    edited = [e for e in result.entries if e.note_edited]
+    if edited:
+        console.print(f"[yellow]{len(edited)} bundle(s) whose INCIDENT.md automatic findings were edited by hand[/yellow] "
+                      "(`nanscan note --rebuild DIR` renders them again from the ledger, keeping the edit):")
+        for e in edited:
+            console.print(f"  {e.path}: {'; '.join(e.note_edited)}", highlight=False, markup=False)
     if result.unreadable:
         console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")
         for item in result.unreadable:

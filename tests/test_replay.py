@@ -294,17 +294,18 @@ def test_a_step_that_raises_is_an_error_not_a_reproduction(poisoned_bundle):
     assert not [f for f in load_bundle(poisoned_bundle).findings() if f["key"] == "replay"]
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("no_model", "model is NoneType, not a torch.nn.Module"),
-    ("optimizer_factory_returns_a_name", "optimizer factory returned str"),
+# An entry that is wrong (usage: exit 2) against one whose code raises while it runs (a failure: exit 1).
+@pytest.mark.parametrize("entry, message, status", [
+    ("no_model", "model is NoneType, not a torch.nn.Module", 2),
+    ("optimizer_factory_returns_a_name", "optimizer factory returned str", 2),
     ("optimizer_factory_raises", "optimizer factory of replay entry 'replay_entries:optimizer_factory_raises' "
-                                 "raised KeyError: 'missing'"),
-    ("NOT_A_FUNCTION", "names an object of type int, not a function"),
-    ("missing_function", "has no attribute 'missing_function'"),
+                                 "raised KeyError: 'missing'", 1),
+    ("NOT_A_FUNCTION", "names an object of type int, not a function", 2),
+    ("missing_function", "has no attribute 'missing_function'", 2),
 ])
-def test_an_entry_that_breaks_the_contract_is_named_without_a_traceback(poisoned_bundle, entry, message):
+def test_an_entry_that_breaks_the_contract_is_named_without_a_traceback(poisoned_bundle, entry, message, status):
     out = CliRunner().invoke(main, ["replay", str(poisoned_bundle), "--entry", f"{E.MODULE}:{entry}", "--no-record"])
-    assert out.exit_code == 1 and message in out.output, out.output or repr(out.exception)
+    assert out.exit_code == status and message in out.output, out.output or repr(out.exception)
 
 
 def test_an_optimizer_that_raises_is_an_outcome_not_a_crash():

@@ -17,6 +17,7 @@ Layout (schema "nanscan.bundle/1"):
   INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
 
 Tensors are safetensors and everything else JSON, so reading a bundle never runs code.
+INCIDENT.md is the one file reviewers may edit (nanscan.bundle.incident_md NOTE: [editable incident note]).
 """
 
 from __future__ import annotations
@@ -85,8 +86,15 @@ LOG_TAIL_LINES = 200
 LOG_TAIL_BYTES = 64 << 10
 
 
-# Findings of the detection itself; later issues (replay, ablation) add their own keys.
+# Ledger keys of the automatic findings: the detection's, the replay's, and one per ablation factor
+# (ABLATE_FINDING_PREFIX + the factor's key, "ablate:baseline" for the unchanged step).
 DETECT_FINDING = "detect"
+
+
+REPLAY_FINDING = "replay"
+
+
+ABLATE_FINDING_PREFIX = "ablate:"
 
 
 REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "category", "nonfinite_tensors", "source", "config",

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.headroom import FORMATS, headroom_by_kind
-from nanscan.incident import CATEGORY_EXPLANATIONS, REASON_EXPLANATIONS
+from nanscan.incident import LOSS, REASON_EXPLANATIONS, explain_category, is_kind
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, missing: str = "n/a") -> str:
     if value is None:
-        return "n/a"
+        return missing
     if isinstance(value, (float, str)) and not isinstance(value, bool):
         try:
             return f"{float(value):.6g}"
         except ValueError:
             return str(value)
     return str(value)
+
+
+def grad_norm_text(norm: float | None, nonfinite_gradients: int) -> str:
+    """The gradient norm in words. The recorded norm sums only the finite values (nanscan.stats), so for a step
+    whose gradients hold NaN or inf it is not the gradient norm, and is never shown as one."""
+    if nonfinite_gradients:
+        finite_part = f"; {_fmt(norm)} over their finite values" if norm is not None else ""
+        return f"gradient norm non-finite ({nonfinite_gradients} gradient tensor(s) hold NaN or inf{finite_part})"
+    return f"gradient norm {_fmt(norm)}"
 
 
 def _source_line(source: Mapping) -> str:
@@ -36,8 +46,44 @@ def _source_line(source: Mapping) -> str:
     return f"not a git work tree ({source.get('reason', 'unknown')}); nanscan {source.get('nanscan_version')}"
 
 
-def render_incident(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
-    """INCIDENT.md from the manifest and the ledger: the same inputs always give the same text."""
+# NOTE: [editable incident note]
+# INCIDENT.md is a document people edit. Its automatic part (everything above REVIEWER_HEADING: the header and one
+# section per finding) is a rendering of the manifest and the ledger, both pinned by sha256, so it is checked by
+# rendering it again: a difference names the section that changed, and `nanscan note --rebuild` renders it anew.
+# Everything below REVIEWER_HEADING belongs to the reviewers: the ledger's notes (rendered once, then left alone)
+# and any text typed there by hand, which is kept on every later update and shown as a reviewer note. Nothing a
+# reviewer wrote is dropped: a hand edit of the automatic part is moved, quoted, into the reviewer section when
+# the automatic part is rendered again.
+REVIEWER_HEADING = "## Reviewer notes"
+
+
+NO_NOTES = '_No notes yet: add one with `nanscan note <this directory> "text"`._'
+
+
+_FINDING_MARKER = "<!-- nanscan:finding "
+
+
+HEADER_SECTION = "header"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoteReview:
+    """What INCIDENT.md holds beyond its rendering from the ledger (NOTE: [editable incident note]).
+
+    hand_written: text typed by hand under "Reviewer notes" (not through `nanscan note`), or "".
+    edited: the automatic sections that differ from their rendering, each named for a reader.
+    reviewer: the reviewer section as it is (None when its heading is gone); moved: (name, text) of each edited
+    automatic section, to be kept in the reviewer section when the note is rendered again.
+    """
+
+    hand_written: str = ""
+    edited: tuple[str, ...] = ()
+    reviewer: str | None = dataclasses.field(default=None, repr=False)
+    moved: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
+
+
+def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
+    """The automatic part of INCIDENT.md (header and findings), ending just before REVIEWER_HEADING."""
     state = manifest.get("state") or {}
     if not state.get("file"):
         state_line = f"not stored ({state.get('note') or 'no model given'})"
@@ -65,17 +111,102 @@ def render_incident(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     ]
     for record in ledger:
         if record.get("kind") == "finding":
-            lines += [f"<!-- nanscan:finding {record['key']} -->", f"### {record['title']}", "",
+            lines += [f"{_FINDING_MARKER}{record['key']} -->", f"### {record['title']}", "",
                       record["body"].rstrip(), ""]
-    lines += ["## Reviewer notes", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _note_block(record: Mapping) -> str:
+    author = " ".join(str(record.get("author") or "anonymous").split())
+    return "\n".join([f"<!-- nanscan:note {record['key']} -->", f"**{author}**, {record['at']}:", "",
+                      *_quoted(record["text"]), ""]) + "\n"
+
+
+def render_incident(manifest: Mapping, ledger: Sequence[Mapping], kept: NoteReview | None = None) -> str:
+    """INCIDENT.md from the manifest and the ledger: the same inputs always give the same text.
+
+    `kept`, review_incident of the file as it is now, keeps what reviewers wrote (NOTE: [editable incident note]):
+    the reviewer section stays as it is, with the ledger's notes it lacks appended, and each hand edit of an
+    automatic section is moved there, quoted."""
     notes = [r for r in ledger if r.get("kind") == "note"]
-    if not notes:
-        lines += ['_No notes yet: add one with `nanscan note <this directory> "text"`._', ""]
-    for record in notes:
-        author = " ".join(str(record.get("author") or "anonymous").split())
-        lines += [f"<!-- nanscan:note {record['key']} -->", f"**{author}**, {record['at']}:", "",
-                  *_quoted(record["text"]), ""]
-    return "\n".join(lines)
+    body = (kept.reviewer or "") if kept is not None else NO_NOTES + "\n"
+    moved = [_moved_edit(name, text) for name, text in (kept.moved if kept is not None else ())]
+    new_notes = [_note_block(r) for r in notes if f"<!-- nanscan:note {r['key']} -->" not in body]
+    if moved or new_notes:
+        body = body.replace(NO_NOTES + "\n", "").replace(NO_NOTES, "")
+        body = body.rstrip("\n") + "\n\n" if body.strip() else ""
+        body += "".join(moved) + "".join(new_notes)
+    body = body.lstrip("\n") if body.strip() else NO_NOTES + "\n"
+    if body.endswith("\n\n"):  # a note block's closing blank line: the file ends with one newline
+        body = body[:-1]
+    return render_automatic(manifest, ledger) + REVIEWER_HEADING + "\n\n" + body
+
+
+def split_incident(text: str) -> tuple[str, str | None]:
+    """(automatic part, reviewer section below REVIEWER_HEADING or None when the heading is gone)."""
+    lines = text.splitlines(keepends=True)
+    seen_automatic = False
+    for i, line in enumerate(lines):
+        if line.rstrip() == "## Automatic findings":
+            seen_automatic = True
+        elif seen_automatic and line.rstrip() == REVIEWER_HEADING:
+            return "".join(lines[:i]), "".join(lines[i + 1:]).lstrip("\n")
+    return text, None
+
+
+def _sections(automatic: str) -> dict[str, str]:
+    """The automatic part by section: HEADER_SECTION, then each finding by its ledger key."""
+    sections, key, current = {}, HEADER_SECTION, []
+    for line in automatic.splitlines(keepends=True):
+        if line.startswith(_FINDING_MARKER) and line.rstrip().endswith("-->"):
+            sections[key] = "".join(current)
+            key, current = line.rstrip()[len(_FINDING_MARKER):-3].strip(), []
+        current.append(line)
+    sections[key] = "".join(current)
+    return sections
+
+
+def _section_name(key: str, ledger: Sequence[Mapping]) -> str:
+    if key == HEADER_SECTION:
+        return "the header (run, category, source, config, state, replay entry)"
+    title = next((r["title"] for r in ledger if r.get("kind") == "finding" and r.get("key") == key), None)
+    return f"the finding '{title}'" if title is not None else f"a section '{key}' that the ledger does not hold"
+
+
+def _changed_sections(actual: str, expected: str, ledger: Sequence[Mapping]) -> list[tuple[str, str]]:
+    """(section name, its text as it is now) for each automatic section that differs from its rendering."""
+    have, want = _sections(actual), _sections(expected)
+    changed = []
+    for key in [*want, *(k for k in have if k not in want)]:
+        if have.get(key, "").strip() != want.get(key, "").strip():
+            changed.append((_section_name(key, ledger), have.get(key, "")))
+    return changed
+
+
+def _moved_edit(name: str, text: str) -> str:
+    kept = "\n".join(line for line in text.splitlines() if not line.startswith(_FINDING_MARKER))
+    head = f"_Hand edit of {name}, moved here when the automatic findings were rendered again from the ledger:_"
+    return "\n".join([head, "", *(_quoted(kept) if kept.strip() else ["> (the section was deleted)"]), ""]) + "\n"
+
+
+def review_incident(text: str, manifest: Mapping, ledger: Sequence[Mapping], *, pinned: bool) -> NoteReview:
+    """Compare INCIDENT.md with its rendering (NOTE: [editable incident note]). `pinned`: the file still has the
+    sha256 the manifest records, so its automatic part is what nanscan wrote (not compared again: a bundle written
+    by an older renderer must not read as edited)."""
+    automatic, reviewer = split_incident(text)
+    moved: list[tuple[str, str]] = []
+    if not pinned:
+        moved = _changed_sections(automatic, render_automatic(manifest, ledger), ledger)
+    edited = [name for name, _ in moved]
+    if reviewer is None and not pinned:
+        edited.append(f"the '{REVIEWER_HEADING}' heading (it is gone)")
+    hand = reviewer or ""
+    for record in ledger:
+        if record.get("kind") == "note":
+            block = _note_block(record)
+            hand = hand.replace(block, "").replace(block[:-1], "")  # the last block ends with one newline
+    hand = hand.replace(NO_NOTES, "").strip()
+    return NoteReview(hand, tuple(edited), reviewer, tuple(moved))
 
 
 # A '#' that could open a heading: at the start of a line, or after block-quote and list markers only.
@@ -102,7 +233,10 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     culprits = [row for row in nonfinite if row["name"] in deciding]
     others = len(nonfinite) - len(culprits)
     shown = (culprits + [row for row in nonfinite if row["name"] not in deciding])[:20]
-    body = [REASON_EXPLANATIONS.get(inc.reason) or CATEGORY_EXPLANATIONS.get(inc.category, ""), "",
+    names = [s.name for s in inc.report.stats]
+    explanation = REASON_EXPLANATIONS.get(inc.reason) or explain_category(
+        inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names))
+    body = [explanation, "",
             f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")
             + (f"; {others} other tensor(s) were non-finite too." if others else "."), "",
@@ -113,12 +247,14 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
         body.append(f"| ... {len(nonfinite) - len(shown)} more in {MANIFEST} | | | | | |")
     last = step_entry(inc)
     finite_before = [e for e in inc.history if e.step < inc.step and e.report.ok]
-    body += ["", f"At this step: loss {_fmt(last.loss if last else None)}, learning rate "
-                 f"{_fmt(last.lr if last else None)}, gradient norm {_fmt(last.grad_norm if last else None)}."]
+    bad_grads = sum(1 for row in nonfinite if row["kind"] == "gradient")
+    body += ["", f"At this step: loss {_fmt(last.loss if last else None, 'not recorded')}, learning rate "
+                 f"{_fmt(last.lr if last else None)}, "
+                 f"{grad_norm_text(last.grad_norm if last else None, bad_grads)}."]
     if finite_before:
         prev = finite_before[-1]
-        body.append(f"Last finite step in the history: {prev.step} (loss {_fmt(prev.loss)}, "
-                    f"gradient norm {_fmt(prev.grad_norm)}).")
+        body.append(f"Last finite step in the history: {prev.step} (loss {_fmt(prev.loss, 'not recorded')}, "
+                    f"{grad_norm_text(prev.grad_norm, 0)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
               "nonfinite_count": len(nonfinite), "reason": inc.reason}
     streak = ", the first of a streak of skipped steps" if inc.reason in REASON_EXPLANATIONS else ""

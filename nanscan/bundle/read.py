@@ -3,10 +3,12 @@
 Loading never runs code: tensors are safetensors, everything else JSON; `torch.load`/pickle is never used.
 A bundle may come from anyone, so nothing in it is read before the manifest checks out: its fields have the types
 the readers need, every file name is a plain relative path (no '..', no absolute or hidden names), no symbolic link
-and no unlisted file sits in the directory, and every listed file has its recorded size and sha256. Later additions
-(findings, notes) go through a small journal: new files are written under `.pending-*` names and the new
-manifest's arrival is the commit point, so an interrupted update is either finished or discarded the next time
-the bundle is opened.
+and no unlisted file sits in the directory, every listed file has its recorded size and sha256 (but
+INCIDENT.md, which reviewers edit: its automatic part is compared with its rendering from the ledger, see
+NOTE: [editable incident note]), and the digests the manifest holds about its own fields (config_sha256)
+match them. Later additions (findings, notes) go through a small journal: new files are written under
+`.pending-*` names and the new manifest's arrival is the commit point, so an interrupted update is either
+finished or discarded the next time the bundle is opened.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from nanscan.bundle.format import (HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, MAN
                                    RNG_METADATA_KEY, SCHEMA, STATE_STRUCTURE, STEP_DIR, BundleError, HistoryEntry,
                                    is_int, plain_json, read_json, refuse_link)
 from nanscan.bundle.history import history_from_payload
-from nanscan.bundle.incident_md import ledger_bytes, render_incident, valid_ledger_record
+from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
 from nanscan.bundle.tree import decode_tree, load_tensors, reading_tensors
-from nanscan.provenance import restore_rng, rng_from_tensors
+from nanscan.provenance import config_sha256, restore_rng, rng_from_tensors
 
 try:
     import fcntl
@@ -187,7 +189,30 @@ def _read_manifest(root: Path) -> dict:
     if wrong:
         raise BundleError(f"{path}: wrong type for {'; '.join(wrong)}: the manifest was edited or damaged; "
                           "ask for a fresh copy of the bundle")
+    stale = _stale_digests(manifest)
+    if stale:
+        raise BundleError(f"{path}: {'; '.join(stale)}: the manifest was edited after the bundle was written (replay "
+                          "would use the edited values); do not use it, get an untouched copy (a changed config "
+                          "is tried with `nanscan replay --entry` on the original bundle, or a new run)")
     return manifest
+
+
+def _stale_digests(manifest: Mapping) -> list[str]:
+    """The digests the manifest holds about its own fields that no longer match them: the config's, and the batch
+    file's and source diff's, which must agree with the files list that _check_files verifies."""
+    stale = []
+    try:
+        config_digest = config_sha256(manifest["config"])
+    except ValueError:  # a NaN token, which nanscan never writes
+        config_digest = None
+    if config_digest != manifest["config_sha256"]:
+        stale.append("config does not match config_sha256")
+    files = manifest["files"]
+    for part, file_key, digest_key in (("batch", "file", "sha256"), ("source", "diff_file", "diff_sha256")):
+        name, digest = manifest[part].get(file_key), manifest[part].get(digest_key)
+        if name and digest is not None and files.get(name, {}).get("sha256") != digest:
+            stale.append(f"{part}.{digest_key} does not match the sha256 listed for {name}")
+    return stale
 
 
 def _unlisted_files(root: Path, listed: Mapping[str, Any]) -> list[str]:
@@ -214,14 +239,16 @@ def _check_files(root: Path, manifest: Mapping, only: Sequence[str] | None = Non
             what = "is not a regular file" if path.exists() else "is missing"
             raise BundleError(f"{path} {what}: the bundle is incomplete (copied partially?); "
                               "ask for the whole directory again")
+        if name == manifest["incident"]:
+            continue  # an edited note is compared with its rendering instead (NOTE: [editable incident note])
         size, expected = path.stat().st_size, entry["bytes"]
         if size < expected:
             raise BundleError(f"{path} is truncated ({size} of {expected} bytes): the copy was cut short; "
                               "copy the bundle again")
         if sha256_file(path) != entry["sha256"]:
             raise BundleError(f"{path} does not match its sha256 in {MANIFEST}: it was modified after the bundle "
-                              "was written; do not trust it, get an untouched copy (notes belong in "
-                              "`nanscan note`, not in hand edits)")
+                              f"was written; do not trust it, get an untouched copy (notes belong in {INCIDENT}'s "
+                              "\"Reviewer notes\" or `nanscan note`)")
     referenced = [manifest["incident"], manifest["ledger"], manifest["batch"].get("file"),
                   manifest["rng"].get("file"), manifest["history"].get("file"), manifest["history"].get("index"),
                   manifest["state"].get("file"), manifest["state"].get("structure"),
@@ -428,6 +455,13 @@ class Bundle:
             records.append(record)
         return records
 
+    def note_review(self) -> NoteReview:
+        """What INCIDENT.md holds beyond its rendering from the ledger: reviewer text typed by hand, and the
+        automatic sections edited by hand (NOTE: [editable incident note]); `rebuild_note` renders them anew."""
+        path = self._member(self.manifest["incident"])
+        pinned = sha256_file(path) == self.manifest["files"][self.manifest["incident"]]["sha256"]
+        return review_incident(self.incident_text(), self.manifest, self.ledger(), pinned=pinned)
+
     def findings(self) -> list[dict]:
         return [r for r in self.ledger() if r.get("kind") == "finding"]
 
@@ -476,9 +510,14 @@ class Bundle:
 
         return self._update_ledger(update)
 
-    def _update_ledger(self, update) -> bool:
+    def rebuild_note(self) -> bool:
+        """Render INCIDENT.md's automatic part again from the ledger, keeping the reviewer section; a hand edit of
+        an automatic section is moved there, quoted, so nothing typed is lost. Returns True when the file changed."""
+        return self._update_ledger(lambda ledger: None, rebuild=True)
+
+    def _update_ledger(self, update, *, rebuild: bool = False) -> bool:
         try:
-            return self._update_ledger_locked(update)
+            return self._update_ledger_locked(update, rebuild)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 hint = ("the bundle directory must be writable; copy the whole directory somewhere writable (cp -r) "
@@ -487,7 +526,7 @@ class Bundle:
                 hint = "nothing was changed; fix the cause (disk space, file system) and add it again"
             raise BundleError(f"cannot update {self.path} ({exc}): {hint}") from None
 
-    def _update_ledger_locked(self, update) -> bool:
+    def _update_ledger_locked(self, update, rebuild: bool) -> bool:
         with _locked(self.path, exclusive=True):
             _finish_pending(self.path)
             # Under the lock, as another process may have added something; the files rewritten here are checked
@@ -496,10 +535,16 @@ class Bundle:
             self.manifest = manifest
             ledger = self.ledger()
             new_ledger = update(ledger)
-            if new_ledger is None:
+            if new_ledger is None and not rebuild:
                 return False
-            contents = {LEDGER: ledger_bytes(new_ledger),
-                        INCIDENT: render_incident(manifest, new_ledger).encode("utf-8")}
+            kept = self.note_review()
+            note = render_incident(manifest, ledger if new_ledger is None else new_ledger, kept).encode("utf-8")
+            if new_ledger is None and note == self._member(manifest["incident"]).read_bytes():
+                return False
+            for name in kept.edited:
+                log.warning("nanscan: %s: %s was edited by hand; it is rendered again from the ledger and the edit "
+                            "is kept, quoted, under \"Reviewer notes\"", self.path / INCIDENT, name)
+            contents = {LEDGER: ledger_bytes(ledger if new_ledger is None else new_ledger), INCIDENT: note}
             new_manifest = dict(manifest)
             new_manifest["files"] = dict(manifest["files"])
             for name, data in contents.items():

@@ -91,7 +91,8 @@ def _render(report, fail_on: tuple[str, ...], console) -> None:
         for f in report.findings:
             field = f" field {escape(f.field)}" if f.field else ""
             digest = f" sha256:{f.record.sha256[:16]}" if f.record.sha256 else ""
-            console.print(f"  [bold]{f.category}[/bold] {escape(str(f.record))}{field}: {escape(f.detail)}"
+            sample = f" (id {escape(str(f.sample_id))})" if f.sample_id is not None else ""
+            console.print(f"  [bold]{f.category}[/bold] {escape(str(f.record))}{sample}{field}: {escape(f.detail)}"
                           f"[dim]{digest}[/dim]", soft_wrap=True)
         omitted = {c: report.counts.get(c, 0) - sum(f.category == c for f in report.findings) for c in CATEGORIES}
         omitted = {c: n for c, n in omitted.items() if n > 0}
@@ -164,8 +165,12 @@ def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, m
 @click.command("data")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--id-field", default=None, metavar="FIELD",
+              help="Also name each listed record by this field's value (JSON Lines, CSV, Parquet): the sample id "
+                   "training passes to Monitor.check(sample_ids=...), which bundles and replay show.")
 @data_options
-def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, max_findings, max_record_bytes):
+def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, fail_on, max_findings,
+                 max_record_bytes):
     """Check data files and folders for records that will break training.
 
     Findings: nonfinite (NaN, inf), overflow (finite but |x| >= 2**64, so its square overflows float32, e.g. a
@@ -186,6 +191,13 @@ def data_command(paths, as_json, max_tokens, tokenizer, text_fields, fail_on, ma
     if report.files == 0:  # "no findings" in nothing checked would read as clean data
         raise click.UsageError(f"no data files found in {', '.join(map(str, paths))}: nothing was checked; point "
                                "nanscan data at files or folders in one of the formats listed in --help")
+    id_notes = []
+    if id_field is not None:
+        from nanscan.data.ids import with_sample_ids
+
+        report, id_notes = with_sample_ids(report, id_field)
+    for note in id_notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_dict(fail_on), indent=2))
     else:

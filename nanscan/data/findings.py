@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -170,10 +170,14 @@ class Finding:
     record: RecordId
     detail: str
     field: str | None = None
+    sample_id: Any = None  # the record's --id-field value (nanscan.data.ids), when asked for and found
 
     def to_dict(self) -> dict:
-        return {"category": self.category, "record": str(self.record), **self.record.to_dict(),
-                "field": self.field, "detail": self.detail}
+        out = {"category": self.category, "record": str(self.record), **self.record.to_dict(),
+               "field": self.field, "detail": self.detail}
+        if self.sample_id is not None:
+            out["sample_id"] = self.sample_id
+        return out
 
 
 # Inputs (files, archive members) that could not be read through, listed by name; all are counted.

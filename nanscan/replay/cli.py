@@ -86,8 +86,10 @@ def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
 @click.option("--with-state/--no-state", default=None,
               help=f"Store the model and optimizer state (default: when at most {DEFAULT_MAX_STATE_MB} MB).")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier export of this case that differs from this one.")
+@click.option("--xfail", is_flag=True, help="Mark the test xfail(strict=True): it can be committed before the fix, "
+                                            "and fails (XPASS) once the step is finite, to remove the mark.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def export_regression_command(bundle, dest, entry, samples, with_state, overwrite, as_json):
+def export_regression_command(bundle, dest, entry, samples, with_state, overwrite, xfail, as_json):
     """Write BUNDLE's minimal failing sample(s) to DEST as a regression case and a pytest file."""
     rows = None
     if samples:
@@ -97,7 +99,8 @@ def export_regression_command(bundle, dest, entry, samples, with_state, overwrit
             raise click.BadParameter(f"{samples!r} is not a comma-separated list of row numbers",
                                      param_hint="--samples") from None
     with cli_errors():
-        result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite)
+        result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite,
+                                   xfail=xfail)
     if as_json:
         json_out(result.to_dict())
         return

@@ -44,8 +44,12 @@ class ValueSummary:
             return "no floating-point tensors"
         bad = ", ".join(f"{n} {kind}" for n, kind in ((self.nan, "NaN"), (self.posinf, "+inf"),
                                                       (self.neginf, "-inf")) if n)
-        span = (f"|x| in [{fmt_value(self.absmin)}, {fmt_value(self.absmax)}]" if self.absmax is not None
-                else "no finite values")
+        if self.absmax is None:
+            span = "no finite values"
+        elif self.absmin is None:  # absmin is over finite non-zero values: there are none
+            span = "finite values all zeros"
+        else:
+            span = f"|x| in [{fmt_value(self.absmin)}, {fmt_value(self.absmax)}]"
         return f"{'finite' if not bad else bad}; {span} ({'/'.join(self.dtypes)})"
 
 

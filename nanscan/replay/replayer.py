@@ -13,7 +13,7 @@ import torch
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.rank_set import require_full_state
-from nanscan.entry import EntryError, ReplaySpec, build_spec
+from nanscan.entry import EntryError, ReplaySpec, build_spec, entry_search_dirs, locate_entry
 from nanscan.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
                                  model_device, prepare_batch, run_localized, run_step, select_samples)
@@ -38,12 +38,17 @@ class Replayer:
             raise ReplayError(f"{where} records no replay entry: pass one with --entry package.module:function "
                               "(a function taking the config dict and returning a nanscan.entry.ReplaySpec), or "
                               "give replay_entry= to the Monitor")
+        # As the training run could: a module beside it (`python -m pkg.train`) need not be installed.
+        found_in = locate_entry(self.entry, entry_search_dirs(self.bundle.manifest["environment"]))
         self.batch = self.bundle.batch(nested=True)
         if self.batch is None:
             raise ReplayError(f"{where} holds no batch (check() was called without batch=), so the step cannot be "
                               "replayed; pass the batch to Monitor.check")
         info = self.bundle.manifest["state"]
         self.notes: list[str] = []
+        if found_in is not None:
+            self.notes.append(f"entry: {self.entry!r} is not importable as is; imported it from {found_in} (set "
+                              "PYTHONPATH or install the package where regression tests and CI run it)")
         if info.get("file"):
             if self.bundle.manifest.get("distributed"):
                 require_full_state(self.bundle)  # one rank's FSDP shards alone do not fit the model
