@@ -34,6 +34,7 @@ import nanscan.bundle.read as R
 from nanscan import BundleError, Monitor, NonFiniteWarning, load_bundle
 from nanscan._atomic import atomic_directory, remove_dead_writers_temps
 from nanscan.cli import main as cli_main
+from nanscan.entry import EntryWarning
 from nanscan.provenance import capture_rng
 
 
@@ -54,9 +55,11 @@ class Run:
         self.model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95))
         self.incidents: list[B.Incident] = []
-        self.mon = Monitor(self.model, self.optimizer, bundle_dir=tmp_path / "bundles", run_id="r1",
-                           config={"lr": 1e-3, "layers": [3, 4, 2]}, log_files=log_files, on_invalid="warn",
-                           snapshot=snapshot, replay_entry="my_pkg.train:replay")
+        # The entry is only recorded here: the Monitor says at once that it cannot be imported.
+        with pytest.warns(EntryWarning, match="my_pkg.train"):
+            self.mon = Monitor(self.model, self.optimizer, bundle_dir=tmp_path / "bundles", run_id="r1",
+                               config={"lr": 1e-3, "layers": [3, 4, 2]}, log_files=log_files, on_invalid="warn",
+                               snapshot=snapshot, replay_entry="my_pkg.train:replay")
         for step in range(steps + 1):
             g = torch.Generator().manual_seed(step)
             self.batch = {"x": torch.randn(5, 3, generator=g), "extra": (torch.arange(5), [torch.ones(2, 2)]),
