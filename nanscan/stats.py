@@ -135,7 +135,12 @@ class ScanReport:
     `tensors` is kept as a tuple, so the identities of a step are shared by its report and the Monitor's history
     rather than copied. `any_nonfinite`: the verdict when the scan already gave it (the native CPU backend does),
     else it is read from the records when asked.
+
+    `spike`: the nanscan.spikes.Spike the Monitor found at this check (a finite step far outside its recent range),
+    else None.
     """
+
+    spike = None
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None,
@@ -243,7 +248,8 @@ class PendingReport(ScanReport):
     Nothing here waits for the GPU unless asked to.
 
     Known at once: `step`, `tensors`, `names`, `skipped`, `backend`, `found_inf` (this step's flag, on the GPU
-    for a GPU scan: pass it to a fused optimizer), `ready()` and `ok`.
+    for a GPU scan: pass it to a fused optimizer; `found_inf` given here replaces the scan's, e.g. the Monitor's
+    flag that also holds a spike), `ready()`, `ok` and `spike` (the spike of `decided_step`, if it was one).
 
     `ok` is the verdict the Monitor acted on at this check: False when the step it decided here (`decided_step`,
     the previous one, whose scan has finished by now) was non-finite and on_invalid did not raise, else True.
@@ -254,7 +260,8 @@ class PendingReport(ScanReport):
     """
 
     def __init__(self, tensors: Sequence[ScannedTensor], scan: PendingScan, *, skipped: Sequence[str] = (),
-                 backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None):
+                 backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None,
+                 found_inf: torch.Tensor | None = None):
         self.tensors = tuple(tensors)
         self.skipped = list(skipped)
         self.backend = backend
@@ -263,6 +270,7 @@ class PendingReport(ScanReport):
         self._scan = scan
         self._records: np.ndarray | None = None
         self._verdict_ok = ok
+        self._found_inf = found_inf
 
     @property
     def records(self) -> np.ndarray:
@@ -277,7 +285,7 @@ class PendingReport(ScanReport):
 
     @property
     def found_inf(self) -> torch.Tensor:
-        return self._scan.found_inf
+        return self._scan.found_inf if self._found_inf is None else self._found_inf
 
     def ready(self) -> bool:
         """True once the scan has finished, so reading `records` will not wait (never blocks)."""

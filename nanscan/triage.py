@@ -1,6 +1,7 @@
 """`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
 replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
 number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part.
+Spike bundles (category "spike": early warnings, every value finite) are listed apart, not counted as incidents.
 Unreadable bundles are listed separately with the reason.
 """
 
@@ -17,6 +18,7 @@ from nanscan._cli import cli_errors, json_out
 from nanscan.bundle import Bundle, BundleError, BundleSet, load_bundle
 from nanscan.bundle.format import MANIFEST, PENDING_PREFIX
 from nanscan.bundle.rank_set import INDEX
+from nanscan.incident import SPIKE
 
 NOT_REPLAYED = "(not replayed)"
 
@@ -41,8 +43,9 @@ class TriageEntry:
 @dataclass
 class TriageResult:
     root: str
-    entries: list[TriageEntry]
+    entries: list[TriageEntry]  # the incidents
     unreadable: list[dict] = field(default_factory=list)  # {"path", "error"}
+    spikes: list[TriageEntry] = field(default_factory=list)  # spike bundles: early warnings, not incidents
 
     def groups(self) -> dict[str, dict[str, list[TriageEntry]]]:
         """category -> module -> entries; categories and modules by descending count, entries by run and step."""
@@ -61,6 +64,7 @@ class TriageResult:
                  "modules": [{"module": mod, "count": len(items), "bundles": [e.to_dict() for e in items]}
                              for mod, items in mods.items()]}
                 for cat, mods in groups.items()],
+            "spikes": [e.to_dict() for e in sorted(self.spikes, key=lambda e: (e.run_id, e.step, e.path))],
         }
 
 
@@ -107,20 +111,23 @@ def triage(root: str | os.PathLike) -> TriageResult:
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the directory that holds the bundles "
                          "(the Monitor's bundle_dir)")
-    entries, unreadable = [], []
+    entries, unreadable, spikes = [], [], []
     for path in find_bundle_dirs(root):
         # Everything read from one bundle stays inside the try: one damaged bundle is listed, the others still count.
         try:
             bundle = load_bundle(path)
             module, source, verdict = first_bad_module(bundle)
+            if bundle.category == SPIKE:  # no module went bad: name the layers whose gradients moved first
+                moving = (bundle.spike or {}).get("first_moving") or []
+                module, source = ", ".join(str(g.get("layer")) for g in moving[:3]) or "(none moved first)", "spike"
             ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
             entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
                                 module, source, verdict, bundle.manifest.get("detected_at"), *ranks)
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
             continue
-        entries.append(entry)
-    return TriageResult(str(root), entries, unreadable)
+        (spikes if entry.category == SPIKE else entries).append(entry)
+    return TriageResult(str(root), entries, unreadable, spikes)
 
 
 def print_triage(result: TriageResult, console) -> None:
@@ -128,7 +135,7 @@ def print_triage(result: TriageResult, console) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     groups = result.groups()
-    if not result.entries and not result.unreadable:
+    if not result.entries and not result.unreadable and not result.spikes:
         console.print(f"no nanscan bundles under {result.root} (bundles are the step-<N> directories that a Monitor "
                       "writes under <bundle_dir>/<run_id>/)", highlight=False, markup=False)
         return
@@ -150,6 +157,14 @@ def print_triage(result: TriageResult, console) -> None:
                 ranks = "" if e.world_size is None else \
                     f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
                 table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)))
+        console.print(table)
+    if result.spikes:
+        table = Table(title=f"{len(result.spikes)} spike bundle(s): early warnings, every value finite (not "
+                            "incidents)")
+        for column in ("run", "step", "first moving", "bundle"):
+            table.add_column(column, overflow="fold")
+        for e in sorted(result.spikes, key=lambda e: (e.run_id, e.step, e.path)):
+            table.add_row(*map(escape, (e.run_id, str(e.step), e.module, e.path)))
         console.print(table)
     if result.unreadable:
         console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")

@@ -14,10 +14,10 @@ from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDG
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
                                    BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
 from nanscan.bundle.history import history_payload
-from nanscan.bundle.incident_md import detect_finding, ledger_bytes, render_incident
+from nanscan.bundle.incident_md import detect_finding, ledger_bytes, render_incident, spike_finding
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
-from nanscan.incident import tensor_kind
+from nanscan.incident import SPIKE, tensor_kind
 from nanscan.provenance import SourceInfo, config_sha256, rng_to_tensors
 
 log = logging.getLogger("nanscan")
@@ -104,9 +104,10 @@ def _write_contents(root: Path, inc: Incident) -> None:
                                        pre_step=False, optimizer=False)
     manifest["logs"] = _write_logs(root, inc.logs)
     manifest["replay_entry"] = inc.replay_entry
+    manifest["spikes"] = plain_json(list(inc.spikes), "spikes")
     if inc.distributed is not None:
         manifest["distributed"] = plain_json(inc.distributed, "distributed")
-    ledger = [detect_finding(inc, nonfinite)]
+    ledger = [spike_finding(inc) if inc.category == SPIKE else detect_finding(inc, nonfinite)]
     (root / LEDGER).write_bytes(ledger_bytes(ledger))
     manifest["ledger"] = LEDGER
     manifest["incident"] = INCIDENT
