@@ -2,6 +2,7 @@
 without the check, interleaved in one run, reported as median step times and one ratio line:
 
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
+    spike_detection_overhead = 0.3% of a checked step (spikes="warn" vs spikes=None, adjacent blocks)
 
 Run it alone: `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_overhead.py --json
 benchmarks/results/bench_overhead.json`. Steps run in blocks whose order alternates (plain, checked, checked,
@@ -12,6 +13,10 @@ a run, which swung the ratio of the pooled medians (also reported) from 1% to 10
 ratio and the check's own time stayed within about a point at 20 block pairs (60, the default, narrow that
 further; about 15 s). The check is validated (finite, every parameter, gradient and optimizer state tensor
 scanned) before anything is timed.
+
+Spike detection (nanscan.spikes, on by default) is measured in the same run: a third variant checks with a second
+Monitor built with spikes=None, in blocks interleaved with the others, and the second ratio line compares the
+default check with it. `--reps 1 --block 2 --warmup 2` is a dry run of a few seconds that exercises every path.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from nanscan import demo as D
 from nanscan._atomic import write_results_json
 from nanscan.monitor import Monitor
 
-MODES = ("plain", "check")
+MODES = ("plain", "check", "nospikes")  # nospikes: checked by a Monitor with spikes=None
 
 
 def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
@@ -59,20 +64,25 @@ class Trainer:
         with D.seeded_rngs(config["seed"]):
             self.model = D.build_model(config)
         self.optimizer = D.build_optimizer(self.model, config)
-        self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
-                               run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
+        self.monitors = {mode: Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
+                                       run_id=f"bench-overhead-{mode}", on_invalid="raise",
+                                       **monitor_kwargs, **({"spikes": None} if mode == "nospikes" else {}))
+                         for mode in MODES[1:]}
+        self.monitor = self.monitors["check"]
         self.step = 0
-        self.check_seconds: list[float] = []
+        self.check_seconds: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
 
-    def train_step(self, batch: dict, checked: bool):
+    def train_step(self, batch: dict, checked: bool | str):
+        """One step; `checked`: False (plain), True or "check" (the default Monitor), "nospikes"."""
+        mode = "check" if checked is True else checked
         self.optimizer.zero_grad(set_to_none=True)
         loss = D.step_fn(self.model, batch)
         loss.backward()
         report = None
-        if checked:
+        if mode:
             start = time.perf_counter()
-            report = self.monitor.check(batch=batch, loss=loss, lr=self.config["lr"], step=self.step)
-            self.check_seconds.append(time.perf_counter() - start)
+            report = self.monitors[mode].check(batch=batch, loss=loss, lr=self.config["lr"], step=self.step)
+            self.check_seconds[mode].append(time.perf_counter() - start)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
         self.optimizer.step()
         self.step += 1
@@ -83,6 +93,7 @@ def validate(trainer: Trainer, batch: dict) -> int:
     """One checked step must scan every parameter, gradient and optimizer state tensor and find them finite."""
     trainer.train_step(batch, checked=False)  # creates the optimizer state, so the next check sees it
     loss, report = trainer.train_step(batch, checked=True)
+    trainer.train_step(batch, checked="nospikes")
     params = list(trainer.model.parameters())
     state = sum(1 for p in params for v in trainer.optimizer.state[p].values()
                 if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -107,10 +118,12 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp))
         scanned = validate(trainer, batches[0])
         for i in range(warmup):
-            trainer.train_step(batches[i % len(batches)], checked=bool(i % 2))
-        trainer.check_seconds.clear()
+            trainer.train_step(batches[i % len(batches)], checked=(False, "check", "nospikes")[i % 3])
+        for seconds in trainer.check_seconds.values():
+            seconds.clear()
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
+        spike_ratios = []  # per repetition: median checked step (spikes on) / median nospikes step
         n = 0
         for rep in range(reps):
             order = MODES if rep % 2 == 0 else MODES[::-1]
@@ -121,14 +134,17 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
                     batch = batches[n % len(batches)]
                     n += 1
                     start = time.perf_counter()
-                    trainer.train_step(batch, checked=mode == "check")
+                    trainer.train_step(batch, checked=mode if mode != "plain" else False)
                     block_times.append(time.perf_counter() - start)
                 times[mode] += block_times
                 block_medians[mode] = statistics.median(block_times)
             pair_ratios.append(block_medians["check"] / block_medians["plain"])
+            spike_ratios.append(block_medians["check"] / block_medians["nospikes"])
         profile_text = _profile(trainer, batches, profile) if profile else None
+    if trainer.monitor.spikes or trainer.monitors["nospikes"].spikes:
+        raise SystemExit(f"validation failed: a healthy benchmark run reported spikes: {trainer.monitor.spikes[:1]}")
     plain, checked = statistics.median(times["plain"]), statistics.median(times["check"])
-    check_alone = statistics.median(trainer.check_seconds)
+    check_alone = statistics.median(trainer.check_seconds["check"])
     return {
         "question": "Monitor.check overhead on the nanscan demo model's training step",
         "config": {k: config[k] for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "batch_size")},
@@ -136,11 +152,13 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "tensors_scanned_per_check": scanned,
         "monitor": {"history": history, "snapshot": snapshot},
         "reps": reps, "block": block, "warmup": warmup,
-        "median_step_ms": {"plain": plain * 1e3, "check": checked * 1e3},
+        "median_step_ms": {mode: statistics.median(times[mode]) * 1e3 for mode in MODES},
         "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in MODES},
         "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in MODES},
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
+        "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
+        "spike_detection_overhead_pct": 100.0 * (statistics.median(spike_ratios) - 1.0),
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
         "check_share_pct": 100.0 * check_alone / plain,
         "torch_threads": torch.get_num_threads(),
@@ -195,7 +213,7 @@ def main(argv=None) -> int:
     med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
-    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps; "
+    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x {len(MODES)} blocks of {args.block} steps; "
           f"load average {result['load_average_1min']['start']:.1f} -> {result['load_average_1min']['end']:.1f} "
           f"on {result['load_average_1min']['cpus']} CPUs")
     print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
@@ -203,7 +221,10 @@ def main(argv=None) -> int:
         print(f"{mode:<10}{med[mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
     print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
     print(f"pooled medians: checked/plain = {result['pooled_overhead_pct']:+.1f}% (sensitive to load drift)")
+    print(f"check alone without spike detection: median {result['median_check_nospikes_ms']:.3f} ms")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step (median over adjacent block pairs)")
+    print(f"spike_detection_overhead = {result['spike_detection_overhead_pct']:.1f}% of a checked step "
+          "(spikes='warn' vs spikes=None, adjacent blocks)")
     if result["profile"]:
         print(result["profile"])
     if args.json:

@@ -82,7 +82,7 @@ def read_scaling(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Opt
     pinned.copy_(scale.reshape(()), non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(scale.device))
-    return Scaling(pinned, scaled, event=event, backoff=backoff)
+    return Scaling(pinned, scaled, event=event, backoff=backoff, tensor=scale)
 
 
 def autocast_state(device_type: str) -> dict | None:

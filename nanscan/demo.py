@@ -8,6 +8,11 @@ in the loss: the loss is inf and every gradient jumps to ~1e35. The Monitor sees
 non-finite loss and files the incident as `loss`; the bundle keeps the batch and its record ids.
 
 The workflow runs as ordered stages (STAGES); later stages (replay, ablation, data checks) append to that list.
+
+`nanscan demo --diverging` runs the other way a run fails: the same model on clean data under a learning-rate
+warm-up that never ends (the rate grows 5% a step and nobody capped it). The loss and the gradient norm climb for
+well over a hundred steps before the first NaN; the Monitor's SpikeWarning names the step they left their range,
+and the spike bundle written then, while the weights were still sound, is where the diagnosis starts.
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "data_path": None,  # the JSON Lines file; set by demo_config()
     "replay_batches": 4,
 }
+
+
+# The diverging run: the rate starts at DIVERGING_LR and is multiplied by DIVERGING_GROWTH every step, for at most
+# DIVERGING_STEPS steps (it goes non-finite at step 268, first warned about at step 92).
+DIVERGING_RUN_ID = "nanscan-demo-diverging"
+DIVERGING_LR = 1e-3
+DIVERGING_GROWTH = 1.05
+DIVERGING_STEPS = 400
 
 
 def demo_config(out_dir: Path) -> dict:
@@ -631,12 +644,114 @@ def run_demo(out_dir: str | os.PathLike = "nanscan-demo", *, echo: Callable[[str
                       stages=ctx.results, summary=ctx.summary)
 
 
+@dataclass
+class DivergingResult:
+    out_dir: str
+    first_warning_step: int | None  # the first SpikeWarning's step
+    first_invalid_step: int | None
+    spike_bundle: str | None
+    incident_bundle: str | None
+    warning: str | None  # the first SpikeWarning's text
+
+    @property
+    def ok(self) -> bool:
+        """Warned, and at least five steps before the first non-finite step."""
+        return (self.first_warning_step is not None and self.first_invalid_step is not None
+                and self.first_invalid_step - self.first_warning_step >= 5)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def diverging_lr(step: int) -> float:
+    """The warm-up that never ends: DIVERGING_LR x DIVERGING_GROWTH**step."""
+    return DIVERGING_LR * DIVERGING_GROWTH ** step
+
+
+def run_diverging(out_dir: str | os.PathLike = "nanscan-demo", *,
+                  echo: Callable[[str], None] | None = None) -> DivergingResult:
+    """Train the demo model on clean in-memory records with the endless warm-up until it goes non-finite, under a
+    Monitor with spikes="warn"; bundles go to <out_dir>/diverging-bundles."""
+    import warnings  # noqa: PLC0415
+
+    from nanscan.incident import NonFiniteError, SpikeWarning  # noqa: PLC0415
+    from nanscan.monitor import Monitor  # noqa: PLC0415
+
+    echo = echo or (lambda _line: None)
+    out = Path(out_dir).resolve()
+    config = dict(DEFAULT_CONFIG, steps=DIVERGING_STEPS, num_records=DEFAULT_CONFIG["batch_size"] * DIVERGING_STEPS)
+    records = make_records(config)
+    tokens = torch.tensor([r["tokens"] for r in records], dtype=torch.int64)
+    weights = torch.tensor([r["weights"] for r in records], dtype=torch.float32)
+    first_warning, error = None, None
+    with torch_threads(1), seeded_rngs(config["seed"]), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SpikeWarning)
+        model = build_model(config)
+        optimizer = build_optimizer(model, config)
+        monitor = Monitor(model, optimizer, bundle_dir=out / "diverging-bundles", config=config,
+                          run_id=DIVERGING_RUN_ID, on_invalid="raise", spikes="warn")
+        try:
+            with monitor:
+                for step in range(DIVERGING_STEPS):
+                    rows = torch.arange(step * config["batch_size"], (step + 1) * config["batch_size"])
+                    batch = {"tokens": tokens[rows], "weights": weights[rows]}
+                    for group in optimizer.param_groups:
+                        group["lr"] = diverging_lr(step)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = step_fn(model, batch)
+                    loss.backward()
+                    monitor.check(batch=batch, loss=loss, step=step)
+                    if first_warning is None and caught:
+                        first_warning = caught[0].message
+                        echo(f"[warned] step {step}: {first_warning}")
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"])
+                    optimizer.step()
+        except NonFiniteError as exc:
+            error = exc
+            echo(f"[non-finite] step {exc.step}: category {exc.category}; evidence in {exc.bundle_path}")
+    return DivergingResult(
+        out_dir=str(out), first_warning_step=first_warning.step if first_warning else None,
+        first_invalid_step=error.step if error else None,
+        spike_bundle=str(monitor.spike_bundle_path) if monitor.spike_bundle_path else None,
+        incident_bundle=str(error.bundle_path) if error is not None and error.bundle_path else None,
+        warning=str(first_warning) if first_warning else None)
+
+
+def diverging_command(out_dir: str, as_json: bool) -> None:
+    """`nanscan demo --diverging`: run_diverging, then the spike bundle's report."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from nanscan.bundle import load_bundle  # noqa: PLC0415
+    from nanscan.report import render_terminal, summarize  # noqa: PLC0415
+
+    console = Console(stderr=as_json)
+    result = run_diverging(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False,
+                                                                    soft_wrap=True))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+    elif result.spike_bundle is not None:
+        console.print()
+        render_terminal(summarize(load_bundle(result.spike_bundle)), console)
+        lead = (f", {result.first_invalid_step - result.first_warning_step} steps before the first non-finite step "
+                f"{result.first_invalid_step}" if result.first_invalid_step is not None else "")
+        console.print(f"\nwarned at step {result.first_warning_step}{lead}", highlight=False)
+        console.print(f"next:   {shlex.join(['nanscan', 'report', result.spike_bundle, '--html', 'spike.html'])}",
+                      markup=False, highlight=False, soft_wrap=True)
+    if not result.ok:
+        click.echo("nanscan demo --diverging: the divergence was not warned about 5 or more steps before its first "
+                   "non-finite step", err=True)
+        raise SystemExit(1)
+
+
 @click.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="nanscan-demo", show_default=True,
               help="Directory for the dataset, its config, the training log and the bundle.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as JSON instead of the report (the stage lines go to stderr).")
-def demo_command(out_dir, as_json):
+@click.option("--diverging", is_flag=True,
+              help="Run the diverging demo instead: an endless learning-rate warm-up, warned about by a spike long "
+                   "before the NaN.")
+def demo_command(out_dir, as_json, diverging):
     """Train a tiny language model on data with one corrupted record: catch the first non-finite step, keep the
     evidence as a bundle, then replay it, change one factor at a time and check the data to find the cause.
 
@@ -647,6 +762,9 @@ def demo_command(out_dir, as_json):
     Exits 0 when every stage went as designed (the fault caught at its step and traced to the corrupted record),
     1 when one did not, 2 on a usage error such as an --out directory that cannot be used.
     """
+    if diverging:
+        diverging_command(out_dir, as_json)
+        return
     from rich.console import Console
     from rich.text import Text
 

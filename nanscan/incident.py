@@ -1,5 +1,6 @@
 """The incident taxonomy, in one place: the tensor-name convention, the failure categories in the order they are
-decided, what each category means, and the error and warning a non-finite step raises.
+decided, what each category means, the error and warning a non-finite step raises, and the warning of a spike
+(the early warning before it, nanscan.spikes).
 
 Every module that names, parses or orders scanned tensors or categories asks here (the Monitor, distributed
 agreement, the bundle, report, replay, preflight), so a new kind or category is added once.
@@ -29,6 +30,10 @@ OTHER = "other"
 # The category of a distributed part whose rank held only finite values at the failing step (another rank's
 # were not).
 OTHER_RANK = "other_rank"
+# The category of an early-warning bundle: every value was finite, but the loss or the gradient norm jumped far out
+# of its recent range (nanscan.spikes NOTE: [spike statistic]). Never a failure category: a spike is not the run's
+# first invalid step, and nothing non-finite decides it.
+SPIKE = "spike"
 # Kinds of tensor in the order of the categories; a category names its own kind.
 KINDS = (*CATEGORIES, OTHER)
 
@@ -60,6 +65,9 @@ CATEGORY_EXPLANATIONS = {
     "loss": "The loss was non-finite while inputs, weights and optimizer state were finite: something in the "
             "forward pass produced it.",
     "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
+    SPIKE: "Every value was finite, but the loss or the gradient norm jumped far outside its recent range: an early "
+           "warning, kept while the weights are still sound. The tensors whose norms moved first point at the cause "
+           "(one layer's gradients: that layer; every layer at once with the loss: the batch or the learning rate).",
     OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
                 "index (index.json, one directory up) names the rank that went bad first.",
 }
@@ -112,6 +120,17 @@ def owner_module(name: str) -> str:
     return body.rpartition(".")[0]
 
 
+def layer_of(name: str) -> str:
+    """The layer holding a parameter, gradient or optimizer-state tensor: its module path up to the first index
+    ("grad:blocks.0.attn.qkv.weight" -> "blocks.0"), else the module's first component ("grad:head.weight" ->
+    "head"); the tensor's own name for the loss, batch tensors and other names."""
+    module = owner_module(name) if tensor_kind(name) in PREFIX.keys() - {"input"} else ""
+    if not module:
+        return name
+    parts = module.split(".")
+    return ".".join(parts[: next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)])
+
+
 def category_rank(category: str) -> int:
     """Where a category stands in the order of decision (earlier: closer to the cause); unknown ones last."""
     return KINDS.index(category) if category in KINDS else len(KINDS)
@@ -156,8 +175,27 @@ class NonFiniteWarning(RuntimeWarning):
     """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
 
 
-def warn_user(message: str, category: type[Warning] = NonFiniteWarning) -> None:
-    """Warn with the location of the first caller outside nanscan (the user's check call)."""
+class SpikeWarning(UserWarning):
+    """A step whose loss or gradient norm jumped far outside its recent range while every value was finite: the
+    early warning before a divergence (nanscan.spikes). Issued by Monitor.check with spikes="warn", "bundle" or
+    "skip", raised with spikes="raise".
+
+    `step`: the spiking step. `quantity`: what spiked most ("loss" or "grad_norm"). `spike`: the full
+    nanscan.spikes.Spike (every quantity past the rule, how far out, the first-moving tensors by layer).
+    `bundle_path`: the spike bundle (category SPIKE) when one was written for it, else None.
+    """
+
+    def __init__(self, message: str, *, step: int, quantity: str, spike: Any, bundle_path: Path | None = None):
+        super().__init__(message)
+        self.step = step
+        self.quantity = quantity
+        self.spike = spike
+        self.bundle_path = bundle_path
+
+
+def warn_user(message: str | Warning, category: type[Warning] = NonFiniteWarning) -> None:
+    """Warn with the location of the first caller outside nanscan (the user's check call). `message` may be a
+    Warning instance (a SpikeWarning with its fields), whose own class is then the category."""
     package_dir = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package_dir + os.sep):

@@ -46,6 +46,11 @@ call scaler.step(optimizer) and scaler.update() (they skip and back off on their
 `ok` False (its gradients are non-finite) and `overflow_skip` True, so skip a step yourself only when
 `not report.ok and not report.overflow_skip`. Pass the unscaled loss, and check after scaler.unscale_() and
 clip_grad_norm_ if the loop uses them.
+
+Spikes (nanscan.spikes NOTE: [spike statistic]): every finite step's loss and gradient norm are also judged against
+their recent range, from the same records. A spike warns (SpikeWarning) and the run's first one is bundled (category
+"spike"), while the weights are still sound; it is not an invalid step. spikes="skip" folds the spike into
+`report.found_inf`, so the found_inf contract above skips a spiking step's update too, on the device.
 """
 
 from __future__ import annotations
@@ -72,11 +77,14 @@ from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, 
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
-from nanscan.incident import SKIP_STREAK, NonFiniteError, categorize, is_kind, shown_names, warn_user
+from nanscan.incident import (SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, is_kind, shown_names,
+                              warn_user)
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.snapshot import CpuSnapshot
+from nanscan.spikes import EPISODE_GAP, Spike, SpikeRule, SpikeWatch
+from nanscan.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.stats import PendingReport, ScanReport
 
 log = logging.getLogger("nanscan")
@@ -268,6 +276,17 @@ class Monitor:
         report whose `.ok` is False: the loop should `continue` (skip optimizer.step() and the scheduler) for
         that step.
         Later non-finite steps are counted in `invalid_steps`, not bundled again.
+    spikes: what check() does at a finite step whose loss or gradient norm jumps far outside its recent range
+        (nanscan.spikes NOTE: [spike statistic]; after `spike_rule.warmup` finite steps): "warn" (the default: a
+        SpikeWarning at the first spike of each episode of spikes, and a bundle of category "spike" for the run's
+        first), "bundle" (also a bundle at every episode's first spike), "skip" (also skip the spiking step's
+        update: its gradients are set to None in mode="sync", and `report.found_inf` is 1.0 in either mode, so a
+        fused optimizer given it skips on the device), "raise" (raise the SpikeWarning), a callable
+        `spikes(spike, bundle_path)` called at every spiking step, or None (no spike detection). Detected spikes
+        are kept in `spikes`, and the report of the check that decided one has it as `report.spike` (in
+        mode="async": the check after the spiking step, like its non-finite verdict). With a process group, spikes
+        are not watched (the ranks would have to agree on them).
+    spike_rule: a nanscan.spikes.SpikeRule (window, warm-up, threshold, minimum ratio, scale floor).
     replay_entry: "package.module:function" that rebuilds the training step from the config (nanscan.entry).
     snapshot: "none" stores the state at the failing check (the step's update has not run yet, so the weights
         and optimizer state are the step's starting point; buffers the forward pass updates, e.g. BatchNorm
@@ -304,6 +323,7 @@ class Monitor:
                  bundle_dir: str | os.PathLike | None = None, config: Any = None, run_id: str | None = None,
                  history: int = 64, log_files: Sequence[str | os.PathLike] = (),
                  on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
+                 spikes: str | Callable[[Spike, Path | None], Any] | None = "warn", spike_rule: SpikeRule | None = None,
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE):
@@ -314,6 +334,11 @@ class Monitor:
         if not (callable(on_invalid) or on_invalid in ON_INVALID):
             raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)} or a callable "
                              "f(report, bundle_path)")
+        if not (spikes is None or callable(spikes) or spikes in SPIKE_POLICIES):
+            raise ValueError(f"spikes={spikes!r}: use one of {', '.join(SPIKE_POLICIES)}, a callable f(spike, "
+                             "bundle_path), or None to turn spike detection off")
+        if spike_rule is not None and not isinstance(spike_rule, SpikeRule):
+            raise TypeError(f"spike_rule must be a nanscan.spikes.SpikeRule or None, got {type(spike_rule).__name__}")
         if agreement not in ("sync", "async"):
             raise ValueError(f"agreement={agreement!r}: use 'sync' (each step decided before optimizer.step()) or "
                              "'async' (the verdict arrives one step later)")
@@ -355,6 +380,13 @@ class Monitor:
         self.bundle_path: Path | None = None
         self.bundle_error: BaseException | None = None  # why the bundle could not be written, if it could not
         self.invalid_steps = 0
+
+        # Spike detection (nanscan.spikes): the early warning before a divergence; see `spikes` above.
+        self.on_spike = spikes
+        self.spikes: list[Spike] = []
+        self.spike_bundle_path: Path | None = None  # the run's first spike bundle
+        self._spike_watch = SpikeWatch(spike_rule or SpikeRule()) if spikes is not None else None
+        self._decided_spike: Spike | None = None  # mode="async": the spike read at this check, for its report
 
         # Step-start captures, made by the forward pre-hook and consumed by the next check().
         self._armed = True
@@ -537,6 +569,8 @@ class Monitor:
                                 found_inf=None if on_host else scan.found_inf,
                                 any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
             slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
+        if self._spike_watch is not None and self._agreement is None and report.ok:  # NOTE: [spike statistic]
+            report = self._spike_at_check(report, step, batch, sample_ids, started)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
@@ -577,8 +611,11 @@ class Monitor:
         tensors = inputs.identities
         slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
                                  verdict=True, scaling=scaling)
+        found_inf = self._spike_on_device(step, scan, tensors, scaling)
         report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
-                               decided_step=decided_step, scaling=scaling, overflow_skip=decided_skip)
+                               decided_step=decided_step, found_inf=found_inf, scaling=scaling,
+                               overflow_skip=decided_skip)
+        report.spike, self._decided_spike = self._decided_spike, None
         start = _StepStart(self._rng, self._snapshot) if started else _StepStart(None, None)
         self._pending = _PendingStep(step, report, scan, slot, _retained(batch), _retained(sample_ids), started,
                                      start)
@@ -596,6 +633,7 @@ class Monitor:
             return None, True, False
         if not self._ring.verdict(pending.slot, pending.scan):
             self._finite_step()
+            self._read_spike(pending, read_at)
             return pending.step, True, False
         result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
                                pending.started, start=pending.start, read_at=read_at, slot=pending.slot)
@@ -721,6 +759,7 @@ class Monitor:
             model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
             mixed_precision=mixed_precision_record(self._scaler, self._autocast),
+            spikes=[spike.to_dict() for spike in self.spikes],
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
@@ -749,17 +788,97 @@ class Monitor:
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
         if policy == "skip":
-            for p in self.model.parameters():
-                p.grad = None
-            if self.optimizer is not None:  # it may also update parameters outside the model
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
+            self._drop_gradients()
         if policy in ("warn", "skip"):
             if first:
                 warn_user(self._message(step, category, tensors, read_at, streak))
             return
         policy(report, self.bundle_path)
+
+    def _drop_gradients(self) -> None:
+        """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes
+        nothing (zeroed gradients would not do: Adam's momentum would still move the weights)."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self.optimizer is not None:  # it may also update parameters outside the model
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    # -- spikes (nanscan.spikes NOTE: [spike statistic]) ------------------------------------------------------
+    def _spike_at_check(self, report: ScanReport, step: int, batch: Any, sample_ids: Any,
+                        started: bool) -> ScanReport:
+        """Judge a finite sync step; at a spike, act on it and return the report carrying it."""
+        spike = self._spike_watch.observe_host(step, report)
+        if spike is None:
+            return report
+        if self.on_spike == "skip":
+            self._drop_gradients()
+            report = ScanReport(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
+                                step=step, found_inf=torch.ones_like(report.found_inf), any_nonfinite=False,
+                                scaling=report.scaling)
+        report.spike = self._spike_found(spike, report, step, batch, sample_ids, started)
+        return report
+
+    def _spike_on_device(self, step: int, scan: Any, tensors: tuple, scaling: Any) -> Any:
+        """Judge an async step where its records are (no host sync); returns the found_inf its report gives: with
+        spikes="skip", the non-finite flag and the spike flag combined on the device, else None (the scan's)."""
+        if self._spike_watch is None:
+            return None
+        spiked = self._spike_watch.observe_device(step, scan, tensors, scaling)
+        return torch.maximum(scan.found_inf, spiked) if self.on_spike == "skip" else None
+
+    def _read_spike(self, pending: _PendingStep, read_at: str) -> None:
+        """Read a finite async step's spike verdict (judged on the device with its scan) and act on it."""
+        read = self._spike_watch.read() if self._spike_watch is not None else None
+        if read is None or read[0] != pending.step or not read[1]:
+            return
+        spike = self._spike_watch.spike_of(pending.step, read[1])
+        self._decided_spike = self._spike_found(spike, pending.report.result(), pending.step, pending.batch,
+                                                pending.sample_ids, pending.started, start=pending.start,
+                                                read_at=read_at)
+
+    def _spike_found(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool,
+                     *, start: _StepStart | None = None, read_at: str | None = None) -> Spike:
+        """Keep a spike, bundle it (the run's first; every episode's first with spikes="bundle") and warn, raise
+        or call spikes(spike, bundle_path). Spikes within EPISODE_GAP steps of the previous are one episode."""
+        new_episode = not self.spikes or step - self.spikes[-1].step > EPISODE_GAP
+        if new_episode or callable(self.on_spike):
+            spike = self._spike_watch.attributed(spike, self._ring.entries())  # copies the history: at spikes only
+        self.spikes.append(spike)
+        bundle_path = None
+        if new_episode and (self.on_spike == "bundle" or len(self.spikes) == 1):
+            bundle_path = self._spike_bundle(spike, report, step, batch, sample_ids, started, start, read_at)
+        if callable(self.on_spike):
+            self.on_spike(spike, bundle_path)
+            return spike
+        warning = SpikeWarning(self._spike_message(spike, bundle_path, read_at), step=step, quantity=spike.quantity,
+                               spike=spike, bundle_path=bundle_path)
+        if self.on_spike == "raise":
+            raise warning
+        if new_episode:
+            warn_user(warning)
+        return spike
+
+    def _spike_bundle(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any,
+                      started: bool, start: _StepStart | None, read_at: str | None) -> Path | None:
+        try:
+            path = write_bundle(self.incident(report, step, SPIKE, spike.tensors, batch, sample_ids, started,
+                                              start=start, read_at=read_at), self.bundle_dir)
+        except Exception as exc:  # noqa: BLE001 - a failed write must not stop training; the warning goes out
+            log.error("nanscan: could not write the spike bundle for step %d: %s: %s", step, type(exc).__name__, exc)
+            return None
+        if self.spike_bundle_path is None:
+            self.spike_bundle_path = path
+        return path
+
+    def _spike_message(self, spike: Spike, bundle_path: Path | None, read_at: str | None) -> str:
+        text = f"nanscan: {spike.describe()}"
+        if read_at == "next_check":
+            text += "; mode='async': read at the next check (spikes='skip' skips it through report.found_inf)"
+        if bundle_path is not None:
+            text += f"; evidence in {bundle_path} (see `nanscan report {bundle_path}`)"
+        return text + ". Values are still finite: this is an early warning, not an invalid step"
 
 
 # -- the default Monitor behind nanscan.check(model) ---------------------------------------------------------

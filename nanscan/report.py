@@ -1,5 +1,6 @@
 """`nanscan report BUNDLE`: what an incident bundle says, as a terminal summary, one self-contained HTML page with
-plots, or JSON.
+plots, or JSON. A spike bundle (category "spike", the early warning) shows what spiked and the gradient tensors
+that moved first; any bundle marks the run's spikes on its loss and gradient-norm plots.
 
 `summarize(bundle)` is the single source of every number shown; the terminal, HTML and JSON views only format it.
 Non-finite floats (a NaN loss) appear in the JSON as the strings "nan", "inf" and "-inf", since strict JSON has no
@@ -24,7 +25,7 @@ from nanscan.bundle import BundleError, json_float, load_bundle
 from nanscan.bundle.findings import findings_lines, recorded_findings
 from nanscan.bundle.incident_md import mixed_precision_lines
 from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import KINDS, LOSS, PREFIX, explain_category, tensor_kind
+from nanscan.incident import KINDS, LOSS, PREFIX, SPIKE, explain_category, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 
@@ -134,6 +135,10 @@ def summarize(bundle, history: list | None = None) -> dict:
         "mixed_precision": _mixed_precision(manifest.get("mixed_precision"), history, failing),
         # what replay, ablate and reviewers added to the ledger so far
         "findings": recorded_findings(bundle),
+        # the run's spikes up to this step (nanscan.spikes); a spike bundle's own is "spike"
+        "spikes": [{"step": s["step"], "quantity": s["quantity"], "ratio": s["scores"][0]["ratio"]}
+                   for s in manifest.get("spikes", [])],
+        "spike": _spike_summary(manifest, step) if category == SPIKE else None,
     }
 
 
@@ -168,6 +173,18 @@ class _HeadroomRow:
 
     def __init__(self, **fields):
         self.__dict__.update(fields)
+
+
+
+
+def _spike_summary(manifest: dict, step: int) -> dict | None:
+    """A spike bundle's own spike: its scores and the first-moving tensors, flattened by layer."""
+    spike = next((s for s in reversed(manifest.get("spikes", [])) if s.get("step") == step), None)
+    if spike is None:
+        return None
+    moving = [{"layer": g["layer"], **t} for g in spike.get("first_moving", []) for t in g["tensors"]]
+    return {"step": step, "window": spike.get("window"), "rule": spike.get("rule"), "scores": spike["scores"],
+            "first_moving": moving}
 
 
 def _group_by_module(offenders: list[dict]) -> list[dict]:
@@ -301,8 +318,8 @@ def render_terminal(summary: dict, console=None) -> None:
     console = console or Console()
     step, category = summary["first_invalid_step"], summary["category"]
     category_text, run_text = _literal(str(category), str(summary["run_id"]))
-    console.print(f"[bold red]first invalid step {step}[/bold red], category [bold]{category_text}[/bold] "
-                  f"(run {run_text})")
+    headline = f"spike at step {step}" if category == SPIKE else f"first invalid step {step}"
+    console.print(f"[bold red]{headline}[/bold red], category [bold]{category_text}[/bold] (run {run_text})")
     if summary["category_meaning"]:
         console.print(summary["category_meaning"], highlight=False)
     if summary.get("distributed"):
@@ -312,7 +329,8 @@ def render_terminal(summary: dict, console=None) -> None:
         console.print("[yellow]this bundle holds no history steps:[/yellow] no loss, gradient norm, batch statistics "
                       "or headroom to show")
     steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
-    for label, values in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"])):
+    at_step = "spike" if category == SPIKE else "first invalid"
+    for label, values in (("last finite", summary["last_finite"]), (at_step, summary["failing"])):
         if values is not None:
             steps.add_row(*_literal(label, str(values["step"]), _fmt(values["loss"]), _fmt(values["lr"], ".3e"),
                                     _grad_norm_cell(values), str(values["nonfinite_tensors"])))
@@ -328,7 +346,8 @@ def render_terminal(summary: dict, console=None) -> None:
                                  str(g["numel"])))
     if len(summary["groups"]) > TABLE_MAX_ROWS:
         groups.caption = f"{len(summary['groups']) - TABLE_MAX_ROWS} more modules in --json"
-    console.print(groups)
+    if summary["groups"] or category != SPIKE:  # a spike bundle holds no non-finite tensor
+        console.print(groups)
 
     if summary["inputs_at_failure"]:
         inputs = table(f"batch at step {step}", "tensor", "dtype", "elements", "NaN", "inf", "zero", "absmax",
@@ -342,6 +361,12 @@ def render_terminal(summary: dict, console=None) -> None:
             shown = ", ".join(map(str, sample_ids[:5])) + (", ..." if len(sample_ids) > 5 else "")
             inputs.caption = _literal(f"{len(sample_ids)} samples: {shown}")[0]
         console.print(inputs)
+
+    if summary.get("spike"):
+        console.print(_spike_tables(table, summary["spike"]))
+    if summary.get("spikes"):
+        console.print(_literal("spikes of this run up to here: " + _spike_list(summary["spikes"]))[0],
+                      highlight=False)
 
     if summary["exponent_jumps"]:
         jumps = table(f"jumps at step {step}: top binade (log2)", "tensor",
@@ -487,6 +512,34 @@ def plot_exponent_heatmap(summary: dict, history):
     return fig
 
 
+def _spike_list(spikes: list[dict]) -> str:
+    return ", ".join(f"step {s['step']} ({s['quantity']} {s['ratio']:.3g}x)" for s in spikes[-10:])
+
+
+def _spike_rows(spike: dict) -> tuple[list[list[str]], list[list[str]]]:
+    """(score rows, first-moving rows) of a spike summary, as text cells."""
+    scores = [[s["quantity"], _fmt(s["value"]), _fmt(s["median"]), f"{s['ratio']:.3g}x", f"{s['z']:.1f}"]
+              for s in spike["scores"]]
+    moving = [[t["layer"], t["name"], str(t["onset"]), f"{t['ratio']:.3g}x", f"{t['z']:.1f}"]
+              for t in spike["first_moving"]]
+    return scores, moving
+
+
+def _spike_tables(table, spike: dict):
+    from rich.console import Group
+
+    scores, moving = _spike_rows(spike)
+    first = table(f"spike against the last {spike['window']} finite steps (log space, median and MAD)",
+                  "quantity", "value", "median", "ratio", "robust z")
+    for row in scores:
+        first.add_row(*_literal(*row))
+    second = table("gradient norms that moved first, by layer", "layer", "tensor", "from step", "ratio",
+                   "robust z", left=2)
+    for row in moving:
+        second.add_row(*_literal(*row))
+    return Group(first, second) if moving else first
+
+
 def plot_curves(summary: dict, history):
     """Loss and gradient norm over the history, with the first invalid step marked; a non-finite value is drawn
     as a red X at the top of the axis, labelled with what it was."""
@@ -504,6 +557,11 @@ def plot_curves(summary: dict, history):
             ax.set_yscale("log")
         if step is not None:
             ax.axvline(step, color="red", ls="--", lw=1)
+        spiked = {s["step"] for s in summary.get("spikes", [])}
+        marked = [(s, v) for s, v in good if s in spiked]
+        if marked:
+            ax.scatter(*zip(*marked), marker="^", s=60, color="darkorange", zorder=3, label="spike")
+            ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
         for s, v in points:
             if not math.isfinite(v):
                 ax.scatter([s], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red",
@@ -513,7 +571,8 @@ def plot_curves(summary: dict, history):
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     if step is not None:
-        ax_norm.annotate(f"first invalid step {step}", xy=(step, 0.5), xycoords=("data", "axes fraction"),
+        label = "spike" if summary["category"] == SPIKE else "first invalid step"
+        ax_norm.annotate(f"{label} {step}", xy=(step, 0.5), xycoords=("data", "axes fraction"),
                          xytext=(-6, 0), textcoords="offset points", ha="right", va="center", color="red",
                          fontsize=9)
     ax_norm.set_xlabel("step")
@@ -633,6 +692,16 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
                         [[g["module"], g["layer"], ", ".join(g["tensors"]), g["nan"], g["posinf"], g["neginf"],
                           g["numel"]] for g in summary["groups"]], left=3))
     parts += _img(plot_nonfinite_map(summary, history), "per-module non-finite map")
+
+    if summary.get("spike"):
+        scores, moving = _spike_rows(summary["spike"])
+        parts.append(f"<h2>Spike against the last {summary['spike']['window']} finite steps</h2>")
+        parts.append(_table(["quantity", "value", "median", "ratio", "robust z"], scores))
+        if moving:
+            parts.append("<p>Gradient norms that moved first, by layer:</p>")
+            parts.append(_table(["layer", "tensor", "from step", "ratio", "robust z"], moving, left=2))
+    if summary.get("spikes"):
+        parts.append(f"<p>Spikes of this run up to here: {esc(_spike_list(summary['spikes']))}</p>")
 
     if summary["inputs_at_failure"]:
         parts.append(f"<h2>Batch at step {summary['first_invalid_step']}</h2>")

@@ -67,10 +67,13 @@ class Scaling:
     (so reading it waits for that copy only, which the verdict of its step has already waited for). `scaled`:
     False when GradScaler.unscale_() ran before the check, so the gradients are already the real ones."""
 
-    __slots__ = ("_value", "_event", "scaled", "backoff")
+    __slots__ = ("_value", "_event", "scaled", "backoff", "tensor")
 
-    def __init__(self, value: Any, scaled: bool, *, event: Any = None, backoff: float = 0.5):
+    def __init__(self, value: Any, scaled: bool, *, event: Any = None, backoff: float = 0.5,
+                 tensor: torch.Tensor | None = None):
         self._value, self._event, self.scaled, self.backoff = value, event, scaled, backoff
+        # The scaler's own scale tensor, for device-side use in stream order (spike statistics), None for a float.
+        self.tensor = tensor
 
     @property
     def scale(self) -> float:
@@ -229,7 +232,11 @@ class ScanReport:
     value, and the decoded gradient statistics are unscaled (NOTE: [unscaled gradients]); `overflow_skip` is True
     when this step's only non-finite tensors were gradients, which GradScaler skips (NOTE: [overflow skips] in
     nanscan.amp). Without a scaler: None, None and False.
+    `spike`: the nanscan.spikes.Spike the Monitor found at this check (a finite step far outside its recent range),
+    else None.
     """
+
+    spike = None
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None,
@@ -360,7 +367,9 @@ class PendingReport(ScanReport):
     Nothing here waits for the GPU unless asked to.
 
     Known at once: `step`, `tensors`, `names`, `skipped`, `backend`, `found_inf` (this step's flag, on the GPU
-    for a GPU scan: pass it to a fused optimizer), `ready()`, `ok` and `overflow_skip`.
+    for a GPU scan: pass it to a fused optimizer; `found_inf` given here replaces the scan's, e.g. the Monitor's
+    flag that also holds a spike), `ready()`, `ok`, `overflow_skip` and `spike` (the spike of `decided_step`, if it
+    was one).
 
     `ok` is the verdict the Monitor acted on at this check: False when the step it decided here (`decided_step`,
     the previous one, whose scan has finished by now) was non-finite and on_invalid did not raise, else True.
@@ -374,7 +383,8 @@ class PendingReport(ScanReport):
 
     def __init__(self, tensors: Sequence[ScannedTensor], scan: PendingScan, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, ok: bool = True, decided_step: int | None = None,
-                 scaling: Scaling | None = None, overflow_skip: bool = False):
+                 scaling: Scaling | None = None, overflow_skip: bool = False,
+                 found_inf: torch.Tensor | None = None):
         self.tensors = tuple(tensors)
         self.skipped = list(skipped)
         self.backend = backend
@@ -385,6 +395,7 @@ class PendingReport(ScanReport):
         self._verdict_ok = ok
         self.scaling = scaling
         self.overflow_skip = overflow_skip
+        self._found_inf = found_inf
 
     @property
     def records(self) -> np.ndarray:
@@ -399,7 +410,7 @@ class PendingReport(ScanReport):
 
     @property
     def found_inf(self) -> torch.Tensor:
-        return self._scan.found_inf
+        return self._scan.found_inf if self._found_inf is None else self._found_inf
 
     def ready(self) -> bool:
         """True once the scan has finished, so reading `records` will not wait (never blocks)."""

@@ -1,7 +1,8 @@
 """`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
 replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
 number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part, and so
-do copies of one incident (same run, step and detection time). Unreadable bundles are listed separately with the
+do copies of one incident (same run, step and detection time). Spike bundles (category "spike": early warnings,
+every value finite) are listed apart, not counted as incidents. Unreadable bundles are listed separately with the
 reason; a hand-edited INCIDENT.md is not unreadable (its edited automatic sections are named).
 """
 
@@ -19,6 +20,7 @@ from nanscan.bundle import BundleError, BundleSet, load_bundle
 from nanscan.bundle.findings import NOT_REPLAYED, first_bad_module
 from nanscan.bundle.format import MANIFEST, PENDING_PREFIX
 from nanscan.bundle.rank_set import INDEX
+from nanscan.incident import SPIKE
 
 
 @dataclass
@@ -43,8 +45,9 @@ class TriageEntry:
 @dataclass
 class TriageResult:
     root: str
-    entries: list[TriageEntry]
+    entries: list[TriageEntry]  # the incidents
     unreadable: list[dict] = field(default_factory=list)  # {"path", "error"}
+    spikes: list[TriageEntry] = field(default_factory=list)  # spike bundles: early warnings, not incidents
 
     def groups(self) -> dict[str, dict[str, list[TriageEntry]]]:
         """category -> module -> entries; categories and modules by descending count, entries by run and step."""
@@ -63,6 +66,7 @@ class TriageResult:
                  "modules": [{"module": mod, "count": len(items), "bundles": [e.to_dict() for e in items]}
                              for mod, items in mods.items()]}
                 for cat, mods in groups.items()],
+            "spikes": [e.to_dict() for e in sorted(self.spikes, key=lambda e: (e.run_id, e.step, e.path))],
         }
 
 
@@ -85,12 +89,15 @@ def triage(root: str | os.PathLike) -> TriageResult:
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the directory that holds the bundles "
                          "(the Monitor's bundle_dir)")
-    entries, unreadable, seen = [], [], {}
+    entries, unreadable, seen, spikes = [], [], {}, []
     for path in find_bundle_dirs(root):
         # Everything read from one bundle stays inside the try: one damaged bundle is listed, the others still count.
         try:
             bundle = load_bundle(path)
             module, source, verdict = first_bad_module(bundle)
+            if bundle.category == SPIKE:  # no module went bad: name the layers whose gradients moved first
+                moving = (bundle.spike or {}).get("first_moving") or []
+                module, source = ", ".join(str(g.get("layer")) for g in moving[:3]) or "(none moved first)", "spike"
             ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
             entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
                                 module, source, verdict, bundle.manifest.get("detected_at"), *ranks,
@@ -103,8 +110,8 @@ def triage(root: str | os.PathLike) -> TriageResult:
             seen[identity].copies.append(entry.path)
             continue
         seen[identity] = entry
-        entries.append(entry)
-    return TriageResult(str(root), entries, unreadable)
+        (spikes if entry.category == SPIKE else entries).append(entry)
+    return TriageResult(str(root), entries, unreadable, spikes)
 
 
 def _incident_identity(bundle) -> tuple:
@@ -126,7 +133,7 @@ def print_triage(result: TriageResult, console) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     groups = result.groups()
-    if not result.entries and not result.unreadable:
+    if not result.entries and not result.unreadable and not result.spikes:
         console.print(f"no nanscan bundles under {result.root} (bundles are the step-<N> directories that a Monitor "
                       "writes under <bundle_dir>/<run_id>/)", highlight=False, markup=False)
         return
@@ -160,6 +167,14 @@ def print_triage(result: TriageResult, console) -> None:
                       "(`nanscan note --rebuild DIR` renders them again from the ledger, keeping the edit):")
         for e in edited:
             console.print(f"  {e.path}: {'; '.join(e.note_edited)}", highlight=False, markup=False)
+    if result.spikes:
+        table = Table(title=f"{len(result.spikes)} spike bundle(s): early warnings, every value finite (not "
+                            "incidents)")
+        for column in ("run", "step", "first moving", "bundle"):
+            table.add_column(column, overflow="fold")
+        for e in sorted(result.spikes, key=lambda e: (e.run_id, e.step, e.path)):
+            table.add_row(*map(escape, (e.run_id, str(e.step), e.module, e.path)))
+        console.print(table)
     if result.unreadable:
         console.print(f"[red]{len(result.unreadable)} unreadable bundle(s)[/red]:")
         for item in result.unreadable:

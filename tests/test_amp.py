@@ -302,3 +302,19 @@ def test_planted_faults_are_caught_at_their_step(mode, fault, tmp_path):
                      nan_input=step == spec.get("nan_input_at"))
         run.monitor.close()
     assert run.monitor.first_invalid_step == spec.get("nan_grad_from", spec.get("nan_input_at"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_scale_growing_is_no_spike(mode, tmp_path):
+    """GradScaler doubles its scale every growth_interval finite steps, and so doubles the scaled gradient norm:
+    spike detection (on by default) judges the real gradients', and raises nothing on a healthy run."""
+    run = Run(mode, init_scale=2.0 ** 4, tmp_path=tmp_path)
+    run.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=3)
+    run.monitor.scaler = run.scaler
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nanscan.SpikeWarning)
+        for step in range(90):
+            run.step(step)
+        run.monitor.close()
+    assert max(after for _, after in run.scales) >= 2.0 ** 20  # the scale grew about 2**16-fold
+    assert run.monitor.spikes == []

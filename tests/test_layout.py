@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 LAYERS = {
     "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
               "bench_scan", "__main__"),
-    "runtime": ("monitor", "distributed", "snapshot", "history", "amp"),
+    "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
                "_native", "_layout", "_atomic"),

@@ -5,7 +5,8 @@ A bundle is one directory per incident, `<bundle_dir>/<run_id>/step-<N>/`, holdi
 and replay the first non-finite step (nanscan.bundle.write writes it, nanscan.bundle.read validates and reads it).
 
 Layout (schema "nanscan.bundle/1"):
-  manifest.json        what happened, where the code and config came from, and the sha256 of every other file
+  manifest.json        what happened, where the code and config came from, and the sha256 of every other file;
+                       "spikes": the run's loss and gradient-norm spikes so far (a spike bundle is the last's)
   batch.safetensors    the failing step's batch (every tensor, integer ones too); its nesting is in the manifest
   rng.safetensors      RNG states (torch CPU/CUDA, numpy, Python random) at the failing step's start, or at its
                        check where the manifest's rng.captured_at_by_source says so
@@ -160,6 +161,10 @@ class Incident:
     # skips starting at `step`; `mixed_precision`: autocast, the scaler's state and skips (nanscan.amp), or None.
     reason: str = NONFINITE
     mixed_precision: Mapping | None = None
+    # The run's spikes up to this step (nanscan.spikes.Spike.to_dict), stored as the manifest's "spikes". A bundle
+    # of category "spike" is the early warning at the last of them: every value finite, and its
+    # "first_invalid_step" is the spike's step (the run's first invalid step came later, if at all).
+    spikes: Sequence[Mapping] = ()
 
 
 def json_float(value: float | None) -> float | str | None:

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.headroom import FORMATS, headroom_by_kind
-from nanscan.incident import LOSS, REASON_EXPLANATIONS, explain_category, is_kind
+from nanscan.incident import CATEGORY_EXPLANATIONS, LOSS, REASON_EXPLANATIONS, SPIKE, explain_category, is_kind
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
@@ -93,7 +93,8 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
         note = f" ({state['note']})" if state.get("note") else ""
         state_line = f"model and optimizer state at the failing step{note}"
     lines = [
-        f"# Incident: non-finite values at step {manifest['first_invalid_step']}",
+        (f"# Spike at step {manifest['first_invalid_step']}: an early warning, every value finite"
+         if manifest["category"] == SPIKE else f"# Incident: non-finite values at step {manifest['first_invalid_step']}"),
         "",
         f"- run: `{manifest['run_id']}`",
         f"- category: **{manifest['category']}**",
@@ -314,6 +315,31 @@ def mixed_precision_finding(inc: Incident) -> dict:
             "record": {"streak_first_step": (mp.get("streak") or {}).get("first_step"),
                        "skips_total": mp.get("skips_total", 0)},
             "at": inc.detected_at}
+
+
+def spike_finding(inc: Incident) -> dict:
+    """The detection finding of a spike bundle: what spiked, against what, and the tensors that moved first."""
+    spike = inc.spikes[-1]
+    rule = spike["rule"]
+    body = [CATEGORY_EXPLANATIONS[SPIKE], "",
+            f"Judged against the last {spike['window']} finite steps, in log space (median and MAD; warm-up "
+            f"{rule['warmup']} steps, robust z > {rule['threshold']:g} and at least {rule['min_ratio']:g}x the "
+            "median):", "", "| quantity | value | median | ratio | robust z |", "|---|---:|---:|---:|---:|"]
+    body += [f"| {s['quantity']} | {_fmt(s['value'])} | {_fmt(s['median'])} | {s['ratio']:.3g}x | {s['z']:.1f} |"
+             for s in spike["scores"]]
+    if spike["first_moving"]:
+        body += ["", "Gradient norms that left their own range first, by layer:", "",
+                 "| layer | tensor | from step | ratio | robust z |", "|---|---|---:|---:|---:|"]
+        body += [f"| {g['layer']} | `{t['name']}` | {t['onset']} | {t['ratio']:.3g}x | {t['z']:.1f} |"
+                 for g in spike["first_moving"] for t in g["tensors"]]
+    earlier = [s["step"] for s in inc.spikes[:-1]]
+    if earlier:
+        body += ["", f"Earlier spikes of this run: steps {', '.join(map(str, earlier[-10:]))}."]
+    record = {"step": inc.step, "category": SPIKE, "quantity": spike["quantity"], "tensors": list(inc.tensors)}
+    top = spike["scores"][0]
+    return {"kind": "finding", "key": DETECT_FINDING,
+            "title": f"Spike at step {inc.step}: {top['quantity']} {top['ratio']:.3g}x its median",
+            "body": "\n".join(body), "record": record, "at": inc.detected_at}
 
 
 def valid_ledger_record(record: Any) -> bool:

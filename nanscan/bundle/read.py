@@ -33,6 +33,7 @@ from nanscan.bundle.format import (HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, MAN
 from nanscan.bundle.history import history_from_payload
 from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
 from nanscan.bundle.tree import decode_tree, load_tensors, reading_tensors
+from nanscan.incident import SPIKE
 from nanscan.provenance import config_sha256, restore_rng, rng_from_tensors
 
 try:
@@ -140,6 +141,9 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
         ("distributed", optional(manifest.get("distributed"), dict), "an object"),
         ("reason", optional(manifest.get("reason"), str), "a string"),
         ("mixed_precision", optional(manifest.get("mixed_precision"), dict), "an object"),
+        ("spikes", isinstance(manifest.get("spikes", []), list)
+         and all(isinstance(s, dict) and is_int(s.get("step")) for s in manifest.get("spikes", [])),
+         "a list of spikes, each with its step"),
         ("category_tensors", isinstance(manifest.get("category_tensors", []), list)
          and all(isinstance(n, str) for n in manifest.get("category_tensors", [])), "a list of tensor names"),
     ) if not ok]
@@ -328,6 +332,18 @@ class Bundle:
     @property
     def category(self) -> str:
         return self.manifest["category"]
+
+    @property
+    def spikes(self) -> list[dict]:
+        """The run's spikes up to this bundle's step (nanscan.spikes.Spike.to_dict); [] from before spikes."""
+        return list(self.manifest.get("spikes", []))
+
+    @property
+    def spike(self) -> dict | None:
+        """A spike bundle's own spike (category "spike"), else None."""
+        if self.category != SPIKE:
+            return None
+        return next((s for s in reversed(self.spikes) if s["step"] == self.step), None)
 
     @property
     def nonfinite_tensors(self) -> list[dict]:

@@ -18,10 +18,10 @@ from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDG
                                    BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
 from nanscan.bundle.history import history_payload
 from nanscan.bundle.incident_md import (detect_finding, ledger_bytes, mixed_precision_finding, render_incident,
-                                        step_entry)
+                                        spike_finding, step_entry)
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
-from nanscan.incident import tensor_kind
+from nanscan.incident import SPIKE, tensor_kind
 from nanscan.provenance import SourceInfo, config_sha256, rng_to_tensors
 
 log = logging.getLogger("nanscan")
@@ -109,11 +109,12 @@ def _write_contents(root: Path, inc: Incident) -> None:
                                        pre_step=False, optimizer=False)
     manifest["logs"] = _write_logs(root, inc.logs)
     manifest["replay_entry"] = inc.replay_entry
+    manifest["spikes"] = plain_json(list(inc.spikes), "spikes")
     if inc.distributed is not None:
         manifest["distributed"] = plain_json(inc.distributed, "distributed")
     if inc.mixed_precision is not None:
         manifest["mixed_precision"] = plain_json(inc.mixed_precision, "mixed_precision")
-    ledger = [detect_finding(inc, nonfinite)]
+    ledger = [spike_finding(inc) if inc.category == SPIKE else detect_finding(inc, nonfinite)]
     if inc.mixed_precision is not None:
         ledger.append(mixed_precision_finding(inc))
     (root / LEDGER).write_bytes(ledger_bytes(ledger))
