@@ -3,6 +3,12 @@ without the check, interleaved in one run, reported as median step times and one
 
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
 
+With TensorBoard export (on by default; --no-tensorboard leaves it out) two more variants run in the same rotation:
+the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1, each its own Monitor on the same model
+with its own step counter, reported as ratio lines against the plain Monitor's adjacent blocks:
+
+    tensorboard_overhead(log_every=100) = +0.4% of the Monitor's step (median over rounds)
+
 Run it alone: `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_overhead.py --json
 benchmarks/results/bench_overhead.json`. Steps run in blocks whose order alternates (plain, checked, checked,
 plain, ...) so drift in machine load falls on both sides alike; plain steps run with the Monitor attached but not
@@ -36,6 +42,7 @@ from nanscan._atomic import write_results_json
 from nanscan.monitor import Monitor
 
 MODES = ("plain", "check")
+TB_MODES = {"tb100": 100, "tb1": 1}  # the Monitor with TensorBoard export, by log_every
 
 
 def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
@@ -54,25 +61,38 @@ def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
 class Trainer:
     """The demo's training step; `monitor` is None for the plain variant."""
 
-    def __init__(self, config: dict, monitor_kwargs: dict, bundle_dir: Path):
+    def __init__(self, config: dict, monitor_kwargs: dict, bundle_dir: Path, tensorboard: bool = False):
         self.config = config
         with D.seeded_rngs(config["seed"]):
             self.model = D.build_model(config)
         self.optimizer = D.build_optimizer(self.model, config)
         self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
                                run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
+        # variant -> the Monitor it checks with; the TensorBoard ones count their own steps (log_every applies)
+        self.monitors = {"check": self.monitor}
+        if tensorboard:
+            for variant, every in TB_MODES.items():
+                self.monitors[variant] = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
+                                                 run_id=f"bench-overhead-{variant}", on_invalid="raise",
+                                                 tensorboard=bundle_dir / variant, log_every=every, **monitor_kwargs)
+        self.steps = dict.fromkeys(self.monitors, 0)
         self.step = 0
         self.check_seconds: list[float] = []
 
-    def train_step(self, batch: dict, checked: bool):
+    def train_step(self, batch: dict, checked: bool | str):
+        """One step; checked: False (plain), True (the plain Monitor) or a variant of TB_MODES."""
+        variant = "check" if checked is True else checked
         self.optimizer.zero_grad(set_to_none=True)
         loss = D.step_fn(self.model, batch)
         loss.backward()
         report = None
-        if checked:
+        if variant:
             start = time.perf_counter()
-            report = self.monitor.check(batch=batch, loss=loss, lr=self.config["lr"], step=self.step)
-            self.check_seconds.append(time.perf_counter() - start)
+            report = self.monitors[variant].check(batch=batch, loss=loss, lr=self.config["lr"],
+                                                  step=self.steps[variant])
+            self.steps[variant] += 1
+            if variant == "check":
+                self.check_seconds.append(time.perf_counter() - start)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
         self.optimizer.step()
         self.step += 1
@@ -98,22 +118,26 @@ def validate(trainer: Trainer, batch: dict) -> int:
     return len(names)
 
 
-def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1) -> dict:
+def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1,
+        tensorboard: bool = True) -> dict:
     load_before = os.getloadavg()[0]  # other processes on a shared machine inflate both variants' times
     config = dict(D.DEFAULT_CONFIG)
     config["d_model"] *= width  # --width: the same model, wider (the scan grows with parameters, the step faster)
     batches = healthy_batches(config, 64)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
-        trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp))
+        trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp), tensorboard=tensorboard)
         scanned = validate(trainer, batches[0])
+        modes = (*MODES, *TB_MODES) if tensorboard else MODES
         for i in range(warmup):
-            trainer.train_step(batches[i % len(batches)], checked=bool(i % 2))
+            mode = modes[i % len(modes)]
+            trainer.train_step(batches[i % len(batches)], checked=mode != "plain" and mode)
         trainer.check_seconds.clear()
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
+        tb_ratios: dict[str, list[float]] = {v: [] for v in TB_MODES if v in modes}  # / the Monitor's block
         n = 0
         for rep in range(reps):
-            order = MODES if rep % 2 == 0 else MODES[::-1]
+            order = modes if rep % 2 == 0 else modes[::-1]
             block_medians = {}
             for mode in order:
                 block_times = []
@@ -121,11 +145,13 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
                     batch = batches[n % len(batches)]
                     n += 1
                     start = time.perf_counter()
-                    trainer.train_step(batch, checked=mode == "check")
+                    trainer.train_step(batch, checked=mode != "plain" and mode)
                     block_times.append(time.perf_counter() - start)
                 times[mode] += block_times
                 block_medians[mode] = statistics.median(block_times)
             pair_ratios.append(block_medians["check"] / block_medians["plain"])
+            for variant in tb_ratios:
+                tb_ratios[variant].append(block_medians[variant] / block_medians["check"])
         profile_text = _profile(trainer, batches, profile) if profile else None
     plain, checked = statistics.median(times["plain"]), statistics.median(times["check"])
     check_alone = statistics.median(trainer.check_seconds)
@@ -137,8 +163,12 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "monitor": {"history": history, "snapshot": snapshot},
         "reps": reps, "block": block, "warmup": warmup,
         "median_step_ms": {"plain": plain * 1e3, "check": checked * 1e3},
-        "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in MODES},
-        "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in MODES},
+        "median_step_ms_all": {m: statistics.median(times[m]) * 1e3 for m in modes},
+        "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in modes},
+        "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in modes},
+        # per log_every: the Monitor with TensorBoard export vs the plain Monitor, median over rounds
+        "tensorboard_overhead_pct": {str(TB_MODES[v]): 100.0 * (statistics.median(r) - 1.0)
+                                     for v, r in tb_ratios.items()},
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
@@ -186,24 +216,29 @@ def main(argv=None) -> int:
                         help="multiply the demo model's d_model by this (default 1: the demo model itself)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as `nanscan demo` runs this model; 0 keeps torch's default)")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="leave out the Monitor with TensorBoard export (log_every=100 and 1)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width)
-    med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
+    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width,
+                 tensorboard=not args.no_tensorboard)
+    p10, p90 = result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
     print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps; "
           f"load average {result['load_average_1min']['start']:.1f} -> {result['load_average_1min']['end']:.1f} "
           f"on {result['load_average_1min']['cpus']} CPUs")
     print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
-    for mode in MODES:
-        print(f"{mode:<10}{med[mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
+    for mode in result["median_step_ms_all"]:
+        print(f"{mode:<10}{result['median_step_ms_all'][mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
     print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
     print(f"pooled medians: checked/plain = {result['pooled_overhead_pct']:+.1f}% (sensitive to load drift)")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step (median over adjacent block pairs)")
+    for every, pct in result["tensorboard_overhead_pct"].items():
+        print(f"tensorboard_overhead(log_every={every}) = {pct:+.1f}% of the Monitor's step (median over rounds)")
     if result["profile"]:
         print(result["profile"])
     if args.json:

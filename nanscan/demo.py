@@ -647,12 +647,12 @@ def demo_command(out_dir, as_json):
     Exits 0 when every stage went as designed (the fault caught at its step and traced to the corrupted record),
     1 when one did not, 2 on a usage error such as an --out directory that cannot be used.
     """
-    from rich.console import Console
+    from nanscan.cli import console as cli_console
     from rich.text import Text
 
     from nanscan.report import render_terminal
 
-    console = Console(stderr=as_json)
+    console = cli_console(stderr=as_json)
     # soft_wrap: each stage line and each path stays one line, so it can be copied and grepped at any width
     try:
         result = run_demo(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False,

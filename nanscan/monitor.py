@@ -63,6 +63,7 @@ from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, 
 from nanscan.dispatch import launch, select_for_part
 from nanscan.history import HistoryRing
 from nanscan.incident import NonFiniteError, categorize, is_kind, shown_names, warn_user
+from nanscan.integrations.tensorboard import monitor_export
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
@@ -269,6 +270,12 @@ class Monitor:
         `report.found_inf` went to a fused optimizer or `flush()` was called before optimizer.step(). With a
         process group the scan is always read at the check (the ranks' agreement needs each rank's answer on
         the host): use agreement="async" there, not mode="async".
+    tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
+        nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
+        statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
+        exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
+        non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
+        at step s+1's check. Needs the tensorboard package.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -280,7 +287,7 @@ class Monitor:
                  history: int = 64, log_files: Sequence[str | os.PathLike] = (),
                  on_invalid: str | Callable[[ScanReport, Path | None], Any] = "raise",
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
-                 agreement: str = "sync", mode: str = "auto"):
+                 agreement: str = "sync", mode: str = "auto", tensorboard: Any = None, log_every: int | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -335,6 +342,11 @@ class Monitor:
         self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
         self._hook = hooked.register_forward_pre_hook(_StepStartHook(self), prepend=True)
         weakref.finalize(self, self._hook.remove)
+
+        # The live export (Monitor(tensorboard=...)), fed each step's records; nanscan.integrations.tensorboard.
+        self._export = monitor_export(tensorboard, log_every) if tensorboard is not None else None
+        if self._export is None and log_every is not None:
+            raise ValueError(f"log_every={log_every!r} without tensorboard=: say where to write the statistics")
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
@@ -398,6 +410,8 @@ class Monitor:
             self.flush()
         finally:
             self._hook.remove()
+            if self._export is not None:
+                self._export.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -482,6 +496,8 @@ class Monitor:
                                 found_inf=None if on_host else scan.found_inf,
                                 any_nonfinite=scan.nonfinite_on_host if on_host else None)
             self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr)
+        if self._export is not None:  # written before the verdict acts: a raising incident is in the log too
+            self._export.record(step, report.records, tensors, loss=kept_loss, lr=kept_lr)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
@@ -519,8 +535,10 @@ class Monitor:
         decided_step, decided_ok = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self._backend_for(inputs.devices))
         tensors = inputs.identities
-        slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
-                                 verdict=True)
+        kept_loss, kept_lr = _kept_scalar(loss), _kept_scalar(lr)
+        if self._export is not None:  # its copies are enqueued before the flag's: back once the verdict is
+            self._export.record(step, scan, tensors, loss=kept_loss, lr=kept_lr)
+        slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, verdict=True)
         report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
                                decided_step=decided_step)
         start = _StepStart(self._rng, self._snapshot) if started else _StepStart(None, None)
@@ -538,7 +556,10 @@ class Monitor:
         pending, self._pending = self._pending, None
         if pending is None:
             return None, True
-        if not self._ring.verdict(pending.slot, pending.scan):
+        nonfinite = self._ring.verdict(pending.slot, pending.scan)
+        if self._export is not None:  # step s's records came back before its flag (_check_async)
+            self._export.poll()
+        if not nonfinite:
             return pending.step, True
         self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids, pending.started,
                       start=pending.start, read_at=read_at)

@@ -15,8 +15,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 # Each layer may import its own modules and those of the layers after it, never those before it.
 LAYERS = {
     "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
-              "bench_scan", "__main__"),
-    "runtime": ("monitor", "distributed", "snapshot", "history"),
+              "bench_scan", "export", "__main__"),
+    # integrations: adapters for other frameworks; here, beside the Monitor, which opens the TensorBoard export
+    "runtime": ("monitor", "distributed", "snapshot", "history", "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
                "_native", "_layout", "_atomic"),
