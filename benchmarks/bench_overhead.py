@@ -4,6 +4,15 @@ without the check, interleaved in one run, reported as median step times and one
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
     spike_detection_overhead = 0.3% of a checked step (spikes="warn" vs spikes=None, adjacent blocks)
 
+More variants run in the same rotation, each its own Monitor on the same model with its own step counter, and are
+reported as ratio lines against the default Monitor's adjacent blocks: `nospikes` (spikes=None, so the second line
+above is the cost of spike detection, on by default) and, with TensorBoard export (on by default;
+--no-tensorboard leaves it out), the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1:
+
+    tensorboard_overhead(log_every=100) = +0.4% of the Monitor's step (median over rounds)
+
+`--reps 1 --block 2 --warmup 2` is a dry run of a few seconds that exercises every path.
+
 Run it alone: `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_overhead.py --json
 benchmarks/results/bench_overhead.json`. Steps run in blocks whose order alternates (plain, checked, checked,
 plain, ...) so drift in machine load falls on both sides alike; plain steps run with the Monitor attached but not
@@ -13,10 +22,6 @@ a run, which swung the ratio of the pooled medians (also reported) from 1% to 10
 ratio and the check's own time stayed within about a point at 20 block pairs (60, the default, narrow that
 further; about 15 s). The check is validated (finite, every parameter, gradient and optimizer state tensor
 scanned) before anything is timed.
-
-Spike detection (nanscan.spikes, on by default) is measured in the same run: a third variant checks with a second
-Monitor built with spikes=None, in blocks interleaved with the others, and the second ratio line compares the
-default check with it. `--reps 1 --block 2 --warmup 2` is a dry run of a few seconds that exercises every path.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ from nanscan import demo as D
 from nanscan._atomic import write_results_json
 from nanscan.monitor import Monitor
 
-MODES = ("plain", "check", "nospikes")  # nospikes: checked by a Monitor with spikes=None
+MODES = ("plain", "check")
+# Variants compared with the default Monitor ("check"): the Monitor options each adds.
+SPIKE_MODES = {"nospikes": {"spikes": None}}
+TB_MODES = {"tb100": 100, "tb1": 1}  # the Monitor with TensorBoard export, by log_every
 
 
 def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
@@ -59,30 +67,39 @@ def healthy_batches(config: dict, count: int) -> list[dict[str, torch.Tensor]]:
 class Trainer:
     """The demo's training step; `monitor` is None for the plain variant."""
 
-    def __init__(self, config: dict, monitor_kwargs: dict, bundle_dir: Path):
+    def __init__(self, config: dict, monitor_kwargs: dict, bundle_dir: Path, tensorboard: bool = False):
         self.config = config
         with D.seeded_rngs(config["seed"]):
             self.model = D.build_model(config)
         self.optimizer = D.build_optimizer(self.model, config)
-        self.monitors = {mode: Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
-                                       run_id=f"bench-overhead-{mode}", on_invalid="raise",
-                                       **monitor_kwargs, **({"spikes": None} if mode == "nospikes" else {}))
-                         for mode in MODES[1:]}
-        self.monitor = self.monitors["check"]
+        self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
+                               run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
+        # variant -> the Monitor it checks with; the TensorBoard ones count their own steps (log_every applies)
+        self.monitors = {"check": self.monitor}
+        variants = dict(SPIKE_MODES)
+        if tensorboard:
+            variants.update({v: {"tensorboard": bundle_dir / v, "log_every": every} for v, every in TB_MODES.items()})
+        for variant, options in variants.items():
+            self.monitors[variant] = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
+                                             run_id=f"bench-overhead-{variant}", on_invalid="raise",
+                                             **options, **monitor_kwargs)
+        self.steps = dict.fromkeys(self.monitors, 0)
         self.step = 0
-        self.check_seconds: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+        self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
 
     def train_step(self, batch: dict, checked: bool | str):
-        """One step; `checked`: False (plain), True or "check" (the default Monitor), "nospikes"."""
-        mode = "check" if checked is True else checked
+        """One step; checked: False (plain), True (the default Monitor) or a variant (SPIKE_MODES, TB_MODES)."""
+        variant = "check" if checked is True else checked
         self.optimizer.zero_grad(set_to_none=True)
         loss = D.step_fn(self.model, batch)
         loss.backward()
         report = None
-        if mode:
+        if variant:
             start = time.perf_counter()
-            report = self.monitors[mode].check(batch=batch, loss=loss, lr=self.config["lr"], step=self.step)
-            self.check_seconds[mode].append(time.perf_counter() - start)
+            report = self.monitors[variant].check(batch=batch, loss=loss, lr=self.config["lr"],
+                                                  step=self.steps[variant])
+            self.steps[variant] += 1
+            self.check_seconds[variant].append(time.perf_counter() - start)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
         self.optimizer.step()
         self.step += 1
@@ -93,7 +110,6 @@ def validate(trainer: Trainer, batch: dict) -> int:
     """One checked step must scan every parameter, gradient and optimizer state tensor and find them finite."""
     trainer.train_step(batch, checked=False)  # creates the optimizer state, so the next check sees it
     loss, report = trainer.train_step(batch, checked=True)
-    trainer.train_step(batch, checked="nospikes")
     params = list(trainer.model.parameters())
     state = sum(1 for p in params for v in trainer.optimizer.state[p].values()
                 if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -109,24 +125,28 @@ def validate(trainer: Trainer, batch: dict) -> int:
     return len(names)
 
 
-def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1) -> dict:
+def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1,
+        tensorboard: bool = True) -> dict:
     load_before = os.getloadavg()[0]  # other processes on a shared machine inflate both variants' times
     config = dict(D.DEFAULT_CONFIG)
     config["d_model"] *= width  # --width: the same model, wider (the scan grows with parameters, the step faster)
     batches = healthy_batches(config, 64)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
-        trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp))
+        trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp), tensorboard=tensorboard)
         scanned = validate(trainer, batches[0])
+        modes = (*MODES, *SPIKE_MODES, *(TB_MODES if tensorboard else ()))
         for i in range(warmup):
-            trainer.train_step(batches[i % len(batches)], checked=(False, "check", "nospikes")[i % 3])
+            mode = modes[i % len(modes)]
+            trainer.train_step(batches[i % len(batches)], checked=mode != "plain" and mode)
         for seconds in trainer.check_seconds.values():
             seconds.clear()
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
-        spike_ratios = []  # per repetition: median checked step (spikes on) / median nospikes step
+        # per variant: median step / the default Monitor's in the same round
+        variant_ratios: dict[str, list[float]] = {v: [] for v in modes if v not in MODES}
         n = 0
         for rep in range(reps):
-            order = MODES if rep % 2 == 0 else MODES[::-1]
+            order = modes if rep % 2 == 0 else modes[::-1]
             block_medians = {}
             for mode in order:
                 block_times = []
@@ -134,15 +154,16 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
                     batch = batches[n % len(batches)]
                     n += 1
                     start = time.perf_counter()
-                    trainer.train_step(batch, checked=mode if mode != "plain" else False)
+                    trainer.train_step(batch, checked=mode != "plain" and mode)
                     block_times.append(time.perf_counter() - start)
                 times[mode] += block_times
                 block_medians[mode] = statistics.median(block_times)
             pair_ratios.append(block_medians["check"] / block_medians["plain"])
-            spike_ratios.append(block_medians["check"] / block_medians["nospikes"])
+            for variant, ratios in variant_ratios.items():
+                ratios.append(block_medians[variant] / block_medians["check"])
+        if trainer.monitor.spikes or trainer.monitors["nospikes"].spikes:
+            raise SystemExit(f"validation failed: a healthy benchmark run reported spikes: {trainer.monitor.spikes[:1]}")
         profile_text = _profile(trainer, batches, profile) if profile else None
-    if trainer.monitor.spikes or trainer.monitors["nospikes"].spikes:
-        raise SystemExit(f"validation failed: a healthy benchmark run reported spikes: {trainer.monitor.spikes[:1]}")
     plain, checked = statistics.median(times["plain"]), statistics.median(times["check"])
     check_alone = statistics.median(trainer.check_seconds["check"])
     return {
@@ -152,13 +173,18 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "tensors_scanned_per_check": scanned,
         "monitor": {"history": history, "snapshot": snapshot},
         "reps": reps, "block": block, "warmup": warmup,
-        "median_step_ms": {mode: statistics.median(times[mode]) * 1e3 for mode in MODES},
-        "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in MODES},
-        "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in MODES},
+        "median_step_ms": {"plain": plain * 1e3, "check": checked * 1e3},
+        "median_step_ms_all": {m: statistics.median(times[m]) * 1e3 for m in modes},
+        "p10_step_ms": {m: _quantile(times[m], 0.1) * 1e3 for m in modes},
+        "p90_step_ms": {m: _quantile(times[m], 0.9) * 1e3 for m in modes},
+        # per log_every: the Monitor with TensorBoard export vs the plain Monitor, median over rounds
+        "tensorboard_overhead_pct": {str(TB_MODES[v]): 100.0 * (statistics.median(r) - 1.0)
+                                     for v, r in variant_ratios.items() if v in TB_MODES},
+        "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
+        # the default check (spikes="warn") against spikes=None, median over rounds
+        "spike_detection_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["nospikes"]) - 1.0),
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
-        "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
-        "spike_detection_overhead_pct": 100.0 * (statistics.median(spike_ratios) - 1.0),
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
         "check_share_pct": 100.0 * check_alone / plain,
         "torch_threads": torch.get_num_threads(),
@@ -204,27 +230,32 @@ def main(argv=None) -> int:
                         help="multiply the demo model's d_model by this (default 1: the demo model itself)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as `nanscan demo` runs this model; 0 keeps torch's default)")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="leave out the Monitor with TensorBoard export (log_every=100 and 1)")
     parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width)
-    med, p10, p90 = result["median_step_ms"], result["p10_step_ms"], result["p90_step_ms"]
+    result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width,
+                 tensorboard=not args.no_tensorboard)
+    p10, p90 = result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
-    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x {len(MODES)} blocks of {args.block} steps; "
+    print(f"monitor: history={args.history}, snapshot={args.snapshot}; {args.reps} x 2 blocks of {args.block} steps; "
           f"load average {result['load_average_1min']['start']:.1f} -> {result['load_average_1min']['end']:.1f} "
           f"on {result['load_average_1min']['cpus']} CPUs")
     print(f"{'variant':<10}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
-    for mode in MODES:
-        print(f"{mode:<10}{med[mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
+    for mode in result["median_step_ms_all"]:
+        print(f"{mode:<10}{result['median_step_ms_all'][mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
     print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
     print(f"pooled medians: checked/plain = {result['pooled_overhead_pct']:+.1f}% (sensitive to load drift)")
     print(f"check alone without spike detection: median {result['median_check_nospikes_ms']:.3f} ms")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step (median over adjacent block pairs)")
     print(f"spike_detection_overhead = {result['spike_detection_overhead_pct']:.1f}% of a checked step "
           "(spikes='warn' vs spikes=None, adjacent blocks)")
+    for every, pct in result["tensorboard_overhead_pct"].items():
+        print(f"tensorboard_overhead(log_every={every}) = {pct:+.1f}% of the Monitor's step (median over rounds)")
     if result["profile"]:
         print(result["profile"])
     if args.json:

@@ -1,19 +1,34 @@
 """nanscan: catch the first non-finite training step cheaply, preserve the evidence, and find its cause.
 
 The public face. The layers below it (ARCHITECTURE.md): the scan engine (inputs, plans, dispatch, backends/,
-pending, stats), the in-loop runtime (monitor, spikes, history, snapshot, distributed, incident), the evidence (bundle/)
-and the workflow tools (report, replay/, ablate, triage, preflight, data/, demo, cli)."""
+pending, stats), the in-loop runtime (monitor, amp, spikes, history, snapshot, distributed, incident), the evidence (bundle/)
+and the workflow tools (report, replay/, ablate, triage, preflight, data/, export, demo, cli).
 
-from nanscan.backends import BackendUnavailable, backend_info
-from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
-from nanscan.entry import ReplaySpec
-from nanscan.headroom import headroom
-from nanscan.incident import NonFiniteError, NonFiniteWarning, SpikeWarning
-from nanscan.inputs import UnsupportedTensorError
-from nanscan.monitor import Monitor, check, first_invalid
-from nanscan.scan import scan
-from nanscan.spikes import Spike, SpikeRule
-from nanscan.stats import PendingReport, ScanReport, TensorStats
+Every public name is loaded on first use (module __getattr__, PEP 562): most of them need torch, and importing
+torch and the backends costs seconds, which `nanscan --help` and the subcommands' help must not pay.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_HOMES = {
+    "BackendUnavailable": "nanscan.backends", "backend_info": "nanscan.backends",
+    "Bundle": "nanscan.bundle", "BundleError": "nanscan.bundle", "HistoryEntry": "nanscan.bundle",
+    "load_bundle": "nanscan.bundle",
+    "ReplaySpec": "nanscan.entry",
+    "headroom": "nanscan.headroom",
+    "NonFiniteError": "nanscan.incident", "NonFiniteWarning": "nanscan.incident", "SpikeWarning": "nanscan.incident",
+    "UnsupportedTensorError": "nanscan.inputs",
+    "Monitor": "nanscan.monitor", "check": "nanscan.monitor", "first_invalid": "nanscan.monitor",
+    "scan": "nanscan.scan",
+    "Spike": "nanscan.spikes", "SpikeRule": "nanscan.spikes",
+    "PendingReport": "nanscan.stats", "ScanReport": "nanscan.stats", "TensorStats": "nanscan.stats",
+}
 
 __all__ = [
     "BackendUnavailable", "PendingReport", "ScanReport", "TensorStats", "UnsupportedTensorError",
@@ -21,6 +36,46 @@ __all__ = [
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
     "ReplaySpec", "Spike", "SpikeRule", "SpikeWarning",
 ]
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
+    from nanscan.backends import BackendUnavailable, backend_info
+    from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
+    from nanscan.entry import ReplaySpec
+    from nanscan.headroom import headroom
+    from nanscan.incident import NonFiniteError, NonFiniteWarning
+    from nanscan.inputs import UnsupportedTensorError
+    from nanscan.monitor import Monitor, check, first_invalid
+    from nanscan.scan import scan
+    from nanscan.stats import PendingReport, ScanReport, TensorStats
+
+
+# Public functions named like the submodule that defines them: importing the submodule binds the module on the
+# package under that name, which would hide the function (the eager imports rebound it right after).
+_FUNCTIONS_NAMED_LIKE_MODULES = frozenset({"scan", "headroom"})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS_NAMED_LIKE_MODULES and isinstance(value, types.ModuleType):
+            return  # nanscan.scan stays the function; the module is sys.modules["nanscan.scan"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nanscan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once: later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 try:
     from importlib.metadata import version as _version

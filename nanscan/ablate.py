@@ -388,10 +388,10 @@ def print_ablation(result: AblationResult, console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def ablate_command(bundle, entry, factors, holdout, no_record, as_json):
     """Change one factor at a time from BUNDLE's state and batch and record the outcome of each."""
-    from rich.console import Console  # noqa: PLC0415
+    from nanscan.cli import console as cli_console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
 
-    console = Console(stderr=True) if as_json else Console()
+    console = cli_console(stderr=as_json)
     with cli_errors():
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as bar:

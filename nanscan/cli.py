@@ -4,10 +4,13 @@ change one factor, check the data). Subcommands live beside the code they drive 
 
 from __future__ import annotations
 
+import ast
 import errno
 import importlib
 import json
+import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -25,11 +28,36 @@ SUBCOMMANDS = {
     "data": "nanscan.data.cli:data_command",
     "preflight": "nanscan.preflight:preflight_command",
     "runs": "nanscan.data.cli:runs_command",
+    "export": "nanscan.export:export_command",
 }
+
+# NOTE: [fast help]
+# `nanscan --help` and `nanscan SUBCOMMAND --help` must answer at once, and torch with the backends takes seconds
+# to import. So: `import nanscan` loads its public names on first use (nanscan/__init__.py); the group's help
+# reads each subcommand's one-line summary from its module's source (command_summary) instead of importing the
+# module; and a subcommand module imports torch-heavy modules inside its command function, so that importing it
+# for its own --help costs only click. tests/test_cli_help.py checks that neither help imports torch.
 
 
 # Exit statuses shared by every subcommand (documented in `nanscan --help`).
 FAILURE, USAGE = 1, 2
+
+
+# How wide rich may print when the output is not a terminal (a pipe, a file, a test capturing it): rich's default
+# there is 80 columns, which folds tensor names onto two lines (`input:weigh` / `ts`). Tables still take only the
+# width of their content, so this only lifts the limit.
+PIPED_WIDTH = 4096
+
+
+def console(*, stderr: bool = False):
+    """The rich Console a subcommand prints with: the terminal's width on a terminal, else (unless COLUMNS says
+    otherwise) wide enough that no table row or tensor name is folded."""
+    from rich.console import Console  # noqa: PLC0415 - NOTE: [fast help]
+
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=PIPED_WIDTH)
+    return out
 
 
 class CommandFailed(click.ClickException):
@@ -53,9 +81,46 @@ def os_error_message(exc: OSError) -> str:
     return f"cannot use {path}: {reason}; {advice}"
 
 
+def command_summary(target: str, limit: int = 45) -> str | None:
+    """The short help of the click command at "module:function", read from the module's source without importing
+    it (NOTE: [fast help]); None when the source or the function's docstring cannot be found."""
+    module, attr = target.split(":")
+    # Found by path: importlib's find_spec would import the parent packages, and nanscan.bundle's imports torch.
+    base = Path(__file__).resolve().parent.parent.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            break
+    else:
+        return None
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == attr:
+            doc = ast.get_docstring(node)
+            # shortened as click shortens a command's own help
+            return click.Command(attr, help=doc).get_short_help_str(limit) if doc else None
+    return None
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(SUBCOMMANDS)
+
+    def format_commands(self, ctx, formatter):
+        """The subcommands and their one-line summaries, without importing them (NOTE: [fast help])."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))  # click's own spacing
+        rows = []
+        for name in names:
+            summary = command_summary(SUBCOMMANDS[name], limit)
+            if summary is None:  # not found in the source: ask the command itself
+                command = self.get_command(ctx, name)
+                summary = command.get_short_help_str(limit) if command else ""
+            rows.append((name, summary))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx, name):
         target = SUBCOMMANDS.get(name)
@@ -121,7 +186,6 @@ def info(as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
@@ -131,17 +195,17 @@ def info(as_json):
         table.add_column("detail", overflow="fold")  # an import error is the one clue to a missing backend
         for name, entry in data["backends"].items():
             table.add_row(name, "yes" if entry["available"] else "no", escape(entry.get("error", "")))
-        console = Console()
-        console.print(table)
+        out = console()
+        out.print(table)
         chosen_by = f"set by {ENV_VAR}={requested}" if requested is not None else "auto: the best available"
         for device, name in data["active"].items():
             if name in BACKEND_NAMES:
-                console.print(f"active on {device}: [bold]{escape(name)}[/bold] ({escape(chosen_by)})")
+                out.print(f"active on {device}: [bold]{escape(name)}[/bold] ({escape(chosen_by)})")
             else:  # the reason, which says what to do, on one line however narrow the terminal
-                console.print(f"active on {device}: none: {name.removeprefix('error: ')}", markup=False,
+                out.print(f"active on {device}: none: {name.removeprefix('error: ')}", markup=False,
                               highlight=False, soft_wrap=True)
-        console.print(f"build: {data['build']}", markup=False)
-        console.print(f"plan checks read tensors {data['tensor_reads']}", markup=False)
+        out.print(f"build: {data['build']}", markup=False)
+        out.print(f"plan checks read tensors {data['tensor_reads']}", markup=False)
     if status:
         raise SystemExit(status)
 

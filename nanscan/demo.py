@@ -765,12 +765,12 @@ def demo_command(out_dir, as_json, diverging):
     if diverging:
         diverging_command(out_dir, as_json)
         return
-    from rich.console import Console
+    from nanscan.cli import console as cli_console
     from rich.text import Text
 
     from nanscan.report import render_terminal
 
-    console = Console(stderr=as_json)
+    console = cli_console(stderr=as_json)
     # soft_wrap: each stage line and each path stays one line, so it can be copied and grepped at any width
     try:
         result = run_demo(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False,

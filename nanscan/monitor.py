@@ -79,6 +79,7 @@ from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
 from nanscan.incident import (SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, is_kind, shown_names,
                               warn_user)
+from nanscan.integrations.tensorboard import monitor_export
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
@@ -313,6 +314,12 @@ class Monitor:
         the host): use agreement="async" there, not mode="async".
     scaler: the torch.amp.GradScaler whose scaled gradients are checked (see the module docstring); max_skips and
         min_scale: when a streak of its overflow skips becomes an incident (nanscan.amp NOTE: [overflow skips]).
+    tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
+        nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
+        statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
+        exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
+        non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
+        at step s+1's check. Needs the tensorboard package.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -326,7 +333,7 @@ class Monitor:
                  spikes: str | Callable[[Spike, Path | None], Any] | None = "warn", spike_rule: SpikeRule | None = None,
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
-                 min_scale: float = MIN_SCALE):
+                 min_scale: float = MIN_SCALE, tensorboard: Any = None, log_every: int | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -401,6 +408,10 @@ class Monitor:
         self._scaler: ScalerWatch | None = None
         self.scaler = scaler
         self._autocast: dict | None = None  # the autocast region of the last step's forward (nanscan.amp)
+        # The live export (Monitor(tensorboard=...)), fed each step's records; nanscan.integrations.tensorboard.
+        self._export = monitor_export(tensorboard, log_every) if tensorboard is not None else None
+        if self._export is None and log_every is not None:
+            raise ValueError(f"log_every={log_every!r} without tensorboard=: say where to write the statistics")
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
@@ -481,6 +492,8 @@ class Monitor:
             self.flush()
         finally:
             self._hook.remove()
+            if self._export is not None:
+                self._export.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -569,6 +582,8 @@ class Monitor:
                                 found_inf=None if on_host else scan.found_inf,
                                 any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
             slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
+        if self._export is not None:  # written before the verdict acts: a raising incident is in the log too
+            self._export.record(step, report.records, tensors, loss=kept_loss, lr=kept_lr)
         if self._spike_watch is not None and self._agreement is None and report.ok:  # NOTE: [spike statistic]
             report = self._spike_at_check(report, step, batch, sample_ids, started)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
@@ -609,8 +624,11 @@ class Monitor:
         decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self._backend_for(inputs.devices))
         tensors = inputs.identities
-        slot = self._ring.append(step, scan, tensors, skipped, loss=_kept_scalar(loss), lr=_kept_scalar(lr),
-                                 verdict=True, scaling=scaling)
+        kept_loss, kept_lr = _kept_scalar(loss), _kept_scalar(lr)
+        if self._export is not None:  # its copies are enqueued before the flag's: back once the verdict is
+            self._export.record(step, scan, tensors, loss=kept_loss, lr=kept_lr)
+        slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, verdict=True,
+                                 scaling=scaling)
         found_inf = self._spike_on_device(step, scan, tensors, scaling)
         report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
                                decided_step=decided_step, found_inf=found_inf, scaling=scaling,
@@ -631,7 +649,10 @@ class Monitor:
         pending, self._pending = self._pending, None
         if pending is None:
             return None, True, False
-        if not self._ring.verdict(pending.slot, pending.scan):
+        nonfinite = self._ring.verdict(pending.slot, pending.scan)
+        if self._export is not None:  # step s's records came back before its flag (_check_async)
+            self._export.poll()
+        if not nonfinite:
             self._finite_step()
             self._read_spike(pending, read_at)
             return pending.step, True, False

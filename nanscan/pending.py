@@ -14,7 +14,7 @@ Only the flag copy to pinned memory and its event (nanscan.history.HistoryRing) 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -129,6 +129,67 @@ class StepScan:
                     records[part.rows] = part.scan.records()
                 self._records = records
         return self._records
+
+
+class HostCopy:
+    """A step's records (and scalars such as its loss) on their way to the host without waiting for the GPU: for a
+    live export that writes step s once its records come back (nanscan.integrations.tensorboard).
+
+    Each GPU part's records are copied into pinned host memory on the current stream, after the scan's event
+    (the Monitor's scans run on the current stream, so the wait orders nothing new), and an event is recorded
+    after the copies. Host parts and host scalars are taken as they are. `ready()` never blocks; `records()` and
+    `scalars()` wait for the copies only.
+    """
+
+    def __init__(self, scan: StepScan, scalars: tuple = ()):
+        self.tensors = scan.tensors
+        self._whole = len(scan.parts) == 1 and scan.parts[0].rows is None
+        self._parts: list[tuple[np.ndarray | None, Any]] = []
+        self._events: list[torch.cuda.Event] = []
+        for rows, part in scan.parts:
+            if isinstance(part, CompletedScan):
+                self._parts.append((rows, part.records()))
+                continue
+            stream = torch.cuda.current_stream(part.device_records.device)
+            if part.done_event is not None:
+                stream.wait_event(part.done_event)
+            self._parts.append((rows, self._copy(part.device_records, stream)))
+        self._scalars = [self._copy(v, None) if isinstance(v, torch.Tensor) and not v.is_cpu else v
+                         for v in scalars]
+
+    def _copy(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        stream = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            pinned.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._events.append(event)
+        return pinned
+
+    def ready(self) -> bool:
+        return all(event.query() for event in self._events)
+
+    def _wait(self) -> None:
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+    def records(self) -> np.ndarray:
+        """The step's records on the host, in input order (waits for the copies)."""
+        self._wait()
+        host = [(rows, r.numpy() if isinstance(r, torch.Tensor) else r) for rows, r in self._parts]
+        if self._whole:
+            return host[0][1]
+        out = L.empty_records(len(self.tensors))
+        for rows, records in host:
+            out[rows] = records
+        return out
+
+    def scalars(self) -> list:
+        """The scalars given, GPU tensors among them as host tensors (waits for the copies)."""
+        self._wait()
+        return list(self._scalars)
 
 
 def completed_scan(tensors: tuple[ScannedTensor, ...], records: np.ndarray, nonfinite: bool | None,

@@ -21,9 +21,6 @@ import click
 import numpy as np
 
 from nanscan import _layout as L
-from nanscan.bundle import BundleError, json_float, load_bundle
-from nanscan.bundle.findings import findings_lines, recorded_findings
-from nanscan.bundle.incident_md import mixed_precision_lines
 from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
 from nanscan.incident import KINDS, LOSS, PREFIX, SPIKE, explain_category, tensor_kind
 
@@ -73,6 +70,14 @@ def sample_id_list(sample_ids: Any) -> list:
     return list(sample_ids) if isinstance(sample_ids, list) else [sample_ids]
 
 
+def _json_float(value: Any) -> float | str | None:
+    """nanscan.bundle's json_float, imported on first use: nanscan.bundle imports torch, which `nanscan report
+    --help` must not wait for (NOTE: [fast help] in nanscan/cli.py)."""
+    from nanscan.bundle import json_float  # noqa: PLC0415 - NOTE: [fast help]
+
+    return json_float(value)
+
+
 def _is_finite(x: Any) -> bool:
     return x is not None and not isinstance(x, str) and math.isfinite(float(x))
 
@@ -89,6 +94,8 @@ def load_history(bundle) -> list:
 def summarize(bundle, history: list | None = None) -> dict:
     """Every fact the report shows, as a JSON-ready dict (see the module docstring for non-finite values).
     `history`: load_history(bundle), when the caller already has it."""
+    from nanscan.bundle.findings import recorded_findings  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
     manifest = bundle.manifest
     step = manifest.get("first_invalid_step")
     category = manifest.get("category")
@@ -148,7 +155,7 @@ def _mixed_precision(record: dict | None, history: list, failing) -> dict | None
     gradients unscaled (nanscan.stats NOTE: [unscaled gradients])."""
     if record is None:
         return None
-    steps = [{"step": e.step, "scale": json_float(e.report.scale), "overflow_skip": e.report.overflow_skip,
+    steps = [{"step": e.step, "scale": _json_float(e.report.scale), "overflow_skip": e.report.overflow_skip,
               "stats_unscaled": e.report.scaling.unscaled}
              for e in history if e.report.scaling is not None]
     kinds = headroom_by_kind(failing.report) if failing is not None else {}
@@ -158,6 +165,8 @@ def _mixed_precision(record: dict | None, history: list, failing) -> dict | None
 
 def _mixed_precision_text(summary: dict) -> list[str]:
     """The mixed-precision section as lines of Markdown (the same as INCIDENT.md's)."""
+    from nanscan.bundle.incident_md import mixed_precision_lines  # noqa: PLC0415 - NOTE: [fast help]
+
     mp = summary["mixed_precision"]
     rooms = {kind: [_HeadroomRow(**h) for h in rows] for kind, rows in mp["headroom"].items()}
     lines = mixed_precision_lines(mp, rooms)
@@ -202,8 +211,8 @@ def _group_by_module(offenders: list[dict]) -> list[dict]:
 def _step_values(entry) -> dict | None:
     if entry is None:
         return None
-    return {"step": entry.step, "loss": json_float(entry.loss), "lr": json_float(entry.lr),
-            "grad_norm": json_float(entry.grad_norm), "nonfinite_tensors": len(entry.report.nonfinite),
+    return {"step": entry.step, "loss": _json_float(entry.loss), "lr": _json_float(entry.lr),
+            "grad_norm": _json_float(entry.grad_norm), "nonfinite_tensors": len(entry.report.nonfinite),
             # grad_norm sums the finite values only: with any of these, it is not the step's gradient norm
             "nonfinite_gradients": sum(1 for n in entry.report.nonfinite if tensor_kind(n) == "gradient")}
 
@@ -219,7 +228,7 @@ def _inputs(report) -> list[dict]:
             continue
         rows.append({"name": stats.name, "dtype": stats.dtype, "numel": stats.numel, "nan": stats.nan,
                      "posinf": stats.posinf, "neginf": stats.neginf, "zero": stats.zero,
-                     "absmax": json_float(stats.absmax), "absmin": json_float(stats.absmin),
+                     "absmax": _json_float(stats.absmax), "absmin": _json_float(stats.absmin),
                      "top_binade": _top_binade(stats.exp_hist)})
     return rows
 
@@ -263,7 +272,7 @@ def _headroom_rows(last_finite, failing) -> list[dict]:
                               "binades_to_overflow": h.binades_to_overflow}
                    for h in headroom(stats.exp_hist, HEADROOM_FORMATS)}
         rows.append({"step": step, "name": stats.name, "dtype": stats.dtype, "numel": stats.numel,
-                     "absmax": json_float(stats.absmax),
+                     "absmax": _json_float(stats.absmax),
                      "nonfinite": stats.nonfinite, "formats": formats})
     return rows
 
@@ -303,10 +312,13 @@ def _literal(*cells: str) -> list[str]:
 
 def render_terminal(summary: dict, console=None) -> None:
     """Print the summary as rich tables, narrow enough for an 80-column terminal."""
+    from nanscan.bundle.findings import findings_lines  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
     from rich import box
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from nanscan.cli import console as cli_console  # noqa: PLC0415
 
     def table(title: str, *columns: str, left: int = 1) -> Table:
         t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
@@ -315,7 +327,7 @@ def render_terminal(summary: dict, console=None) -> None:
             t.add_column(col, justify="left" if i < left else "right", overflow="fold")
         return t
 
-    console = console or Console()
+    console = console or cli_console()
     step, category = summary["first_invalid_step"], summary["category"]
     category_text, run_text = _literal(str(category), str(summary["run_id"]))
     headline = f"spike at step {step}" if category == SPIKE else f"first invalid step {step}"
@@ -566,7 +578,7 @@ def plot_curves(summary: dict, history):
             if not math.isfinite(v):
                 ax.scatter([s], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red",
                            zorder=3, clip_on=False)
-                ax.annotate(json_float(v), xy=(s, 1.0), xycoords=("data", "axes fraction"), xytext=(-8, -4),
+                ax.annotate(_json_float(v), xy=(s, 1.0), xycoords=("data", "axes fraction"), xytext=(-8, -4),
                             textcoords="offset points", ha="right", va="top", color="red", fontsize=9)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -740,7 +752,7 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
     return atomic_write_text(path, "".join(parts))
 
 
-def _bundle_holding(bundle, path) -> Path | None:
+def bundle_holding(bundle, path) -> Path | None:
     """The bundle directory (or, for a distributed set, the part's) that `path` would land in, or None."""
     target = Path(path).resolve()
     parts = getattr(bundle, "parts", None) or {}
@@ -771,6 +783,8 @@ def report_command(bundle_path, html_out, as_json):
 
     Exits 2 when the bundle cannot be read.
     """
+    from nanscan.bundle import BundleError, load_bundle  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
     try:
         bundle = load_bundle(bundle_path)
         history = load_history(bundle)
@@ -782,7 +796,7 @@ def report_command(bundle_path, html_out, as_json):
                    "(it holds manifest.json).", err=True)
         raise SystemExit(2) from None
     if html_out is not None:
-        inside = _bundle_holding(bundle, html_out)
+        inside = bundle_holding(bundle, html_out)
         if inside is not None:
             raise click.ClickException(f"--html {html_out} is inside the bundle {inside}: a file the manifest does "
                                        "not list makes the bundle fail to load; write the report elsewhere")
@@ -793,9 +807,9 @@ def report_command(bundle_path, html_out, as_json):
     if as_json:
         click.echo(json.dumps(summary, indent=2, allow_nan=False))
         return
-    from rich.console import Console
+    from nanscan.cli import console as cli_console  # noqa: PLC0415
 
-    console = Console()
+    console = cli_console()
     render_terminal(summary, console)
     if html_out is not None:
         console.print(f"html: {html_out}", highlight=False)

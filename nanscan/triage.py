@@ -188,7 +188,7 @@ def triage_command(directory, as_json):
     """Group every bundle under DIRECTORY by failure category and first bad module, with counts.
 
     Exits 1 when some bundle could not be read (it is listed, the others are counted)."""
-    from rich.console import Console  # noqa: PLC0415
+    from nanscan.cli import console as cli_console  # noqa: PLC0415
 
 
     with cli_errors():
@@ -196,6 +196,6 @@ def triage_command(directory, as_json):
     if as_json:
         json_out(result.to_dict())
     else:
-        print_triage(result, Console())
+        print_triage(result, cli_console())
     if result.unreadable:
         raise SystemExit(1)  # some evidence could not be counted

@@ -15,8 +15,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 # Each layer may import its own modules and those of the layers after it, never those before it.
 LAYERS = {
     "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
-              "bench_scan", "__main__"),
-    "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp"),
+              "bench_scan", "export", "__main__"),
+    # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
+    # TensorBoard export, and whose trainer adapters drive
+    "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp", "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
                "_native", "_layout", "_atomic"),

@@ -201,9 +201,9 @@ def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, f
     if as_json:
         click.echo(json.dumps(report.to_dict(fail_on), indent=2))
     else:
-        from rich.console import Console
+        from nanscan.cli import console as cli_console
 
-        _render(report, fail_on, Console())
+        _render(report, fail_on, cli_console())
     raise SystemExit(report.exit_code(fail_on))
 
 
@@ -224,10 +224,10 @@ def runs_command(directory, required, as_json):
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        from rich.console import Console
+        from nanscan.cli import console as cli_console
         from rich.table import Table
 
-        console = Console()
+        console = cli_console()
         if report.problems:
             table = Table(title=f"nanscan runs: {len(report.problems)} problem(s) in {report.files} run records")
             for column in ("problem", "path", "detail"):

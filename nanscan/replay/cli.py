@@ -60,9 +60,9 @@ def print_replay(result: ReplayResult, console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
     """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module, fewest samples."""
-    from rich.console import Console  # noqa: PLC0415
+    from nanscan.cli import console as cli_console  # noqa: PLC0415
 
-    console = Console(stderr=True) if as_json else Console()
+    console = cli_console(stderr=as_json)
     with cli_errors():
         with console.status("replaying") as status:
             result = replay(bundle, entry, runs=runs, bisect=not no_bisect,

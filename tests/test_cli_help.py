@@ -1,0 +1,79 @@
+"""Help answers at once (NOTE: [fast help] in nanscan/cli.py): `import nanscan`, `nanscan --help` and the
+subcommands' help do not import torch, and the package's public names still load, lazily."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import nanscan
+from nanscan.cli import SUBCOMMANDS, command_summary, main
+
+ROOT = Path(__file__).resolve().parent.parent
+# Subcommands whose modules need torch to define their command (a model, a replay) still import it for --help.
+HEAVY = {"ablate", "demo", "preflight", "bench", "note", "replay", "export-regression", "triage"}
+
+
+def modules_after(code: str) -> set[str]:
+    """The modules loaded by `code` in a fresh interpreter that imports nanscan from this tree."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"],
+                         capture_output=True, text=True, env=env, check=True, timeout=120).stdout
+    return set(out.split())
+
+
+def help_modules(*args: str) -> set[str]:
+    return modules_after("import sys\nfrom nanscan.cli import main\nsys.argv = ['nanscan', *%r]\n"
+                         "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code" % (list(args),))
+
+
+def test_import_nanscan_does_not_import_torch():
+    loaded = modules_after("import nanscan")
+    assert "nanscan" in loaded and "torch" not in loaded
+
+
+@pytest.mark.parametrize("args", [["--help"], ["report", "--help"], ["export", "--help"], ["data", "--help"],
+                                  ["info", "--help"]])
+def test_help_does_not_import_torch(args):
+    loaded = help_modules(*args)
+    assert "click" in loaded and "torch" not in loaded, f"nanscan {' '.join(args)} imported torch"
+
+
+def test_the_heavy_list_is_honest():
+    """A subcommand taken off HEAVY must stay fast; one on it must still need torch (else take it off)."""
+    for name in sorted(HEAVY):
+        assert "torch" in help_modules(name, "--help"), f"nanscan {name} --help no longer imports torch"
+
+
+def test_group_help_shows_every_subcommand_with_its_own_summary():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for name, target in SUBCOMMANDS.items():
+        command = main.get_command(None, name)
+        assert command_summary(target) == command.get_short_help_str(), name
+        assert name in result.output
+
+
+def test_every_public_name_loads_lazily():
+    for name in nanscan.__all__:
+        assert getattr(nanscan, name) is not None
+    assert set(nanscan.__all__) <= set(dir(nanscan))
+    from nanscan.monitor import Monitor
+
+    assert nanscan.Monitor is Monitor
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        nanscan.nope  # noqa: B018
+
+
+def test_functions_named_like_their_modules_stay_functions():
+    """nanscan.scan and nanscan.headroom are functions even after their submodules are imported."""
+    loaded = modules_after("import nanscan.scan, nanscan.headroom, nanscan\n"
+                           "assert callable(nanscan.scan) and callable(nanscan.headroom), "
+                           "(nanscan.scan, nanscan.headroom)\n"
+                           "from nanscan.scan import scan\nassert nanscan.scan is scan")
+    assert "nanscan.scan" in loaded
