@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 # Each layer may import its own modules and those of the layers after it, never those before it.
 LAYERS = {
     "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
-              "bench_scan", "__main__"),
+              "bench_scan", "__main__", "integrations"),
     "runtime": ("monitor", "distributed", "snapshot", "history"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
