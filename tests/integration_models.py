@@ -13,31 +13,34 @@ from torch import nn
 VOCAB, SEQ, IMAGE = 64, 8, 8
 
 
-class TokenData(torch.utils.data.Dataset):
-    """Random token rows (labels = input ids), the same on every run."""
+class Generated(torch.utils.data.Dataset):
+    """`size` items, item i made by `make` from a generator seeded with i: the same on every run."""
 
-    def __init__(self, size: int = 32):
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-class ImageData(torch.utils.data.Dataset):
-    def __init__(self, size: int = 32):
-        self.size = size
+    def __init__(self, make, size: int = 32):
+        self.make, self.size = make, size
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int) -> dict:
-        g = torch.Generator().manual_seed(i)
-        return {"pixel_values": torch.randn(3, IMAGE, IMAGE, generator=g),
-                "labels": torch.randint(0, 3, (), generator=g)}
+        return self.make(torch.Generator().manual_seed(i))
+
+
+def token_row(g: torch.Generator) -> dict:
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def image_row(g: torch.Generator) -> dict:
+    return {"pixel_values": torch.randn(3, IMAGE, IMAGE, generator=g), "labels": torch.randint(0, 3, (), generator=g)}
+
+
+def TokenData(size: int = 32) -> Generated:  # noqa: N802 - named as the dataset it gives
+    return Generated(token_row, size)
+
+
+def ImageData(size: int = 32) -> Generated:  # noqa: N802
+    return Generated(image_row, size)
 
 
 class PlantingCollator:

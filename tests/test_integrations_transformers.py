@@ -170,3 +170,15 @@ def test_fp16_overflow_skips_are_expected_not_incidents(tmp_path):
     trainer.train()
     assert not (tmp_path / "bundles").exists()
     assert trainer.state.log_history[-2]["nanscan/skipped_steps"] >= 1
+
+
+def test_in_async_mode_the_verdict_one_step_later_still_names_the_step_and_its_micro_batch(tmp_path):
+    # mode="async" (the GPU default) runs on the CPU too: step 2's verdict is read at step 3's check
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="async", mode="async")
+    trainer = make_trainer(tmp_path, tiny_vit(), ImageData(), PlantingCollator("nan", at=(5,)), callback=callback,
+                           steps=5)
+    error = caught(trainer)
+    assert (error.step, error.category) == (2, "input")
+    assert trainer.state.global_step == 3  # raised at the next step's check
+    finding = next(f for f in load_bundle(error.bundle_path).findings() if f["key"] == "micro_batches")
+    assert finding["record"]["first_bad"] == 1
