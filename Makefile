@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch that dev machines and CI have on disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15).
+FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2"
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean
@@ -20,6 +22,8 @@ $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q "numba>=0.59" "matplotlib>=3.7" "Pillow>=10" "pyarrow>=14" "tokenizers>=0.15" \
 		"safetensors>=0.4" "rich>=13" "click>=8.1" "tensorboard>=2.14" "pytest>=8" "pytest-timeout>=2" \
 		"hypothesis>=6"
+	# The frameworks of nanscan/integrations/, so their tests run (after torch: they must not replace the pin).
+	$(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(NATIVE_SOURCES)

@@ -17,7 +17,7 @@ LAYERS = {
     "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
               "bench_scan", "export", "__main__"),
     # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
-    # TensorBoard export, and whose trainer adapters drive
+    # TensorBoard export, and which the trainer adapters drive
     "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp", "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",

@@ -1,2 +1,13 @@
-"""Thin adapters between nanscan and other frameworks, one module per framework; each imports its framework only
-inside itself, so `import nanscan` never needs (or pays for) any of them."""
+"""Framework adapters: hooks of a trainer turned into Monitor calls, one module per framework.
+
+    nanscan.integrations.transformers.NanscanCallback   transformers.Trainer(callbacks=[...])
+    nanscan.integrations.lightning.NanscanCallback      lightning.Trainer(callbacks=[...]) (pytorch_lightning too)
+    nanscan.integrations.accelerate.monitor             a hand-written accelerate loop
+    nanscan.integrations.tensorboard                    Monitor(tensorboard=...): live statistics in TensorBoard
+
+Each adapter imports its framework itself, so importing nanscan (or this package) imports none of them. What they
+share lives in `session` (one optimizer step's micro-batches, the check, the policy, the numbers for the logs) and
+`rebuild` (what a bundle records so that `nanscan replay` rebuilds the step without a user-written entry).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,198 @@
+"""One optimizer step as a trainer runs it, for the framework adapters: its micro-batches and their losses
+collected, the Monitor's check over them, the on_invalid policy (with "stop"), which micro-batch went bad
+recorded in the bundle, and nanscan's own numbers for the trainer's logs.
+
+The adapters only turn a framework's hooks into these calls:
+
+    session = StepSession(model, optimizer, recipe=..., scaler=..., options=monitor_options)
+    session.add_micro_batch(inputs)        # each forward of the step (all of them under gradient accumulation)
+    session.set_loss(loss)                 # that micro-batch's loss
+    session.check(step=..., divide_by=n)   # after backward and unscaling, before the optimizer step
+    session.after_update(skipped=...)      # after it, where the framework says whether it skipped the update
+    logs.update(session.numbers())
+    session.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from nanscan.bundle import load_bundle
+from nanscan.incident import NonFiniteError, tensor_name
+from nanscan.inputs import iter_batch_tensors
+from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_loss, with_recipe
+from nanscan.monitor import Monitor
+from nanscan.stats import ScanReport
+
+__all__ = ["LOG_KEYS", "ON_INVALID", "StepSession", "check_on_invalid", "micro_batch_finding"]
+
+log = logging.getLogger("nanscan")
+
+# "stop": skip the bad update (as "skip") and end training cleanly through the framework's own stop flag.
+ON_INVALID = ("raise", "warn", "skip", "stop")
+LOG_KEYS = ("nanscan/nonfinite_tensors", "nanscan/nonfinite_steps", "nanscan/skipped_steps")
+MICRO_BATCH_FINDING = "micro_batches"
+
+
+def check_on_invalid(policy: Any) -> None:
+    if not (callable(policy) or policy in ON_INVALID):
+        raise ValueError(f"on_invalid={policy!r}: use one of {', '.join(ON_INVALID)} or a callable "
+                         "f(report, bundle_path)")
+
+
+def micro_batch_finding(micro_batches: list, losses: list) -> tuple[str, str, dict]:
+    """(title, markdown, record) of the finding that says which micro-batches of the step held a non-finite input
+    or loss (read once, at the incident)."""
+    rows = []
+    for index, (inputs, loss) in enumerate(zip(micro_batches, losses)):
+        bad = [tensor_name("input", f"{MICRO_BATCHES}.{index}.{path}") for path, t in iter_batch_tensors(inputs)
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        loss_value = None if loss is None else float(loss.detach().float().reshape(-1)[0])
+        loss_bad = loss_value is not None and not math.isfinite(loss_value)
+        rows.append({"index": index, "nonfinite_inputs": bad, "loss": loss_value if not loss_bad else str(loss_value),
+                     "bad": bool(bad) or loss_bad})
+    first = next((row["index"] for row in rows if row["bad"]), None)
+    total = len(rows)
+    if first is None:
+        title = (f"Micro-batches: none of the {total} micro-batch(es) of the step had a non-finite input or loss "
+                 "(the fault is in the state or the backward pass)")
+    else:
+        bad = [row["index"] for row in rows if row["bad"]]
+        title = f"Micro-batches: micro-batch {first} of {total} went bad first (bad: {bad})"
+    lines = ["| micro-batch | loss | non-finite inputs |", "| --- | --- | --- |"]
+    lines += [f"| {row['index']} | {row['loss']} | {', '.join(f'`{n}`' for n in row['nonfinite_inputs']) or '-'} |"
+              for row in rows]
+    lines += ["", f"The bundle's batch is {{'{MICRO_BATCHES}': [...]}}: the step's micro-batches in the order they "
+                  "were run; `input:micro_batches.<i>.<key>` names micro-batch i's tensors."]
+    return title, "\n".join(lines), {"micro_batches": total, "first_bad": first, "rows": rows}
+
+
+class StepSession:
+    """A Monitor over one trainer's model and optimizer, fed a whole optimizer step at a time.
+
+    options: the Monitor's keyword arguments, with on_invalid also "stop" (skip the update, then `stop_requested`
+    is True and the adapter stops the trainer). replay_entry defaults to the integrations' own (zero-config
+    replay from `recipe`, nanscan.integrations.rebuild); config, when given, is kept with the recipe added.
+    scaler: the framework's GradScaler, passed to the Monitor only when there is one.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, recipe: dict,
+                 scaler: Any = None, options: dict):
+        options = dict(options)
+        policy = options.pop("on_invalid", "raise")
+        check_on_invalid(policy)
+        options["config"] = with_recipe(options.get("config"), recipe)
+        options["replay_entry"] = options.get("replay_entry") or REPLAY_ENTRY
+        if scaler is not None:
+            options["scaler"] = scaler
+        self.policy = policy
+        self.monitor = Monitor(model, optimizer, on_invalid="skip" if policy == "stop" else policy, **options)
+        self.stop_requested = False
+        self.skipped_steps = 0
+        self.nonfinite_tensors = 0  # in the last step checked (0 when it was finite)
+        self._inputs: list = []
+        self._losses: list = []
+        self._kept: dict[int, tuple[list, list]] = {}  # checked steps whose verdict may still come (mode="async")
+        self._skipped_now = False
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def add_micro_batch(self, inputs: Any) -> None:
+        self._inputs.append(inputs)
+        self._losses.append(None)
+
+    def set_loss(self, loss: Any) -> None:
+        """The latest micro-batch's loss (a tensor; anything else is ignored)."""
+        if self._losses and isinstance(loss, torch.Tensor):
+            self._losses[-1] = loss.detach()
+
+    @property
+    def inputs(self) -> list:
+        """The micro-batches collected for the step not yet checked."""
+        return self._inputs
+
+    def check(self, *, step: int | None = None, divide_by: int = 1, extra: dict | None = None) -> ScanReport:
+        """Check the step: its micro-batches as the batch {"micro_batches": [...], **extra}, the sum of their losses
+        over `divide_by` as the loss (the trainer's normalisation)."""
+        micro, losses = self._inputs, self._losses
+        self._inputs, self._losses = [], []
+        self._skipped_now = False
+        present = [loss for loss in losses if loss is not None]
+        loss = step_loss(present, divide_by=divide_by) if present else None
+        if step is None:
+            step = self.monitor.step
+        self._kept = {s: kept for s, kept in self._kept.items() if s >= step - 1}
+        self._kept[step] = (micro, losses)
+        first_before = self.monitor.first_invalid_step
+        try:
+            report = self.monitor.check(batch={MICRO_BATCHES: micro, **(extra or {})}, loss=loss, step=step)
+        except NonFiniteError as exc:
+            self.nonfinite_tensors = len(exc.tensors)
+            self._record_micro_batches(first_before)
+            raise
+        self._record_micro_batches(first_before)
+        if report.ok:
+            self.nonfinite_tensors = 0
+            return report
+        self.nonfinite_tensors = self._count(report)
+        if self.policy in ("skip", "stop"):
+            self.skipped_steps += 1
+            self._skipped_now = True
+        if self.policy == "stop" and not self.stop_requested:
+            self.stop_requested = True
+            log.warning("nanscan: non-finite values at step %s; the update was skipped and training stops "
+                        "(on_invalid='stop'); evidence in %s", getattr(report, "decided_step", None) or step,
+                        self.monitor.bundle_path)
+        return report
+
+    def after_update(self, *, skipped: bool) -> None:
+        """The framework skipped (or applied) the step's update: a GradScaler's overflow skip is counted here."""
+        if skipped and not self._skipped_now:
+            self.skipped_steps += 1
+        self._skipped_now = False
+
+    def _count(self, report: ScanReport) -> int:
+        if isinstance(report, ScanReport):
+            return len(report.nonfinite)
+        decided = getattr(report, "decided_step", None)  # a PendingReport: its verdict is an earlier step's
+        return next((len(e.report.nonfinite) for e in self.monitor.history if e.step == decided), 0)
+
+    def _record_micro_batches(self, first_before: int | None) -> None:
+        """The run's first incident happened in this check: say in its bundle which micro-batch went bad."""
+        monitor = self.monitor
+        step = monitor.first_invalid_step
+        if first_before is not None or step is None or monitor.bundle_path is None or step not in self._kept:
+            return
+        try:
+            load_bundle(monitor.bundle_path).add_finding(MICRO_BATCH_FINDING, *micro_batch_finding(*self._kept[step]))
+        except Exception as exc:  # noqa: BLE001 - the bundle is written; a failed note must not hide the NaN
+            log.error("nanscan: could not record the micro-batches in %s: %s: %s", monitor.bundle_path,
+                      type(exc).__name__, exc)
+
+    # -- the logs and the end -----------------------------------------------------------------------------------
+    def numbers(self) -> dict[str, int]:
+        """nanscan's per-step numbers: non-finite tensors in the last checked step, non-finite steps so far, and
+        updates skipped (by on_invalid "skip"/"stop", or by the framework's GradScaler where it says so)."""
+        monitor = self.monitor
+        steps = (monitor.first_invalid_step is not None) + monitor.invalid_steps
+        return dict(zip(LOG_KEYS, (self.nonfinite_tensors, steps, self.skipped_steps)))
+
+    def abandon(self, exc: BaseException) -> None:
+        """The training loop is failing with `exc`: close the Monitor as its with-block would (a pending verdict is
+        still bundled, without replacing the loop's exception) and remove its hook."""
+        first_before = self.monitor.first_invalid_step
+        try:
+            self.monitor.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            self._record_micro_batches(first_before)
+
+    def close(self) -> None:
+        """Read a pending verdict (mode="async") and remove the Monitor's hook."""
+        first_before = self.monitor.first_invalid_step
+        try:
+            self.monitor.close()
+        finally:
+            self._record_micro_batches(first_before)

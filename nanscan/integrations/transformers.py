@@ -1,0 +1,157 @@
+"""nanscan for transformers.Trainer: NanscanCallback checks every optimizer step (all its micro-batches, their
+losses, the weights, gradients and optimizer state) before the update, and records what rebuilds the step.
+
+    from nanscan.integrations.transformers import NanscanCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[NanscanCallback(bundle_dir="bundles")])
+    trainer.train()          # a NaN step raises nanscan.NonFiniteError, its evidence bundle written
+
+The Trainer's hooks do not carry the batch or the loss, so the callback watches the model itself: a forward
+pre-hook keeps each micro-batch as the model receives it (model(**inputs), num_items_in_batch included) and a
+forward hook its `loss`. The check runs in on_pre_optimizer_step, after the Trainer's clipping (which, under
+fp16, unscaled the gradients: they are not unscaled again), with step = state.global_step at the step's start.
+on_invalid="stop" skips the bad update and sets control.should_training_stop. nanscan's numbers are added to the
+Trainer's logs (nanscan.integrations.session.LOG_KEYS), where logging_nan_inf_filter cannot smooth them away.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+
+from nanscan.integrations.rebuild import optimizer_recipe, pretrained_model, trainer_divisor, unavailable
+from nanscan.integrations.session import StepSession, check_on_invalid
+
+__all__ = ["NanscanCallback"]
+
+
+def calling_trainer() -> Trainer | None:
+    """The Trainer whose loop is calling the current hook. Callbacks are not given it, yet its compute_loss,
+    compute_loss_func and label smoothing decide whether the model's own loss is the step's loss, and its optimizer
+    is the one train() created (a callback's `optimizer` argument is the one given to Trainer(), usually None)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def step_recipe(trainer: Trainer | None) -> dict:
+    """How the Trainer forms the step's loss, when it is the model's own loss (else why it is not)."""
+    if trainer is None:
+        return unavailable("the Trainer could not be found from its callback, so how it forms the loss is unknown")
+    kind = type(trainer)
+    for method in ("compute_loss", "training_step"):
+        if getattr(kind, method) is not getattr(Trainer, method):
+            return unavailable(f"{kind.__qualname__} overrides {method}, so the step's loss is not the model's own")
+    if trainer.compute_loss_func is not None:
+        return unavailable("the Trainer was given compute_loss_func, so the step's loss is not the model's own")
+    if trainer.label_smoother is not None:
+        return unavailable(f"the Trainer applies label smoothing (label_smoothing_factor="
+                           f"{trainer.args.label_smoothing_factor}) to the model's outputs")
+    return {"kind": "model_loss", "loss_scaled_for_ga": getattr(trainer, "loss_is_scaled_for_ga", None)}
+
+
+def model_recipe(model: torch.nn.Module) -> dict:
+    if not isinstance(model, PreTrainedModel):
+        return unavailable(f"{type(model).__qualname__} is not a transformers PreTrainedModel, so it cannot be "
+                           "rebuilt from a config")
+    return pretrained_model(model)
+
+
+def scaler_of(optimizer: Any) -> Any:
+    """The GradScaler of the Trainer's (accelerate-prepared) optimizer under fp16, else None."""
+    return getattr(optimizer, "scaler", None)
+
+
+class NanscanCallback(TrainerCallback):
+    """A TrainerCallback that runs a nanscan Monitor over the Trainer's model and optimizer.
+
+    monitor_options: nanscan.Monitor's keyword arguments (bundle_dir, run_id, config, snapshot, mode, ...);
+    on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop" or a callable.
+    `monitor` and `session` are the current train() call's, from on_train_begin on.
+    """
+
+    def __init__(self, **monitor_options: Any):
+        check_on_invalid(monitor_options.get("on_invalid", "raise"))
+        self.options = monitor_options
+        self.session: StepSession | None = None
+        self._optimizer: Any = None
+        self._scaled_for_ga: bool | None = None
+        self._forward_params: list[str] = []
+        self._hooks: list = []
+        self._collecting = False
+
+    @property
+    def monitor(self):
+        return None if self.session is None else self.session.monitor
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        trainer = calling_trainer()
+        if trainer is not None:
+            model, optimizer = trainer.model, trainer.optimizer
+            callbacks = trainer.callback_handler.callbacks
+            if self in callbacks:  # first, so that the reporters' on_log (TensorBoard, W&B, ...) see its numbers
+                callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        step = step_recipe(trainer)
+        recipe = {"model": model_recipe(model), "optimizer": optimizer_recipe(inner, model), "step": step}
+        self._remove_hooks()
+        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=self.options)
+        self._optimizer = optimizer
+        self._scaled_for_ga = step.get("loss_scaled_for_ga")
+        self._forward_params = [name for name, p in inspect.signature(model.forward).parameters.items()
+                                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+                       model.register_forward_hook(self._on_output)]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._collecting = True
+
+    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._collecting and module.training:
+            self.session.add_micro_batch({**dict(zip(self._forward_params, args)), **kwargs})
+
+    def _on_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._collecting and module.training:
+            self.session.set_loss(output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._collecting = False
+        session = self.session
+        try:
+            session.check(step=state.global_step, divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
+        except BaseException as exc:
+            self._remove_hooks()  # train() ends here: leave the model as it was given
+            session.abandon(exc)
+            raise
+        if session.stop_requested:
+            control.should_training_stop = True
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.session.after_update(skipped=bool(getattr(self._optimizer, "step_was_skipped", False)))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self.session is None:
+            return
+        numbers = self.session.numbers()
+        logs.update(numbers)  # what the reporting callbacks (run after this one, see on_train_begin) receive
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(numbers)  # the Trainer appended its copy before calling on_log
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._remove_hooks()
+        if self.session is not None:
+            self.session.close()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._collecting = False

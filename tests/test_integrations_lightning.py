@@ -1,0 +1,148 @@
+"""NanscanCallback under the real lightning.Trainer (a small LightningModule, CPU, accumulate_grad_batches=2): a
+clean run writes no bundle, planted faults are caught at the right optimizer step with the right category and
+micro-batch, "stop" ends training cleanly, and zero-config replay rebuilds the module from its hyperparameters."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import nanscan  # noqa: E402
+from nanscan.bundle import load_bundle  # noqa: E402
+from nanscan.entry import EntryError  # noqa: E402
+from nanscan.integrations.lightning import NanscanCallback  # noqa: E402
+from nanscan.replay.reproduce import replay  # noqa: E402
+
+from integration_models import NoHparams, TinyRegressor, plant_bad_weight, regression_rows  # noqa: E402
+
+accepts_scaler = "scaler" in inspect.signature(nanscan.Monitor).parameters
+
+
+class PlantWeight(pl.Callback):
+    def __init__(self, step: int, name: str):
+        self.step, self.name = step, name
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            plant_bad_weight(pl_module, self.name)
+
+
+def fit(module, data, callback, *, extra=(), steps=4, plugins=None):
+    trainer = pl.Trainer(max_steps=steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1, callbacks=[callback, *extra], plugins=plugins)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    trainer.fit(module, loader)
+    return trainer
+
+
+def caught(module, data, callback, **kwargs) -> nanscan.NonFiniteError:
+    with pytest.raises(nanscan.NonFiniteError) as info:
+        fit(module, data, callback, **kwargs)
+    assert info.value.bundle_path is not None
+    return info.value
+
+
+def test_a_clean_run_writes_no_bundle_and_logs_nanscans_numbers(tmp_path):
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="clean")
+    trainer = fit(TinyRegressor(), regression_rows(), callback)
+    assert not (tmp_path / "bundles").exists()
+    assert callback.monitor.step == 4  # one check per optimizer step (8 micro-batches)
+    assert trainer.callback_metrics["nanscan/nonfinite_tensors"] == 0
+    assert trainer.callback_metrics["nanscan/skipped_steps"] == 0
+
+
+def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
+    # rows 20..23 are batch 5: optimizer step 2, micro-batch 1
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="input")
+    error = caught(TinyRegressor(), regression_rows(nan_rows=(22,)), callback)
+    assert (error.step, error.category) == (2, "input")
+    assert error.tensors == ["input:micro_batches.1.0"]
+    bundle = load_bundle(error.bundle_path)
+    assert bundle.batch(nested=True)["batch_indices"] == [4, 5]
+    finding = next(f for f in bundle.findings() if f["key"] == "micro_batches")
+    assert finding["record"]["first_bad"] == 1
+    result = replay(error.bundle_path, runs=2)
+    assert result.reproduced and result.verdict == "persistent" and result.failing_run.category == "input"
+    assert result.bisect.indices == [2]
+
+
+def test_a_bad_weight_gives_parameter(tmp_path):
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="weight")
+    error = caught(TinyRegressor(), regression_rows(), callback, extra=[PlantWeight(1, "net.2.weight")])
+    assert (error.step, error.category) == (1, "parameter")
+    result = replay(error.bundle_path, runs=2, bisect=False)
+    assert result.reproduced and result.failing_run.category == "parameter"
+    assert result.localization.label == "net.2"
+
+
+def test_a_fully_masked_step_gives_loss_and_replays_from_the_hyperparameters(tmp_path):
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="masked")
+    error = caught(TinyRegressor(hidden=6), regression_rows(masked_rows=range(4, 8)), callback)
+    assert (error.step, error.category) == (0, "loss")
+    finding = next(f for f in load_bundle(error.bundle_path).findings() if f["key"] == "micro_batches")
+    assert [row["bad"] for row in finding["record"]["rows"]] == [False, True]
+    result = replay(error.bundle_path, runs=2, bisect=False)
+    assert result.reproduced and result.verdict == "persistent" and result.failing_run.category == "loss"
+
+
+def test_stop_skips_the_bad_update_and_ends_training_cleanly(tmp_path):
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="stop", on_invalid="stop")
+    module = TinyRegressor()
+    with pytest.warns(nanscan.NonFiniteWarning):
+        trainer = fit(module, regression_rows(nan_rows=(9,)), callback, steps=6)
+    assert callback.monitor.first_invalid_step == 1 and callback.monitor.bundle_path is not None
+    assert trainer.global_step < 6 and trainer.should_stop
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert trainer.callback_metrics["nanscan/skipped_steps"] == 1
+
+
+def test_a_module_without_saved_hyperparameters_makes_replay_ask_for_an_entry(tmp_path):
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="no-hparams")
+    error = caught(NoHparams(width=5), regression_rows(nan_rows=(0,)), callback)
+    with pytest.raises(EntryError, match=r"NoHparams\(\.\.\.\) cannot be called with no saved hyperparameters.*"
+                                         r"save_hyperparameters.*--entry"):
+        replay(error.bundle_path, runs=1)
+
+
+def test_the_same_callback_serves_pytorch_lightning(tmp_path):
+    legacy = pytest.importorskip("pytorch_lightning")
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="legacy")
+
+    class Module(legacy.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y, _ = batch
+            return ((self.net(x).squeeze(-1) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = legacy.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    data = regression_rows(nan_rows=(9,))
+    with pytest.raises(nanscan.NonFiniteError) as info:
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert (info.value.step, info.value.category) == (2, "input")
+
+
+@pytest.mark.skipif(not accepts_scaler, reason="Monitor(scaler=) not in this build")
+def test_16_mixed_overflow_skips_are_expected_not_incidents(tmp_path):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    class Overflow(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:
+                trainer.precision_plugin.scaler.update(new_scale=2.0 ** 60)
+
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="fp16")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    fit(TinyRegressor(), regression_rows(), callback, extra=[Overflow()], plugins=[plugin])
+    assert not (tmp_path / "bundles").exists()
