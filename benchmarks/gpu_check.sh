@@ -9,6 +9,10 @@
 #   bench.log        the benchmark's tables and ratio lines (the scan against torch, then Monitor.check in
 #                    mode="async" in a GPT-2-medium training step: monitor_async_overhead); bench_gpu.json
 #   sass_sm90.txt    the scan kernel's machine code, for reading its inner loop offline
+# Dry run on a machine without a GPU: DRY_RUN=1 OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh uses the installed
+# build (no rebuild), skips nvidia-smi and the machine code dump, runs the same pytest selection (its GPU tests
+# skip, so the run shows what would be collected) and bench_gpu.py --dry-run: every step's logic and command line
+# are exercised before a device is spent on them.
 # Usage: OUT=/some/dir bash benchmarks/gpu_check.sh   (about 4 minutes expected; the step limits add up to
 # 515 s, inside the device tool's 600 s per command and leaving a session's 15 device minutes room for the
 # machine's start; bench_gpu.json is written after the scan part too, so a monitor part cut short keeps it)
@@ -16,6 +20,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
 PY=${PYTHON:-python3}
+DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -37,8 +42,10 @@ step() {
 }
 
 env_report() {
-  nvidia-smi
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  if [ "$DRY_RUN" != 1 ]; then
+    nvidia-smi
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  fi
   "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda,
 "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())'
   nvcc --version
@@ -57,18 +64,25 @@ sass_report() {
 }
 
 export -f env_report register_report sass_report
-export PY CUDA_BUILD_DIR
+export PY CUDA_BUILD_DIR DRY_RUN
+BENCH_DRY=()
 step env 20 "$OUT/env.txt" bash -c env_report
-step build 140 "$OUT/build.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
-step import 30 "$OUT/build.log" "$PY" -c 'import nanscan._C as C, torch
+if [ "$DRY_RUN" = 1 ]; then
+  step import 30 "$OUT/build.log" "$PY" -c 'import nanscan._C as C; info = C.build_info(); print(info)
+assert info["cuda"], "built without CUDA"; print("dry run: cuda_probe skipped", C.cuda_layout())'
+  BENCH_DRY=(--dry-run)
+else
+  step build 140 "$OUT/build.log" "$PY" -m pip install --no-build-isolation --no-deps -e .
+  step import 30 "$OUT/build.log" "$PY" -c 'import nanscan._C as C, torch
 info = C.build_info(); print(info); assert info["cuda"], "built without CUDA"
 C.cuda_probe(torch.cuda.current_device()); print("cuda_probe ok", C.cuda_layout())'
+fi
 step ptxas 45 "$OUT/ptxas.txt" bash -c register_report
 # -k cuda: the `cuda`-marked tests and every other test parametrized over the cuda backend
 step pytest 110 "$OUT/pytest.log" "$PY" -m pytest -k cuda -q -rs -p no:cacheprovider tests
 step bench 150 "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --part all --rounds 1 --gpt-blocks 4 \
-  --json "$OUT/bench_gpu.json"
-step sass 20 "$OUT/sass_sm90.txt" bash -c sass_report
+  --json "$OUT/bench_gpu.json" "${BENCH_DRY[@]}"
+[ "$DRY_RUN" = 1 ] || step sass 20 "$OUT/sass_sm90.txt" bash -c sass_report
 
 echo "--- summary"
 cat "$SUMMARY"
