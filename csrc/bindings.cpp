@@ -67,12 +67,9 @@ py::tuple classify_bits_py(CArray<uint64_t> bits, int32_t dtype) {
   check_dtype_code(dtype, "classify_bits");
   const py::ssize_t n = bits.size();
   py::array_t<int32_t> classes(n), bins(n);
-  switch (dtype) {
-    case kFloat16: classify_all<Float16>(bits.data(), classes.mutable_data(), bins.mutable_data(), n); break;
-    case kBFloat16: classify_all<BFloat16>(bits.data(), classes.mutable_data(), bins.mutable_data(), n); break;
-    case kFloat32: classify_all<Float32>(bits.data(), classes.mutable_data(), bins.mutable_data(), n); break;
-    case kFloat64: classify_all<Float64>(bits.data(), classes.mutable_data(), bins.mutable_data(), n); break;
-  }
+  with_format(dtype, [&](auto format) {
+    classify_all<decltype(format)>(bits.data(), classes.mutable_data(), bins.mutable_data(), n);
+  });
   return py::make_tuple(classes, bins);
 }
 
@@ -114,7 +111,26 @@ py::dict build_info_py() {
   codes["bfloat16"] = static_cast<int>(kBFloat16);
   codes["float32"] = static_cast<int>(kFloat32);
   codes["float64"] = static_cast<int>(kFloat64);
+  codes["float8_e4m3fn"] = static_cast<int>(kFloat8E4M3FN);
+  codes["float8_e5m2"] = static_cast<int>(kFloat8E5M2);
+  codes["float8_e4m3fnuz"] = static_cast<int>(kFloat8E4M3FNUZ);
+  codes["float8_e5m2fnuz"] = static_cast<int>(kFloat8E5M2FNUZ);
   info["dtype_codes"] = codes;
+  // Each format's traits (classify.h, FloatFormat), by dtype code: nanscan/_layout.py's FORMATS mirrors them.
+  py::dict formats;
+  for (int32_t code = 0; code < kNumDTypes; ++code) {
+    with_format(code, [&](auto format) {
+      using F = decltype(format);
+      py::dict traits;
+      traits["bytes"] = F::kBytes;
+      traits["exp_bits"] = F::kExpBits;
+      traits["mant_bits"] = F::kMantBits;
+      traits["bias"] = F::kBias;
+      traits["specials"] = static_cast<int>(F::kSpecials);
+      formats[py::int_(code)] = traits;
+    });
+  }
+  info["formats"] = formats;
   // The widest vector instructions the CPU kernel was compiled for (setup.py: NANSCAN_NATIVE_ARCH).
 #if defined(__AVX512BW__)
   info["cpu_simd"] = "avx512";

@@ -1,6 +1,7 @@
 """How fast is a scan? nanscan's CPU backends against the machine's read limit and against the per-tensor torch
 checks used instead, on a GPT-2-small-shaped set of float32 parameters and gradients (about 124M of each, ~300
-tensors, ~1 GB), all measured in one run.
+tensors, ~1 GB), all measured in one run; then the same on a ~1 GB set of float8_e4m3fn tensors, against the
+read limit and a per-tensor `t.float().isfinite()` loop (extra ratio lines, prefixed `float8_e4m3fn`).
 
 It prints a table and ratio lines such as `cpu/read_limit = 0.78` and `cpu/isfinite_loop = 14.2x`, and with
 --json writes the same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
@@ -92,7 +93,27 @@ class Method:
     detail: str
 
 
-def _read_probe(tensors: list[torch.Tensor]) -> Callable[[], object] | None:
+FLOAT8_DTYPE = torch.float8_e4m3fn
+FLOAT8_MAX = 448.0  # torch.finfo(FLOAT8_DTYPE).max: float8 recipes scale each tensor's amax to it
+
+
+def make_float8_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """GPT-2-small-shaped parameters and gradients with four times the elements (a float8 element is a quarter of
+    a float32 one, so the set is ~1 GB as well), each scaled as float8 recipes scale a tensor (its amax to 448) and
+    cast to float8_e4m3fn; the token embedding's gradient is zero in most rows, as in make_tensors. Made one tensor
+    at a time: the whole set in float32 first would need 4 GB."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in gpt2_small_shapes(4 * scale):
+        for kind in ("param", "grad"):
+            x = torch.randn(shape, generator=gen)
+            if kind == "grad" and name == "wte.weight":
+                x[torch.rand(shape[0], generator=gen) < 0.85] = 0.0
+            out[f"{kind}:{name}"] = (x * (FLOAT8_MAX / x.abs().max())).to(FLOAT8_DTYPE)
+    return out
+
+
+def _read_probe(tensors: list[torch.Tensor], code: int = L.FLOAT32) -> Callable[[], object] | None:
     """nanscan._C.read_bandwidth_probe over the tensors (every byte read once, nothing else), if built."""
     try:
         from nanscan import _C  # noqa: PLC0415 - optional extension
@@ -100,7 +121,7 @@ def _read_probe(tensors: list[torch.Tensor]) -> Callable[[], object] | None:
         return None
     ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
     numels = np.array([t.numel() for t in tensors], dtype=np.int64)
-    codes = np.full(len(tensors), L.FLOAT32, dtype=np.int32)
+    codes = np.full(len(tensors), code, dtype=np.int32)
     return lambda: _C.read_bandwidth_probe(ptrs, numels, codes, L.DEFAULT_CHUNK_ELEMS)
 
 
@@ -108,6 +129,14 @@ def _isfinite_loop(tensors: list[torch.Tensor]) -> bool:
     ok = True
     for t in tensors:
         ok &= bool(torch.isfinite(t).all())
+    return ok
+
+
+def _float_isfinite_loop(tensors: list[torch.Tensor]) -> bool:
+    # torch has no isfinite for float8 on every path: the usual check casts each tensor up first.
+    ok = True
+    for t in tensors:
+        ok &= bool(t.float().isfinite().all())
     return ok
 
 
@@ -129,16 +158,32 @@ def available_backends() -> tuple[list[str], dict[str, str]]:
     return names, missing
 
 
-def make_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
+def _read_limit_and_nanscan(named: dict[str, torch.Tensor], backend_names: list[str], code: int) -> list[Method]:
+    """The read-limit methods (a torch sum per tensor, the read probe) and each nanscan backend, for one dtype."""
     tensors = list(named.values())
-    methods = [Method("torch.sum loop", "read_limit", lambda: [t.sum() for t in tensors],
+    # torch sums no float8 tensor: the same bytes as uint8 are read instead.
+    as_summable = (lambda t: t.view(torch.uint8)) if code in L.FLOAT8_CODES else (lambda t: t)
+    methods = [Method("torch.sum loop", "read_limit", lambda: [as_summable(t).sum() for t in tensors],
                       f"t.sum() per tensor, {torch.get_num_threads()} torch threads")]
-    probe = _read_probe(tensors)
+    probe = _read_probe(tensors, code)
     if probe is not None:
         methods.append(Method("read probe", "read_limit", probe, "nanscan._C.read_bandwidth_probe, OpenMP"))
     for name in backend_names:
         methods.append(Method(f"nanscan {name}", "nanscan", lambda b=name: scan(named, backend=b),
                               f"nanscan.scan(tensors, backend={name!r}), end to end"))
+    return methods
+
+
+def make_float8_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
+    tensors = list(named.values())
+    return _read_limit_and_nanscan(named, backend_names, L.FLOAT8_E4M3FN) + [
+        Method("float isfinite loop", "torch", lambda: _float_isfinite_loop(tensors),
+               "t.float().isfinite().all() per tensor")]
+
+
+def make_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
+    tensors = list(named.values())
+    methods = _read_limit_and_nanscan(named, backend_names, L.FLOAT32)
     methods += [
         Method("_foreach_norm", "torch", lambda: torch._foreach_norm(tensors), "torch._foreach_norm(tensors)"),
         Method("isfinite loop", "torch", lambda: _isfinite_loop(tensors), "torch.isfinite(t).all() per tensor"),
@@ -201,6 +246,32 @@ def time_methods(methods: list[Method], reps: int) -> dict[str, list[float]]:
     return times
 
 
+def summarise(methods: list[Method], times: dict[str, list[float]], total_bytes: int,
+              baseline: str) -> tuple[str, list[dict]]:
+    """(the fastest read-limit method, one result per method): medians, GB/s, fractions of the read limit and
+    speedups over the `baseline` method."""
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    read_limit_name = min((m.name for m in methods if m.kind == "read_limit"), key=medians.__getitem__)
+    read_limit = medians[read_limit_name]
+    key = "speedup_vs_" + baseline.replace(" ", "_")
+    return read_limit_name, [{
+        "name": m.name, "kind": m.kind, "detail": m.detail, "seconds": medians[m.name],
+        "seconds_all": times[m.name], "gb_per_s": total_bytes / medians[m.name] / 1e9,
+        "fraction_of_read_limit": read_limit / medians[m.name], key: medians[baseline] / medians[m.name],
+    } for m in methods]
+
+
+def float8_ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, float]:
+    by_name = {r["name"]: r for r in results}
+    prefix = str(FLOAT8_DTYPE).removeprefix("torch.")
+    ratios: dict[str, float] = {}
+    for b in backend_names:
+        r = by_name[f"nanscan {b}"]
+        ratios[f"{prefix} {b}/read_limit"] = r["fraction_of_read_limit"]
+        ratios[f"{prefix} {b}/float_isfinite_loop"] = by_name["float isfinite loop"]["seconds"] / r["seconds"]
+    return ratios
+
+
 def ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, float]:
     by_name = {r["name"]: r for r in results}
     ratios: dict[str, float] = {}
@@ -211,6 +282,19 @@ def ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, floa
                            ("log2 histc loop", "log2_histc_loop")):
             ratios[f"{b}/{key}"] = by_name[other]["seconds"] / r["seconds"]
     return ratios
+
+
+def results_table(results: list[dict], title: str, baseline: str):
+    from rich.table import Table  # noqa: PLC0415 - only the command needs it
+
+    table = Table(title=title)
+    for col in ("method", "seconds", "GB/s", "x read limit", f"vs {baseline}"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    key = "speedup_vs_" + baseline.replace(" ", "_")
+    for r in results:
+        table.add_row(r["name"], f"{r['seconds']:.4f}", f"{r['gb_per_s']:.2f}", f"{r['fraction_of_read_limit']:.2f}",
+                      f"{r[key]:.1f}x")
+    return table
 
 
 def format_ratio(key: str, value: float) -> str:
@@ -235,7 +319,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rich.console import Console  # noqa: PLC0415 - only the command needs it
-    from rich.table import Table  # noqa: PLC0415
 
     console = Console(soft_wrap=True)
     backend_names, missing = available_backends()
@@ -276,24 +359,26 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = make_methods(named, backend_names)
     times = time_methods(methods, args.reps)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    read_limit_name = min((m.name for m in methods if m.kind == "read_limit"), key=medians.__getitem__)
-    read_limit = medians[read_limit_name]
-    iso = medians["isfinite loop"]
-    results = [{
-        "name": m.name, "kind": m.kind, "detail": m.detail, "seconds": medians[m.name],
-        "seconds_all": times[m.name], "gb_per_s": total_bytes / medians[m.name] / 1e9,
-        "fraction_of_read_limit": read_limit / medians[m.name], "speedup_vs_isfinite_loop": iso / medians[m.name],
-    } for m in methods]
-
-    table = Table(title=f"scan of {total_bytes / 1e9:.2f} GB, median of {args.reps} (read limit: {read_limit_name})")
-    for col in ("method", "seconds", "GB/s", "x read limit", "vs isfinite loop"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for r in results:
-        table.add_row(r["name"], f"{r['seconds']:.4f}", f"{r['gb_per_s']:.2f}", f"{r['fraction_of_read_limit']:.2f}",
-                      f"{r['speedup_vs_isfinite_loop']:.1f}x")
-    console.print(table)
+    read_limit_name, results = summarise(methods, times, total_bytes, "isfinite loop")
+    console.print(results_table(results, f"scan of {total_bytes / 1e9:.2f} GB, median of {args.reps} (read limit: "
+                                         f"{read_limit_name})", "isfinite loop"))
     ratios = ratio_lines(results, backend_names)
+    num_tensors = len(named)
+    del named, methods  # the float8 set takes their place
+
+    float8 = make_float8_tensors(args.scale, args.seed)
+    float8_bytes = sum(t.numel() for t in float8.values())
+    problems8 = validate(float8, backend_names)
+    if problems8:
+        for p in problems8[:20]:
+            console.print(f"[red]validation failed ({FLOAT8_DTYPE}):[/red] {p}")
+        return 1
+    methods8 = make_float8_methods(float8, backend_names)
+    read_limit8, results8 = summarise(methods8, time_methods(methods8, args.reps), float8_bytes, "float isfinite loop")
+    console.print(results_table(results8, f"scan of {float8_bytes / 1e9:.2f} GB of {FLOAT8_DTYPE} (validated "
+                                          f"against the reference), median of {args.reps} (read limit: {read_limit8})",
+                                "float isfinite loop"))
+    ratios.update(float8_ratio_lines(results8, backend_names))
     for key, value in ratios.items():
         print(format_ratio(key, value))
 
@@ -303,13 +388,15 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "cpu_count": os.cpu_count(), "torch": torch.__version__,
                         "torch_threads": torch.get_num_threads(), "build": build},
-            "config": {"scale": args.scale, "reps": args.reps, "seed": args.seed, "tensors": len(named),
+            "config": {"scale": args.scale, "reps": args.reps, "seed": args.seed, "tensors": num_tensors,
                        "elements": total_elems, "bytes": total_bytes},
             "validation": {"backends": backend_names, "slice": VALIDATION_SLICE, "problems": problems},
             "unavailable": missing,
             "peak_extra_memory_bytes": memory,
             "read_limit": read_limit_name,
             "results": results,
+            "float8": {"dtype": str(FLOAT8_DTYPE).removeprefix("torch."), "tensors": len(float8),
+                       "bytes": float8_bytes, "read_limit": read_limit8, "results": results8},
             "ratios": ratios,
         })
         console.print(f"wrote {args.json}")

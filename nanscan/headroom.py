@@ -17,6 +17,15 @@ Only finite non-zero values are counted: zeros stay zero and non-finite values a
 
 float8_e4m3fn has no infinity, and what a cast does with an overflowing value depends on the torch release: torch
 2.11 (CPU and CUDA) makes it NaN, torch 2.13's CPU cast saturates it, and an infinity, to +-448.
+
+Saturating casts (float8 training recipes such as torchao's and Transformer Engine's clamp to +-largest finite
+before the cast) turn overflow into values pinned at the largest finite magnitude (448, 57344), and a scale that
+drifts too low shows as values below the smallest subnormal. For the float8 formats `saturated` and
+`saturated_at_most` bound the share of values at or beyond the largest finite magnitude: its top binade holds
+values on both sides of it (e4m3fn [256, 512) around 448), which a histogram cannot split, so the lower bound
+counts the binades above it and the upper bound the top binade too (with `absmax`, a tensor whose largest value is
+below it has none there). `below_smallest_subnormal` is the share below the smallest subnormal magnitude, which a
+cast rounds up to that subnormal or to zero (`underflow` is its part that becomes zero).
 """
 
 from __future__ import annotations
@@ -36,13 +45,15 @@ class Format:
     min_normal_binade: int  # floor(log2(smallest normal))
     # floor(log2(smallest subnormal)); the binade below it still rounds up to it, the binades below that flush to 0
     min_subnormal_binade: int
+    # The largest finite magnitude, for formats that are cast with saturation (float8): see `saturated`.
+    max_finite: float | None = None
 
 
 FORMATS = (
     Format("float16", 15, -14, -24),
     Format("bfloat16", 127, -126, -133),
-    Format("float8_e4m3fn", 8, -6, -9),
-    Format("float8_e5m2", 15, -14, -16),
+    Format("float8_e4m3fn", 8, -6, -9, 448.0),
+    Format("float8_e5m2", 15, -14, -16, 57344.0),
 )
 
 
@@ -55,14 +66,21 @@ class Headroom:
     underflow: float  # fraction that would flush to zero
     top_binade: int | None  # highest occupied binade (at most 127: bin 255 is clamped), None for an empty histogram
     binades_to_overflow: int | None  # how many binades the largest value may still grow before overflow
+    # Share of values at or beyond the largest finite magnitude, which a saturating cast pins there: at least
+    # `saturated`, at most `saturated_at_most` (the module docstring says why two); None for formats without
+    # max_finite.
+    saturated: float | None = None
+    saturated_at_most: float | None = None
+    below_smallest_subnormal: float = 0.0  # fraction below the smallest subnormal: rounds up to it or to zero
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
 
 
-def headroom(exp_hist, formats=FORMATS) -> list[Headroom]:
+def headroom(exp_hist, formats=FORMATS, *, absmax: float | None = None) -> list[Headroom]:
     """Headroom of the values in `exp_hist` (256 bins as in TensorStats.exp_hist) for each format, in whole
-    binades (the module docstring lists where that differs from a cast).
+    binades (the module docstring lists where that differs from a cast). `absmax` (TensorStats.absmax of the same
+    tensor), when given, sharpens the bounds on the saturated share.
 
     The histogram's end bins are clamped, and the formats whose range reaches them cannot be resolved there:
     - bin 0 holds every value below 2**-127, so for bfloat16 its subnormal and underflow split is unknown: those
@@ -88,8 +106,19 @@ def headroom(exp_hist, formats=FORMATS) -> list[Headroom]:
         under = int(hist[binades < flushes_below].sum())
         sub = int(hist[(binades >= flushes_below) & (binades < fmt.min_normal_binade)].sum())
         frac = (lambda n: n / total) if total else (lambda n: 0.0)
+        below = int(hist[binades < fmt.min_subnormal_binade].sum())
+        saturated = saturated_at_most = None
+        if fmt.max_finite is not None:
+            at_least, at_most = over, over + int(hist[binades == fmt.max_binade].sum())
+            if absmax is not None and total:
+                if absmax < fmt.max_finite:
+                    at_least = at_most = 0
+                else:  # the largest value itself is at or beyond it
+                    at_least = max(at_least, 1)
+            saturated, saturated_at_most = frac(at_least), frac(at_most)
         out.append(Headroom(fmt.name, total, frac(over), frac(sub), frac(under), top,
-                            None if top is None else fmt.max_binade - top))
+                            None if top is None else fmt.max_binade - top, saturated, saturated_at_most,
+                            frac(below)))
     return out
 
 

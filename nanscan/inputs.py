@@ -22,6 +22,10 @@ _SCANNED_CODES = {
     torch.float32: L.FLOAT32,
     torch.float64: L.FLOAT64,
 }
+# The float8 formats this torch has (all four since torch 2.2; looked up by name so an older torch still imports).
+_SCANNED_CODES.update({getattr(torch, L.DTYPE_NAMES[code]): code for code in L.FLOAT8_CODES
+                       if hasattr(torch, L.DTYPE_NAMES[code])})
+_DTYPES_OF_CODES = {code: dtype for dtype, code in _SCANNED_CODES.items()}
 # Complex tensors are scanned as their real and imaginary parts, in the component dtype.
 _COMPLEX_PARTS = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
@@ -98,7 +102,8 @@ class ScanInput:
 
     def bits(self) -> torch.Tensor:
         """The same memory reinterpreted as unsigned integers of the element width (no copy)."""
-        return self.flat.view({2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[self.tensor.element_size()])
+        return self.flat.view({1: torch.uint8, 2: torch.uint16, 4: torch.uint32,
+                               8: torch.uint64}[self.tensor.element_size()])
 
     def __repr__(self) -> str:
         return f"ScanInput({self.name!r}, {self.dtype}, numel={self.numel}, layout={self.layout})"
@@ -110,6 +115,9 @@ def read_host_scalar(address: int, code: int) -> float:
         return ctypes.c_float.from_address(address).value
     if code == L.FLOAT64:
         return ctypes.c_double.from_address(address).value
+    if code in L.FLOAT8_CODES:  # rare (a float8 loss): decoded by torch, which knows its own formats
+        byte = torch.tensor([ctypes.c_uint8.from_address(address).value], dtype=torch.uint8)
+        return float(byte.view(_DTYPES_OF_CODES[code]).float().item())
     bits = ctypes.c_uint16.from_address(address).value
     if code == L.FLOAT16:
         return struct.unpack("<e", struct.pack("<H", bits))[0]
@@ -185,7 +193,8 @@ def prepare(name: str, t: Any) -> ScanInput | None:
             return None
         raise UnsupportedTensorError(
             f"{name!r} has dtype {own}, which nanscan cannot scan; supported: float16, bfloat16, float32, "
-            "float64 and complex64/complex128 (cast the tensor, e.g. t.float(), to scan it)")
+            "float64, the float8 formats (e4m3fn, e5m2 and their fnuz variants) and complex64/complex128 (cast "
+            "the tensor, e.g. t.float(), to scan it)")
     layout = CONTIGUOUS if t.is_contiguous() else PERMUTED if is_dense_permutation(t) else GAPPED
     return ScanInput(name, own, t, code, layout)
 

@@ -139,12 +139,19 @@ def clean_backend_state(monkeypatch):
 
 # -- bit-pattern tables -------------------------------------------------------------------------------------------
 
+# The float8 formats, each a torch dtype and its nanscan dtype code.
+FLOAT8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
 class BitTables:
     """Raw bit patterns of the values every classification must get right, per format, and tensors made of them."""
 
-    FIELDS = {torch.float16: (5, 10), torch.bfloat16: (8, 7), torch.float32: (8, 23), torch.float64: (11, 52)}
+    FIELDS = {torch.float16: (5, 10), torch.bfloat16: (8, 7), torch.float32: (8, 23), torch.float64: (11, 52),
+              torch.float8_e4m3fn: (4, 3), torch.float8_e5m2: (5, 2), torch.float8_e4m3fnuz: (4, 3),
+              torch.float8_e5m2fnuz: (5, 2)}
     _INT_TYPES = {torch.float16: (np.uint16, np.int16), torch.bfloat16: (np.uint16, np.int16),
-                  torch.float32: (np.uint32, np.int32), torch.float64: (np.uint64, np.int64)}
+                  torch.float32: (np.uint32, np.int32), torch.float64: (np.uint64, np.int64),
+                  **{dtype: (np.uint8, np.uint8) for dtype in FLOAT8_DTYPES}}
 
     @staticmethod
     def tensor(bits, dtype: torch.dtype) -> torch.Tensor:
@@ -155,12 +162,14 @@ class BitTables:
     @staticmethod
     def bits_of(t: torch.Tensor) -> np.ndarray:
         unsigned, signed = BitTables._INT_TYPES[t.dtype]
-        return t.detach().cpu().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-                                                  ).numpy().view(unsigned)
+        return t.detach().cpu().contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                                   8: torch.int64}[t.element_size()]).numpy().view(unsigned)
 
     @staticmethod
     def all_patterns(dtype: torch.dtype) -> torch.Tensor:
-        """Every 16-bit pattern once, in order."""
+        """Every 16-bit pattern (8-bit for the float8 formats) once, in order."""
+        if dtype.itemsize == 1:
+            return torch.arange(1 << 8, dtype=torch.int32).to(torch.uint8).view(dtype)
         return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
 
     @staticmethod

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanscan
-from conftest import SUMSQ_REL_TOL
+from conftest import FLOAT8_DTYPES, SUMSQ_REL_TOL
 from nanscan import _layout as L
 from nanscan import backends
 
@@ -49,6 +49,41 @@ def test_every_16_bit_pattern_as_one_tensor(backend_under_test, dtype, order, ti
     assert stats.subnormal == 2 * ((1 << mant_bits) - 1)
     assert stats.absmax == torch.finfo(dtype).max
     assert stats.absmin == torch.finfo(dtype).smallest_normal * 2.0 ** -mant_bits
+
+
+# What the 256 patterns of each float8 format hold (NOTE: [float8 specials] in classify.h): (NaN, +inf, -inf, zeros,
+# subnormals).
+FLOAT8_CLASS_COUNTS = {
+    torch.float8_e4m3fn: (2, 0, 0, 2, 14),  # NaN only at S.1111.111; no infinity
+    torch.float8_e5m2: (6, 1, 1, 2, 6),  # IEEE-like
+    torch.float8_e4m3fnuz: (1, 0, 0, 1, 14),  # the one NaN is 0x80, the pattern of -0: no -0
+    torch.float8_e5m2fnuz: (1, 0, 0, 1, 6),
+}
+
+
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_every_float8_pattern_in_tensors_of_several_lengths(backend_under_test, dtype, order, tiny_chunks,
+                                                            bit_tables):
+    patterns = bit_tables.all_patterns(dtype)
+    gen = torch.Generator().manual_seed(6)
+    # Lengths around the C++ kernel's switch to four pattern tables (4096) and with a ragged end, one element of
+    # each pattern alone, and every pattern once.
+    lengths = [1, 2, 7, 255, 256, 257, 1000, 4095, 4096, 4103] + ([] if tiny_chunks else [65_537, 200_003])
+    tensors = {}
+    for length in lengths:
+        t = patterns.repeat(-(-length // 256))[:length]
+        if order == "shuffled":
+            t = t[torch.randperm(length, generator=gen)]
+        tensors[f"{length} elements"] = t
+    tensors.update({f"pattern {bits:#04x}": patterns[bits:bits + 1] for bits in range(256)})
+    report = backend_under_test.check(to_device(tensors, backend_under_test.device), tiny_chunks=tiny_chunks)
+    stats = report["256 elements"]
+    assert (stats.nan, stats.posinf, stats.neginf, stats.zero, stats.subnormal) == FLOAT8_CLASS_COUNTS[dtype]
+    finfo = torch.finfo(dtype)
+    assert stats.absmax == finfo.max
+    assert stats.absmin == finfo.smallest_normal * 2.0 ** -bit_tables.FIELDS[dtype][1]
+    assert sum(report[f"pattern {bits:#04x}"].nan for bits in range(256)) == FLOAT8_CLASS_COUNTS[dtype][0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -7,6 +7,7 @@ nanscan/_reference.py does. Exhaustive for the 16-bit formats, tables and hypoth
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import FLOAT8_DTYPES
 from nanscan import _layout as L
 
 try:
@@ -25,7 +27,8 @@ except ImportError as exc:
     pytest.skip("nanscan._C is not built here (no C++ compiler at install time); the numba and reference backends "
                 "are checked by test_agreement.py", allow_module_level=True)
 
-CODES = {torch.float16: L.FLOAT16, torch.bfloat16: L.BFLOAT16, torch.float32: L.FLOAT32, torch.float64: L.FLOAT64}
+CODES = {torch.float16: L.FLOAT16, torch.bfloat16: L.BFLOAT16, torch.float32: L.FLOAT32, torch.float64: L.FLOAT64,
+         **{dtype: L.DTYPE_CODES[str(dtype).removeprefix("torch.")] for dtype in FLOAT8_DTYPES}}
 
 
 def reference_classes_and_bins(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -61,6 +64,8 @@ def test_layout_constants_match_the_extension():
     assert info["record_width"] == L.RECORD_WIDTH
     assert info["hist_bins"] == L.HIST_BINS
     assert info["min_bin_exponent"] == L.MIN_BIN_EXPONENT
+    assert info["dtype_codes"] == L.DTYPE_CODES
+    assert info["formats"] == {code: dataclasses.asdict(traits) for code, traits in L.FORMATS.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -74,6 +79,23 @@ def test_every_16_bit_pattern(dtype, bit_tables):
                 L.SUBNORMAL: 2 * ((1 << mant_bits) - 1), L.NORMAL: 2 * ((1 << exp_bits) - 2) << mant_bits}
     assert sum(expected.values()) == 1 << 16
     assert {c: int((classes == c).sum()) for c in expected} == expected
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_every_float8_pattern(dtype, bit_tables):
+    t = bit_tables.all_patterns(dtype)
+    assert_header_matches_reference(t, bit_tables)
+    classes, bins = _C.classify_bits(bit_tables.bits_of(t).astype(np.uint64), CODES[dtype])
+    # Spelled out (NOTE: [float8 specials]): where each format's NaNs and infinities are, and its largest normal.
+    nan = {torch.float8_e4m3fn: [0x7F, 0xFF], torch.float8_e5m2: [0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF],
+           torch.float8_e4m3fnuz: [0x80], torch.float8_e5m2fnuz: [0x80]}[dtype]
+    assert np.flatnonzero(classes == L.NAN).tolist() == nan
+    assert np.flatnonzero(classes == L.POSINF).tolist() == ([0x7C] if dtype == torch.float8_e5m2 else [])
+    assert np.flatnonzero(classes == L.NEGINF).tolist() == ([0xFC] if dtype == torch.float8_e5m2 else [])
+    assert np.flatnonzero(classes == L.ZERO).tolist() == ([0] if "fnuz" in str(dtype) else [0, 0x80])
+    largest = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B, torch.float8_e4m3fnuz: 0x7F,
+               torch.float8_e5m2fnuz: 0x7F}[dtype]
+    assert classes[largest] == L.NORMAL and bins[largest] == int(np.log2(torch.finfo(dtype).max)) - L.MIN_BIN_EXPONENT
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
@@ -108,8 +130,9 @@ def test_bins_clamp_at_both_ends(bit_tables):
 
 
 def test_unknown_dtype_code_is_rejected():
-    with pytest.raises(ValueError, match="unknown dtype code 7"):
-        _C.classify_bits(np.zeros(1, np.uint64), 7)
+    unknown = len(L.DTYPE_NAMES)  # the next code, not yet given to a format
+    with pytest.raises(ValueError, match=f"unknown dtype code {unknown}"):
+        _C.classify_bits(np.zeros(1, np.uint64), unknown)
 
 
 def bit_patterns(exp_bits: int, mant_bits: int):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nanscan
+from conftest import FLOAT8_DTYPES
 from nanscan import _layout as L
 from nanscan.backends.cuda import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
 from nanscan.backends.reference import ReferenceBackend
@@ -70,6 +71,21 @@ def reference(inputs) -> np.ndarray:
 
 def all_bit_patterns(dtype: torch.dtype, device="cpu") -> torch.Tensor:
     return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
+
+
+def float8_pattern_tensors(dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """Every pattern of a float8 format, repeated, at offsets 0..16 into the storage (so head, 16-byte vectors and
+    tail all see every pattern, the fnuz NaN 0x80 inside a vector included), and each pattern in a vector of ones."""
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    gen = torch.Generator().manual_seed(8)
+    base = torch.cat([patterns, patterns[torch.randperm(256, generator=gen)], patterns.flip(0)]).repeat(3)
+    out = {f"offset {k}": base[k:].view(dtype).to(device) for k in range(17)}
+    one = int(torch.tensor([1.0]).to(dtype).view(torch.uint8))
+    for bits in range(256):
+        t = torch.full((48,), one, dtype=torch.uint8)
+        t[16 + bits % 16] = bits
+        out[f"{bits:#04x} among ones"] = t.view(dtype).to(device)
+    return out
 
 
 def special_value_tensors(dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
@@ -225,6 +241,15 @@ def test_host_run_all_16bit_patterns(dtype, max_blocks):
 
 
 @needs_cuda_build
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("max_blocks", [1, 5])
+def test_host_run_every_float8_pattern(dtype, max_blocks):
+    inputs = inputs_of(float8_pattern_tensors(dtype))
+    got = scan_records_on_host(inputs, max_blocks=max_blocks, min_block_bytes=64)
+    assert_same_records(got, reference(inputs), [i.name for i in inputs])
+
+
+@needs_cuda_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_host_run_special_values(dtype):
     inputs = inputs_of(special_value_tensors(dtype))
@@ -305,6 +330,13 @@ def block_sizes(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_all_16bit_patterns(dtype, cuda_backend, block_sizes):
     inputs = inputs_of({"all": all_bit_patterns(dtype, "cuda"), "shifted": all_bit_patterns(dtype, "cuda")[3:]})
+    assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), [i.name for i in inputs])
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_gpu_every_float8_pattern(dtype, cuda_backend, block_sizes):
+    inputs = inputs_of(float8_pattern_tensors(dtype, "cuda"))
     assert_same_records(cuda_backend.scan_records(inputs), reference(inputs), [i.name for i in inputs])
 
 

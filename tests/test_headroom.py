@@ -13,6 +13,7 @@ import torch
 
 import nanscan
 from nanscan import _layout as L
+from nanscan.headroom import FORMATS
 
 
 def hist_of(*binades: int, count: int = 1) -> np.ndarray:
@@ -276,3 +277,57 @@ def test_float8_e4m3fn_overflow_is_nan_or_saturation_never_inf():
     assert not torch.isinf(big).any()
     assert torch.isnan(big).all() or (big.abs() == 448).all(), big
     assert torch.isnan(torch.tensor([float("nan")]).to(torch.float8_e4m3fn).to(torch.float32)).all()
+
+
+# -- saturating casts (float8) ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, top", [("float8_e4m3fn", 8), ("float8_e5m2", 15)])
+def test_saturated_share_is_bounded_by_the_top_binade(fmt, top):
+    above = by_format(hist_of(top + 1, count=3) + hist_of(0))[fmt]
+    assert (above.saturated, above.saturated_at_most) == (0.75, 0.75)
+    straddling = by_format(hist_of(top))[fmt]  # holds the largest finite value: some of it may be beyond
+    assert (straddling.saturated, straddling.saturated_at_most) == (0.0, 1.0)
+    below = by_format(hist_of(top - 1))[fmt]
+    assert (below.saturated, below.saturated_at_most) == (0.0, 0.0)
+
+
+def test_absmax_resolves_the_top_binade():
+    hist = hist_of(8, count=2) + hist_of(0, count=2)  # e4m3fn's top binade [256, 512) holds 448
+    under = {h.format: h for h in nanscan.headroom(hist, absmax=300.0)}["float8_e4m3fn"]
+    assert (under.saturated, under.saturated_at_most) == (0.0, 0.0)
+    at = {h.format: h for h in nanscan.headroom(hist, absmax=448.0)}["float8_e4m3fn"]
+    assert (at.saturated, at.saturated_at_most) == (0.25, 0.5)
+
+
+def test_only_the_float8_formats_report_saturation():
+    result = by_format(hist_of(20))
+    assert result["float16"].saturated is None and result["bfloat16"].saturated_at_most is None
+    assert result["float8_e5m2"].to_dict()["saturated"] == 1.0
+
+
+@pytest.mark.parametrize("fmt, smallest_subnormal", [("float8_e4m3fn", -9), ("float8_e5m2", -16), ("float16", -24)])
+def test_below_smallest_subnormal_counts_what_rounds_up_to_it_and_what_flushes(fmt, smallest_subnormal):
+    h = by_format(hist_of(smallest_subnormal - 1) + hist_of(smallest_subnormal - 2) + hist_of(smallest_subnormal))[fmt]
+    assert h.below_smallest_subnormal == 2 / 3
+    assert h.underflow == 1 / 3  # of those, the binade below the one that rounds up: zero after a cast
+
+
+@pytest.mark.parametrize("log2_scale", [-14, -8, 0, 6, 9, 14, 17])
+def test_saturating_cast_shares_against_the_data(log2_scale):
+    gen = torch.Generator().manual_seed(log2_scale + 77)
+    x = (torch.randn(50_000, generator=gen, dtype=torch.float64) * 2.0 ** log2_scale).to(torch.float32)
+    x = torch.cat([x, torch.tensor([448.0, -57344.0, 2.0 ** -9, 2.0 ** -16]) * 2.0 ** (log2_scale // 8)])
+    x = x[x != 0]
+    stats = nanscan.scan({"x": x})["x"]
+    formats = {f.name: f for f in FORMATS}
+    for h in nanscan.headroom(stats.exp_hist, absmax=stats.absmax):
+        fmt = formats[h.format]
+        assert h.below_smallest_subnormal == float((x.abs() < 2.0 ** fmt.min_subnormal_binade).double().mean())
+        if fmt.max_finite is not None:
+            beyond = float((x.abs() >= fmt.max_finite).double().mean())
+            assert h.saturated <= beyond <= h.saturated_at_most, (h, beyond)
+            # A saturating cast (clamp, then cast) pins those values, and the ones rounding up to the largest
+            # finite, all of them in the top binade or above.
+            cast = x.clamp(-fmt.max_finite, fmt.max_finite).to(getattr(torch, h.format)).float()
+            pinned = float((cast.abs() == fmt.max_finite).double().mean())
+            assert beyond <= pinned <= by_format(stats.exp_hist)[h.format].saturated_at_most

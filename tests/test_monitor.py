@@ -291,8 +291,8 @@ def test_a_check_that_cannot_read_its_batch_is_not_a_step(tmp_path):
     mon = Monitor(model, bundle_dir=tmp_path, on_invalid="warn")
     x = torch.randn(8, 4)
     model(x).sum().backward()
-    with pytest.raises(nanscan.UnsupportedTensorError, match="'input:x8' has dtype float8_e4m3fn"):
-        mon.check(batch={"x8": torch.zeros(2).to(torch.float8_e4m3fn)})
+    with pytest.raises(nanscan.UnsupportedTensorError, match="'input:x8' has dtype float8_e8m0fnu"):
+        mon.check(batch={"x8": torch.ones(2).to(torch.float8_e8m0fnu)})
     assert mon.step == 0 and not mon.history
     step_start_rng = torch.get_rng_state()
     model.zero_grad(set_to_none=True)
@@ -473,3 +473,40 @@ def test_numpy_batches_read_only_and_unreadable(tmp_path):
     assert report.nonfinite == ["input:features"] and report["input:features"].nan == 1
     with pytest.raises(nanscan.UnsupportedTensorError, match="'features'.*float128|'features'.*longdouble"):
         mon.check(batch={"features": np.ones(3, dtype=np.longdouble)})
+
+
+class Float8Linear(nn.Module):
+    """A linear layer whose frozen weight is stored in float8_e4m3fn (cast up for the matmul, as weight-only float8
+    recipes do), with a float8 buffer beside it (the Monitor scans parameters, not buffers: it must pass it by)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
+        self.register_buffer("amax_history", torch.ones(4).to(torch.float8_e5m2))
+
+    def forward(self, x):
+        return x @ self.weight.float().t()
+
+
+@pytest.mark.parametrize("snapshot", ["none", "cpu"])
+def test_a_model_holding_float8_tensors_is_monitored_and_a_nan_in_one_is_caught(snapshot, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Float8Linear(torch.randn(1, 8)))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="run", snapshot=snapshot)
+    for step in range(FAULT_STEP):
+        batch, loss = forward_backward(model, optimizer, step)
+        report = mon.check(batch={k: batch[k] for k in ("x", "y", "scale")}, loss=loss)
+        assert report.ok
+        assert report["param:2.weight"].dtype == "float8_e4m3fn" and report["param:2.weight"].numel == 8
+        optimizer.step()
+    with torch.no_grad():  # S.1111.111, the only NaN of e4m3fn (it has no infinity)
+        model[2].weight.view(torch.uint8)[0, 5] = 0x7F
+    batch, loss = forward_backward(model, optimizer, FAULT_STEP)
+    with pytest.raises(NonFiniteError) as caught:
+        mon.check(batch={k: batch[k] for k in ("x", "y", "scale")}, loss=loss)
+    assert (caught.value.step, caught.value.category) == (FAULT_STEP, "parameter")
+    assert "param:2.weight" in caught.value.tensors
+    bundle = load_bundle(caught.value.bundle_path)
+    listed = {row["name"]: row for row in bundle.manifest["nonfinite_tensors"]}
+    assert listed["param:2.weight"]["nan"] == 1

@@ -307,7 +307,10 @@ def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["validation"]["problems"] == []
     assert {r["name"] for r in data["results"]} >= {"nanscan cpu", "read probe", "_foreach_norm", "isfinite loop"}
-    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm"):
+    assert data["float8"]["dtype"] == "float8_e4m3fn" and {r["name"] for r in data["float8"]["results"]} >= {
+        "nanscan cpu", "read probe", "float isfinite loop"}
+    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm", "float8_e4m3fn cpu/read_limit",
+                "float8_e4m3fn cpu/float_isfinite_loop"):
         assert data["ratios"][key] > 0
         assert f"{key} = " in printed
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nanscan
-from conftest import BitTables, assert_records_match
+from conftest import FLOAT8_DTYPES, BitTables, assert_records_match
 from nanscan import _layout as L
 from nanscan.backends import numba_cuda as B
 from nanscan.backends.reference import ReferenceBackend
@@ -64,6 +64,12 @@ def _cases() -> dict[str, tuple[list[tuple[str, torch.Tensor]], dict]]:
     return {
         "float16 every pattern": ([("float16 patterns", BitTables.all_patterns(f16))], EXHAUSTIVE_LAUNCH),
         "bfloat16 every pattern": ([("bfloat16 patterns", BitTables.all_patterns(bf16))], EXHAUSTIVE_LAUNCH),
+        # Every float8 pattern in tensors of several lengths, across pieces (37 elements) and blocks.
+        **{f"{dtype} every pattern": ([
+            (f"{dtype} patterns", BitTables.all_patterns(dtype)),
+            (f"{dtype} patterns three times, shifted", BitTables.all_patterns(dtype).repeat(3)[5:]),
+            (f"{dtype} one pattern in 7", BitTables.all_patterns(dtype)[::7]),
+        ], SMALL_LAUNCH) for dtype in FLOAT8_DTYPES},
         "float32 special values": ([("float32 specials", _special_and_powers(f32))], SMALL_LAUNCH),
         "float64 special values": ([("float64 specials", _special_and_powers(f64))], EXHAUSTIVE_LAUNCH),
         # Formats interleaved, so record rows and launch groups differ; empty tensors between the others.

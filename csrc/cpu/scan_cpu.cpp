@@ -1,5 +1,6 @@
 // scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, one vectorised pass per 4 KiB
-// block, and classify.h's exact per-element path for blocks that hold an inf or NaN.
+// block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are counted per
+// bit pattern (NOTE: [byte formats]).
 #include "scan_cpu.h"
 
 #include <algorithm>
@@ -796,15 +797,82 @@ void scan_small(const typename F::Bits* p, int64_t n, int64_t* record, double& s
   for (int f = std::max(lo, 1); f <= hi; ++f) record[record::kHist + bin_of_normal_field<F>(f)] += total(f);
 }
 
-// Calls fn with a value of the format type (Float16, ..) that dtype names.
-template <typename Fn>
-void with_format(int32_t dtype, Fn&& fn) {
-  switch (dtype) {
-    case kFloat16: fn(Float16{}); break;
-    case kBFloat16: fn(BFloat16{}); break;
-    case kFloat32: fn(Float32{}); break;
-    case kFloat64: fn(Float64{}); break;
+// NOTE: [byte formats]
+// A float8 element is one byte, so the vector machinery above (abs thresholds, field windows) is not used for it: a
+// chunk is counted per bit pattern, 256 counters in kByteTables interleaved tables (so runs of one pattern do not
+// wait on each other's stores), and then each pattern's count goes where classify.h puts that pattern, through a
+// table of 256 entries made once per format from classify(), exponent_bin() and abs_to_double() (ByteTable). Every
+// slot of the record follows from the counts: the classes, the bins, the extremes (the largest and smallest abs
+// patterns counted among finite values), and the sum of squares, added as count * square in pattern order. So the
+// sum depends on the chunking alone (NOTE: [chunking]), not on the order of the elements, and each term is exact
+// (a square has at most 8 significant bits, a count at most 30).
+constexpr int kByteTables = 4;
+constexpr int64_t kByteTablesFrom = 4096;  // shorter chunks count into one table: clearing four would cost more
+
+template <typename F>
+struct ByteTable {
+  ValueClass cls[256];
+  int16_t bin[256];
+  double square[256];
+  ByteTable() {
+    for (int b = 0; b < 256; ++b) {
+      const auto bits = static_cast<typename F::Bits>(b);
+      cls[b] = classify<F>(bits);
+      bin[b] = static_cast<int16_t>(exponent_bin<F>(bits));
+      const double v = cls[b] == kNormal || cls[b] == kSubnormal ? abs_to_double<F>(bits) : 0.0;
+      square[b] = v * v;
+    }
   }
+};
+
+template <typename F>
+const ByteTable<F>& byte_table() {
+  static const ByteTable<F> table;  // made on first use; thread-safe initialisation
+  return table;
+}
+
+// One chunk of a one-byte format (NOTE: [byte formats]), added to `record` like scan_chunk.
+template <typename F>
+void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
+  static_assert(F::kBytes == 1, "one-byte formats only");
+  static_assert(kMaxChunkElems <= UINT32_MAX, "the per-pattern counters are uint32");
+  uint32_t counts[kByteTables][256];
+  const int tables = n >= kByteTablesFrom ? kByteTables : 1;
+  std::memset(counts, 0, sizeof(counts[0]) * tables);
+  int64_t i = 0;
+  if (tables == kByteTables) {
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, sizeof(w));
+      __builtin_prefetch(p + i + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
+      for (int k = 0; k < 8; ++k) counts[k % kByteTables][(w >> (8 * k)) & 0xff]++;
+    }
+  }
+  for (; i < n; ++i) counts[0][p[i]]++;
+  const ByteTable<F>& table = byte_table<F>();
+  uint64_t absmax = 0, absmin = UINT64_MAX;
+  double sumsq = 0.0;
+  for (int b = 0; b < 256; ++b) {
+    uint64_t c = 0;
+    for (int t = 0; t < tables; ++t) c += counts[t][b];
+    if (c == 0) continue;
+    switch (table.cls[b]) {
+      case kNaN: record[record::kNaN] += c; continue;
+      case kPosInf: record[record::kPosInf] += c; continue;
+      case kNegInf: record[record::kNegInf] += c; continue;
+      case kZero: record[record::kZero] += c; continue;
+      case kSubnormal: record[record::kSubnormal] += c; break;
+      case kNormal: break;
+    }
+    record[record::kHist + table.bin[b]] += c;
+    const uint64_t a = static_cast<uint64_t>(b & F::kAbsMask);
+    absmax = std::max(absmax, a);
+    absmin = std::min(absmin, a);
+    sumsq += static_cast<double>(c) * table.square[b];
+  }
+  record[record::kAbsMaxBits] = static_cast<int64_t>(absmax);
+  if (absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(absmin);
+  sumsq_out = sumsq;
 }
 
 struct Partial {
@@ -819,15 +887,19 @@ void scan_one_chunk(const ScanTask& task, const Chunk& chunk, int64_t* record, d
   with_format(task.dtype, [&](auto format) {
     using F = decltype(format);
     const auto* data = static_cast<const typename F::Bits*>(task.data);
-    if (chunk.end - chunk.begin <= kSmallChunkElems) {
-      scan_small<F>(data + chunk.begin, chunk.end - chunk.begin, record, sumsq);
-      return;
+    if constexpr (F::kBytes == 1) {
+      scan_bytes<F>(data + chunk.begin, chunk.end - chunk.begin, record, sumsq);
+    } else {
+      if (chunk.end - chunk.begin <= kSmallChunkElems) {
+        scan_small<F>(data + chunk.begin, chunk.end - chunk.begin, record, sumsq);
+        return;
+      }
+      if (!counts) {
+        counts.reset(new FieldCounts());  // value-initialised; fold_into keeps it zero between chunks
+        counts->reset_range();
+      }
+      scan_chunk<F>(data, chunk.begin, chunk.end, record, sumsq, *counts);
     }
-    if (!counts) {
-      counts.reset(new FieldCounts());  // value-initialised; fold_into keeps it zero between chunks
-      counts->reset_range();
-    }
-    scan_chunk<F>(data, chunk.begin, chunk.end, record, sumsq, *counts);
   });
 }
 
@@ -839,8 +911,6 @@ void merge(int64_t* rec, double& sumsq, const Partial& p) {
   }
   sumsq += p.sumsq;
 }
-
-int64_t element_bytes(int32_t dtype) { return dtype == kFloat64 ? 8 : dtype == kFloat32 ? 4 : 2; }
 
 // Asks for the first bytes of a chunk that is about to be scanned (NOTE: [prefetch]). Inlined: as a call it
 // measured slower, apparently by the prefetches' timing.

@@ -96,7 +96,7 @@ template <typename F>
 NANSCAN_HD int slot_record_index(int slot) {
   if (!SlotPolicy<F>::kByField) return record::kHist + slot;
   if (slot == 0) return record::kZero;
-  if (slot >= F::kExpMax) return -1;
+  if (slot > F::kMaxNormalField) return -1;
   return record::kHist + bin_of_normal_field<F>(slot);
 }
 
@@ -105,7 +105,9 @@ template <typename F>
 NANSCAN_HD double to_double(typename F::Bits bits) {
 #if defined(__CUDA_ARCH__)
   // Hardware conversions are exact for every finite value of these formats and cost one instruction.
-  if constexpr (F::kDType == kBFloat16) {
+  if constexpr (F::kBytes == 1) {
+    return abs_to_double<F>(bits);  // float8: a few integer operations, exact (no conversion for all four formats)
+  } else if constexpr (F::kDType == kBFloat16) {
     return static_cast<double>(__uint_as_float(static_cast<uint32_t>(bits) << 16));
   } else if constexpr (F::kDType == kFloat16) {
     return static_cast<double>(__half2float(__ushort_as_half(bits)));
@@ -148,7 +150,8 @@ struct LaneScan {
   using Wide = typename std::conditional<sizeof(Bits) == 8, uint64_t, uint32_t>::type;
   static constexpr int kPerVector = kVectorBytes / static_cast<int>(sizeof(Bits));
   static constexpr Wide kNone = sizeof(Bits) == 2 ? Wide(0xFFFF) : ~Wide(0);  // what a zero's |x| - 1 wraps to
-  static constexpr Wide kInfAbs = Wide(F::kExpMax) << F::kMantBits;  // smallest abs pattern of an inf or NaN
+  // Smallest abs pattern of an inf or NaN (float8 formats: NOTE: [float8 specials] in classify.h).
+  static constexpr Wide kInfAbs = static_cast<Wide>(F::kInfAbsBitsWide);
   static constexpr Wide kMinNormalAbs = Wide(1) << F::kMantBits;
 
   uint32_t nan = 0, posinf = 0, neginf = 0, zero = 0, subnormal = 0;
@@ -181,7 +184,9 @@ struct LaneScan {
 
   // Element j of a 16-byte vector held as four little-endian 32-bit words.
   NANSCAN_HD static Bits element(const Vector& v, int j) {
-    if constexpr (sizeof(Bits) == 2) {
+    if constexpr (sizeof(Bits) == 1) {
+      return static_cast<Bits>(v.w[j / 4] >> (8 * (j % 4)));
+    } else if constexpr (sizeof(Bits) == 2) {
       return static_cast<Bits>(v.w[j / 2] >> (16 * (j % 2)));
     } else if constexpr (sizeof(Bits) == 4) {
       return static_cast<Bits>(v.w[j]);
@@ -222,7 +227,17 @@ struct LaneScan {
         vmin_minus_one = a[j] - 1 < vmin_minus_one ? a[j] - 1 : vmin_minus_one;
       }
     }
-    if (vmax >= kInfAbs || vmin_minus_one < kMinNormalAbs - 1) {
+    // An fnuz NaN is the sign bit alone, whose abs pattern is a zero's (NOTE: [float8 specials]): look for it in
+    // the raw bits. A byte equal to 0x80 is a zero byte of w ^ 0x80808080, found with the usual carry test.
+    bool sign_alone = false;
+    if constexpr (F::kNaNIsSignAlone) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t x = v.w[k] ^ 0x80808080u;
+        sign_alone |= ((x - 0x01010101u) & ~x & 0x80808080u) != 0;
+      }
+    }
+    if (sign_alone || vmax >= kInfAbs || vmin_minus_one < kMinNormalAbs - 1) {
 #pragma unroll
       for (int j = 0; j < kPerVector; ++j) add_element(element(v, j), hist);
       return;

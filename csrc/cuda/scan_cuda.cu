@@ -167,6 +167,10 @@ __global__ void __launch_bounds__(kThreads, 2)
       case kBFloat16: scan_piece<BFloat16>(meta, records, sh); break;
       case kFloat32: scan_piece<Float32>(meta, records, sh); break;
       case kFloat64: scan_piece<Float64>(meta, records, sh); break;
+      case kFloat8E4M3FN: scan_piece<Float8E4M3FN>(meta, records, sh); break;
+      case kFloat8E5M2: scan_piece<Float8E5M2>(meta, records, sh); break;
+      case kFloat8E4M3FNUZ: scan_piece<Float8E4M3FNUZ>(meta, records, sh); break;
+      case kFloat8E5M2FNUZ: scan_piece<Float8E5M2FNUZ>(meta, records, sh); break;
       default: break;  // the host validates dtype codes before it builds the table
     }
   }
@@ -315,13 +319,9 @@ void scan_on_host(const ChunkMeta* chunks, const int64_t* block_begin, int64_t n
   std::vector<uint32_t> table(kTableWords), bins(kHistBins);
   for (int64_t b = 0; b < num_blocks; ++b) {
     for (int64_t c = block_begin[b]; c < block_begin[b + 1]; ++c) {
-      switch (chunks[c].dtype) {
-        case kFloat16: scan_piece_on_host<Float16>(chunks[c], records, table.data(), bins.data()); break;
-        case kBFloat16: scan_piece_on_host<BFloat16>(chunks[c], records, table.data(), bins.data()); break;
-        case kFloat32: scan_piece_on_host<Float32>(chunks[c], records, table.data(), bins.data()); break;
-        case kFloat64: scan_piece_on_host<Float64>(chunks[c], records, table.data(), bins.data()); break;
-        default: break;
-      }
+      with_format(chunks[c].dtype, [&](auto format) {
+        scan_piece_on_host<decltype(format)>(chunks[c], records, table.data(), bins.data());
+      });
     }
   }
 }

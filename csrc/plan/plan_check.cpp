@@ -22,7 +22,7 @@ namespace plan {
 // (Tensor.data_ptr, Tensor.is_contiguous) and attribute lookups: this file needs no torch headers either way.
 
 void check_dtype_code(int32_t code, const char* where) {
-  if (code < kFloat16 || code > kFloat64)
+  if (!is_dtype_code(code))
     throw py::value_error(std::string(where) + ": unknown dtype code " + std::to_string(code));
 }
 

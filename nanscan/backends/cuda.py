@@ -31,8 +31,7 @@ MIN_BLOCK_BYTES = 256 << 10
 
 _CACHED_TABLES = 8  # work lists kept on each backend's devices (a few KiB each)
 
-_ELEMENT_SIZES = np.array([2, 2, 4, 8], dtype=np.int64)  # indexed by dtype code (nanscan._layout)
-assert [_ELEMENT_SIZES[c] for c in (L.FLOAT16, L.BFLOAT16, L.FLOAT32, L.FLOAT64)] == [2, 2, 4, 8]
+_ELEMENT_SIZES = np.array([L.FORMATS[c].bytes for c in range(len(L.FORMATS))], dtype=np.int64)  # by dtype code
 
 
 def build_chunk_table(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, *, max_blocks: int,

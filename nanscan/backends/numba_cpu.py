@@ -18,6 +18,9 @@ not memory, bounds the speed, so it has two ways:
   - fields: otherwise each element's exponent field is counted, into _NUM_TABLES tables filled in turn so that runs
     of equal exponents do not wait on each other's stores.
 Both tables are folded into bins once per chunk. Their int32 counters hold any chunk below 2**31 elements.
+The one-byte formats (float8) take none of this: a chunk is counted per bit pattern and the counts are folded through
+the format's table of 256 patterns (nanscan/backends/byte_formats.py), in pattern order, as the C++ kernel does
+(NOTE: [byte formats] in csrc/cpu/scan_cpu.cpp), so the two give the same records, the sum of squares included.
 
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
 nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_cpu*.nbi/.nbc).
@@ -38,6 +41,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from nanscan import _layout as L
+from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE, byte_table
 from nanscan.inputs import ScanInput, as_scan_inputs
 
 _BLOCK_ELEMS = 2048  # a block of float32 is 8 KiB: it stays in L1 between the passes over it
@@ -378,6 +382,54 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
         partial_sumsq[c] = s
 
 
+_NORMAL, _ZERO, _SUBNORMAL, _POSINF, _NEGINF, _NAN = L.NORMAL, L.ZERO, L.SUBNORMAL, L.POSINF, L.NEGINF, L.NAN
+_BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
+
+
+@njit(parallel=True, cache=True)
+def _scan_byte_chunks(addresses, numels, table, partial_counts, partial_sumsq):
+    """One partial record per chunk of a one-byte format: counts per bit pattern, folded through `table`
+    (byte_formats.byte_table) in pattern order."""
+    bits_like = np.empty(0, np.uint8)
+    for c in prange(addresses.size):
+        data = numba.carray(_pointer_at(addresses[c], bits_like), numels[c])
+        pattern_counts = np.zeros((_BYTE_TABLES, 256), np.int64)
+        n = data.size
+        m = n - n % _BYTE_TABLES
+        for i in range(0, m, _BYTE_TABLES):
+            for t in range(_BYTE_TABLES):
+                pattern_counts[t, data[i + t]] += 1
+        for i in range(m, n):
+            pattern_counts[0, data[i]] += 1
+        counts = partial_counts[c]
+        absmax = np.int64(0)
+        absmin = np.int64(_ABSMIN_NONE)
+        s = 0.0
+        for b in range(256):
+            k = pattern_counts[:, b].sum()
+            if k == 0:
+                continue
+            cls = np.int64(table[TABLE_CLASS, b])
+            if cls == _NAN:
+                counts[_REC_NAN] += k
+            elif cls == _POSINF:
+                counts[_REC_POSINF] += k
+            elif cls == _NEGINF:
+                counts[_REC_NEGINF] += k
+            elif cls == _ZERO:
+                counts[_REC_ZERO] += k
+            else:
+                if cls == _SUBNORMAL:
+                    counts[_REC_SUBNORMAL] += k
+                counts[_REC_HIST + np.int64(table[TABLE_BIN, b])] += k
+                absmax = max(absmax, np.int64(b & 0x7F))
+                absmin = min(absmin, np.int64(b & 0x7F))
+                s += np.float64(k) * table[TABLE_SQUARE, b]
+        counts[_REC_ABSMAX] = absmax
+        counts[_REC_ABSMIN] = absmin
+        partial_sumsq[c] = s
+
+
 @njit(cache=True)
 def _merge(chunk_task, partial_counts, partial_sumsq, records, sumsq):
     """Merge partial records into their tensors' records in chunk order (NOTE: [chunking])."""
@@ -421,24 +473,28 @@ class NumbaBackend:
         records = L.empty_records(len(inputs))
         sumsq = np.zeros(len(inputs), dtype=np.float64)
         ptrs, numels, codes = inputs.table()
-        for code in np.unique(codes[numels > 0]):
+        for code in np.unique(codes[numels > 0]).tolist():
             tasks = np.flatnonzero((codes == code) & (numels > 0))
-            self._scan_format(_FORMATS[int(code)], ptrs[tasks], numels[tasks], tasks, records, sumsq)
+            self._scan_format(code, ptrs[tasks], numels[tasks], tasks, records, sumsq)
         records[:, L.REC_SUMSQ] = sumsq.view(np.int64)
         return records
 
-    def _scan_format(self, fmt: _Format, bases: np.ndarray, numels: np.ndarray, tasks: np.ndarray,
+    def _scan_format(self, code: int, bases: np.ndarray, numels: np.ndarray, tasks: np.ndarray,
                      records: np.ndarray, sumsq: np.ndarray) -> None:
         chunks_per_task = -(-numels // self.chunk_elems)
         chunk_task = np.repeat(np.arange(len(numels)), chunks_per_task)
         first_chunk = np.cumsum(chunks_per_task) - chunks_per_task
         begins = (np.arange(chunk_task.size) - first_chunk[chunk_task]) * self.chunk_elems
         chunk_numels = np.minimum(numels[chunk_task] - begins, self.chunk_elems)
-        itemsize = np.dtype(fmt.bits_dtype).itemsize
-        addresses = bases[chunk_task] + begins * itemsize
+        addresses = bases[chunk_task] + begins * L.FORMATS[code].bytes
         partial_counts = L.empty_records(chunk_task.size)
         partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
         with self._launch_lock:
-            _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
-                         fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, partial_counts, partial_sumsq)
+            if L.FORMATS[code].bytes == 1:
+                _scan_byte_chunks(addresses, chunk_numels, byte_table(code), partial_counts, partial_sumsq)
+            else:
+                fmt = _FORMATS[code]
+                _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
+                             fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, partial_counts,
+                             partial_sumsq)
         _merge(tasks[chunk_task], partial_counts, partial_sumsq, records, sumsq)

@@ -1,7 +1,8 @@
 """The numba-cuda backend: the scan as numba CUDA kernels, for GPUs where nanscan._C was built without CUDA.
 
 It states the definitions of classify.h again on raw bits, as nanscan/backends/numba_cpu.py does for the CPU (exponent
-field, subnormals binned by their leading mantissa bit, bins clamped to [-128, 127]; never isnan or log2), and reads
+field, subnormals binned by their leading mantissa bit, bins clamped to [-128, 127], the float8 formats' own NaNs and
+biases, NOTE: [float8 specials]; never isnan or log2), and reads
 the tensors in place: no copy, one launch per format, on torch's current stream. It waits for its own results, so it
 is slower than the cuda backend's asynchronous scan, but gives the same records. scan_bit_arrays runs the same kernels
 on host arrays under numba's CUDA simulator, which is how machines without a GPU test them.
@@ -61,14 +62,12 @@ _ABSMIN_NONE = L.ABSMIN_NONE
 
 
 class _Format(NamedTuple):
-    """Field widths of one binary format (classify.h, FloatFormat)."""
+    """Field widths, exponent bias and specials of one format (classify.h, FloatFormat; nanscan._layout.FORMATS)."""
 
     exp_bits: int
     mant_bits: int
-
-    @property
-    def bias(self) -> int:
-        return (1 << (self.exp_bits - 1)) - 1
+    bias: int
+    specials: int
 
     def scale(self) -> np.ndarray:
         """scale[field] = 2**(field - bias - mant_bits), scale[0] that of field 1: |x| = significand * scale[field],
@@ -77,8 +76,7 @@ class _Format(NamedTuple):
         return np.ldexp(1.0, fields - self.bias - self.mant_bits)
 
 
-_FORMATS = {L.FLOAT16: _Format(5, 10), L.BFLOAT16: _Format(8, 7), L.FLOAT32: _Format(8, 23),
-            L.FLOAT64: _Format(11, 52)}
+_FORMATS = {code: _Format(f.exp_bits, f.mant_bits, f.bias, f.specials) for code, f in L.FORMATS.items()}
 
 
 # -- kernels --------------------------------------------------------------------------------------------------------
@@ -87,9 +85,9 @@ _FORMATS = {L.FLOAT16: _Format(5, 10), L.BFLOAT16: _Format(8, 7), L.FLOAT32: _Fo
 def _kernel(code: int):
     """The scan kernel of one format (NOTE: [numba-cuda arena], NOTE: [numba-cuda pieces]), compiled on first launch.
 
-    kernel[blocks, threads, stream](arena, pieces, scale, records, sumsq): arena holds the elements' bits (uint16,
-    uint32 or uint64), pieces the int64 piece table, scale the format's _Format.scale(); records (n, RECORD_WIDTH)
-    int64 and sumsq (n,) float64 start in their identity state and are merged into.
+    kernel[blocks, threads, stream](arena, pieces, scale, records, sumsq): arena holds the elements' bits (uint8,
+    uint16, uint32 or uint64), pieces the int64 piece table, scale the format's _Format.scale(); records
+    (n, RECORD_WIDTH) int64 and sumsq (n,) float64 start in their identity state and are merged into.
     """
     fmt = _FORMATS[code]
     # Every constant that meets a bit pattern is a uint64: numba turns uint64 mixed with int64 into float64. Casts and
@@ -104,6 +102,11 @@ def _kernel(code: int):
     exp_max = (1 << fmt.exp_bits) - 1
     bias = fmt.bias
     subnormal_exponent = 1 - fmt.bias - fmt.mant_bits  # floor(log2|x|) of a subnormal is this + its highest bit
+    # Where the format keeps its NaNs and infinities (classify.h, NOTE: [float8 specials]): constants, so each
+    # format's kernel keeps only its own tests.
+    ieee = fmt.specials == L.IEEE_SPECIALS
+    nan_all_ones = fmt.specials == L.NAN_ALL_ONES
+    nan_neg_zero = fmt.specials == L.NAN_NEG_ZERO
 
     @cuda.jit
     def scan_pieces(arena, pieces, scale, records, sumsq):
@@ -127,7 +130,9 @@ def _kernel(code: int):
                 bits = np.uint64(arena[i])
                 field = np.int64((bits >> mant_shift) & field_mask)
                 mant = bits & mant_mask
-                if field == exp_max:
+                if (nan_all_ones and (bits & abs_mask) == abs_mask) or (nan_neg_zero and bits == sign_mask):
+                    cuda.atomic.add(counts, _REC_NAN, 1)
+                elif ieee and field == exp_max:
                     if mant != 0:
                         cuda.atomic.add(counts, _REC_NAN, 1)
                     elif bits & sign_mask:
@@ -235,8 +240,7 @@ def plan_scan(ptrs: np.ndarray, numels: np.ndarray, codes: np.ndarray, piece_ele
     plans = []
     for code in np.unique(codes[numels > 0]).tolist():
         rows = np.flatnonzero((codes == code) & (numels > 0))
-        itemsize = np.dtype(L.BITS_DTYPES[code]).itemsize
-        plans.append((code, *plan_group(ptrs[rows], numels[rows], rows, itemsize, piece_elems)))
+        plans.append((code, *plan_group(ptrs[rows], numels[rows], rows, L.FORMATS[code].bytes, piece_elems)))
     return plans
 
 
@@ -264,9 +268,10 @@ def scan_bit_arrays(arrays: Sequence[np.ndarray], codes: Sequence[int], *, threa
     numels = np.array([np.asarray(a).size for a in arrays], dtype=np.int64)
     arenas = {}
     for code in np.unique(codes).tolist():
-        fmt = _FORMATS[code]
         bits_dtype = L.BITS_DTYPES[code]
-        guard = np.full(guard_elems, (1 << (fmt.exp_bits + fmt.mant_bits)) - 1, dtype=bits_dtype)  # NaN, all ones
+        # A NaN: all ones, except in the fnuz formats, whose one NaN is the sign bit alone (all ones is -57344 there)
+        nan = 0x80 if L.FORMATS[code].specials == L.NAN_NEG_ZERO else np.iinfo(bits_dtype).max
+        guard = np.full(guard_elems, nan, dtype=bits_dtype)
         rows = np.flatnonzero(codes == code)
         parts, starts, at = [guard], [], guard_elems
         for row in rows:

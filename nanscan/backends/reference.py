@@ -16,19 +16,20 @@ import torch
 from nanscan import _layout as L
 from nanscan.inputs import ScanInput
 
-# Smallest positive normal value of each scanned format.
+# Smallest positive normal value of each scanned format (torch.finfo states it for the float8 formats too).
 _SMALLEST_NORMAL = {
     L.FLOAT16: torch.finfo(torch.float16).tiny,
     L.BFLOAT16: torch.finfo(torch.bfloat16).tiny,
     L.FLOAT32: torch.finfo(torch.float32).tiny,
     L.FLOAT64: torch.finfo(torch.float64).tiny,
+    **{code: torch.finfo(getattr(torch, L.DTYPE_NAMES[code])).tiny for code in L.FLOAT8_CODES
+       if hasattr(torch, L.DTYPE_NAMES[code])},
 }
 
 
 def _abs_bits(value: torch.Tensor, dtype: torch.dtype) -> int:
     """Bit pattern of a non-negative 0-d value in its own format, as the stats record stores it."""
-    bits_type = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
-                 torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    bits_type = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
     raw = int(value.to(dtype).reshape(1).view(bits_type).item())
     return raw & ((1 << (8 * value.to(dtype).element_size())) - 1)
 
@@ -36,7 +37,8 @@ def _abs_bits(value: torch.Tensor, dtype: torch.dtype) -> int:
 def scan_one(flat: torch.Tensor, dtype_code: int) -> np.ndarray:
     """One stats record (NOTE: [stats record]) for a 1-D tensor of a supported floating dtype."""
     record = L.empty_records(1)[0]
-    # float64 is exact for every supported format, so classification and frexp see the true values.
+    # float64 is exact for every supported format, so classification and frexp see the true values (torch's own
+    # conversion decodes the float8 formats: their NaNs become NaN, an fnuz 0x80 included).
     x = flat.to(torch.float64)
     nan = torch.isnan(x)
     posinf = torch.isposinf(x)
