@@ -28,6 +28,7 @@ spike, from the Monitor's history ring (first_moving).
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 from collections import deque
@@ -174,28 +175,39 @@ def lower_median(values: list[float]) -> float:
 
 
 class HostStats:
-    """The statistic (NOTE: [spike statistic]) over host floats: the sync path, a few microseconds per step."""
+    """The statistic (NOTE: [spike statistic]) over host floats: the sync path, a few microseconds per step.
+
+    Each window is kept twice, in arrival order (to drop the oldest) and sorted (bisect), so the median is read,
+    not sorted for, every step; the MAD, which needs a pass over the window, is worked out only for a value at
+    least min_ratio x the median, the one kind that can spike. The scores are those of the plain definition."""
 
     def __init__(self, rule: SpikeRule):
         self.rule = rule
         self.windows = [deque(maxlen=rule.window) for _ in QUANTITIES]
+        self._sorted: list[list[float]] = [[] for _ in QUANTITIES]
+        self._min_log_ratio = math.log(rule.min_ratio)
 
     def observe(self, logs: Sequence[float]) -> list[Score]:
         """Judge one finite step's log values against the window, then add them; the scores past the rule."""
         found = []
-        for quantity, window, v in zip(QUANTITIES, self.windows, logs):
+        for quantity, window, ordered, v in zip(QUANTITIES, self.windows, self._sorted, logs):
             if math.isnan(v):
                 continue
             if len(window) >= self.rule.warmup:
-                score = _score(quantity, v, list(window), self.rule)
-                if score is not None:
-                    found.append(score)
+                m = ordered[(len(ordered) - 1) // 2]  # the lower median (lower_median)
+                if v - m > self._min_log_ratio:
+                    score = _score(quantity, v, list(window), m, self.rule)
+                    if score is not None:
+                        found.append(score)
+            if len(window) == window.maxlen:
+                del ordered[bisect.bisect_left(ordered, window[0])]
             window.append(v)
+            bisect.insort(ordered, v)
         return sorted(found, key=lambda s: -s.z)
 
 
-def _score(quantity: str, v: float, window: list[float], rule: SpikeRule) -> Score | None:
-    m = lower_median(window)
+def _score(quantity: str, v: float, window: list[float], m: float, rule: SpikeRule) -> Score | None:
+    """v's score against a window whose lower median is m, or None below the rule."""
     scale = max(MAD_TO_SIGMA * lower_median([abs(w - m) for w in window]), rule.min_scale)
     z = (v - m) / scale
     if z > rule.threshold and v - m > math.log(rule.min_ratio):

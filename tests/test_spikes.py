@@ -102,6 +102,33 @@ def test_host_and_device_statistics_agree():
         assert bool(got) == (step in (30, 45))
 
 
+def test_host_statistic_is_the_plain_definition_on_every_step():
+    """HostStats reads the median from a sorted copy of the window and works out the MAD only above min_ratio x the
+    median: on windows that wrap many times, with ties and values on both sides of the ratio, every step's scores
+    equal those of the definition (lower median and MAD of the last `window` values)."""
+    rule = SpikeRule(window=16, warmup=8, threshold=2.0)
+    rng = np.random.default_rng(3)
+    logs = np.round(rng.normal(0, 0.3, size=(400, 2)), 1)  # rounded: many equal values in a window
+    logs[rng.choice(400, 60, replace=False)] += rng.choice([0.5, 0.69, 0.7, 1.0, 3.0], size=(60, 1))
+    host, seen = HostStats(rule), [[], []]
+    found = 0
+    for values in logs:
+        want = []
+        for q, (quantity, v) in enumerate(zip(QUANTITIES, values)):
+            window = seen[q][-rule.window:]
+            if len(window) >= rule.warmup:
+                m = sorted(window)[(len(window) - 1) // 2]
+                mad = sorted(abs(w - m) for w in window)[(len(window) - 1) // 2]
+                z = (v - m) / max(1.4826 * mad, rule.min_scale)
+                if z > rule.threshold and v - m > math.log(rule.min_ratio):
+                    want.append((quantity, z))
+            seen[q].append(v)
+        got = [(s.quantity, s.z) for s in host.observe(list(values))]
+        assert sorted(got) == sorted(want)
+        found += len(got)
+    assert found > 20  # the comparison covered many spikes, not only quiet steps
+
+
 def test_a_non_finite_step_is_neither_judged_nor_counted():
     rule = SpikeRule(window=8, warmup=4)
     device = DeviceStats(rule, torch.device("cpu"))
