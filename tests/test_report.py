@@ -245,7 +245,7 @@ def test_report_with_non_finite_history_values(demo_bundle, tmp_path):
     copy = tmp_path / "bundle"
     shutil.copytree(demo_bundle.path, copy)
     tensors = load_file(copy / "history.safetensors")
-    records = tensors["records"].numpy()
+    records = tensors["scalars"].numpy()  # the slots before the histogram (NOTE: [sparse history records])
     records[:, L.REC_SUMSQ] = np.array([np.nan], dtype=np.float64).view(np.int64)[0]
     records[::2, L.REC_SUMSQ] = np.array([np.inf], dtype=np.float64).view(np.int64)[0]
     records[:, L.REC_ABSMAX_BITS] = 0x7F800000  # +inf as float32 bits

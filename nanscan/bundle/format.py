@@ -11,6 +11,7 @@ Layout (schema "nanscan.bundle/1"):
   rng.safetensors      RNG states (torch CPU/CUDA, numpy, Python random) at the failing step's start, or at its
                        check where the manifest's rng.captured_at_by_source says so
   history.safetensors  stats records of the last steps; history.json names their tensors, loss, lr, grad norm
+                       (sparse histograms: NOTE: [sparse history records] in nanscan.bundle.history)
   state.safetensors    model and optimizer state; state.json holds the optimizer's non-tensor structure
   source.diff          uncommitted changes (`git diff HEAD`), when the work tree was dirty and the diff is small
   logs/                the last lines of each log file

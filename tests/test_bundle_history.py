@@ -1,0 +1,177 @@
+"""The history window's on-disk encoding (NOTE: [sparse history records] in nanscan.bundle.history): exact round
+trips of adversarial and scanned records, the same bytes twice, damaged payloads refused by name, dense bundles
+written before the sparse encoding still loading, and the size per tensor-step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+import nanscan
+from nanscan import _layout as L
+from nanscan._atomic import json_bytes
+from nanscan.bundle.format import BundleError, HistoryEntry
+from nanscan.bundle.history import (RECORDS_FORMAT, decode_records, encode_records, history_from_payload,
+                                    history_payload)
+from nanscan.bundle.tree import load_tensors, reading_tensors
+from nanscan.demo import DEFAULT_CONFIG, build_model
+from nanscan.stats import ScannedTensor, ScanReport
+
+# Written by the dense writer (nanscan.bundle.history at commit 06e20bb) from dense_fixture_entries().
+DENSE_FIXTURE = Path(__file__).parent / "fixtures" / "history-dense"
+SIZE_BOUND = 400  # bytes per tensor-step, history.safetensors and history.json together (issue 19)
+
+
+def adversarial_records() -> np.ndarray:
+    """Records the encoding must keep exactly: empty histograms, both end bins, counts past 2**32 and 2**63 - 1."""
+    records = L.empty_records(9)
+    records[0, L.REC_ZERO] = 4096  # only zeros: an empty histogram
+    records[1, L.REC_NAN], records[1, L.REC_POSINF], records[1, L.REC_NEGINF] = 7, 3, 2  # only specials
+    records[2, L.REC_HIST] = 1  # bin 0 alone
+    records[3, L.REC_HIST + L.HIST_BINS - 1] = 5  # bin 255 alone
+    records[4, [L.REC_HIST, L.REC_HIST + L.HIST_BINS - 1]] = (2, 9)  # both ends: the whole width
+    records[5, L.REC_HIST + 100] = (1 << 32) + 1  # past uint32
+    records[6, L.REC_HIST + 7] = np.iinfo(np.int64).max
+    records[7, L.REC_HIST + 40:L.REC_HIST + 60] = np.arange(20) % 3  # zeros inside the range
+    records[8, :L.REC_HIST] = (1, 2, 3, 4, 5, 0x7F7FFFFF, 1, 0x3FF0000000000000)
+    records[8, L.REC_HIST + 120:L.REC_HIST + 130] = 255
+    return records
+
+
+def random_records(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    records = L.empty_records(rows)
+    records[:, :L.REC_HIST] = rng.integers(0, np.iinfo(np.int64).max, size=(rows, L.REC_HIST))
+    for r in range(rows):
+        first = int(rng.integers(0, L.HIST_BINS))
+        width = int(rng.integers(0, L.HIST_BINS - first + 1))
+        records[r, L.REC_HIST + first:L.REC_HIST + first + width] = rng.integers(0, 1 << int(rng.integers(1, 40)),
+                                                                                size=width)
+    return records
+
+
+def entries_of(records_per_step: list[np.ndarray], names: list[str], dtype: str = "float32") -> list[HistoryEntry]:
+    tensors = [ScannedTensor(name, dtype, "cpu", 1000 + i, L.DTYPE_CODES[dtype]) for i, name in enumerate(names)]
+    return [HistoryEntry(step, 1.5 + step, 1e-3, 0.25, ScanReport(tensors, records, step=step))
+            for step, records in enumerate(records_per_step)]
+
+
+def round_trip(entries: list[HistoryEntry]) -> list[HistoryEntry]:
+    tensors, index = history_payload(entries)
+    data = safetensors_save(tensors)
+    return history_from_payload(safetensors_load(data), json.loads(json.dumps(index)))
+
+
+@pytest.mark.parametrize("records", [adversarial_records(), random_records(200, 1), L.empty_records(0)],
+                         ids=["adversarial", "random", "no-rows"])
+def test_records_round_trip_exactly(records):
+    half = len(records) // 2
+    entries = entries_of([records[:half], records[half:]], [f"t{i}" for i in range(half)]) if half and \
+        len(records) % 2 == 0 else entries_of([records], [f"t{i}" for i in range(len(records))])
+    stored = round_trip(entries)
+    assert [e.step for e in stored] == [e.step for e in entries]
+    assert np.array_equal(np.concatenate([e.report.records for e in stored]),
+                          np.concatenate([e.report.records for e in entries]))
+    assert all(e.report.records.dtype == np.int64 for e in stored)
+
+
+def test_counts_take_the_narrowest_dtype_that_holds_them():
+    records = L.empty_records(2)
+    for largest, dtype in [(255, torch.uint8), (256, torch.uint16), (1 << 16, torch.uint32),
+                           ((1 << 32) + 1, torch.uint64)]:
+        records[1, L.REC_HIST + 3] = largest
+        encoded = encode_records(records)
+        assert encoded["hist_counts"].dtype == dtype
+        assert encoded["hist_ranges"].tolist() == [[0, 0], [3, 1]]
+        assert np.array_equal(decode_records(encoded), records)
+
+
+def test_the_same_entries_give_the_same_bytes():
+    entries = entries_of([adversarial_records(), adversarial_records()[::-1].copy()], [f"t{i}" for i in range(9)])
+    (a, index_a), (b, index_b) = history_payload(entries), history_payload(entries)
+    assert safetensors_save(a) == safetensors_save(b) and json.dumps(index_a) == json.dumps(index_b)
+    assert index_a["records_format"] == RECORDS_FORMAT
+
+
+def _damaged(change) -> dict[str, torch.Tensor]:
+    tensors, _ = history_payload(entries_of([adversarial_records()], [f"t{i}" for i in range(9)]))
+    change(tensors)
+    return tensors
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.update(hist_ranges=t["hist_ranges"][:-1]), "hist_ranges are .* expected int16 \\(9, 2\\)"),
+    (lambda t: t.update(hist_ranges=t["hist_ranges"].int()), "expected int16"),
+    (lambda t: t["hist_ranges"].__setitem__((3, 1), 2), "hist_ranges row 3 is \\(first 255, bins 2\\)"),
+    (lambda t: t["hist_ranges"].__setitem__((2, 0), -1), "hist_ranges row 2"),
+    (lambda t: t.update(hist_counts=t["hist_counts"][:-1]), "hist_ranges cover 2\\d\\d bins, hist_counts holds"),
+    (lambda t: t.update(hist_counts=t["hist_counts"].view(torch.int64)), "hist_counts are torch.int64"),
+    (lambda t: t.update(hist_counts=torch.full_like(t["hist_counts"], -1)), "count beyond int64"),
+    (lambda t: t.update(scalars=t["scalars"][:, :7].contiguous()), "scalars are"),
+    (lambda t: t.update(scalars=t["scalars"][:-1].contiguous()), "expected int16 \\(8, 2\\)"),
+    (lambda t: t["scalars"].__setitem__((0, L.REC_NAN), -4), "negative counts"),
+    (lambda t: t.pop("hist_counts"), "hist_counts"),
+])
+def test_a_damaged_payload_is_refused_naming_the_file(change, match):
+    entries = entries_of([adversarial_records()], [f"t{i}" for i in range(9)])
+    tensors = _damaged(change)
+    _, index = history_payload(entries)
+    with pytest.raises(BundleError, match=f"history.safetensors.*{match}"):
+        with reading_tensors("history.safetensors"):
+            history_from_payload(tensors, index)
+
+
+def test_an_unknown_records_format_is_refused():
+    tensors, index = history_payload(entries_of([adversarial_records()], [f"t{i}" for i in range(9)]))
+    with pytest.raises(BundleError, match="stored as 'sparse-hist/9'"):
+        history_from_payload(tensors, {**index, "records_format": "sparse-hist/9"})
+
+
+def dense_fixture_entries() -> list[HistoryEntry]:
+    """The entries DENSE_FIXTURE was written from: two steps of the adversarial records."""
+    records = adversarial_records()
+    return entries_of([records, records[::-1].copy()], [f"layer.{i}.weight" for i in range(len(records))])
+
+
+def test_a_dense_history_written_before_the_sparse_encoding_still_loads():
+    index = json.loads((DENSE_FIXTURE / "history.json").read_text())
+    tensors, _ = load_tensors(DENSE_FIXTURE / "history.safetensors")
+    assert "records_format" not in index and set(tensors) == {"records", "row_offsets"}
+    stored, expected = history_from_payload(tensors, index), dense_fixture_entries()
+    assert [(e.step, e.loss, e.lr, e.grad_norm) for e in stored] == [(e.step, e.loss, e.lr, e.grad_norm)
+                                                                     for e in expected]
+    for s, e in zip(stored, expected):
+        assert np.array_equal(s.report.records, e.report.records) and s.report.names == e.report.names
+
+
+def demo_like_entries(steps: int) -> list[HistoryEntry]:
+    """Real scans of the demo model's parameters, gradients and Adam moments, drifting from step to step."""
+    torch.manual_seed(0)
+    params = dict(build_model(DEFAULT_CONFIG).named_parameters())
+    out = []
+    for step in range(steps):
+        tensors = {}
+        for name, p in params.items():
+            grad = torch.randn_like(p) * 1e-3 / (1 + step)
+            tensors |= {f"param:{name}": p.detach() + 1e-3 * step * torch.randn_like(p), f"grad:{name}": grad,
+                        f"exp_avg:{name}": 0.1 * grad, f"exp_avg_sq:{name}": 0.001 * grad * grad}
+        report = nanscan.scan(tensors)
+        out.append(HistoryEntry(step, 5.0 - step * 0.01, 1e-2, 0.5, report))
+    return out
+
+
+def test_a_demo_like_history_stays_within_the_size_bound():
+    entries = demo_like_entries(8)
+    tensors, index = history_payload(entries)
+    size = len(safetensors_save(tensors)) + len(json_bytes(index))
+    tensor_steps = sum(len(e.report.records) for e in entries)
+    assert tensor_steps >= 8 * 100
+    assert size / tensor_steps <= SIZE_BOUND
+    stored = round_trip(entries)
+    assert all(np.array_equal(s.report.records, e.report.records) for s, e in zip(stored, entries))
