@@ -73,6 +73,11 @@ ABSMIN_NONE = np.iinfo(np.int64).max
 DEFAULT_CHUNK_ELEMS = 1 << 16
 
 
+def sumsq_values(records: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The float64 sums of squares of the given rows (REC_SUMSQ holds them as their bits)."""
+    return np.ascontiguousarray(records[rows, REC_SUMSQ]).view(np.float64).reshape(-1)
+
+
 def any_nonfinite(records: np.ndarray) -> bool:
     """Whether any record counts a NaN or an infinity (asked every step: count_nonzero is the cheapest reduction)."""
     return np.count_nonzero(records[:, REC_NAN : REC_NEGINF + 1]) > 0

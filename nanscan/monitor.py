@@ -77,16 +77,16 @@ from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, 
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
-from nanscan.incident import (SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, is_kind, shown_names,
-                              warn_user)
+from nanscan.incident import SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, shown_names, warn_user
 from nanscan.integrations.tensorboard import monitor_export
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
 from nanscan.snapshot import CpuSnapshot
-from nanscan.spikes import EPISODE_GAP, Spike, SpikeRule, SpikeWatch
+from nanscan.spikes import EPISODE_GAP
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
-from nanscan.stats import PendingReport, ScanReport
+from nanscan.spikes import Spike, SpikeRule, SpikeWatch
+from nanscan.stats import PendingReport, ScanReport, gradient_rows
 
 log = logging.getLogger("nanscan")
 
@@ -102,10 +102,10 @@ _REPLAY_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 def grad_norm(report: ScanReport) -> float | None:
     """L2 norm over the finite values of every `grad:` tensor of the report (from the records' sumsq), of the
     unscaled gradients under a GradScaler (nanscan.stats NOTE: [unscaled gradients])."""
-    rows = [i for i, t in enumerate(report.tensors) if is_kind(t.name, "gradient")]
-    if not rows:
+    rows = gradient_rows(report.tensors)
+    if not len(rows):
         return None
-    sumsq = np.ascontiguousarray(report.records[rows, L.REC_SUMSQ]).view(np.float64)
+    sumsq = L.sumsq_values(report.records, rows)
     exponent = 0 if report.scaling is None else report.scaling.grad_exponent
     return float(np.ldexp(np.sqrt(sumsq.sum()), -exponent))
 

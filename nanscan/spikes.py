@@ -41,7 +41,7 @@ import torch
 from nanscan import _layout as L
 from nanscan.incident import LOSS, is_kind, layer_of
 from nanscan.pending import CompletedScan, StepScan
-from nanscan.stats import Scaling, ScannedTensor, ScanReport
+from nanscan.stats import Scaling, ScannedTensor, ScanReport, gradient_rows
 
 QUANTITIES = ("loss", "grad_norm")
 POLICIES = ("warn", "bundle", "skip", "raise")
@@ -134,12 +134,11 @@ class Rows:
     @classmethod
     def of(cls, tensors: Sequence[ScannedTensor]) -> "Rows":
         loss = [i for i, t in enumerate(tensors) if t.name == LOSS]
-        grad = [i for i, t in enumerate(tensors) if is_kind(t.name, "gradient")]
-        return cls(np.array(loss[:1], dtype=np.int64), np.array(grad, dtype=np.int64))
+        return cls(np.array(loss[:1], dtype=np.int64), gradient_rows(tensors))
 
 
 def _sumsq(records: np.ndarray, rows: np.ndarray) -> float:
-    return float(np.ascontiguousarray(records[rows, L.REC_SUMSQ]).view(np.float64).sum()) if len(rows) else 0.0
+    return float(L.sumsq_values(records, rows).sum()) if len(rows) else 0.0
 
 
 def log_values(records: np.ndarray, rows: Rows, scaling: Scaling | None = None) -> tuple[float, float]:

@@ -36,6 +36,11 @@ from nanscan import _layout as L
 from nanscan.incident import is_kind
 
 
+def gradient_rows(tensors: Sequence["ScannedTensor"]) -> np.ndarray:
+    """The rows of a scan's records that hold gradients (`grad:` tensors), in record order."""
+    return np.array([i for i, t in enumerate(tensors) if is_kind(t.name, "gradient")], dtype=np.int64)
+
+
 def unscaled_hist(exp_hist: np.ndarray, exponent: int) -> np.ndarray:
     """The exponent histogram of x / 2**exponent from that of x (NOTE: [unscaled gradients])."""
     if exponent == 0:

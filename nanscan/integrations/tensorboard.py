@@ -38,9 +38,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from nanscan import _layout as L
-from nanscan.incident import LOSS, is_kind, owner_module, tensor_kind
+from nanscan.incident import LOSS, owner_module, tensor_kind
 from nanscan.pending import HostCopy, StepScan, completed_scan
-from nanscan.stats import ScannedTensor
+from nanscan.stats import ScannedTensor, gradient_rows
 
 log = logging.getLogger("nanscan")
 
@@ -114,11 +114,11 @@ class GradientRows:
 
     def __init__(self, tensors: Sequence[ScannedTensor]):
         self.tensors = tensors
-        self.rows = np.array([i for i, t in enumerate(tensors) if is_kind(t.name, "gradient")], dtype=np.int64)
+        self.rows = gradient_rows(tensors)
         self.modules = [group_of(tensors[i].name) for i in self.rows]
 
     def sumsq(self, records: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(records[self.rows, _SUMSQ]).view(np.float64)[:, 0]
+        return L.sumsq_values(records, self.rows)
 
     def total(self, records: np.ndarray) -> float | None:
         """The L2 norm over every gradient's finite values, from the records' sumsq."""
