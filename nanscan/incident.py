@@ -125,8 +125,12 @@ def layer_of(name: str) -> str:
     ("grad:blocks.0.attn.qkv.weight" -> "blocks.0"), else the module's first component ("grad:head.weight" ->
     "head"); the tensor's own name for the loss, batch tensors and other names."""
     module = owner_module(name) if tensor_kind(name) in PREFIX.keys() - {"input"} else ""
-    if not module:
-        return name
+    return module_layer(module) if module else name
+
+
+def module_layer(module: str) -> str:
+    """A module path's layer: up to its first index ("blocks.0.attn.qkv" -> "blocks.0"), else its first
+    component ("head.proj" -> "head")."""
     parts = module.split(".")
     return ".".join(parts[: next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)])
 

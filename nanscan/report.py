@@ -22,7 +22,7 @@ import numpy as np
 
 from nanscan import _layout as L
 from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import KINDS, LOSS, PREFIX, SPIKE, explain_category, tensor_kind
+from nanscan.incident import KINDS, LOSS, PREFIX, SPIKE, explain_category, module_layer, tensor_kind
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 
@@ -57,9 +57,8 @@ def split_name(name: str) -> tuple[str, str, str]:
     # optimizer state names end in the state key after the parameter name (optim:<param>.exp_avg)
     drop = 2 if kind == "optimizer_state" and len(parts) > 2 else 1
     module_parts = parts[:-drop] if len(parts) > drop else parts[:1]
-    # the layer is the module path up to its first index (blocks.0), or its first component
-    layer_len = next((i + 1 for i, p in enumerate(module_parts) if p.isdigit()), 1)
-    return kind, ".".join(module_parts), ".".join(module_parts[:layer_len])
+    module = ".".join(module_parts)
+    return kind, module, module_layer(module)
 
 
 def sample_id_list(sample_ids: Any) -> list:
