@@ -183,7 +183,7 @@ def _extensions():
     return [
         Pybind11Extension(
             "nanscan._C",
-            sources=["csrc/bindings.cpp", "csrc/cpu/scan_cpu.cpp", "csrc/plan/plan_check.cpp"],
+            sources=["csrc/bindings.cpp", "csrc/cpu/compact_cpu.cpp", "csrc/cpu/scan_cpu.cpp", "csrc/plan/plan_check.cpp"],
             include_dirs=["csrc/include", "csrc"],
             extra_compile_args=cxx_flags,
             extra_link_args=["-fopenmp"],

@@ -1,6 +1,7 @@
-"""How large is a bundle's history window per tensor-step? history.safetensors plus history.json, written sparse
-(NOTE: [sparse history records] in nanscan.bundle.history) against the dense int64 records older bundles hold, on
-two sets:
+"""How large is the history window per tensor-step? In a bundle: history.safetensors plus history.json, written
+sparse (NOTE: [sparse history records] in nanscan.bundle.history) against the dense int64 records older bundles
+hold. In memory: the Monitor's history ring of host scans (compact records, NOTE: [history ring]) and of GPU scans
+(the device compaction's fixed buffers, laid out as on a GPU and filled by the kernels' CPU twin). On two sets:
 
   demo   the bundle `nanscan demo` writes (147 tensors, 64 steps), read back from its files;
   gpt2   GPT-2-small shapes (148 float32 parameters and their bfloat16 gradients), real scans of random tensors at
@@ -9,6 +10,7 @@ two sets:
 Prints lines such as
 
     demo: dense 2114.9 B, sparse 95.3 B per tensor-step; dense/sparse = 22.2x
+    demo: ring in memory 112.0 B (host scans), 324.0 B (GPU scans, 100% of steps fit) per tensor-step
 
 and checks, before printing, that the sparse payload decodes to exactly the records it was written from. Run it:
 
@@ -31,6 +33,7 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.format import HistoryEntry
 from nanscan.bundle.history import decode_records, history_payload
 from nanscan.demo import run_demo
+from nanscan.history import DeviceRecords, HistoryRing
 
 GPT2 = {"n_layer": 12, "d_model": 768, "vocab": 50257, "n_ctx": 1024}
 STEPS = 64
@@ -79,7 +82,27 @@ def measure(entries: list[HistoryEntry]) -> dict:
              "hist_counts_dtype": str(tensors["hist_counts"].dtype)}
     sizes["dense_per_tensor_step"] = (sizes["dense_safetensors_bytes"] + len(json_bytes(dense_index))) / tensor_steps
     sizes["sparse_per_tensor_step"] = (sizes["sparse_safetensors_bytes"] + sizes["json_bytes"]) / tensor_steps
+    sizes.update(ring_sizes(entries))
     return sizes
+
+
+def ring_sizes(entries: list[HistoryEntry]) -> dict:
+    """Bytes per tensor-step of the Monitor's history ring holding these steps: host scans' compact records, and
+    the device compaction's buffers (or, for a step that does not fit them, its dense records)."""
+    ring = HistoryRing(len(entries))
+    device_bytes, fitted = 0, 0
+    for entry in entries:
+        report = entry.report
+        ring.append_host(entry.step, report.tensors, report.records.copy(), (), report.backend)
+        kept = DeviceRecords(len(report.records), torch.device("cpu"))
+        kept.launch(torch.from_numpy(report.records.copy()), None)
+        kept.resolve(wait=True)
+        assert np.array_equal(kept.host_records(), report.records), "the device compaction is not exact"
+        device_bytes, fitted = device_bytes + kept.nbytes, fitted + bool(kept.fits)
+    assert all(np.array_equal(r.records, e.report.records) for (_, r), e in zip(ring.entries(), entries))
+    tensor_steps = sum(len(e.report.records) for e in entries)
+    return {"ring_host_per_tensor_step": ring.nbytes / tensor_steps,
+            "ring_device_per_tensor_step": device_bytes / tensor_steps, "ring_device_fit_share": fitted / len(entries)}
 
 
 def main() -> None:
@@ -97,6 +120,9 @@ def main() -> None:
         print(f"{name}: {s['tensors']} tensors x {s['steps']} steps, counts {s['hist_counts_dtype']}: dense "
               f"{s['dense_per_tensor_step']:.1f} B, sparse {s['sparse_per_tensor_step']:.1f} B per tensor-step; "
               f"dense/sparse = {s['dense_per_tensor_step'] / s['sparse_per_tensor_step']:.1f}x")
+        print(f"{name}: ring in memory {s['ring_host_per_tensor_step']:.1f} B (host scans), "
+              f"{s['ring_device_per_tensor_step']:.1f} B (GPU scans, {100 * s['ring_device_fit_share']:.0f}% of "
+              "steps fit) per tensor-step")
     if args.json:
         print(f"wrote {write_results_json(args.json, {'sets': sets})}")
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/compact_cpu.h"
 #include "cpu/scan_cpu.h"
 #include "nanscan/classify.h"
 #include "nanscan/stats_record.h"
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "cuda/compact_cuda.h"
 #include "cuda/scan_cuda.h"
 #endif
 
@@ -71,6 +73,40 @@ py::tuple classify_bits_py(CArray<uint64_t> bits, int32_t dtype) {
     classify_all<decltype(format)>(bits.data(), classes.mutable_data(), bins.mutable_data(), n);
   });
   return py::make_tuple(classes, bins);
+}
+
+// A host scan's records compacted (NOTE: [compact records] in nanscan/compact.h): (scalars, ranges, counts), the
+// counts in the narrowest unsigned type that holds the largest.
+py::tuple compact_records_py(py::array_t<int64_t, py::array::c_style> records) {
+  if (records.ndim() != 2 || records.shape(1) != record::kWidth)
+    throw py::value_error("compact_records: records must have shape (n, " + std::to_string(record::kWidth) + ")");
+  const py::ssize_t rows = records.shape(0);
+  py::array_t<int64_t> scalars({rows, static_cast<py::ssize_t>(record::kHist)});
+  py::array_t<int16_t> ranges({rows, static_cast<py::ssize_t>(2)});
+  uint64_t largest = 0;
+  const int64_t total = compact::compact_ranges(records.data(), rows, scalars.mutable_data(), ranges.mutable_data(),
+                                                &largest);
+  auto fill = [&](auto zero) -> py::array {
+    using Count = decltype(zero);
+    py::array_t<Count> counts(static_cast<py::ssize_t>(total));
+    compact::compact_counts<Count>(records.data(), rows, ranges.data(), counts.mutable_data());
+    return counts;
+  };
+  py::array counts = largest <= UINT8_MAX ? fill(uint8_t{}) : largest <= UINT16_MAX ? fill(uint16_t{})
+                     : largest <= UINT32_MAX ? fill(uint32_t{}) : fill(uint64_t{});
+  return py::make_tuple(scalars, ranges, counts);
+}
+
+// compact::compact_fixed over host addresses (CPU tensors' data_ptr()): the CUDA compaction's contract on the CPU.
+void compact_fixed_py(uint64_t records, int64_t rows, uint64_t scalars, uint64_t ranges, uint64_t counts,
+                      int64_t capacity, uint64_t status) {
+  if (rows < 0 || capacity < 0) throw py::value_error("compact_fixed: rows and capacity must be >= 0");
+  if (status == 0 || (rows > 0 && (records == 0 || scalars == 0 || ranges == 0)) || (capacity > 0 && counts == 0))
+    throw py::value_error("compact_fixed: every array needs an address");
+  py::gil_scoped_release release;
+  compact::compact_fixed(reinterpret_cast<const int64_t*>(records), rows, reinterpret_cast<int64_t*>(scalars),
+                         reinterpret_cast<int16_t*>(ranges), reinterpret_cast<uint32_t*>(counts), capacity,
+                         reinterpret_cast<int64_t*>(status));
 }
 
 py::dict build_info_py() {
@@ -176,6 +212,31 @@ void scan_cuda_py(uint64_t chunks, int64_t num_chunks, uint64_t block_begin, int
   check_cuda(code, "scan_cuda");
 }
 
+void compact_cuda_py(uint64_t records, int64_t rows, uint64_t scalars, uint64_t ranges, uint64_t counts,
+                     int64_t capacity, uint64_t workspace, uint64_t status, uint64_t stream, int device) {
+  if (rows < 0 || capacity < 0) throw py::value_error("compact_cuda: rows and capacity must be >= 0");
+  if (status == 0 || (rows > 0 && (records == 0 || scalars == 0 || ranges == 0 || workspace == 0)) ||
+      (capacity > 0 && counts == 0))
+    throw py::value_error("compact_cuda: every array needs a device address");
+  cuda::CompactParams params;
+  params.records = reinterpret_cast<const int64_t*>(records);
+  params.rows = rows;
+  params.scalars = reinterpret_cast<int64_t*>(scalars);
+  params.ranges = reinterpret_cast<int16_t*>(ranges);
+  params.counts = reinterpret_cast<uint32_t*>(counts);
+  params.capacity = capacity;
+  params.workspace = reinterpret_cast<int64_t*>(workspace);
+  params.status = reinterpret_cast<int64_t*>(status);
+  params.stream = reinterpret_cast<void*>(stream);
+  params.device = device;
+  int code;
+  {
+    py::gil_scoped_release release;  // launches only
+    code = cuda::compact_cuda(params);
+  }
+  check_cuda(code, "compact_cuda");
+}
+
 int cuda_grid_py(int device) {
   int blocks = 0;
   check_cuda(cuda::cuda_grid_blocks(device, &blocks), "cuda_grid");
@@ -233,6 +294,10 @@ void register_cuda(py::module_& m) {
         py::arg("num_blocks"), py::arg("records"), py::arg("num_tensors"), py::arg("found_inf"), py::arg("stream"),
         py::arg("device"),
         "Enqueue the CUDA scan on `stream` (device pointers and the stream handle as ints); returns at once.");
+  m.def("compact_cuda", &compact_cuda_py, py::arg("records"), py::arg("rows"), py::arg("scalars"), py::arg("ranges"),
+        py::arg("counts"), py::arg("capacity"), py::arg("workspace"), py::arg("status"), py::arg("stream"),
+        py::arg("device"),
+        "Enqueue the compaction of device records on `stream` (NOTE: [compact records]); returns at once.");
   m.def("cuda_grid", &cuda_grid_py, py::arg("device"), "How many scan blocks fit on CUDA device `device` at once.");
   m.def("cuda_probe", [](int device) { check_cuda(cuda::cuda_probe(device), "cuda_probe"); }, py::arg("device"),
         "Raise RuntimeError when this build's kernels cannot run on CUDA device `device`.");
@@ -256,6 +321,11 @@ PYBIND11_MODULE(_C, m) {
         "Read the same tensors as scan_cpu with the same chunks and threads, doing nothing else (a speed ceiling).");
   m.def("classify_bits", &classify_bits_py, py::arg("bits"), py::arg("dtype"),
         "Classify bit patterns with classify.h: returns (value classes, exponent bins or -1).");
+  m.def("compact_records", &compact_records_py, py::arg("records"),
+        "A step's records compacted (NOTE: [compact records]): (scalars, ranges, counts in the narrowest type).");
+  m.def("compact_fixed", &compact_fixed_py, py::arg("records"), py::arg("rows"), py::arg("scalars"),
+        py::arg("ranges"), py::arg("counts"), py::arg("capacity"), py::arg("status"),
+        "The CUDA compaction's contract over host addresses: uint32 counts into `capacity` slots when they fit.");
   m.def("build_info", &build_info_py, "How the extension was built.");
   m.def("batch_leaves", &plan::batch_leaves, py::arg("batch"), py::arg("loss"), py::arg("plan"),
         "The per-step check of nanscan.inputs.BatchPlan: (the scanned leaves and the loss, their data pointers), or "

@@ -25,6 +25,16 @@ def read_bandwidth_probe(
 def classify_bits(bits: npt.ArrayLike, dtype: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Classify bit patterns with classify.h: returns (value classes, exponent bins or -1)."""
 
+def compact_records(
+    records: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int16], npt.NDArray[np.unsignedinteger[Any]]]:
+    """A step's records compacted (NOTE: [compact records]): scalars, ranges, counts in the narrowest unsigned type."""
+
+def compact_fixed(
+    records: int, rows: int, scalars: int, ranges: int, counts: int, capacity: int, status: int
+) -> None:
+    """compact_cuda's contract over host addresses: uint32 counts into `capacity` slots when they fit."""
+
 def build_info() -> dict[str, Any]:
     """How the extension was built: OpenMP, CUDA and SIMD, and the record layout and dtype codes it uses."""
 
@@ -84,6 +94,20 @@ def scan_cuda(
     device: int,
 ) -> None:
     """CUDA builds only: enqueue the scan on `stream` (device pointers and the stream handle as ints)."""
+
+def compact_cuda(
+    records: int,
+    rows: int,
+    scalars: int,
+    ranges: int,
+    counts: int,
+    capacity: int,
+    workspace: int,
+    status: int,
+    stream: int,
+    device: int,
+) -> None:
+    """CUDA builds only: enqueue the compaction of device records on `stream` (NOTE: [compact records])."""
 
 def cuda_grid(device: int) -> int:
     """CUDA builds only: how many scan blocks fit on CUDA device `device` at once."""

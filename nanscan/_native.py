@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-import torch
-
 
 def native_module():
     """nanscan._C, or ImportError saying whether it is missing or broken and how to get it."""
@@ -24,6 +22,8 @@ def native_module():
 
 def _look_up_tensor_access() -> tuple[Any, str]:
     """(the capsule of nanscan._torch_access, or None when it cannot be used here; how tensors are read, and why)."""
+    import torch  # noqa: PLC0415 - here only: the compact history's encoder loads _C without torch (bundle reading)
+
     try:
         from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
     except ImportError as exc:

@@ -27,7 +27,7 @@ class CompletedScan:
     """A scan that already ran on the host: its records are known, so nothing waits."""
 
     def __init__(self, records: np.ndarray, nonfinite: bool | None = None):
-        records.setflags(write=False)  # shared by the report and the history (NOTE: [history ring])
+        records.setflags(write=False)  # shared (NOTE: [shared records] in nanscan.stats)
         self._records = records
         self._nonfinite = nonfinite  # the backend's verdict, when it gave one with the records
         self._found_inf: torch.Tensor | None = None
@@ -114,6 +114,11 @@ class StepScan:
         if flag is None:
             return torch.tensor(1.0 if host_nonfinite else 0.0, dtype=torch.float32)
         return torch.ones((), dtype=torch.float32, device=device) if host_nonfinite else flag
+
+    @property
+    def host_records(self) -> np.ndarray | None:
+        """The records if they were read on the host already (records()), else None; never waits."""
+        return self._records
 
     def ready(self) -> bool:
         return self._records is not None or all(part.scan.ready() for part in self.parts)

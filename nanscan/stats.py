@@ -2,6 +2,11 @@
 report of a scan that may still be running on a GPU (PendingReport) and the loss scale its gradients carried
 (Scaling).
 
+NOTE: [shared records]
+A host scan's records array is handed out as it is, not copied: the step's ScanReport, its StepScan and the live
+export (nanscan.integrations) read the same array, so it is made read-only where the scan returns it. The history
+ring keeps its own compact copy (NOTE: [history ring] in nanscan.history).
+
 NOTE: [unscaled gradients]
 Under a GradScaler the scanned gradients are the real ones times the loss scale S. The records keep what the scan
 saw (the scaled tensors); every decoded view of a `grad:` row (TensorStats, totals, to_dict, headroom and grad

@@ -3,17 +3,15 @@
 before these keys load as without a scaler).
 
 NOTE: [sparse history records]
-The records are stored as RECORDS_FORMAT, not as the dense int64 (rows, RECORD_WIDTH) array they are in memory:
-most of a record's HIST_BINS exponent bins are zero (a tensor's values span a few dozen binades at most), and the
-dense array cost 2.1 KB per tensor-step. history.safetensors holds
+The records are stored as RECORDS_FORMAT: the compact records of every kept step (NOTE: [compact records] in
+csrc/include/nanscan/compact.h; nanscan.compact), not the dense int64 (rows, RECORD_WIDTH) array (2.1 KB per
+tensor-step). history.safetensors holds
   "scalars"      int64 (rows, REC_HIST): the slots before the histogram, as they are;
-  "hist_ranges"  int16 (rows, 2): each row's first occupied bin and the number of bins from there to its last
-                 occupied one ((0, 0) for a row with an empty histogram: only zeros, NaN or inf);
-  "hist_counts"  the counts of those ranges concatenated in row order, zeros inside a range included, in the
-                 narrowest of uint8/16/32/64 that holds the largest count;
+  "hist_ranges"  int16 (rows, 2): each row's first occupied bin and width ((0, 0) for an empty histogram);
+  "hist_counts"  the counts of those ranges in row order, in the narrowest of uint8/16/32/64 that holds them all;
   "row_offsets"  int64 (steps + 1,): where each step's rows start, as before.
-The writer always trims ranges to the first and last nonzero bin, so the same entries give the same bytes; the
-reader accepts any range that fits and decodes to exactly the original int64 records. An index without
+Ranges are trimmed to the first and last nonzero bin, so the same entries give the same bytes; the reader accepts
+any range that fits and decodes to exactly the original int64 records. An index without
 "records_format" is a bundle written before it: its dense "records" array still loads.
 """
 
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan import compact
 from nanscan.bundle.format import HISTORY_INDEX, BundleError, HistoryEntry, float_from_json, is_int, json_float
 from nanscan.stats import ScannedTensor, ScanReport, Scaling
 
@@ -58,53 +57,18 @@ def history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.Te
 
 
 RECORDS_FORMAT = "sparse-hist/1"
-# Narrowest first: the histogram counts take the first that holds the largest (NOTE: [sparse history records]).
-_COUNT_DTYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
+_PAYLOAD_KEYS = ("scalars", "hist_ranges", "hist_counts")
 
 
 def encode_records(records: np.ndarray) -> dict[str, torch.Tensor]:
     """The int64 (rows, RECORD_WIDTH) records as sparse-histogram tensors (NOTE: [sparse history records])."""
-    hist = records[:, L.REC_HIST:]
-    occupied = hist != 0
-    any_bin = occupied.any(axis=1)
-    first = np.where(any_bin, occupied.argmax(axis=1), 0)
-    last = np.where(any_bin, L.HIST_BINS - 1 - occupied[:, ::-1].argmax(axis=1), -1)
-    bins = np.arange(L.HIST_BINS)
-    counts = hist[(bins >= first[:, None]) & (bins <= last[:, None])]  # row-major: the ranges in row order
-    largest = int(counts.max()) if counts.size else 0
-    count_dtype = next(d for d in _COUNT_DTYPES if largest <= np.iinfo(d).max)
-    return {"scalars": torch.from_numpy(np.ascontiguousarray(records[:, :L.REC_HIST])),
-            "hist_ranges": torch.from_numpy(np.stack([first, last + 1 - first], axis=1).astype(np.int16)),
-            "hist_counts": torch.from_numpy(counts.astype(count_dtype))}
+    return dict(zip(_PAYLOAD_KEYS, map(torch.from_numpy, compact.encode(records))))
 
 
 def decode_records(tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
     """The int64 records back from encode_records' tensors; ValueError naming the tensor for a payload whose
     shapes, ranges or counts do not fit together."""
-    scalars, ranges, counts = (tensors[k] for k in ("scalars", "hist_ranges", "hist_counts"))
-    if scalars.dtype != torch.int64 or scalars.dim() != 2 or scalars.shape[1] != L.REC_HIST:
-        raise ValueError(f"scalars are {scalars.dtype} {tuple(scalars.shape)}, expected int64 (n, {L.REC_HIST})")
-    rows = scalars.shape[0]
-    if ranges.dtype != torch.int16 or tuple(ranges.shape) != (rows, 2):
-        raise ValueError(f"hist_ranges are {ranges.dtype} {tuple(ranges.shape)}, expected int16 ({rows}, 2)")
-    if counts.dim() != 1 or counts.dtype not in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-        raise ValueError(f"hist_counts are {counts.dtype} {tuple(counts.shape)}, expected one unsigned row")
-    ranges, counts = ranges.numpy().astype(np.int64), counts.numpy()
-    first, width = ranges[:, 0], ranges[:, 1]
-    if (first < 0).any() or (width < 0).any() or (first + width > L.HIST_BINS).any():
-        bad = int(np.flatnonzero((first < 0) | (width < 0) | (first + width > L.HIST_BINS))[0])
-        raise ValueError(f"hist_ranges row {bad} is (first {first[bad]}, bins {width[bad]}), outside the "
-                         f"{L.HIST_BINS} bins")
-    if int(width.sum()) != counts.size:
-        raise ValueError(f"hist_ranges cover {int(width.sum())} bins, hist_counts holds {counts.size}")
-    if counts.dtype == np.uint64 and counts.size and counts.max() > np.iinfo(np.int64).max:
-        raise ValueError("hist_counts hold a count beyond int64")
-    records = np.zeros((rows, L.RECORD_WIDTH), dtype=np.int64)
-    records[:, :L.REC_HIST] = scalars.numpy()
-    row_of = np.repeat(np.arange(rows), width)
-    starts = np.cumsum(width) - width
-    records[row_of, L.REC_HIST + first[row_of] + np.arange(counts.size) - starts[row_of]] = counts.astype(np.int64)
-    return records
+    return compact.decode(*(tensors[k].numpy() for k in _PAYLOAD_KEYS))
 
 
 def _stored_records(tensors: Mapping[str, torch.Tensor], index: Mapping) -> np.ndarray:
