@@ -264,10 +264,11 @@ class Monitor:
     run_id: names the run's bundle directory; default: UTC time plus a random suffix. With a process group (below)
         every rank must use the same run_id (default: rank 0's); independent processes that may fail at the same
         step and share a bundle_dir need one run_id each.
-    history: how many steps of statistics to keep, in one ring allocated once on the scan's device (on the GPU
-        for GPU scans; nanscan.history NOTE: [history ring]). Memory is bounded by history x tensors x 264 x 8
-        bytes (one 264-slot int64 record per scanned tensor per step), e.g. 64 steps x 300 tensors = about
-        39 MiB. Reading `history` copies it to the host (on a GPU, that waits for the GPU).
+    history: how many steps of statistics to keep, compacted where the scan left them (on the GPU for GPU scans;
+        nanscan.history NOTE: [history ring]): about 90 to 140 bytes per scanned tensor per step for host scans,
+        348 on a GPU (2112 for a step whose tensors span more than 64 binades on average), e.g. 64 steps x 300
+        tensors = about 2.5 MiB on the host, 6.4 MiB on a GPU. Reading `history` copies it to the host (on a
+        GPU, that waits for the GPU).
     log_files: log files whose last 200 lines (at most 64 KiB) are copied into the bundle.
     on_invalid: what check() does when a step is non-finite, after writing the bundle of the first one:
         "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set the gradient of every
