@@ -122,8 +122,9 @@ class DeviceRecords:
 
     @property
     def nbytes(self) -> int:
+        """The buffer (kept for the slot's next step even when this one did not fit) and any dense records held."""
         dense = self.dense.nbytes if self.dense is not None else 0
-        return dense + (self.buffer.nbytes if self.buffer is not None and self.fits is not False else 0)
+        return dense + (self.buffer.nbytes if self.buffer is not None else 0)
 
     def host_records(self) -> np.ndarray:
         """The records on the host (waits for the compaction, then copies what was kept)."""
