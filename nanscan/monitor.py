@@ -78,7 +78,8 @@ from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
 from nanscan.incident import SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, shown_names, warn_user
-from nanscan.integrations.tensorboard import monitor_export
+from nanscan.integrations import tensorboard as tensorboard_export
+from nanscan.integrations.live import monitor_export
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
@@ -319,7 +320,7 @@ class Monitor:
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
         exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
         non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
-        at step s+1's check. Needs the tensorboard package.
+        at step s+1's check. Needs the tensorboard and crc32c packages (nanscan[tensorboard]).
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -408,10 +409,8 @@ class Monitor:
         self._scaler: ScalerWatch | None = None
         self.scaler = scaler
         self._autocast: dict | None = None  # the autocast region of the last step's forward (nanscan.amp)
-        # The live export (Monitor(tensorboard=...)), fed each step's records; nanscan.integrations.tensorboard.
-        self._export = monitor_export(tensorboard, log_every) if tensorboard is not None else None
-        if self._export is None and log_every is not None:
-            raise ValueError(f"log_every={log_every!r} without tensorboard=: say where to write the statistics")
+        # The live export (Monitor(tensorboard=...)), fed each step's records; nanscan.integrations.live.
+        self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink)])
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
