@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch that dev machines and CI have on disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
-# Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15).
-FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2"
+# Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15,
+# wandb 0.31: its tests run it offline, no account or network).
+FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2" "wandb>=0.19"
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean
