@@ -22,9 +22,11 @@ bucket_limit[i-1] up to bucket_limit[i], so exponent bin b is written as the buc
 NOTE: [event file]
 A log directory given as a path is written by EventFile, not by torch's SummaryWriter: SummaryWriter writes through
 tensorboard's RecordWriter, whose masked CRC32C is pure Python, a loop per byte, on a writer thread that holds the
-GIL while it runs (+4.9% of the demo model's step at log_every=100, +105% at log_every=1; tensorboardX's writer,
-which uses the crc32c package, still measured +79% at log_every=1 through its multiprocessing queue, against +22%
-here). EventFile serializes tensorboard's own Event protos and frames them as TensorBoard reads them: per event
+GIL while it runs. On the demo model's step (benchmarks/bench_overhead.py) the export through SummaryWriter cost
++4.9% at log_every=100 and +105% at log_every=1; through EventFile and the live core, +2.0% (within that
+benchmark's noise; the export's own time inside check() is about 57 us a step) and +13%. tensorboardX's writer,
+which does use the crc32c package, measured +79% at log_every=1 against +22% for EventFile on the same core then:
+its multiprocessing queue pickles every event. EventFile serializes tensorboard's own Event protos and frames them as TensorBoard reads them: per event
 the uint64 length, the masked CRC32C of those 8 bytes, the data, the masked CRC32C of the data (little-endian;
 masked = ((crc >> 15 | crc << 17) + 0xa282ead8) mod 2**32), the CRC computed by the crc32c package in C. It writes
 on the calling thread into a buffered file, flushed at each hand-off of the live export (a few KB), so no thread
