@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch that dev machines and CI have on disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
-# Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15).
-FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2"
+# Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15,
+# wandb 0.31: its tests run it offline, no account or network).
+FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2" "wandb>=0.19"
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean
@@ -20,7 +21,7 @@ $(VENV)/bin/python:
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN) "pybind11>=2.12" "numpy>=1.24"
 	$(PY) -m pip install -q "numba>=0.59" "matplotlib>=3.7" "Pillow>=10" "pyarrow>=14" "tokenizers>=0.15" \
-		"safetensors>=0.4" "rich>=13" "click>=8.1" "tensorboard>=2.14" "pytest>=8" "pytest-timeout>=2" \
+		"safetensors>=0.4" "rich>=13" "click>=8.1" "tensorboard>=2.14" "crc32c>=2.7" "pytest>=8" "pytest-timeout>=2" \
 		"hypothesis>=6"
 	# The frameworks of nanscan/integrations/, so their tests run (after torch: they must not replace the pin).
 	$(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)

@@ -78,7 +78,9 @@ from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
 from nanscan.incident import SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, shown_names, warn_user
-from nanscan.integrations.tensorboard import monitor_export
+from nanscan.integrations import tensorboard as tensorboard_export
+from nanscan.integrations import wandb as wandb_export
+from nanscan.integrations.live import monitor_export
 from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
@@ -320,7 +322,10 @@ class Monitor:
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
         exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
         non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
-        at step s+1's check. Needs the tensorboard package.
+        at step s+1's check. Needs the tensorboard and crc32c packages (nanscan[tensorboard]).
+    wandb: a wandb run (`wandb.init(...)`, or a nanscan.integrations.wandb.WandbExport) to log the same statistics
+        into, on an axis of their own, nanscan/step (nanscan.integrations.wandb NOTE: [wandb step]); with
+        tensorboard= too, both get the same steps and tensors (nanscan.integrations.live). Needs wandb.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -334,7 +339,8 @@ class Monitor:
                  spikes: str | Callable[[Spike, Path | None], Any] | None = "warn", spike_rule: SpikeRule | None = None,
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
-                 min_scale: float = MIN_SCALE, tensorboard: Any = None, log_every: int | None = None):
+                 min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
+                 log_every: int | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -409,10 +415,9 @@ class Monitor:
         self._scaler: ScalerWatch | None = None
         self.scaler = scaler
         self._autocast: dict | None = None  # the autocast region of the last step's forward (nanscan.amp)
-        # The live export (Monitor(tensorboard=...)), fed each step's records; nanscan.integrations.tensorboard.
-        self._export = monitor_export(tensorboard, log_every) if tensorboard is not None else None
-        if self._export is None and log_every is not None:
-            raise ValueError(f"log_every={log_every!r} without tensorboard=: say where to write the statistics")
+        # The live export (Monitor(tensorboard=..., wandb=...)), fed each step's records; nanscan.integrations.live.
+        self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink),
+                                                  ("wandb", wandb, wandb_export.as_sink)])
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
