@@ -322,7 +322,7 @@ class Monitor:
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
         exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
         non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
-        at step s+1's check. Needs the tensorboard and crc32c packages (nanscan[tensorboard]).
+        at step s+1's check. Needs the tensorboard and google-crc32c packages (nanscan[tensorboard]).
     wandb: a wandb run (`wandb.init(...)`, or a nanscan.integrations.wandb.WandbExport) to log the same statistics
         into, on an axis of their own, nanscan/step (nanscan.integrations.wandb NOTE: [wandb step]); with
         tensorboard= too, both get the same steps and tensors (nanscan.integrations.live). Needs wandb.

@@ -166,7 +166,7 @@ def live_run(request, tmp_path_factory):
 
 def _has_tensorboard() -> bool:
     try:
-        import crc32c  # noqa: F401, PLC0415
+        import google_crc32c  # noqa: F401, PLC0415
         import tensorboard  # noqa: F401, PLC0415
     except ImportError:
         return False
@@ -256,7 +256,7 @@ def test_nanscan_step_is_the_axis_and_the_users_own_rows_are_kept(live_run):
 def test_tensorboard_beside_wandb_gets_the_same_steps_and_tensors(live_run):
     _, root, _, _, rows = live_run
     if not (root / "tb").exists():
-        pytest.skip("tensorboard or crc32c is not installed")
+        pytest.skip("tensorboard or google-crc32c is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
 
     acc = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0, "histograms": 0})
@@ -319,7 +319,7 @@ def test_bad_export_settings_are_refused(tmp_path, kwargs, message):
             value = WandbExport(run, log_every=1)
         elif value == "EXPORT":
             pytest.importorskip("tensorboard")
-            pytest.importorskip("crc32c")
+            pytest.importorskip("google_crc32c")
             from nanscan.integrations.tensorboard import TensorBoardExport  # noqa: PLC0415
 
             value = TensorBoardExport(tmp_path / "tb", log_every=1)

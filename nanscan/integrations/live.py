@@ -333,7 +333,8 @@ def check_log_every(log_every: Any) -> None:
         raise ValueError(f"log_every={log_every!r}: write histograms every N steps, N >= 1")
 
 
-def monitor_export(log_every: int | None, targets: Sequence[tuple[str, Any, Callable[[Any], Any]]]) -> LiveExport | None:
+def monitor_export(log_every: int | None,
+                   targets: Sequence[tuple[str, Any, Callable[[Any], Any]]]) -> LiveExport | None:
     """The export for Monitor(tensorboard=..., wandb=..., log_every=...), or None when no sink is asked for.
 
     targets: (argument name, what the user passed or None, the sink module's as_sink) per sink. as_sink turns what

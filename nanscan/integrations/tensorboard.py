@@ -25,12 +25,13 @@ tensorboard's RecordWriter, whose masked CRC32C is pure Python, a loop per byte,
 GIL while it runs. On the demo model's step (benchmarks/bench_overhead.py) the export through SummaryWriter cost
 +4.9% at log_every=100 and +105% at log_every=1; through EventFile and the live core, +2.0% (within that
 benchmark's noise; the export's own time inside check() is about 57 us a step) and +13%. tensorboardX's writer,
-which does use the crc32c package, measured +79% at log_every=1 against +22% for EventFile on the same core then:
-its multiprocessing queue pickles every event. EventFile serializes tensorboard's own Event protos and frames them as TensorBoard reads them: per event
-the uint64 length, the masked CRC32C of those 8 bytes, the data, the masked CRC32C of the data (little-endian;
-masked = ((crc >> 15 | crc << 17) + 0xa282ead8) mod 2**32), the CRC computed by the crc32c package in C. It writes
-on the calling thread into a buffered file, flushed at each hand-off of the live export (a few KB), so no thread
-contends for the GIL. The file is named events.out.tfevents.<time>.<host>.<pid>.<n> like SummaryWriter's, and opens
+which uses a native CRC too (the crc32c package), measured +79% at log_every=1 against +22% for EventFile on the
+same core then: its multiprocessing queue pickles every event. EventFile serializes tensorboard's own Event protos
+and frames them as TensorBoard reads them: per event the uint64 length, the masked CRC32C of those 8 bytes, the
+data, the masked CRC32C of the data (little-endian; masked = ((crc >> 15 | crc << 17) + 0xa282ead8) mod 2**32),
+the CRC computed in C by google-crc32c. It writes on the calling thread into a buffered file, flushed at each
+hand-off of the live export (a few KB), so no thread contends for the GIL. The file is named
+events.out.tfevents.<time>.<host>.<pid>.<n> like SummaryWriter's, and opens
 with the file_version event "brain.Event:2".
 """
 
@@ -64,7 +65,7 @@ EVENT_FILE_PREFIX = "events.out.tfevents."
 _FILE_NUMBERS = itertools.count()  # two files opened in one second by one process still get two names
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
-_INSTALL = "install them with `pip install nanscan[tensorboard]` (tensorboard and crc32c)"
+_INSTALL = "install them with `pip install nanscan[tensorboard]` (tensorboard and google-crc32c)"
 
 
 class EventFile:
@@ -73,11 +74,11 @@ class EventFile:
 
     def __init__(self, log_dir: str | os.PathLike):
         try:
-            from crc32c import crc32c  # noqa: PLC0415 - only when a log directory is written
+            from google_crc32c import value as crc32c  # noqa: PLC0415 - only when a log directory is written
             from tensorboard.compat.proto.event_pb2 import Event  # noqa: PLC0415
             from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary  # noqa: PLC0415
         except ImportError as exc:
-            raise ImportError(f"TensorBoard export needs the tensorboard and crc32c packages ({exc}); "
+            raise ImportError(f"TensorBoard export needs the tensorboard and google-crc32c packages ({exc}); "
                               f"{_INSTALL}") from None
         self._crc32c, self._event, self._summary, self._histogram = crc32c, Event, Summary, HistogramProto
         self.log_dir = Path(log_dir)
