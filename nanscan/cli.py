@@ -85,7 +85,7 @@ def command_summary(target: str, limit: int = 45) -> str | None:
     """The short help of the click command at "module:function", read from the module's source without importing
     it (NOTE: [fast help]); None when the source or the function's docstring cannot be found."""
     module, attr = target.split(":")
-    # Found by path: importlib's find_spec would import the parent packages, and nanscan.bundle's imports torch.
+    # Found by path: importlib's find_spec would import the parent packages, which a summary need not pay for.
     base = Path(__file__).resolve().parent.parent.joinpath(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
