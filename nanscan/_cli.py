@@ -10,8 +10,6 @@ from typing import Any, Iterator
 import click
 
 from nanscan.bundle import BundleError, plain_json
-from nanscan.entry import EntryError
-from nanscan.replay.step import ReplayError
 
 
 def json_out(data: Any) -> None:
@@ -21,6 +19,11 @@ def json_out(data: Any) -> None:
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
     """Turn nanscan's own errors into one-line command-line messages (no traceback)."""
+    # Imported here: both modules import torch, which no subcommand's --help may pay for (NOTE: [fast help] in
+    # nanscan/cli.py); a command that enters this block is about to replay a step or read bundles.
+    from nanscan.entry import EntryError  # noqa: PLC0415
+    from nanscan.replay.step import ReplayError  # noqa: PLC0415
+
     try:
         yield
     except EntryError as exc:

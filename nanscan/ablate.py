@@ -12,18 +12,22 @@ import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import click
 
 from nanscan._cli import cli_errors, json_out
-from nanscan.bundle import Bundle, load_bundle
+from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
-from nanscan.replay.bisect import BisectResult, bisect_samples
-from nanscan.replay.localize import fmt_value
-from nanscan.replay.replayer import Replayer
-from nanscan.replay.reproduce import recorded_replay
-from nanscan.replay.step import ReplayError, StepOptions, StepOutcome, sample_ids_of
+from nanscan.replay.options import StepOptions
+
+# The replay is imported by the functions that run it: it needs torch, which `nanscan ablate --help` must not import
+# (NOTE: [fast help] in nanscan/cli.py).
+if TYPE_CHECKING:
+    from nanscan.bundle import Bundle
+    from nanscan.replay.bisect import BisectResult
+    from nanscan.replay.replayer import Replayer
+    from nanscan.replay.step import StepOutcome
 
 DEFAULT_HOLDOUT = 3
 FINDING_PREFIX = ABLATE_FINDING_PREFIX
@@ -172,6 +176,9 @@ def select_factors(keys: Sequence[str] | None) -> list[Factor]:
 
 def _suspicious_samples(replayer: Replayer) -> tuple[BisectResult | None, str]:
     """The samples to drop: the smallest failing subset from a recorded replay, else a fresh bisection."""
+    from nanscan.replay.bisect import BisectResult, bisect_samples  # noqa: PLC0415
+    from nanscan.replay.reproduce import recorded_replay  # noqa: PLC0415
+
     recorded = recorded_replay(replayer.bundle)
     bisect = (recorded or {}).get("bisect") or {}
     if bisect.get("applicable") and recorded.get("entry") == replayer.entry:
@@ -198,6 +205,9 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
     step. progress(description, total): called before each replay with the number of replays planned so far.
     Nothing is written; see record_ablation.
     """
+    from nanscan.replay.replayer import Replayer  # noqa: PLC0415
+    from nanscan.replay.step import ReplayError  # noqa: PLC0415
+
     chosen = select_factors(factors)
     replayer = Replayer(bundle, entry)
     b = replayer.bundle
@@ -253,6 +263,8 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
 
 
 def _run_factor(replayer: Replayer, factor: Factor, baseline: StepOutcome) -> AblationRow:
+    from nanscan.replay.step import sample_ids_of  # noqa: PLC0415
+
     if factor.drops_samples:
         if baseline.finite:
             return AblationRow(factor, False, None, note="the unchanged step is finite: no suspicious samples")
@@ -310,6 +322,8 @@ def _row_title(row: AblationRow) -> str:
 
 
 def _row_markdown(row: AblationRow, result: AblationResult) -> str:
+    from nanscan.replay.localize import fmt_value  # noqa: PLC0415
+
     lines = [f"Applied alone to the bundle's {result.state} state and batch, replayed with `{result.entry}`."
              if row.factor is not BASELINE else
              f"The step replayed unchanged from the bundle's {result.state} state and batch with `{result.entry}`; "
@@ -350,6 +364,8 @@ def record_ablation(result: AblationResult, bundle: Bundle | None = None) -> int
 def print_ablation(result: AblationResult, console) -> None:
     from rich.markup import escape  # noqa: PLC0415 - notes, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
+
+    from nanscan.replay.localize import fmt_value  # noqa: PLC0415
 
     console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, category "
                   f"{result.category}; {result.state} state)")

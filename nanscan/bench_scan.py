@@ -1,7 +1,6 @@
-"""How fast is a scan? nanscan's CPU backends against the machine's read limit and against the per-tensor torch
-checks used instead, on a GPT-2-small-shaped set of float32 parameters and gradients (about 124M of each, ~300
-tensors, ~1 GB), all measured in one run; then the same on a ~1 GB set of float8_e4m3fn tensors, against the
-read limit and a per-tensor `t.float().isfinite()` loop (extra ratio lines, prefixed `float8_e4m3fn`).
+"""The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor
+torch checks, on float32 and then float8_e4m3fn tensors shaped like GPT-2 small (nanscan.bench_options says what is
+measured, in the words of --help, and parses the arguments before this module imports torch).
 
 It prints a table and ratio lines such as `cpu/read_limit = 0.78` and `cpu/isfinite_loop = 14.2x`, and with
 --json writes the same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
@@ -31,6 +30,7 @@ from nanscan import _layout as L
 from nanscan import backends
 from nanscan._atomic import write_results_json
 from nanscan.backends.reference import scan_one
+from nanscan.bench_options import parse_args
 from nanscan.inputs import prepare_all
 from nanscan.scan import scan
 
@@ -301,23 +301,12 @@ def format_ratio(key: str, value: float) -> str:
     return f"{key} = {value:.2f}" if key.endswith("/read_limit") else f"{key} = {value:.2f}x"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="nanscan bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="shrink every tensor by this factor (default 1.0: ~1 GB; 0.1 for a quick run)")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per method (default 7)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH (atomically)")
-    args = parser.parse_args(argv)
-    if not 0 < args.scale <= 4:
-        parser.error(f"--scale must be in (0, 4], got {args.scale}")
-    if args.reps < 1:
-        parser.error(f"--reps must be at least 1, got {args.reps}")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole benchmark, for parsed arguments (nanscan.bench_options.parse_args); 0 when every check passed."""
     from rich.console import Console  # noqa: PLC0415 - only the command needs it
 
     console = Console(soft_wrap=True)

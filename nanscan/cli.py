@@ -17,8 +17,8 @@ import click
 # subcommand -> "module:attribute" of a click command
 SUBCOMMANDS = {
     "info": "nanscan.cli:info",
-    "bench": "nanscan.cli:bench",
-    "demo": "nanscan.demo:demo_command",
+    "bench": "nanscan.bench_cli:bench_command",
+    "demo": "nanscan.demo_cli:demo_command",
     "report": "nanscan.report:report_command",
     "note": "nanscan.bundle.cli:note_command",
     "replay": "nanscan.replay.cli:replay_command",
@@ -26,17 +26,30 @@ SUBCOMMANDS = {
     "triage": "nanscan.triage:triage_command",
     "export-regression": "nanscan.replay.cli:export_regression_command",
     "data": "nanscan.data.cli:data_command",
-    "preflight": "nanscan.preflight:preflight_command",
+    "preflight": "nanscan.preflight_cli:preflight_command",
     "runs": "nanscan.data.cli:runs_command",
     "export": "nanscan.export:export_command",
 }
 
 # NOTE: [fast help]
 # `nanscan --help` and `nanscan SUBCOMMAND --help` must answer at once, and torch with the backends takes seconds
-# to import. So: `import nanscan` loads its public names on first use (nanscan/__init__.py); the group's help
-# reads each subcommand's one-line summary from its module's source (command_summary) instead of importing the
-# module; and a subcommand module imports torch-heavy modules inside its command function, so that importing it
-# for its own --help costs only click. tests/test_cli_help.py checks that neither help imports torch.
+# to import. So no help imports torch, for any subcommand:
+# - the packages (nanscan, nanscan.bundle, nanscan.replay, nanscan.data) load their public names on first use
+#   (module __getattr__, PEP 562), so importing one of their modules does not import its siblings;
+# - the group's help reads each subcommand's one-line summary from its module's source (command_summary) instead
+#   of importing the module;
+# - the module of a subcommand (SUBCOMMANDS) imports only light modules at its top: click, and the names and
+#   formats nanscan's tools share (nanscan.bundle.format, nanscan.replay.options, nanscan.data.findings). What needs
+#   torch it imports inside the function that uses it (report, export, ablate, triage, the replay commands; so do
+#   nanscan.bundle.load_bundle and nanscan._cli for its error types);
+# - a tool that needs torch by its nature (a model, torch dtypes, tensors at module level) keeps its work in its
+#   own module and its subcommand in a light one beside it, which imports the tool inside the command: cli.py in
+#   a package (nanscan.replay.cli), X_cli.py beside a single-module tool X (demo_cli, preflight_cli, bench_cli);
+# - what such a tool and its subcommand both need (an option's default, bench's argparse parser) lives in a light
+#   module below both, options.py in a package and X_options.py beside a single module (nanscan.replay.options,
+#   preflight_options, bench_options): the tool never imports its subcommand's module.
+# tests/test_cli_help.py runs the group's help and every subcommand's, each in a fresh interpreter, and checks that
+# none imports torch.
 
 
 # Exit statuses shared by every subcommand (documented in `nanscan --help`).
@@ -85,7 +98,7 @@ def command_summary(target: str, limit: int = 45) -> str | None:
     """The short help of the click command at "module:function", read from the module's source without importing
     it (NOTE: [fast help]); None when the source or the function's docstring cannot be found."""
     module, attr = target.split(":")
-    # Found by path: importlib's find_spec would import the parent packages, and nanscan.bundle's imports torch.
+    # Found by path: importlib's find_spec would import the parent packages, which a summary need not pay for.
     base = Path(__file__).resolve().parent.parent.joinpath(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
@@ -208,12 +221,3 @@ def info(as_json):
         out.print(f"plan checks read tensors {data['tensor_reads']}", markup=False)
     if status:
         raise SystemExit(status)
-
-
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)
-@click.pass_context
-def bench(ctx):
-    """Run the scan benchmark (benchmarks/bench_scan.py); extra arguments are passed through."""
-    from nanscan import bench_scan
-
-    raise SystemExit(bench_scan.main(ctx.args))

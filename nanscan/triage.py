@@ -16,10 +16,9 @@ import click
 
 from nanscan._atomic import is_temp_name
 from nanscan._cli import cli_errors, json_out
-from nanscan.bundle import BundleError, BundleSet, load_bundle
+from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.findings import NOT_REPLAYED, first_bad_module
-from nanscan.bundle.format import MANIFEST, PENDING_PREFIX
-from nanscan.bundle.rank_set import INDEX
+from nanscan.bundle.format import INDEX, MANIFEST, PENDING_PREFIX
 from nanscan.incident import SPIKE
 
 
@@ -85,6 +84,8 @@ def find_bundle_dirs(root: str | os.PathLike) -> list[Path]:
 
 def triage(root: str | os.PathLike) -> TriageResult:
     """Read every bundle under `root`; the ones that fail to load are listed with their error, not skipped."""
+    from nanscan.bundle import BundleSet  # noqa: PLC0415 - it needs torch (NOTE: [fast help] in nanscan/cli.py)
+
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root} is not a directory; pass the directory that holds the bundles "

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 
 # Each layer may import its own modules and those of the layers after it, never those before it.
 LAYERS = {
-    "tools": ("cli", "_cli", "demo", "report", "replay", "ablate", "triage", "preflight", "data", "testing",
-              "bench_scan", "export", "__main__"),
+    "tools": ("cli", "_cli", "demo", "demo_cli", "report", "replay", "ablate", "triage", "preflight", "preflight_cli",
+              "preflight_options", "data", "testing", "bench_scan", "bench_cli", "bench_options", "export", "__main__"),
     # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
     # TensorBoard export, and which the trainer adapters drive
     "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp", "integrations"),

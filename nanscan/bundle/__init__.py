@@ -1,22 +1,43 @@
 """The evidence bundle (nanscan.bundle.format describes its files): write_bundle at an incident, load_bundle to read
 one back safely, a bundle set for a distributed incident. Modules: format (names, records, JSON helpers), tree
 (nested tensors as safetensors), history (the history window on disk), incident_md (INCIDENT.md and its ledger),
-write, read (validation, the Bundle), rank_set (the multi-rank set)."""
+write, read (validation, the Bundle), rank_set (the multi-rank set).
+
+Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: reading and writing
+bundles needs torch, which `nanscan note --help` and the other subcommands' help must not import (NOTE: [fast help]
+in nanscan/cli.py). format, the names and JSON helpers, needs neither torch nor numpy.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from nanscan.bundle.format import (BundleError, HistoryEntry, Incident, bundle_path, check_run_id, float_from_json,
-                                   json_float, plain_json)
-from nanscan.bundle.rank_set import BundleSet, bundle_set_root, load_bundle_set
-from nanscan.bundle.read import Bundle, iter_bundles, open_single
-from nanscan.bundle.write import read_log_tail, write_bundle
+# public name -> the module that defines it (load_bundle is defined here); also the three helpers load_bundle joins,
+# importable from here as they always were
+_HOMES = {
+    "BundleError": "nanscan.bundle.format", "HistoryEntry": "nanscan.bundle.format",
+    "Incident": "nanscan.bundle.format", "bundle_path": "nanscan.bundle.format",
+    "check_run_id": "nanscan.bundle.format", "float_from_json": "nanscan.bundle.format",
+    "json_float": "nanscan.bundle.format", "plain_json": "nanscan.bundle.format",
+    "BundleSet": "nanscan.bundle.rank_set", "bundle_set_root": "nanscan.bundle.rank_set",
+    "load_bundle_set": "nanscan.bundle.rank_set",
+    "Bundle": "nanscan.bundle.read", "iter_bundles": "nanscan.bundle.read", "open_single": "nanscan.bundle.read",
+    "read_log_tail": "nanscan.bundle.write", "write_bundle": "nanscan.bundle.write",
+}
 
 __all__ = ["Bundle", "BundleError", "BundleSet", "HistoryEntry", "Incident", "bundle_path", "check_run_id",
            "float_from_json", "iter_bundles", "json_float", "load_bundle", "plain_json", "read_log_tail",
            "write_bundle"]
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
+    from nanscan.bundle.format import (BundleError, HistoryEntry, Incident, bundle_path, check_run_id,
+                                       float_from_json, json_float, plain_json)
+    from nanscan.bundle.rank_set import BundleSet
+    from nanscan.bundle.read import Bundle, iter_bundles
+    from nanscan.bundle.write import read_log_tail, write_bundle
 
 
 def load_bundle(path: str | os.PathLike, *, whole_set: bool = True) -> "Bundle":
@@ -27,8 +48,24 @@ def load_bundle(path: str | os.PathLike, *, whole_set: bool = True) -> "Bundle":
     A distributed incident's set (a step directory with index.json and rank-<r> parts), or one part of it, opens
     as a nanscan.bundle.BundleSet covering every part; `whole_set=False` opens just the one part.
     """
+    from nanscan.bundle.rank_set import bundle_set_root, load_bundle_set  # noqa: PLC0415 - NOTE: [fast help]
+    from nanscan.bundle.read import open_single  # noqa: PLC0415
+
     if whole_set:
         found = bundle_set_root(Path(path))
         if found is not None:
             return load_bundle_set(*found)
     return open_single(path)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nanscan.bundle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once: later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -29,15 +29,15 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from nanscan.incident import NONFINITE
-from nanscan.provenance import SourceInfo
-from nanscan.stats import ScanReport
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch and numpy (NOTE: [fast help] in nanscan/cli.py)
+    from nanscan.provenance import SourceInfo
+    from nanscan.stats import ScanReport
 
 SCHEMA = "nanscan.bundle/1"
 
@@ -76,6 +76,10 @@ LOGS = "logs"
 
 
 PENDING_PREFIX = ".pending-"
+
+
+# A distributed incident's set: this index beside the rank-<r> parts (nanscan.bundle.rank_set).
+INDEX = "index.json"
 
 
 RNG_METADATA_KEY = "nanscan.rng"
@@ -188,11 +192,13 @@ def plain_json(value: Any, where: str = "value") -> Any:
         return value
     if isinstance(value, float):
         return json_float(value)
-    if isinstance(value, np.generic):
+    # Looked up, not imported: a numpy or torch value exists only once its library is loaded.
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if np is not None and isinstance(value, np.generic):
         return plain_json(value.item(), where)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
         return plain_json(value.item(), where)
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+    if (torch is not None and isinstance(value, torch.Tensor)) or (np is not None and isinstance(value, np.ndarray)):
         return plain_json(value.tolist(), where)
     if isinstance(value, os.PathLike):
         return os.fspath(value)

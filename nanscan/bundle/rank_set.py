@@ -10,14 +10,11 @@ from pathlib import Path
 import torch
 
 from nanscan._atomic import atomic_write_json
-from nanscan.bundle.format import STEP_DIR, BundleError, plain_json, read_json, refuse_link
+from nanscan.bundle.format import INDEX, STEP_DIR, BundleError, plain_json, read_json, refuse_link
 from nanscan.bundle.read import Bundle, open_single
 from nanscan.bundle.tree import map_tree, tree_items
 
 log = logging.getLogger("nanscan")
-
-
-INDEX = "index.json"
 
 
 INDEX_SCHEMA = "nanscan.bundle-index/1"

@@ -3,20 +3,78 @@ localize the first module that produced a non-finite value, bisect the batch to 
 fail, and export those samples as a regression case (`nanscan replay`, `nanscan export-regression`).
 
 Everything here runs the user's step again through the bundle's replay entry (nanscan.entry). Modules, bottom up:
-localize (module hooks, value summaries), step (run_step, its options and outcome, batch handling), replayer (a
-bundle's step rebuilt), bisect (ddmin over samples), reproduce (`replay()` and its recorded finding), export
-(regression cases), cli (the subcommands).
+options (StepOptions and the defaults, free of torch), localize (module hooks, value summaries), step (run_step,
+its outcome, batch handling), replayer (a bundle's step rebuilt), bisect (ddmin over samples), reproduce
+(`replay()` and its recorded finding), export (regression cases), cli (the subcommands).
+
+Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: they need torch,
+which the subcommands' help must not import (NOTE: [fast help] in nanscan/cli.py).
 """
 
-from nanscan.replay.bisect import BisectResult, bisect_samples, ddmin
-from nanscan.replay.export import ExportResult, export_regression
-from nanscan.replay.localize import Localization, ValueSummary, summarize_values
-from nanscan.replay.replayer import Replayer, open_bundle
-from nanscan.replay.reproduce import ReplayResult, localize, record_replay, recorded_replay, replay
-from nanscan.replay.step import (PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size, map_tensors, run_step,
-                                 select_samples)
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_HOMES = {
+    "BisectResult": "nanscan.replay.bisect", "bisect_samples": "nanscan.replay.bisect",
+    "ddmin": "nanscan.replay.bisect",
+    "ExportResult": "nanscan.replay.export", "export_regression": "nanscan.replay.export",
+    "Localization": "nanscan.replay.localize", "ValueSummary": "nanscan.replay.localize",
+    "summarize_values": "nanscan.replay.localize",
+    "StepOptions": "nanscan.replay.options",
+    "Replayer": "nanscan.replay.replayer", "open_bundle": "nanscan.replay.replayer",
+    "ReplayResult": "nanscan.replay.reproduce", "localize": "nanscan.replay.reproduce",
+    "record_replay": "nanscan.replay.reproduce", "recorded_replay": "nanscan.replay.reproduce",
+    "replay": "nanscan.replay.reproduce",
+    "PRECISIONS": "nanscan.replay.step", "ReplayError": "nanscan.replay.step", "StepOutcome": "nanscan.replay.step",
+    "batch_size": "nanscan.replay.step", "map_tensors": "nanscan.replay.step", "run_step": "nanscan.replay.step",
+    "select_samples": "nanscan.replay.step",
+}
 
 __all__ = ["PRECISIONS", "BisectResult", "ExportResult", "Localization", "ReplayError", "ReplayResult", "Replayer",
            "StepOptions", "StepOutcome", "ValueSummary", "batch_size", "bisect_samples", "ddmin", "export_regression",
            "localize", "map_tensors", "open_bundle", "record_replay", "recorded_replay", "replay", "run_step",
            "select_samples", "summarize_values"]
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
+    from nanscan.replay.bisect import BisectResult, bisect_samples, ddmin
+    from nanscan.replay.export import ExportResult, export_regression
+    from nanscan.replay.localize import Localization, ValueSummary, summarize_values
+    from nanscan.replay.options import StepOptions
+    from nanscan.replay.replayer import Replayer, open_bundle
+    from nanscan.replay.reproduce import ReplayResult, localize, record_replay, recorded_replay, replay
+    from nanscan.replay.step import (PRECISIONS, ReplayError, StepOutcome, batch_size, map_tensors, run_step,
+                                     select_samples)
+
+
+# localize is the function (reproduce.localize) and the submodule nanscan.replay.localize: importing the submodule
+# binds the module on the package under that name, which would hide the function (the eager imports rebound it
+# right after).
+_FUNCTIONS_NAMED_LIKE_MODULES = frozenset({"localize"})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS_NAMED_LIKE_MODULES and isinstance(value, types.ModuleType):
+            return  # nanscan.replay.localize stays the function; the module is sys.modules["nanscan.replay.localize"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nanscan.replay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # looked up once: later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

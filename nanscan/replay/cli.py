@@ -1,20 +1,25 @@
-"""The `nanscan replay` and `nanscan export-regression` subcommands."""
+"""The `nanscan replay` and `nanscan export-regression` subcommands. The replay itself is imported when a command
+runs, so that their help does not import torch (NOTE: [fast help] in nanscan/cli.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from nanscan._cli import cli_errors, json_out
-from nanscan.replay.export import DEFAULT_MAX_STATE_MB, export_regression
-from nanscan.replay.localize import fmt_value
-from nanscan.replay.reproduce import DEFAULT_RUNS, ReplayResult, record_replay, replay
+from nanscan.replay.options import DEFAULT_MAX_STATE_MB, DEFAULT_RUNS
+
+if TYPE_CHECKING:
+    from nanscan.replay.reproduce import ReplayResult
 
 
 def print_replay(result: ReplayResult, console) -> None:
     from rich.markup import escape  # noqa: PLC0415 - errors, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
+
+    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
 
     style = "green" if not result.reproduced else ("red" if result.verdict == "persistent" else "yellow")
     console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, "
@@ -61,6 +66,7 @@ def print_replay(result: ReplayResult, console) -> None:
 def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
     """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module, fewest samples."""
     from nanscan.cli import console as cli_console  # noqa: PLC0415
+    from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
 
     console = cli_console(stderr=as_json)
     with cli_errors():
@@ -98,6 +104,8 @@ def export_regression_command(bundle, dest, entry, samples, with_state, overwrit
         except ValueError:
             raise click.BadParameter(f"{samples!r} is not a comma-separated list of row numbers",
                                      param_hint="--samples") from None
+    from nanscan.replay.export import export_regression  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
     with cli_errors():
         result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite,
                                    xfail=xfail)

@@ -19,6 +19,7 @@ from nanscan.bundle.tree import TreeEncoder, for_saving
 from nanscan.inputs import iter_batch_tensors
 from nanscan.provenance import rng_to_tensors
 from nanscan.replay.bisect import bisect_samples
+from nanscan.replay.options import DEFAULT_MAX_STATE_MB
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.reproduce import recorded_replay
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome, map_tensors, sample_ids_of, select_samples
@@ -36,9 +37,6 @@ CASE_STATE = "state.safetensors"
 
 
 CASE_RNG = "rng.safetensors"
-
-
-DEFAULT_MAX_STATE_MB = 64
 
 
 @dataclass

@@ -11,12 +11,9 @@ from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import Localization, fmt_value
+from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
-
-
-
-DEFAULT_RUNS = 3  # the reproduction and two more, to tell persistent from transient
 
 
 @dataclass

@@ -23,39 +23,18 @@ from nanscan.entry import ReplaySpec
 from nanscan.incident import is_kind, owner_module, tensor_name
 from nanscan.inputs import iter_batch_tensors
 from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
+from nanscan.replay.options import PRECISION_NAMES, StepOptions
 from nanscan.scan import model_inputs, scan, scan_inputs
 from nanscan.stats import ScanReport
 
+# Each precision's autocast dtype ("float32": autocast off); StepOptions checks the names without torch.
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert tuple(PRECISIONS) == PRECISION_NAMES
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class ReplayError(RuntimeError):
     """A bundle that cannot be replayed (no replay entry, no batch, a model that does not match the state)."""
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """How a replayed step differs from the recorded one (the ablation factors), all off by default.
-
-    lr_scale: multiplies every param group's learning rate. precision: None (as recorded), "float32" (weights and
-    batch in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
-    clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
-    algorithms (warn-only where an operation has none) and deterministic cuDNN.
-    """
-
-    lr_scale: float = 1.0
-    precision: str | None = None
-    clip_grad_norm: float | None = None
-    deterministic: bool = False
-
-    def __post_init__(self):
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)} or None")
-
-    def to_dict(self) -> dict:
-        return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
-                "deterministic": self.deterministic}
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""What a replay can be asked to do, without torch: the options a replayed step runs under (StepOptions, the
+precisions by name) and the defaults of replay() and export_regression().
+
+They live apart from the modules that run the step so that `nanscan replay --help`, `nanscan export-regression
+--help` and `nanscan ablate --help` show them without importing torch (NOTE: [fast help] in nanscan/cli.py);
+nanscan.replay.step maps each precision to its torch dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The precisions a replayed step can run in: "float32" turns autocast off, the others autocast to that dtype.
+PRECISION_NAMES = ("float32", "bfloat16", "float16")
+
+DEFAULT_RUNS = 3  # the reproduction and two more, to tell persistent from transient
+
+DEFAULT_MAX_STATE_MB = 64  # the largest model and optimizer state a regression case stores by default
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a replayed step differs from the recorded one (the ablation factors), all off by default.
+
+    lr_scale: multiplies every param group's learning rate. precision: None (as recorded), "float32" (weights and
+    batch in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
+    clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
+    algorithms (warn-only where an operation has none) and deterministic cuDNN.
+    """
+
+    lr_scale: float = 1.0
+    precision: str | None = None
+    clip_grad_norm: float | None = None
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.precision is not None and self.precision not in PRECISION_NAMES:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISION_NAMES)} or None")
+
+    def to_dict(self) -> dict:
+        return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
+                "deterministic": self.deterministic}
