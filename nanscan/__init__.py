@@ -10,10 +10,9 @@ torch and the backends costs seconds, which `nanscan --help` and the subcommands
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanscan._lazy import lazy_names
 
 # public name -> the module that defines it
 _HOMES = {
@@ -49,32 +48,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.stats import PendingReport, ScanReport, TensorStats
 
 
-# Public functions named like the submodule that defines them: importing the submodule binds the module on the
-# package under that name, which would hide the function (the eager imports rebound it right after).
-_FUNCTIONS_NAMED_LIKE_MODULES = frozenset({"scan", "headroom"})
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTIONS_NAMED_LIKE_MODULES and isinstance(value, types.ModuleType):
-            return  # nanscan.scan stays the function; the module is sys.modules["nanscan.scan"]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'nanscan' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # looked up once: later uses are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+lazy_names(__name__, _HOMES, __all__, functions_named_like_modules=("scan", "headroom"))
 
 
 try:

@@ -35,7 +35,7 @@ SUBCOMMANDS = {
 # `nanscan --help` and `nanscan SUBCOMMAND --help` must answer at once, and torch with the backends takes seconds
 # to import. So no help imports torch, for any subcommand:
 # - the packages (nanscan, nanscan.bundle, nanscan.replay, nanscan.data) load their public names on first use
-#   (module __getattr__, PEP 562), so importing one of their modules does not import its siblings;
+#   (nanscan._lazy: module __getattr__, PEP 562), so importing one of their modules does not import its siblings;
 # - the group's help reads each subcommand's one-line summary from its module's source (command_summary) instead
 #   of importing the module;
 # - the module of a subcommand (SUBCOMMANDS) imports only light modules at its top: click, and the names and

@@ -10,9 +10,7 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
-from torch import nn
 
 # `make test` installs both; a machine with only torch (the GPU check's) skips this file instead of failing to collect.
 pq = pytest.importorskip("pyarrow.parquet")
@@ -26,9 +24,11 @@ from nanscan.integrations import live  # noqa: E402
 from nanscan.bundle import load_bundle  # noqa: E402
 from nanscan.cli import main  # noqa: E402
 from nanscan.integrations.tensorboard import EventFile, TensorBoardExport, histogram_tag  # noqa: E402
-from nanscan.monitor import Monitor, NonFiniteError  # noqa: E402
+from nanscan.monitor import Monitor  # noqa: E402
 
-FAIL_AT = 5
+import export_runs  # noqa: E402
+from export_runs import FAIL_AT, small_model  # noqa: E402
+
 LONG_INPUT = "features_of_the_sample_with_a_rather_long_name_for_the_table"
 
 
@@ -39,27 +39,7 @@ def events(log_dir) -> EventAccumulator:
 
 
 def train(monitor, model, optimizer, steps=8, fail_at=FAIL_AT):
-    """Healthy steps, a NaN in the batch at `fail_at`; returns the step that raised (None if none did)."""
-    torch.manual_seed(0)
-    for step in range(steps):
-        x = torch.randn(16, 4)
-        if step == fail_at:
-            x[0, 1] = float("nan")
-        optimizer.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        try:
-            monitor.check(batch={LONG_INPUT: x}, loss=loss)
-        except NonFiniteError as exc:
-            return exc
-        optimizer.step()
-    return None
-
-
-def small_model():
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    return export_runs.train(monitor, model, optimizer, steps, fail_at, input_name=LONG_INPUT)
 
 
 def expected_buckets(record: np.ndarray) -> tuple[list[float], list[int]]:

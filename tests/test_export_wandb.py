@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from torch import nn
 
 # `make test` installs wandb; a machine without it (the GPU check's) skips this file instead of failing to collect.
 wandb = pytest.importorskip("wandb")
@@ -25,9 +23,11 @@ from wandb.proto import wandb_internal_pb2  # noqa: E402
 from nanscan import _layout as L  # noqa: E402
 from nanscan.integrations.live import group_of  # noqa: E402
 from nanscan.integrations.wandb import WandbExport  # noqa: E402
-from nanscan.monitor import Monitor, NonFiniteError  # noqa: E402
+from nanscan.monitor import Monitor  # noqa: E402
 
-FAIL_AT = 5
+import export_runs  # noqa: E402
+from export_runs import FAIL_AT, small_model  # noqa: E402
+
 LOG_EVERY = 2
 
 
@@ -103,29 +103,10 @@ def offline_run(root: Path) -> tuple[list, list[dict]]:
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
-def small_model():
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
 def train(monitor, model, optimizer, run, steps=8, fail_at=FAIL_AT):
-    """Healthy steps, a NaN in the batch at `fail_at`, the user's own run.log each step; returns what was raised."""
-    torch.manual_seed(0)
-    for step in range(steps):
-        x = torch.randn(16, 4)
-        if step == fail_at:
-            x[0, 1] = float("nan")
-        optimizer.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        try:
-            monitor.check(batch={"x": x}, loss=loss)
-        except NonFiniteError as exc:
-            return exc
-        optimizer.step()
-        run.log({"train/mine": float(step)})  # the user's own logging, on wandb's implicit step
-    return None
+    """The shared run with the user's own run.log after each step, on wandb's implicit step."""
+    return export_runs.train(monitor, model, optimizer, steps, fail_at,
+                             after_step=lambda step: run.log({"train/mine": float(step)}))
 
 
 @pytest.fixture(autouse=True)

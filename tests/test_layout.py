@@ -21,7 +21,7 @@ LAYERS = {
     "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp", "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
-               "compact", "_native", "_layout", "_atomic"),
+               "compact", "_native", "_layout", "_atomic", "_lazy"),
 }
 ORDER = list(LAYERS)
 

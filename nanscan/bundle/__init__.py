@@ -10,10 +10,11 @@ in nanscan/cli.py). format, the names and JSON helpers, needs neither torch nor 
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanscan._lazy import lazy_names
 
 # public name -> the module that defines it (load_bundle is defined here); also the three helpers load_bundle joins,
 # importable from here as they always were
@@ -58,14 +59,4 @@ def load_bundle(path: str | os.PathLike, *, whole_set: bool = True) -> "Bundle":
     return open_single(path)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'nanscan.bundle' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # looked up once: later uses are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+lazy_names(__name__, _HOMES, __all__)

@@ -11,8 +11,9 @@ dependencies (pyarrow, Pillow, tokenizers) installed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanscan._lazy import lazy_names
 
 _EXPORTS = {
     "Checker": "checker", "check": "api", "check_paths": "api",
@@ -29,9 +30,4 @@ if TYPE_CHECKING:
     from nanscan.data.runs import RunsReport, check_runs
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'nanscan.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nanscan.data.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+lazy_names(__name__, {name: f"nanscan.data.{home}" for name, home in _EXPORTS.items()}, __all__)

@@ -13,10 +13,9 @@ which the subcommands' help must not import (NOTE: [fast help] in nanscan/cli.py
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanscan._lazy import lazy_names
 
 # public name -> the module that defines it
 _HOMES = {
@@ -51,30 +50,5 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
                                      select_samples)
 
 
-# localize is the function (reproduce.localize) and the submodule nanscan.replay.localize: importing the submodule
-# binds the module on the package under that name, which would hide the function (the eager imports rebound it
-# right after).
-_FUNCTIONS_NAMED_LIKE_MODULES = frozenset({"localize"})
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTIONS_NAMED_LIKE_MODULES and isinstance(value, types.ModuleType):
-            return  # nanscan.replay.localize stays the function; the module is sys.modules["nanscan.replay.localize"]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'nanscan.replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # looked up once: later uses are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# localize is the function (reproduce.localize), not the submodule nanscan.replay.localize.
+lazy_names(__name__, _HOMES, __all__, functions_named_like_modules=("localize",))
