@@ -30,7 +30,6 @@ from nanscan.cli import CommandFailed, console
 STATS = ("numel", "nan", "posinf", "neginf", "zero", "subnormal", "absmax", "absmin", "sumsq")
 STEP_STATS = ("loss", "lr", "grad_norm")
 COLUMNS = ("step", "tensor", "stat", "value")
-EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
 def history_table(entries: Sequence[Any]) -> dict[str, list]:
@@ -89,7 +88,8 @@ def write_parquet(table: dict[str, list], path: Path) -> None:
 def write_tensorboard(entries: Sequence[Any], directory: Path, *, overwrite: bool) -> None:
     """Every entry's scalars, every tensor's histogram and every module's gradient norm as TensorBoard events in
     `directory` (built under a temporary name, then renamed into place)."""
-    from nanscan.integrations.tensorboard import open_writer, write_step  # noqa: PLC0415 - NOTE: [fast help]
+    from nanscan.integrations.tensorboard import (EVENT_FILE_PREFIX, open_writer,  # noqa: PLC0415 - NOTE: [fast help]
+                                                  write_step)
 
     old = None
     if directory.exists():

@@ -138,7 +138,7 @@ class StepScan:
 
 class HostCopy:
     """A step's records (and scalars such as its loss) on their way to the host without waiting for the GPU: for a
-    live export that writes step s once its records come back (nanscan.integrations.tensorboard).
+    live export that writes step s once its records come back (nanscan.integrations.live).
 
     Each GPU part's records are copied into pinned host memory on the current stream, after the scan's event
     (the Monitor's scans run on the current stream, so the wait orders nothing new), and an event is recorded
