@@ -236,3 +236,13 @@ def test_cuda_compaction_of_many_rows_crosses_the_offset_chunks():
     records = np.concatenate([scanned_records()[2:4]] * 1500)
     kept = device_records(records, "cuda")
     assert kept.fits and np.array_equal(kept.host_records(), records)
+
+
+def test_without_a_compaction_for_the_device_the_dense_records_are_kept(monkeypatch):
+    """A build without the device's compaction (no CUDA part beside a GPU scan): exact, only larger."""
+    monkeypatch.setattr("nanscan.history.native_function", lambda name: None)
+    records = adversarial_records()
+    kept = DeviceRecords(len(records), torch.device("cpu"))
+    kept.launch(torch.from_numpy(records.copy()), None)
+    assert kept.fits is False and kept.buffer is None and kept.resolve(wait=False)
+    assert np.array_equal(kept.host_records(), records) and kept.nbytes == records.nbytes
