@@ -9,7 +9,7 @@ give the same arrays, and `decode` gives back exactly the int64 records.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,13 +102,3 @@ def decode(scalars: np.ndarray, ranges: np.ndarray, counts: np.ndarray) -> np.nd
     records[row_of, L.REC_HIST + first[row_of] + np.arange(counts.size) - starts[row_of]] = counts.astype(np.int64)
     return records
 
-
-def concat(parts: Sequence[CompactRecords]) -> CompactRecords:
-    """Several compact arrays as one, rows in order, counts in the narrowest dtype that holds them all (so the
-    same records give the same arrays however they were split)."""
-    if not parts:
-        return encode_reference(L.empty_records(0))
-    counts = np.concatenate([p.counts for p in parts])
-    largest = int(counts.max()) if counts.size else 0
-    return CompactRecords(np.concatenate([p.scalars for p in parts]), np.concatenate([p.ranges for p in parts]),
-                          counts.astype(narrowest(largest), copy=False))

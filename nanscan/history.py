@@ -64,20 +64,28 @@ class DeviceRecords:
         self._compact = native_function("compact_cuda" if on_gpu else "compact_fixed")
         self.buffer = None
         if self._compact is not None:
-            sizes = [rows * L.REC_HIST, 2, 3 * rows, (2 * rows + 3) // 4, (self.capacity + 1) // 2]
-            self.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=device)
-            views, at = [], 0
-            for size in sizes:
-                views.append(self.buffer[at:at + size])
-                at += size
-            self.scalars, self.status, self.workspace = views[0].view(rows, L.REC_HIST), views[1], views[2]
-            self.ranges = views[3].view(torch.int16)[: 2 * rows].view(rows, 2)
-            self.counts = views[4].view(torch.int32)[: self.capacity]
+            self.buffer = torch.empty(sum(self._sizes()), dtype=torch.int64, device=device)
+            self.scalars, self.status, self.workspace, self.ranges, self.counts = self._views(self.buffer)
             self.host_status = torch.zeros(2, dtype=torch.int64, pin_memory=on_gpu)
         self.event = torch.cuda.Event() if on_gpu else None
         self.dense: torch.Tensor | None = None  # the scan's records, until resolved
         self.done: Any = None  # the scan's event, for reading `dense` from another stream
         self.fits: bool | None = None  # None: not known yet
+
+    def _sizes(self) -> list[int]:
+        """int64 slots of the buffer's parts: scalars, status, workspace, ranges (int16), counts (uint32)."""
+        rows = self.rows
+        return [rows * L.REC_HIST, 2, 3 * rows, (2 * rows + 3) // 4, (self.capacity + 1) // 2]
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of `buffer` (the device buffer, or its host copy), each in its shape and dtype."""
+        parts, at = [], 0
+        for size in self._sizes():
+            parts.append(buffer[at:at + size])
+            at += size
+        scalars, status, workspace, ranges, counts = parts
+        return [scalars.view(self.rows, L.REC_HIST), status, workspace,
+                ranges.view(torch.int16)[: 2 * self.rows].view(self.rows, 2), counts.view(torch.int32)[: self.capacity]]
 
     def fits_shape(self, records: torch.Tensor) -> bool:
         return records.shape[0] == self.rows and records.device == self.device
@@ -134,12 +142,8 @@ class DeviceRecords:
                 self.done.synchronize()
             return self.dense.cpu().numpy()
         total = int(self.host_status[STATUS_TOTAL].item())
-        buffer = self.buffer.cpu().numpy()  # one copy of the slot's few hundred bytes a tensor
-        at = self.rows * L.REC_HIST + 2 + 3 * self.rows
-        ranges = buffer[at:at + (2 * self.rows + 3) // 4].view(np.int16)[: 2 * self.rows].reshape(self.rows, 2)
-        at += (2 * self.rows + 3) // 4
-        counts = buffer[at:].view(np.uint32)[:total]
-        return compact.decode(buffer[: self.rows * L.REC_HIST].reshape(self.rows, L.REC_HIST), ranges, counts)
+        scalars, _, _, ranges, counts = self._views(self.buffer.cpu())  # one copy of a few hundred bytes a tensor
+        return compact.decode(scalars.numpy(), ranges.numpy(), counts[:total].numpy().view(np.uint32))
 
 
 # What the ring keeps of one device's part of a step: its rows (None: all) and its records, compact on the host

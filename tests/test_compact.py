@@ -89,14 +89,6 @@ def test_count_dtype_flips_at_each_boundary():
     assert dtypes == [np.uint8] * 3 + [np.uint16] * 2 + [np.uint32] * 2 + [np.uint64] * 2
 
 
-def test_concat_of_steps_equals_the_encoding_of_all():
-    steps = [adversarial_records(), boundary_records()[:3], random_records(40, seed=1)]
-    joined = compact.concat([compact.encode(s) for s in steps])
-    whole = compact.encode_reference(np.concatenate(steps))
-    for got, want in zip(joined, whole):
-        assert got.dtype == want.dtype and np.array_equal(got, want)
-
-
 def device_records(records: np.ndarray, device: str = "cpu") -> DeviceRecords:
     kept = DeviceRecords(len(records), torch.device(device))
     kept.launch(torch.from_numpy(records.copy()).to(device), None)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from nanscan import _layout as L
+from nanscan import compact
 from nanscan.incident import LOSS, owner_module, tensor_kind
 from nanscan.pending import HostCopy, StepScan, completed_scan
 from nanscan.stats import ScannedTensor, gradient_rows
@@ -168,13 +169,11 @@ def exponent_histograms(tensors: Sequence[ScannedTensor], records: np.ndarray, r
     if groups is None:
         groups = [group_of(tensors[i].name) for i in rows]
     hist = records[rows, L.REC_HIST:]
-    occupied = hist != 0
-    kept = np.flatnonzero(occupied.any(axis=1))  # the rows with a value binned
-    hist, occupied = hist[kept], occupied[kept]
+    first, width = compact.occupied_ranges(hist)
+    kept = np.flatnonzero(width)  # the rows with a value binned
+    hist, first, end = hist[kept], first[kept].tolist(), (first + width)[kept].tolist()
     rows = [rows[j] for j in kept.tolist()]
     groups = [groups[j] for j in kept.tolist()]
-    first = occupied.argmax(axis=1).tolist()
-    end = (L.HIST_BINS - occupied[:, ::-1].argmax(axis=1)).tolist()
     sumsq = np.ascontiguousarray(records[rows, L.REC_SUMSQ]).view(np.float64).tolist()
     absmin_bits = records[rows, L.REC_ABSMIN_BITS]
     absmin_bits = np.where(absmin_bits == L.ABSMIN_NONE, 0, absmin_bits)  # "none": 0.0, as min of nothing
@@ -241,7 +240,7 @@ class LiveExport:
         """A checked step: its StepScan (or, for a host scan, its records). Taken now when its records are on the
         host, else when they come back (poll)."""
         if isinstance(scan, np.ndarray):
-            if not self._pending:  # a host scan's records are final and never rewritten (NOTE: [history ring])
+            if not self._pending:  # a host scan's records are final and never rewritten (NOTE: [shared records])
                 self._take(step, tuple(tensors), scan, loss, lr)
                 return
             scan = completed_scan(tuple(tensors), scan, None, "")
