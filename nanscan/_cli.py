@@ -1,5 +1,5 @@
-"""What the subcommands share: JSON output and one way of turning expected errors into a one-line message and an
-exit status."""
+"""What the subcommands share: JSON output, one way of turning expected errors into a one-line message and an
+exit status, and the options of every command that rebuilds a bundle's step (--entry, --trust-bundle-paths)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ from typing import Any, Iterator
 import click
 
 from nanscan.bundle import BundleError, plain_json
+
+
+def entry_options(command):
+    """--entry and --trust-bundle-paths, for replay, ablate and export-regression (NOTE: [trust rule] in
+    nanscan/entry.py)."""
+    command = click.option(
+        "--trust-bundle-paths", is_flag=True,
+        help="Also import the entry and model classes from the directories the bundle records (the run's working "
+             "and script directories). Only for bundles you trust.")(command)
+    return click.option(
+        "--entry", default=None,
+        help="Replay entry package.module:function, your choice (default: the bundle's, called only if marked "
+             "with @nanscan.entry.replay_entry).")(command)
 
 
 def json_out(data: Any) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import click
 
-from nanscan._cli import cli_errors, json_out
+from nanscan._cli import cli_errors, entry_options, json_out
 from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
 from nanscan.replay.options import StepOptions
@@ -198,18 +198,19 @@ def _holdout_batches(replayer: Replayer, count: int) -> tuple[list[Any], str]:
 
 
 def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, factors: Sequence[str] | None = None,
-           holdout: int = DEFAULT_HOLDOUT, progress: Callable[[str, int], None] | None = None) -> AblationResult:
+           holdout: int = DEFAULT_HOLDOUT, progress: Callable[[str, int], None] | None = None,
+           trust_bundle_paths: bool = False) -> AblationResult:
     """Replay the bundle's step once as recorded and once per factor (each alone), with localization hooks.
 
     factors: keys of FACTORS (default: all). holdout: how many held-out batches confirm a factor that fixes the
     step. progress(description, total): called before each replay with the number of replays planned so far.
-    Nothing is written; see record_ablation.
+    trust_bundle_paths: as for nanscan.replay.Replayer. Nothing is written; see record_ablation.
     """
     from nanscan.replay.replayer import Replayer  # noqa: PLC0415
     from nanscan.replay.step import ReplayError  # noqa: PLC0415
 
     chosen = select_factors(factors)
-    replayer = Replayer(bundle, entry)
+    replayer = Replayer(bundle, entry, trust_bundle_paths=trust_bundle_paths)
     b = replayer.bundle
     notes = list(replayer.notes)
     total = 1 + len(chosen)
@@ -395,14 +396,14 @@ def print_ablation(result: AblationResult, console) -> None:
 
 @click.command("ablate")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--entry", default=None, help="Replay entry package.module:function (default: the bundle's).")
+@entry_options
 @click.option("--factor", "factors", multiple=True, type=click.Choice(FACTOR_KEYS),
               help="Only these factors (repeatable; default: all).")
 @click.option("--holdout", default=DEFAULT_HOLDOUT, show_default=True, type=click.IntRange(0, 100),
               help="Held-out batches that confirm a factor which fixes the step (0: no confirmation).")
 @click.option("--no-record", is_flag=True, help="Do not add the rows to the bundle's ledger and INCIDENT.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def ablate_command(bundle, entry, factors, holdout, no_record, as_json):
+def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_record, as_json):
     """Change one factor at a time from BUNDLE's state and batch and record the outcome of each."""
     from nanscan.cli import console as cli_console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
@@ -420,7 +421,8 @@ def ablate_command(bundle, entry, factors, holdout, no_record, as_json):
                 started[0] = True
                 bar.update(task, description=description, total=total)
 
-            result = ablate(bundle, entry, factors=factors or None, holdout=holdout, progress=progress)
+            result = ablate(bundle, entry, factors=factors or None, holdout=holdout, progress=progress,
+                            trust_bundle_paths=trust_bundle_paths)
         changed = None if no_record else record_ablation(result)
     if as_json:
         json_out({**result.to_dict(), "recorded_changes": changed})

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanscan._atomic import atomic_write_bytes, atomic_write_json
-from nanscan.entry import ReplaySpec
+from nanscan.entry import ReplaySpec, replay_entry as marked_entry
 
 RUN_ID = "nanscan-demo"
 # The demo's config as JSON, for `nanscan preflight --entry nanscan.demo:replay_entry --config <out>/config.json`.
@@ -280,6 +280,7 @@ def step_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(batch["tokens"], batch["weights"])
 
 
+@marked_entry
 def replay_entry(config: dict) -> ReplaySpec:
     """Rebuild the demo's training step from a bundle's config: model, optimizer, step function, and the first
     `replay_batches` batches of the epoch (healthy: the corrupted record comes much later)."""

@@ -367,7 +367,7 @@ class Monitor:
             raise ValueError(f"replay_entry={replay_entry!r} must look like 'package.module:function'")
         entry_unusable = entry_problem(replay_entry) if replay_entry is not None else None
         if entry_unusable:  # now, while the run can still be fixed; after an incident replay would fail on it
-            warn_user(f"nanscan: {entry_unusable}; bundles will record it, but replay cannot use it", EntryWarning)
+            warn_user(f"nanscan: {entry_unusable}", EntryWarning)
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
         hooked, model = _unwrap(model)

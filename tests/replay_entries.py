@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanscan.entry import ReplaySpec, build_spec
+from nanscan.entry import ReplaySpec, build_spec, replay_entry
 from nanscan.monitor import Monitor, NonFiniteError
 
 MODULE = Path(__file__).stem  # importable as a top-level module: pytest puts tests/ on sys.path
@@ -83,6 +83,7 @@ def attention_step(model, batch):
     return F.mse_loss(model(batch["x"], batch["mask"]), batch["y"])
 
 
+@replay_entry
 def masked_attention(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
@@ -121,6 +122,7 @@ def sqrt_step(model, batch):
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 
+@replay_entry
 def sqrt_backward(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
@@ -152,6 +154,7 @@ def half_step(model, batch):
     return F.mse_loss(out.float(), batch["y"])
 
 
+@replay_entry
 def fp16_overflow(config: dict) -> ReplaySpec:
     config = _config(config, lr=0.01)
     torch.manual_seed(config["seed"])
@@ -181,6 +184,7 @@ class Flaky(nn.Module):
         return x
 
 
+@replay_entry
 def transient(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
@@ -199,6 +203,7 @@ def poison_batch(config: dict, step: int) -> dict:
     return {"x": x, "y": torch.randn(config["batch_size"], 1, generator=g)}
 
 
+@replay_entry
 def poisoned_sample(config: dict) -> ReplaySpec:
     """config["clamp"]: the fix, clamping the features before the model (the exported regression test passes)."""
     config = _config(config)
@@ -224,6 +229,7 @@ class InlineSqrtModel(nn.Module):
         return self.lin2(torch.sqrt(h * h))
 
 
+@replay_entry
 def inline_sqrt(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
@@ -235,6 +241,7 @@ def inline_sqrt(config: dict) -> ReplaySpec:
 MICRO_BATCHES = 4
 
 
+@replay_entry
 def micro_batched(config: dict) -> ReplaySpec:
     spec = poisoned_sample(config)
 
@@ -269,6 +276,7 @@ def batch_sum_batch(config: dict, step: int) -> dict:
     return {"x": x, "y": torch.randn(config["batch_size"], 1, generator=g)}
 
 
+@replay_entry
 def batch_statistics(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
@@ -292,6 +300,7 @@ class ScaledDescent(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["scale"])
 
 
+@replay_entry
 def no_learning_rate(config: dict) -> ReplaySpec:
     spec = poisoned_sample(config)
     return ReplaySpec(spec.model, lambda model: ScaledDescent(model.parameters(), 0.05), spec.step_fn, spec.batches)
@@ -299,20 +308,24 @@ def no_learning_rate(config: dict) -> ReplaySpec:
 
 # -- entries that break the contract, each given to a poisoned_sample bundle with --entry -------------------------
 
+@replay_entry
 def loss_not_a_tensor(config: dict) -> ReplaySpec:
     spec = poisoned_sample(config)
     return ReplaySpec(spec.model, spec.optimizer, lambda model, batch: spec.step_fn(model, batch).detach().item())
 
 
+@replay_entry
 def no_model(config: dict) -> ReplaySpec:
     return ReplaySpec(None, None, None)
 
 
+@replay_entry
 def optimizer_factory_returns_a_name(config: dict) -> ReplaySpec:
     spec = poisoned_sample(config)
     return ReplaySpec(spec.model, lambda model: "sgd", spec.step_fn)
 
 
+@replay_entry
 def optimizer_factory_raises(config: dict) -> ReplaySpec:
     spec = poisoned_sample(config)
     return ReplaySpec(spec.model, lambda model: torch.optim.SGD(model.parameters(), lr=config["missing"]),
@@ -324,6 +337,7 @@ NOT_A_FUNCTION = 42
 DRAWS: list = []
 
 
+@replay_entry
 def rng_draws(config: dict) -> ReplaySpec:
     """poisoned_sample whose step records one draw of torch's, numpy's and Python's generators in DRAWS. The model
     is built under a forked RNG, so the entry leaves the process's generators as it found them."""
@@ -374,3 +388,9 @@ def train(name: str, bundle_dir: Path, *, config: dict | None = None, steps: int
                 return Path(exc.bundle_path)
             optimizer.step()
     raise AssertionError(f"entry {name} trained {steps} steps without a non-finite value")
+
+
+def unmarked_poisoned_sample(config: dict) -> ReplaySpec:
+    """poisoned_sample without the @replay_entry mark: a bundle naming it replays only with --entry (NOTE: [trust
+    rule] in nanscan/entry.py)."""
+    return poisoned_sample(config)

@@ -12,7 +12,7 @@ import replay_entries as E
 from nanscan.ablate import FACTOR_KEYS, ablate, record_ablation, select_factors
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
-from nanscan.entry import ReplaySpec
+from nanscan.entry import ReplaySpec, replay_entry
 from nanscan.replay import ReplayError
 
 
@@ -104,6 +104,7 @@ def test_unknown_factor_is_refused():
     assert CliRunner().invoke(main, ["ablate", ".", "--factor", "lr-x10"]).exit_code == 2
 
 
+@replay_entry
 def autocast_inside(config: dict) -> ReplaySpec:
     """fp16_overflow's model in float32 whose step function turns on float16 autocast itself."""
     import torch
@@ -133,6 +134,7 @@ def test_no_held_out_batches_is_said(tmp_path):
     assert confirmation.confirmed is None and "ReplaySpec.batches" in confirmation.reason
 
 
+@replay_entry
 def without_batches(config: dict) -> ReplaySpec:
     spec = E.fp16_overflow(config)
     return ReplaySpec(spec.model, spec.optimizer, spec.step_fn, None)

@@ -32,7 +32,7 @@ from nanscan.cli import main
 from nanscan.bundle import BundleSet
 from nanscan.bundle.rank_set import INDEX
 from nanscan.incident import OTHER_RANK
-from nanscan.entry import ReplaySpec
+from nanscan.entry import ReplaySpec, replay_entry as marked_entry
 from nanscan.triage import triage
 
 FAULT_RANK = 1
@@ -73,6 +73,7 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
+@marked_entry
 def replay_entry(config: dict) -> ReplaySpec:
     return ReplaySpec(model=make_model(), optimizer=make_optimizer, step_fn=step_loss)
 

@@ -130,7 +130,9 @@ def test_a_bundle_without_the_recorded_directories_still_loads(bundle):
         del manifest["environment"][key]
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     opened = load_bundle(bundle)
-    assert [label for label, _ in entry_search_dirs(opened.manifest["environment"])] == ["the current directory"]
+    for trusted in (False, True):
+        search = entry_search_dirs(opened.manifest["environment"], trust_bundle_paths=trusted)
+        assert [label for label, _ in search.dirs] == ["the current directory"] and search.withheld == ()
 
 
 # -- entries --------------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ and `replay_entry`, the replay entry that rebuilds the step from it.
 A bundle written by an integration names REPLAY_ENTRY as its replay entry and keeps the recipe under
 config[RECIPE_KEY], so `nanscan replay`, `ablate` and `export-regression` work on it as on any other bundle. The
 step's batch is {"micro_batches": [...]}: every micro-batch of the optimizer step, in order. Nothing here imports a
-framework: the classes are imported by the paths recorded (as load_entry imports an entry), at replay time.
+framework: the classes are imported by the paths recorded, at replay time, and called only when they are of the
+kind the recipe says (NOTE: [trust rule] in nanscan/entry.py): a transformers PreTrainedModel and PretrainedConfig,
+a LightningModule, a torch.optim.Optimizer, each with the recipe's JSON data as its only arguments.
 
 A part that cannot be rebuilt is recorded as {"unavailable": reason}; replay_entry then raises, naming the reason
 and `--entry`. The recipe, in full:
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from nanscan.entry import EntryError, ReplaySpec
+from nanscan.entry import EntryError, ReplaySpec, UntrustedError, load_bundle_class
+from nanscan.entry import replay_entry as marked_entry
 from nanscan.provenance import ConfigError, normalize_config
 
 __all__ = ["MICRO_BATCHES", "RECIPE_KEY", "REPLAY_ENTRY", "RebuildError", "class_path", "lightning_model",
@@ -171,19 +175,62 @@ def trainer_divisor(micro_batches: Sequence[Mapping], loss_scaled_for_ga: bool |
 
 # -- rebuilding -----------------------------------------------------------------------------------------------
 
+# -- what a recipe may call (NOTE: [trust rule] in nanscan/entry.py) -------------------------------------------
+
+def _subclass_of(cls: type, bases: Sequence[tuple[str, str]]) -> bool:
+    """Whether `cls` derives from one of `bases` ((module, name) pairs). A framework that importing the class did
+    not import cannot be one of its bases, so nothing is imported here."""
+    for module_name, name in bases:
+        base = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return True
+    return False
+
+
+_PRETRAINED_MODEL = (("transformers", "PreTrainedModel"),)
+_PRETRAINED_CONFIG = (("transformers", "PretrainedConfig"),)
+_LIGHTNING_MODULE = (("lightning.pytorch", "LightningModule"), ("pytorch_lightning", "LightningModule"))
+
+
+def _recipe_class(recipe: Mapping, key: str, bases: Sequence[tuple[str, str]], kind: str) -> type:
+    return load_bundle_class(recipe.get(key), field=f"config.{RECIPE_KEY}.model.{key}",
+                             kind=kind, accept=lambda cls: _subclass_of(cls, bases))
+
+
+def _recipe_dtype(recipe: Mapping) -> torch.dtype | None:
+    name = recipe.get("dtype")
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise UntrustedError(f"the bundle's config.{RECIPE_KEY}.model.dtype is {name!r}, not a torch dtype; the "
+                             "bundle was edited or damaged: pass --entry package.module:function")
+    return dtype
+
+
 def _build_model(recipe: dict) -> torch.nn.Module:
-    cls = _load_class(recipe["class"])
-    if recipe["kind"] == "pretrained":
-        config = _load_class(recipe["config_class"]).from_dict(dict(recipe["config"]))
-        model = cls(config)
-    else:
+    kind = recipe.get("kind")
+    if kind == "pretrained":
+        cls = _recipe_class(recipe, "class", _PRETRAINED_MODEL, "transformers PreTrainedModel")
+        config_cls = _recipe_class(recipe, "config_class", _PRETRAINED_CONFIG, "transformers PretrainedConfig")
+        model = cls(config_cls.from_dict(dict(recipe["config"])))
+    elif kind == "lightning":
+        cls = _recipe_class(recipe, "class", _LIGHTNING_MODULE, "LightningModule")
+        if not isinstance(recipe.get("hparams"), Mapping):
+            raise RebuildError(f"the bundle's config.{RECIPE_KEY}.model.hparams is not an object of keyword "
+                               "arguments: pass --entry")
         model = cls(**recipe["hparams"])
-    if recipe.get("dtype"):
-        model = model.to(getattr(torch, recipe["dtype"]))
-    return model
+    else:
+        raise RebuildError(f"the bundle's config.{RECIPE_KEY}.model.kind is {kind!r}, not 'pretrained' or "
+                           "'lightning': pass --entry")
+    dtype = _recipe_dtype(recipe)
+    return model.to(dtype) if dtype is not None else model
 
 
 def _optimizer_factory(recipe: dict) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    cls = load_bundle_class(recipe.get("class"), field=f"config.{RECIPE_KEY}.optimizer.class",
+                            kind="torch.optim.Optimizer", accept=lambda c: issubclass(c, torch.optim.Optimizer))
+
     def build(model: torch.nn.Module) -> torch.optim.Optimizer:
         params = dict(model.named_parameters())
         missing = [n for g in recipe["groups"] for n in g["params"] if n not in params]
@@ -191,7 +238,7 @@ def _optimizer_factory(recipe: dict) -> Callable[[torch.nn.Module], torch.optim.
             raise RebuildError(f"the rebuilt model has no parameter {missing[0]!r} that the optimizer's recipe names")
         groups = [{**{k: tuple(v) if isinstance(v, list) else v for k, v in g["settings"].items()},
                    "params": [params[n] for n in g["params"]]} for g in recipe["groups"]]
-        return _load_class(recipe["class"])(groups)
+        return cls(groups)
 
     return build
 
@@ -239,6 +286,7 @@ def _step_fn(recipe: dict) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
     return training_step
 
 
+@marked_entry
 def replay_entry(config: dict) -> ReplaySpec:
     """The replay entry of bundles written by nanscan.integrations: the step rebuilt from config[RECIPE_KEY]."""
     recipe = (config or {}).get(RECIPE_KEY)
@@ -252,5 +300,5 @@ def replay_entry(config: dict) -> ReplaySpec:
         raise RebuildError("this bundle's step cannot be rebuilt without a replay entry (" + "; ".join(reasons)
                            + "): pass --entry package.module:function (a function taking the config dict and "
                            "returning a nanscan.entry.ReplaySpec)")
-    return ReplaySpec(_build_model(recipe["model"]), _optimizer_factory(recipe["optimizer"]),
-                      _step_fn(recipe["step"]))
+    optimizer = _optimizer_factory(recipe["optimizer"])  # every class checked before any is called
+    return ReplaySpec(_build_model(recipe["model"]), optimizer, _step_fn(recipe["step"]))

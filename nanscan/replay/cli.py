@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nanscan._cli import cli_errors, json_out
+from nanscan._cli import cli_errors, entry_options, json_out
 from nanscan.replay.options import DEFAULT_MAX_STATE_MB, DEFAULT_RUNS
 
 if TYPE_CHECKING:
@@ -57,13 +57,13 @@ def print_replay(result: ReplayResult, console) -> None:
 
 @click.command("replay")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--entry", default=None, help="Replay entry package.module:function (default: the bundle's).")
+@entry_options
 @click.option("--runs", default=DEFAULT_RUNS, show_default=True, type=click.IntRange(1, 20),
               help="How many times to replay the step (persistent/transient needs at least 2).")
 @click.option("--no-bisect", is_flag=True, help="Do not bisect the batch to the fewest failing samples.")
 @click.option("--no-record", is_flag=True, help="Do not add the result to the bundle's ledger and INCIDENT.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
+def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record, as_json):
     """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module, fewest samples."""
     from nanscan.cli import console as cli_console  # noqa: PLC0415
     from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
@@ -71,7 +71,7 @@ def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
     console = cli_console(stderr=as_json)
     with cli_errors():
         with console.status("replaying") as status:
-            result = replay(bundle, entry, runs=runs, bisect=not no_bisect,
+            result = replay(bundle, entry, runs=runs, bisect=not no_bisect, trust_bundle_paths=trust_bundle_paths,
                             progress=lambda msg: status.update(msg))
         changed = None if no_record else record_replay(result)
     if as_json:
@@ -86,7 +86,7 @@ def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
 @click.command("export-regression")
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dest", type=click.Path(path_type=Path))
-@click.option("--entry", default=None, help="Replay entry package.module:function (default: the bundle's).")
+@entry_options
 @click.option("--samples", default=None, help="Comma-separated sample rows to export (default: the smallest "
                                               "failing subset from replay, or a fresh bisection).")
 @click.option("--with-state/--no-state", default=None,
@@ -95,7 +95,7 @@ def replay_command(bundle, entry, runs, no_bisect, no_record, as_json):
 @click.option("--xfail", is_flag=True, help="Mark the test xfail(strict=True): it can be committed before the fix, "
                                             "and fails (XPASS) once the step is finite, to remove the mark.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def export_regression_command(bundle, dest, entry, samples, with_state, overwrite, xfail, as_json):
+def export_regression_command(bundle, dest, entry, trust_bundle_paths, samples, with_state, overwrite, xfail, as_json):
     """Write BUNDLE's minimal failing sample(s) to DEST as a regression case and a pytest file."""
     rows = None
     if samples:
@@ -108,7 +108,7 @@ def export_regression_command(bundle, dest, entry, samples, with_state, overwrit
 
     with cli_errors():
         result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite,
-                                   xfail=xfail)
+                                   xfail=xfail, trust_bundle_paths=trust_bundle_paths)
     if as_json:
         json_out(result.to_dict())
         return

@@ -66,7 +66,7 @@ def _state_bytes(state: Mapping | None) -> int:
 def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLike, entry: str | None = None, *,
                       samples: Sequence[int] | None = None, with_state: bool | None = None,
                       max_state_mb: float = DEFAULT_MAX_STATE_MB, overwrite: bool = False,
-                      xfail: bool = False) -> ExportResult:
+                      xfail: bool = False, trust_bundle_paths: bool = False) -> ExportResult:
     """Write the bundle's minimal failing sample(s) as a regression case under `dest`:
     `<dest>/<case>/` (case.json, batch.safetensors, state.safetensors unless too large, rng.safetensors) and
     `<dest>/test_<case>.py`, a pytest file calling nanscan.testing.assert_step_finite.
@@ -77,9 +77,12 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     did not write is never replaced; an earlier export that differs is replaced only with `overwrite`.
     `xfail`: mark the test `pytest.mark.xfail(strict=True)`, so it can be committed before the fix (it passes as
     an expected failure) and fails once the step is finite, when the mark is to be removed.
+    The test follows the trust rule (NOTE: [trust rule] in nanscan/entry.py): an `entry` given here is written into
+    the test's source, the code its reader commits; otherwise the test calls the bundle's entry only if it is
+    marked. trust_bundle_paths: as for Replayer.
     """
 
-    replayer = Replayer(bundle, entry)
+    replayer = Replayer(bundle, entry, trust_bundle_paths=trust_bundle_paths)
     b = replayer.bundle
     notes: list[str] = list(replayer.notes)
     size = replayer.sample_count
@@ -131,7 +134,7 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
         "schema": REGRESSION_SCHEMA,
         "source": {"bundle": str(b.path), "run_id": b.manifest["run_id"], "step": b.step, "category": b.category,
                    "batch_sha256": b.manifest["batch"].get("sha256"), "config_sha256": b.manifest["config_sha256"]},
-        "replay_entry": replayer.entry, "config": b.config,
+        "replay_entry": replayer.entry, "entry_given": not replayer.entry_from_bundle, "config": b.config,
         "samples": {"indices": indices, "sample_ids": sample_ids_of(b.sample_ids, indices, size),
                     "batch_size": size},
         "expected": {"finite": True},
@@ -278,6 +281,8 @@ The training step on {which} {seen}.
 {promise}
 The case (batch, state, RNG states, config) is in ./{name}/; the model comes from the replay entry
 {case["replay_entry"]!r}, which must be importable here.""")
+    # NOTE: [trust rule]: an entry the exporter chose is in the test's code, so committing the test chooses it.
+    entry_line, entry_arg = ("", "") if not case["entry_given"] else (f"ENTRY = {case['replay_entry']!r}\n", "ENTRY")
     pytest_import, mark = "", ""
     if xfail:
         pytest_import = "import pytest\n\n"
@@ -291,11 +296,11 @@ from pathlib import Path
 {pytest_import}from nanscan.testing import assert_step_finite, load_regression_case
 
 CASE = Path(__file__).resolve().parent / "{name}"
-
+{entry_line}
 
 {mark}def test_{name}_stays_finite():
     case = load_regression_case(CASE)
-    spec = case.build_spec()
+    spec = case.build_spec({entry_arg})
     case.restore_rng()
     assert_step_finite(spec.model, spec.step_fn, case.batch, optimizer=spec.make_optimizer(),
                        state=case.model_state, optimizer_state=case.optimizer_state)

@@ -13,7 +13,7 @@ import torch
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.rank_set import require_full_state
-from nanscan.entry import EntryError, ReplaySpec, build_spec, entry_search_dirs, locate_entry
+from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, entry_search_dirs, locate_entry
 from nanscan.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
                                  model_device, prepare_batch, run_localized, run_step, select_samples)
@@ -30,16 +30,21 @@ class Replayer:
     nothing carried over from an earlier run (a precision change, a hook, optimizer state).
     """
 
-    def __init__(self, bundle: Bundle | str | os.PathLike, entry: str | None = None):
+    def __init__(self, bundle: Bundle | str | os.PathLike, entry: str | None = None, *,
+                 trust_bundle_paths: bool = False):
+        """`entry`: the user's choice of replay entry (else the bundle's, which must be marked); trust_bundle_paths:
+        also import from the directories the bundle records (NOTE: [trust rule] in nanscan/entry.py)."""
         self.bundle = open_bundle(bundle)
         self.entry = entry or self.bundle.replay_entry
+        self.entry_from_bundle = not entry
         where = self.bundle.path
         if not self.entry:
             raise ReplayError(f"{where} records no replay entry: pass one with --entry package.module:function "
                               "(a function taking the config dict and returning a nanscan.entry.ReplaySpec), or "
                               "give replay_entry= to the Monitor")
         # As the training run could: a module beside it (`python -m pkg.train`) need not be installed.
-        found_in = locate_entry(self.entry, entry_search_dirs(self.bundle.manifest["environment"]))
+        self.search = entry_search_dirs(self.bundle.manifest["environment"], trust_bundle_paths=trust_bundle_paths)
+        found_in = locate_entry(self.entry, self.search)
         self.batch = self.bundle.batch(nested=True)
         if self.batch is None:
             raise ReplayError(f"{where} holds no batch (check() was called without batch=), so the step cannot be "
@@ -91,7 +96,8 @@ class Replayer:
 
     def build(self) -> ReplaySpec:
         try:
-            return build_spec(self.entry, self.bundle.config)
+            with bundle_imports(self.search):  # the classes of a zero-config recipe, searched as the entry was
+                return build_spec(self.entry, self.bundle.config, from_bundle=self.entry_from_bundle)
         except EntryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a user entry failing deserves its name in the message

@@ -98,16 +98,18 @@ def verdict_of(outcomes: Sequence[StepOutcome]) -> str:
 
 
 def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs: int = DEFAULT_RUNS,
-           bisect: bool = True, progress: Callable[[str], None] | None = None) -> ReplayResult:
+           bisect: bool = True, progress: Callable[[str], None] | None = None,
+           trust_bundle_paths: bool = False) -> ReplayResult:
     """Replay the bundle's failing step `runs` times (deterministic algorithms on), classify the failure as
     persistent, transient or intermittent, localize the first bad module with hooks, and bisect the batch.
 
-    `entry` overrides the bundle's replay entry. Nothing is written; see record_replay.
+    `entry` overrides the bundle's replay entry; trust_bundle_paths: as for Replayer. Nothing is written; see
+    record_replay.
     """
     if runs < 1:
         raise ValueError(f"runs={runs}: replay at least once")
     say = progress or (lambda _msg: None)
-    replayer = Replayer(bundle, entry)
+    replayer = Replayer(bundle, entry, trust_bundle_paths=trust_bundle_paths)
     options = StepOptions(deterministic=True)
     outcomes = []
     for i in range(runs):
