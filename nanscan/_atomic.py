@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -161,15 +162,30 @@ def remove_dead_writers_temps(final: Path) -> list[Path]:
     return removed
 
 
+def _swap_in(temp: Path, final: Path) -> None:
+    """Put the directory `temp` at `final`, replacing the directory there: the old one is parked under a dead
+    writer's name (NOTE: [dead writers]: removed later if this process dies before it does), then removed. A
+    reader sees the old directory, none for an instant, or the new one; never a mix."""
+    parked = final.with_name(f"{TEMP_PREFIX}{final.name}-{_writer_tag()}-old{secrets.token_hex(4)}")
+    os.rename(final, parked)
+    try:
+        os.rename(temp, final)
+    except BaseException:
+        os.rename(parked, final)
+        raise
+    shutil.rmtree(parked, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(final: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
     """Build a directory under a temporary name and rename it to `final` when the block succeeds.
 
     The temporary directory sits beside `final` (`.tmp-<name>-<pid>@<host>-XXXX`). If the block raises, it is
     removed; if the process dies, it stays behind under its temporary name, which readers ignore, until the next
     write of `final` on the same host removes it (NOTE: [dead writers]). If `final` already exists and is not
     empty when the block ends (another process got there first), the temporary directory is removed and
-    FileExistsError is raised: the caller decides whether the existing one is acceptable.
+    FileExistsError is raised: the caller decides whether the existing one is acceptable. With `replace`, an
+    existing `final` is swapped out instead (_swap_in).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +199,10 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
                 fsync_file(os.path.join(root, name))
             fsync_dir(root)
         try:
-            os.rename(temp, final)
+            if replace and final.exists():
+                _swap_in(temp, final)
+            else:
+                os.rename(temp, final)
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise FileExistsError(errno.EEXIST, f"{final} already exists", str(final)) from None

@@ -108,15 +108,20 @@ def write_tensorboard(entries: Sequence[Any], directory: Path, *, overwrite: boo
     # Replacing: the new events are built beside the old ones and swapped in only once complete.
     staging = directory if old is None else \
         Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{directory.name}-new-", dir=directory.parent)) / directory.name
-    with atomic_directory(staging) as temp:
-        writer, _ = open_writer(temp)
-        try:
-            for entry in entries:
-                report = entry.report
-                write_step(writer, entry.step, report.tensors, report.records, loss=entry.loss, lr=entry.lr,
-                           histograms=range(len(report.tensors)), layer_norms=True)
-        finally:
-            writer.close()
+    try:
+        with atomic_directory(staging) as temp:
+            writer, _ = open_writer(temp)
+            try:
+                for entry in entries:
+                    report = entry.report
+                    write_step(writer, entry.step, report.tensors, report.records, loss=entry.loss, lr=entry.lr,
+                               histograms=range(len(report.tensors)), layer_norms=True)
+            finally:
+                writer.close()
+    except BaseException:
+        if old is not None:  # the staging directory's parent, made for the swap below
+            shutil.rmtree(staging.parent, ignore_errors=True)
+        raise
     if old is not None:
         trash = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{directory.name}-old-", dir=directory.parent))
         os.replace(directory, trash / directory.name)
@@ -158,13 +163,18 @@ def export_command(bundle_path, tb_dir, csv_out, parquet_out, overwrite):
                                 "makes the bundle fail to load; write it elsewhere")
     out = console()
     table = history_table(entries) if csv_out is not None or parquet_out is not None else None
-    if tb_dir is not None:
-        write_tensorboard(entries, tb_dir, overwrite=overwrite)
-        out.print(f"tensorboard: {tb_dir} ({len(entries)} steps; `tensorboard --logdir {tb_dir}`)", markup=False,
-                  highlight=False)
-    if csv_out is not None:
-        write_csv(table, csv_out)
-        out.print(f"csv: {csv_out} ({len(table['step'])} rows)", markup=False, highlight=False)
-    if parquet_out is not None:
-        write_parquet(table, parquet_out)
-        out.print(f"parquet: {parquet_out} ({len(table['step'])} rows)", markup=False, highlight=False)
+    writes = [("--tensorboard", tb_dir, lambda: write_tensorboard(entries, tb_dir, overwrite=overwrite),
+               lambda: f"tensorboard: {tb_dir} ({len(entries)} steps; `tensorboard --logdir {tb_dir}`)"),
+              ("--csv", csv_out, lambda: write_csv(table, csv_out), lambda: f"csv: {csv_out} ({len(table['step'])} rows)"),
+              ("--parquet", parquet_out, lambda: write_parquet(table, parquet_out),
+               lambda: f"parquet: {parquet_out} ({len(table['step'])} rows)")]
+    for flag, path, write, said in writes:
+        if path is None:
+            continue
+        try:
+            write()
+        except OSError as exc:  # a full disk, an I/O error, a read-only directory: every write here is atomic
+            raise CommandFailed(f"cannot write {flag} {path} ({type(exc).__name__}: {exc}); nothing partial was "
+                                "left there (outputs listed above were written); free space or choose another "
+                                "place") from None
+        out.print(said(), markup=False, highlight=False)

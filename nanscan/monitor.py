@@ -73,7 +73,7 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, Streak, autocast_state, mixed_precision_record, read_scaling
-from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, write_bundle
+from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, unsaved_parts, write_bundle
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.history import HistoryRing
@@ -801,7 +801,9 @@ class Monitor:
         if self.bundle_path is not None:
             where = "evidence" if step == self.first_invalid_step else \
                 f"first incident at step {self.first_invalid_step}, evidence"
-            return f"{text}; {where} in {self.bundle_path} (see `nanscan report {self.bundle_path}`)"
+            unsaved = unsaved_parts(self.bundle_path)  # NOTE: [write faults] in nanscan/bundle/write.py
+            missing = f"; not saved: {'; '.join(unsaved)}" if unsaved else ""
+            return f"{text}; {where} in {self.bundle_path} (see `nanscan report {self.bundle_path}`){missing}"
         if self.bundle_error is not None:
             return f"{text}; the evidence bundle could not be written: {self.bundle_error}"
         return text

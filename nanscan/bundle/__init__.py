@@ -27,18 +27,19 @@ _HOMES = {
     "load_bundle_set": "nanscan.bundle.rank_set",
     "Bundle": "nanscan.bundle.read", "iter_bundles": "nanscan.bundle.read", "open_single": "nanscan.bundle.read",
     "read_log_tail": "nanscan.bundle.write", "write_bundle": "nanscan.bundle.write",
+    "BundleWriteError": "nanscan.bundle.write", "unsaved_parts": "nanscan.bundle.write",
 }
 
-__all__ = ["Bundle", "BundleError", "BundleSet", "HistoryEntry", "Incident", "bundle_path", "check_run_id",
-           "float_from_json", "iter_bundles", "json_float", "load_bundle", "plain_json", "read_log_tail",
-           "write_bundle"]
+__all__ = ["Bundle", "BundleError", "BundleSet", "BundleWriteError", "HistoryEntry", "Incident", "bundle_path",
+           "check_run_id", "float_from_json", "iter_bundles", "json_float", "load_bundle", "plain_json",
+           "read_log_tail", "unsaved_parts", "write_bundle"]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
     from nanscan.bundle.format import (BundleError, HistoryEntry, Incident, bundle_path, check_run_id,
                                        float_from_json, json_float, plain_json)
     from nanscan.bundle.rank_set import BundleSet
     from nanscan.bundle.read import Bundle, iter_bundles
-    from nanscan.bundle.write import read_log_tail, write_bundle
+    from nanscan.bundle.write import BundleWriteError, read_log_tail, unsaved_parts, write_bundle
 
 
 def load_bundle(path: str | os.PathLike, *, whole_set: bool = True) -> "Bundle":

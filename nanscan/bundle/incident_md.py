@@ -86,7 +86,7 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     """The automatic part of INCIDENT.md (header and findings), ending just before REVIEWER_HEADING."""
     state = manifest.get("state") or {}
     if not state.get("file"):
-        state_line = f"not stored ({state.get('note') or 'no model given'})"
+        state_line = f"not stored ({state.get('error') or state.get('note') or 'no model given'})"
     elif state.get("pre_step"):
         state_line = "model and optimizer state from before this step (snapshot)"
     else:
@@ -103,6 +103,7 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
         f"- config sha256: `{manifest.get('config_sha256') or 'no config given'}`",
         f"- state: {state_line}",
         f"- replay entry: `{manifest['replay_entry']}`" if manifest.get("replay_entry") else "- replay entry: none",
+        *_unsaved_lines(manifest),
         "",
         f"Every file of this bundle is listed with its sha256 in {MANIFEST}. "
         "`nanscan report <this directory>` summarises it.",
@@ -115,6 +116,24 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
             lines += [f"{_FINDING_MARKER}{record['key']} -->", f"### {record['title']}", "",
                       record["body"].rstrip(), ""]
     return "\n".join(lines) + "\n"
+
+
+def unsaved_lines(write_errors: Any) -> list[str]:
+    """A manifest's write_errors as "part, part: error" lines, the parts that failed alike on one line."""
+    grouped: dict[str, list[str]] = {}
+    for e in write_errors if isinstance(write_errors, list) else []:
+        if isinstance(e, Mapping):
+            grouped.setdefault(str(e.get("error")), []).append(str(e.get("part")))
+    return [f"{', '.join(parts)}: {error}" for error, parts in grouped.items()]
+
+
+def _unsaved_lines(manifest: Mapping) -> list[str]:
+    """What a write error kept out of the bundle (NOTE: [write faults] in nanscan/bundle/write.py)."""
+    lines = unsaved_lines(manifest.get("write_errors"))
+    if not lines:
+        return []
+    return ["- **not saved** (a write failed; the rest of the bundle is complete and verified):",
+            *(f"  - {line}" for line in lines)]
 
 
 def _note_block(record: Mapping) -> str:

@@ -372,6 +372,8 @@ class Bundle:
     def history(self) -> list[HistoryEntry]:
         """The Monitor's history up to and including the failing step, with rebuilt ScanReports."""
         info = self.manifest["history"]
+        if not info.get("file") and info.get("error"):
+            return []  # not written (NOTE: [write faults] in nanscan/bundle/write.py); the manifest says why
         if not info.get("file") or not info.get("index"):
             raise BundleError(f"{self.path / MANIFEST} names no history files ({HISTORY}, {HISTORY_INDEX}); "
                               "the manifest was edited, ask for a fresh copy of the bundle")

@@ -1,23 +1,34 @@
 """Writing a bundle: atomically (a temporary `.tmp-*` directory renamed into place, manifest written last; one that
 a killed writer left behind is removed by the next write of that bundle on the same host) and idempotently (an
-existing valid bundle for the same run and step is kept as is).
+existing valid bundle for the same run and step is kept as is, unless a write error left it incomplete).
+
+NOTE: [write faults]
+A bundle is written in parts. The optional ones (source diff, batch, RNG states, history, state, logs) may fail on
+their own (a full disk, an I/O error, a tensor safetensors cannot store): the part's files are removed, the
+manifest records the error under the part and in `write_errors`, INCIDENT.md says what is missing and why, and the
+rest is still written. The core (ledger, INCIDENT.md, manifest, then fsync and the rename) cannot: when it fails,
+nothing is renamed into place, and the write is tried once more with the core alone (on a nearly full disk the
+parts used the space); when that fails too, BundleWriteError says where and why and what to do. A later write of
+the same incident replaces a bundle that write errors left incomplete, as long as no one has added to it since.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
 from nanscan._atomic import atomic_directory, json_bytes, sha256_file
-from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOG_TAIL_BYTES, LOG_TAIL_LINES,
+from nanscan.bundle.format import (DETECT_FINDING, BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOG_TAIL_BYTES, LOG_TAIL_LINES,
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
                                    BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
 from nanscan.bundle.history import history_payload
-from nanscan.bundle.incident_md import (detect_finding, ledger_bytes, mixed_precision_finding, render_incident,
+from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding, unsaved_lines, ledger_bytes, mixed_precision_finding, render_incident,
                                         spike_finding, step_entry)
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
@@ -55,92 +66,201 @@ def _log_names(logs: Sequence[dict]) -> list[str]:
     return names
 
 
+class BundleWriteError(BundleError, OSError):
+    """No bundle could be written (NOTE: [write faults]): the message names the directory, the cause and what to
+    do. An OSError too, so code that catches file-system errors catches it."""
+
+
+class BundleFiles:
+    """The one way a file enters a bundle being written (NOTE: [write faults]): bytes or tensors, by name."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        (self.root / name).write_bytes(data)
+
+    def write_tensors(self, name: str, tensors: Any, metadata: dict[str, str] | None = None) -> None:
+        save_tensors(self.root / name, tensors, metadata)
+
+
 def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
     """Write the incident's bundle and return its path; keep (and validate) one that already exists.
 
     Two processes may write the same bundle at once: exactly one rename wins, the other keeps the winner's.
-    Raises BundleError if a damaged or foreign directory already occupies the path.
+    Raises BundleError if a damaged or foreign directory already occupies the path, BundleWriteError when no
+    bundle could be written (NOTE: [write faults]); unsaved_parts(path) lists what a written one lacks.
     """
     final = bundle_path(bundle_dir, incident.run_id, incident.step, incident.rank)
+    replace = False
     if final.exists():
-        return _keep_existing(final, incident)
+        if not _replaceable(final, incident):
+            return final
+        replace = True
     try:
-        with atomic_directory(final) as temp:
-            _write_contents(temp, incident)
+        return _write_at(final, incident, replace=replace)
     except FileExistsError:
         return _keep_existing(final, incident)
+    except OSError as exc:
+        failed = exc
+    log.warning("nanscan: writing the bundle %s failed (%s: %s); writing its core alone (manifest, ledger, "
+                "INCIDENT.md)", final, type(failed).__name__, failed)
+    try:
+        return _write_at(final, incident, replace=replace, core_only=f"{type(failed).__name__}: {failed}")
+    except FileExistsError:
+        return _keep_existing(final, incident)
+    except OSError as exc:
+        raise BundleWriteError(exc.errno, _write_failure(final, exc, failed)) from exc
+
+
+def _write_failure(final: Path, exc: OSError, first: OSError) -> str:
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        todo = ("the directory is not writable: give a writable one (Monitor(bundle_dir=...), or the "
+                "NANSCAN_BUNDLE_DIR environment variable)")
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = "the disk is full: free space there or give another directory (Monitor(bundle_dir=...))"
+    else:
+        todo = "check the file system (an I/O error), or give another directory (Monitor(bundle_dir=...))"
+    again = "" if exc is first else f"; the full bundle had failed first ({type(first).__name__}: {first})"
+    return (f"no evidence bundle could be written at {final} ({type(exc).__name__}: {exc}){again}; nothing "
+            f"partial was left there; {todo}")
+
+
+def _write_at(final: Path, incident: Incident, *, replace: bool, core_only: str | None = None) -> Path:
+    with atomic_directory(final, replace=replace) as temp:
+        _write_contents(BundleFiles(temp), incident, core_only=core_only)
     return final
+
+
+def unsaved_parts(path: str | os.PathLike) -> list[str]:
+    """What a written bundle lacks because a write failed (NOTE: [write faults]), as "part: error" lines."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return []
+    return unsaved_lines(manifest.get("write_errors") if isinstance(manifest, dict) else None)
+
+
+def _replaceable(final: Path, incident: Incident) -> bool:
+    """Whether the bundle at `final` is one that write errors left incomplete and that no one has added to since
+    (a note, a finding, a hand edit), so a new write of the same incident may replace it; else it is kept."""
+    existing = _open_existing(final)
+    if existing.manifest.get("write_errors"):
+        created = {DETECT_FINDING, MIXED_PRECISION_FINDING}
+        if not (existing.notes() or existing.note_review().hand_written
+                or any(f.get("key") not in created for f in existing.findings())):
+            return True
+        log.warning("nanscan: %s is incomplete (%s) but was added to since; kept it", final,
+                    "; ".join(unsaved_parts(final)))
+    _kept(final, existing, incident)
+    return False
 
 
 def _keep_existing(final: Path, incident: Incident) -> Path:
-    try:
-        existing = open_single(final)
-    except BundleError as exc:
-        raise BundleError(f"{final} already exists but is not a valid bundle ({exc}); move it away and run "
-                          "again to write a fresh one") from exc
-    if existing.manifest.get("detected_at") != incident.detected_at:
-        log.warning("nanscan: %s already holds a bundle (detected %s); kept it. Use a new run_id to keep both.",
-                    final, existing.manifest.get("detected_at"))
+    _kept(final, _open_existing(final), incident)
     return final
 
 
-def _write_contents(root: Path, inc: Incident) -> None:
-    """All files of the bundle into `root`, the manifest last (its presence marks a complete bundle)."""
+def _open_existing(final: Path):
+    try:
+        return open_single(final)
+    except BundleError as exc:
+        raise BundleError(f"{final} already exists but is not a valid bundle ({exc}); move it away and run "
+                          "again to write a fresh one") from exc
+
+
+def _kept(final: Path, existing, incident: Incident) -> None:
+    if existing.manifest.get("detected_at") != incident.detected_at:
+        log.warning("nanscan: %s already holds a bundle (detected %s); kept it. Use a new run_id to keep both.",
+                    final, existing.manifest.get("detected_at"))
+
+
+def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None = None) -> None:
+    """All files of the bundle, the manifest last (its presence marks a complete bundle). core_only: why the
+    optional parts are left out (NOTE: [write faults])."""
+    root = files.root
     nonfinite = [{"name": s.name, "kind": tensor_kind(s.name), "dtype": s.dtype, "nan": s.nan,
                   "posinf": s.posinf, "neginf": s.neginf, "numel": s.numel}
                  for s in inc.report.stats if not s.ok]
     last = step_entry(inc)
+    errors: list[dict] = []
+    part = _Parts(root, errors, core_only)
     manifest: dict[str, Any] = {
         "schema": SCHEMA, "run_id": inc.run_id, "first_invalid_step": inc.step, "category": inc.category,
         "category_tensors": list(inc.tensors), "nonfinite_tensors": nonfinite, "detected_at": inc.detected_at,
         "loss": json_float(last.loss) if last else None, "lr": json_float(last.lr) if last else None,
         "grad_norm": json_float(last.grad_norm) if last else None,
         "reason": inc.reason,
-        "source": _write_source(root, inc.source),
+        "source": _write_source(files, inc.source, part),
         "config": inc.config, "config_sha256": config_sha256(inc.config),
         "environment": inc.environment or {},
     }
-    # User data (batch, state) may hold what safetensors cannot store: such a part is recorded as an error and
-    # the rest of the evidence is still written.
-    manifest["batch"] = _optional_part(root, BATCH, lambda: _write_batch(root, inc), sample_ids=_sample_ids(inc))
-    manifest["rng"] = _optional_part(root, RNG, lambda: _write_rng(root, inc), captured_at=None)
-    manifest["history"] = _write_history(root, inc.history)
-    manifest["state"] = _optional_part(root, STATE, lambda: _write_state(root, inc), structure=None,
-                                       pre_step=False, optimizer=False)
-    manifest["logs"] = _write_logs(root, inc.logs)
+    # User data (batch, state) may hold what safetensors cannot store, and any part may meet a full disk: such a
+    # part is recorded as an error and the rest of the evidence is still written.
+    manifest["batch"] = part("batch", (BATCH,), lambda: _write_batch(files, inc), sample_ids=_sample_ids(inc))
+    manifest["rng"] = part("rng", (RNG,), lambda: _write_rng(files, inc), captured_at=None)
+    manifest["history"] = part("history", (HISTORY, HISTORY_INDEX), lambda: _write_history(files, inc.history),
+                               index=None, entries=0, steps=[])
+    manifest["state"] = part("state", (STATE, STATE_STRUCTURE), lambda: _write_state(files, inc), structure=None,
+                             pre_step=False, optimizer=False)
+    manifest["logs"] = part("logs", (LOGS,), lambda: _write_logs(files, inc.logs), as_list=True)
     manifest["replay_entry"] = inc.replay_entry
     manifest["spikes"] = plain_json(list(inc.spikes), "spikes")
     if inc.distributed is not None:
         manifest["distributed"] = plain_json(inc.distributed, "distributed")
     if inc.mixed_precision is not None:
         manifest["mixed_precision"] = plain_json(inc.mixed_precision, "mixed_precision")
+    if errors:
+        manifest["write_errors"] = errors
     ledger = [spike_finding(inc) if inc.category == SPIKE else detect_finding(inc, nonfinite)]
     if inc.mixed_precision is not None:
         ledger.append(mixed_precision_finding(inc))
-    (root / LEDGER).write_bytes(ledger_bytes(ledger))
+    files.write_bytes(LEDGER, ledger_bytes(ledger))
     manifest["ledger"] = LEDGER
     manifest["incident"] = INCIDENT
-    (root / INCIDENT).write_bytes(render_incident(manifest, ledger).encode("utf-8"))
+    files.write_bytes(INCIDENT, render_incident(manifest, ledger).encode("utf-8"))
     manifest["files"] = _hash_files(root)
-    (root / MANIFEST).write_bytes(json_bytes(manifest))
+    files.write_bytes(MANIFEST, json_bytes(manifest))
 
 
-def _optional_part(root: Path, file: str, write, **if_failed) -> dict:
-    try:
-        return write()
-    except Exception as exc:  # noqa: BLE001 - recorded in the manifest; the other parts are still written
-        for name in (file, file.replace(".safetensors", ".json")):
-            (root / name).unlink(missing_ok=True)
-        return {"file": None, **if_failed, "error": f"{type(exc).__name__}: {exc}"}
+class _Parts:
+    """Writes one optional part, or records why it is missing (NOTE: [write faults])."""
+
+    def __init__(self, root: Path, errors: list[dict], core_only: str | None):
+        self.root, self.errors, self.core_only = root, errors, core_only
+
+    def __call__(self, name: str, paths: Sequence[str], write, *, as_list: bool = False, **if_failed) -> Any:
+        if self.core_only is not None:
+            error = f"not written: the whole bundle failed first ({self.core_only}), so only its core was kept"
+        else:
+            try:
+                return write()
+            except Exception as exc:  # noqa: BLE001 - recorded in the manifest; the other parts are still written
+                error = f"{type(exc).__name__}: {exc}"
+                for path in paths:
+                    target = self.root / path
+                    if target.is_dir():
+                        shutil.rmtree(target, ignore_errors=True)
+                    else:
+                        target.unlink(missing_ok=True)
+        self.errors.append({"part": name, "error": error})
+        return [] if as_list else {"file": None, **if_failed, "error": error}
 
 
-def _write_source(root: Path, source: SourceInfo | None) -> dict:
+def _write_source(files: BundleFiles, source: SourceInfo | None, part: _Parts) -> dict:
     if source is None:
         return {"kind": "unknown"}
     fields = source.to_dict()
     if source.diff is not None:
-        (root / SOURCE_DIFF).write_bytes(source.diff)
-        fields["diff_file"] = SOURCE_DIFF
+        def write() -> dict:
+            files.write_bytes(SOURCE_DIFF, source.diff)
+            return {"diff_file": SOURCE_DIFF}
+
+        written = part("source_diff", (SOURCE_DIFF,), write)
+        if written.get("diff_file"):
+            fields["diff_file"] = SOURCE_DIFF
+        else:
+            fields["diff_error"] = written["error"]
     return fields
 
 
@@ -153,38 +273,38 @@ def _sample_ids(inc: Incident) -> Any:
         return [str(i) for i in inc.sample_ids] if isinstance(inc.sample_ids, (list, tuple)) else str(inc.sample_ids)
 
 
-def _write_batch(root: Path, inc: Incident) -> dict:
+def _write_batch(files: BundleFiles, inc: Incident) -> dict:
     if inc.batch is None:
         return {"file": None, "sample_ids": _sample_ids(inc), "note": "no batch was passed to check()"}
     encoder = TreeEncoder(".")
     structure = encoder.encode(inc.batch)
-    save_tensors(root / BATCH, encoder.tensors)
+    files.write_tensors(BATCH, encoder.tensors)
     return {
-        "file": BATCH, "sha256": sha256_file(root / BATCH),
+        "file": BATCH, "sha256": sha256_file(files.root / BATCH),
         "shapes": {k: list(t.shape) for k, t in encoder.tensors.items()},
         "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in encoder.tensors.items()},
         "sample_ids": _sample_ids(inc), "structure": structure,
     }
 
 
-def _write_rng(root: Path, inc: Incident) -> dict:
+def _write_rng(files: BundleFiles, inc: Incident) -> dict:
     if inc.rng is None:
         return {"file": None, "captured_at": None, "captured_at_by_source": {}}
     tensors, meta = rng_to_tensors(inc.rng)
-    save_tensors(root / RNG, tensors, {RNG_METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    files.write_tensors(RNG, tensors, {RNG_METADATA_KEY: json.dumps(meta, sort_keys=True)})
     # "captured_at" is the torch generators' (they drive dropout and other random ops inside the model).
     return {"file": RNG, "captured_at": inc.rng_captured_at.get("torch"),
             "captured_at_by_source": dict(inc.rng_captured_at)}
 
 
-def _write_history(root: Path, history: Sequence[HistoryEntry]) -> dict:
+def _write_history(files: BundleFiles, history: Sequence[HistoryEntry]) -> dict:
     tensors, index = history_payload(history)
-    save_tensors(root / HISTORY, tensors)
-    (root / HISTORY_INDEX).write_bytes(json_bytes(index))
+    files.write_tensors(HISTORY, tensors)
+    files.write_bytes(HISTORY_INDEX, json_bytes(index))
     return {"file": HISTORY, "index": HISTORY_INDEX, "entries": len(history), "steps": [e.step for e in history]}
 
 
-def _write_state(root: Path, inc: Incident) -> dict:
+def _write_state(files: BundleFiles, inc: Incident) -> dict:
     if inc.model_state is None:
         return {"file": None, "structure": None, "pre_step": False, "optimizer": False,
                 "note": inc.state_note or "no model state was recorded"}
@@ -192,21 +312,21 @@ def _write_state(root: Path, inc: Incident) -> dict:
     structure = {"model": encoder.encode(dict(inc.model_state), ("model",)),
                  "optimizer": (encoder.encode(inc.optimizer_state, ("optimizer",))
                                if inc.optimizer_state is not None else None)}
-    save_tensors(root / STATE, encoder.tensors)
-    (root / STATE_STRUCTURE).write_bytes(json_bytes(structure))
+    files.write_tensors(STATE, encoder.tensors)
+    files.write_bytes(STATE_STRUCTURE, json_bytes(structure))
     return {"file": STATE, "structure": STATE_STRUCTURE, "pre_step": inc.state_pre_step,
             "optimizer": inc.optimizer_state is not None, "note": inc.state_note}
 
 
-def _write_logs(root: Path, logs: Sequence[dict]) -> list[dict]:
+def _write_logs(files: BundleFiles, logs: Sequence[dict]) -> list[dict]:
     out = []
     if logs:
-        (root / LOGS).mkdir()
+        (files.root / LOGS).mkdir()
     for name, entry in zip(_log_names(logs), logs):
         if entry.get("data") is None:
             out.append({"source": entry["source"], "file": None, "error": entry.get("error")})
             continue
-        (root / LOGS / name).write_bytes(entry["data"])
+        files.write_bytes(f"{LOGS}/{name}", entry["data"])
         out.append({"source": entry["source"], "file": f"{LOGS}/{name}", "bytes_total": entry.get("bytes_total")})
     return out
 
