@@ -22,6 +22,7 @@ _HOMES = {
     "ReplaySpec": "nanscan.entry",
     "headroom": "nanscan.headroom",
     "NonFiniteError": "nanscan.incident", "NonFiniteWarning": "nanscan.incident", "SpikeWarning": "nanscan.incident",
+    "SnapshotWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
     "UnsupportedTensorError": "nanscan.inputs",
     "Monitor": "nanscan.monitor", "check": "nanscan.monitor", "first_invalid": "nanscan.monitor",
     "scan": "nanscan.scan",
@@ -33,15 +34,15 @@ __all__ = [
     "BackendUnavailable", "PendingReport", "ScanReport", "TensorStats", "UnsupportedTensorError",
     "backend_info", "check", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
-    "ReplaySpec", "Spike", "SpikeRule", "SpikeWarning",
+    "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
     from nanscan.backends import BackendUnavailable, backend_info
     from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
-    from nanscan.entry import ReplaySpec
+    from nanscan.entry import ReplaySpec, replay_entry
     from nanscan.headroom import headroom
-    from nanscan.incident import NonFiniteError, NonFiniteWarning
+    from nanscan.incident import NonFiniteError, NonFiniteWarning, SnapshotWarning
     from nanscan.inputs import UnsupportedTensorError
     from nanscan.monitor import Monitor, check, first_invalid
     from nanscan.scan import scan

@@ -31,11 +31,54 @@ cast rounds up to that subnormal or to zero (`underflow` is its part that become
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
 from nanscan import _layout as L
 from nanscan.incident import tensor_kind
+
+
+# NOTE: [overflow] A finite value with |x| >= 2**64 is an overflow value: its square is past the float32 maximum
+# (just under 2**128), so a squared error or an L2 norm computed over it in float32 is inf, and so is any such
+# square in bfloat16, which has float32's exponent range; under float16 autocast any |x| above 65504, float16's
+# largest finite value, is already out of range. The scan counts the first kind for free: the finite non-zero values
+# in the exponent histogram's bins for exponents 64 and up. Infinities and NaN are never counted here. `nanscan
+# data` reports such values as `overflow`; the Monitor names an input holding them as the likely cause of a step
+# that then goes non-finite (nanscan.incident.INPUT_OVERFLOW).
+OVERFLOW_EXPONENT = 64
+OVERFLOW_MIN = 2.0 ** OVERFLOW_EXPONENT
+FLOAT16_MAX = 65504.0
+_OVERFLOW_BINS = slice(OVERFLOW_EXPONENT - L.MIN_BIN_EXPONENT, L.HIST_BINS)
+
+
+def overflow_count(stats) -> int:
+    """How many values of a scanned tensor (a nanscan TensorStats) are overflow values (NOTE: [overflow])."""
+    return int(stats.exp_hist[_OVERFLOW_BINS].sum())
+
+
+def overflow_counts(records: np.ndarray) -> np.ndarray:
+    """overflow_count for raw stats records (one row per scanned tensor, laid out as in nanscan._layout)."""
+    return records[:, L.REC_HIST:][:, _OVERFLOW_BINS].sum(axis=1)
+
+
+def out_of_range(stats, compute_dtype: str | None = None) -> bool:
+    """Whether a scanned tensor holds finite values beyond the range a step computing in `compute_dtype` (the
+    autocast dtype; None: float32) can square or hold (NOTE: [overflow])."""
+    absmax = stats.absmax
+    if absmax is None or not np.isfinite(absmax):
+        return overflow_count(stats) > 0
+    return absmax >= OVERFLOW_MIN or (compute_dtype == "float16" and absmax > FLOAT16_MAX)
+
+
+def range_limit_text(compute_dtype: str | None = None) -> str:
+    return "above 65504, float16's largest value" if compute_dtype == "float16" else \
+        "|x| >= 2**64, whose squares overflow float32"
+
+
+def overflowing_inputs(stats: Iterable, compute_dtype: str | None = None) -> list[str]:
+    """The batch tensors (input:) among `stats` (TensorStats) that are out_of_range."""
+    return [s.name for s in stats if tensor_kind(s.name) == "input" and out_of_range(s, compute_dtype)]
 
 
 @dataclass(frozen=True)

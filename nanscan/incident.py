@@ -41,14 +41,24 @@ KINDS = (*CATEGORIES, OTHER)
 # (nanscan.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
 NONFINITE = "nonfinite"
 SKIP_STREAK = "skip_streak"
-REASONS = (NONFINITE, SKIP_STREAK)
+# A batch tensor held finite values beyond the range the step computes in (NOTE: [overflow] in nanscan/headroom.py)
+# and the step then went non-finite in the loss or the gradients: category "input", the tensors those inputs.
+INPUT_OVERFLOW = "input_overflow"
+REASONS = (NONFINITE, SKIP_STREAK, INPUT_OVERFLOW)
 OVERFLOW_SKIP = "overflow_skip"
 REASON_EXPLANATIONS = {
     SKIP_STREAK: "GradScaler skipped every step from this one on: only gradients were non-finite (inputs, weights, "
                  "optimizer state and loss finite), the scaler halved its scale each time and no update was "
                  "applied. A healthy run settles after a few such skips; this streak did not, so the gradients "
                  "are non-finite whatever the scale (a backward-pass bug, not mixed-precision overflow).",
+    INPUT_OVERFLOW: "A tensor of the batch held finite values beyond the range the step computes in (|x| >= 2**64, "
+                    "whose squares overflow float32 and bfloat16; above 65504 under float16 autocast), and the "
+                    "step then went non-finite: the data is the likely cause (3.4e38, float32's largest value, is a "
+                    "common missing-value sentinel). `nanscan data` flags the same values as `overflow`.",
 }
+# How a finding's title names the reason, after the category.
+REASON_TITLES = {SKIP_STREAK: ", the first of a streak of skipped steps",
+                 INPUT_OVERFLOW: ": finite inputs beyond the step's range"}
 
 # NOTE: [tensor names] prefixes, by kind; the loss is one tensor named LOSS.
 PREFIX = {"input": "input:", "parameter": "param:", "optimizer_state": "optim:", "gradient": "grad:"}
@@ -177,6 +187,10 @@ class NonFiniteError(RuntimeError):
 
 class NonFiniteWarning(RuntimeWarning):
     """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
+
+
+class SnapshotWarning(UserWarning):
+    """snapshot="cpu" was asked for, but a check came with no step start before it (nanscan.Monitor.begin_step)."""
 
 
 class SpikeWarning(UserWarning):

@@ -8,7 +8,7 @@ import ctypes
 import dataclasses
 import struct
 import warnings
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -386,3 +386,38 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for f in dataclasses.fields(batch):
             yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples: the leading size most tensors of the batch share (None for a batch of scalars)."""
+    sizes = [t.shape[0] for _, t in iter_batch_tensors(batch) if t.dim() > 0]
+    if not sizes:
+        return None
+    return max(set(sizes), key=sizes.count)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with fn applied to every tensor inside nested dicts, lists and tuples (other leaves kept)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return type(value)({k: map_tensors(v, fn) for k, v in value.items()}) if type(value) is not dict \
+            else {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def take_rows(batch: Any, indices: Sequence[int], size: int | None = None) -> Any:
+    """The batch restricted to sample rows `indices`: every tensor whose leading dimension is the batch size
+    (`size`, else batch_size(batch)) indexed along dimension 0, other tensors and leaves kept whole."""
+    size = batch_size(batch) if size is None else size
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != size:
+            return t
+        return t.index_select(0, torch.tensor(list(indices), dtype=torch.long, device=t.device))
+
+    return map_tensors(batch, pick)

@@ -76,8 +76,10 @@ from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, Streak, autocast_stat
 from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, unsaved_parts, write_bundle
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
+from nanscan.headroom import overflowing_inputs
 from nanscan.history import HistoryRing
-from nanscan.incident import SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, shown_names, warn_user
+from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, REASON_TITLES, SKIP_STREAK, SPIKE, NonFiniteError,
+                              SnapshotWarning, SpikeWarning, categorize, shown_names, warn_user)
 from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
@@ -405,6 +407,7 @@ class Monitor:
         # Step-start captures, made by the forward pre-hook and consumed by the next check().
         self._armed = True
         self._started = False
+        self._start_warned = False
         self._rng: dict | None = None
         self._snapshot = CpuSnapshot() if snapshot == "cpu" else None
         self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
@@ -449,6 +452,11 @@ class Monitor:
         if model is None:
             raise RuntimeError("the Monitor's model has been garbage collected; create a Monitor for the new model")
         return model
+
+    @property
+    def autocast(self) -> dict | None:
+        """The autocast region ({"device_type", "dtype"}) of the last step's forward, None when it ran outside one."""
+        return self._autocast
 
     @property
     def step(self) -> int:
@@ -527,12 +535,31 @@ class Monitor:
         model = self._model_ref()
         if not self._armed or module is not self._hooked_ref() or model is None or not model.training:
             return  # an eval forward, a second forward of the same step, or another module sharing the hook
+        self.begin_step()
+
+    def begin_step(self, *, autocast: Any = "current") -> None:
+        """Mark the start of a training step: the RNG states (and with snapshot="cpu" the pre-step state) are
+        taken now. A hand-written loop need not call it: the model's first forward in train mode after a check
+        does. The trainer adapters (nanscan.integrations) call it from the trainer's own step-start hook, which
+        also sees a step whose training_step calls a submodule (self.net(...)) rather than the model.
+
+        autocast: the autocast region the step's forward runs in, {"device_type", "dtype"} or None, when the
+        trainer decides it (its precision setting: accelerate enters autocast inside forward, where no hook sees
+        it); by default the autocast state at this call. Once the step has started, only an explicit `autocast`
+        is taken (it replaces the one recorded)."""
+        if autocast != "current" and not (autocast is None or isinstance(autocast, dict)):
+            raise TypeError(f"autocast={autocast!r}: give {{'device_type': ..., 'dtype': ...}} or None")
+        if not self._armed:
+            if autocast != "current":
+                self._autocast = autocast
+            return
+        model = self.model
         self._armed = False
         self._started = True
         # torch's generators drive the random ops inside the model (dropout); numpy's and Python's state APIs are
         # slow enough (~0.2 ms) to be taken every step only in exact-snapshot mode, else at the incident.
         self._rng = capture_rng(RNG_SOURCES if self._snapshot is not None else ("torch",))
-        self._autocast = autocast_state("cuda") or autocast_state("cpu")
+        self._autocast = (autocast_state("cuda") or autocast_state("cpu")) if autocast == "current" else autocast
         if self._snapshot is not None:
             self._snapshot.capture(model, self.optimizer)
 
@@ -553,6 +580,13 @@ class Monitor:
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
+        if not started and self._snapshot is not None and not self._start_warned:
+            self._start_warned = True  # at the first such check, while the run can still be fixed
+            warn_user(f"nanscan: snapshot='cpu' but no step start was seen before the check of step {step}: no "
+                      "forward of the model in train mode since the previous check (a training_step calling "
+                      "self.net(...)?), so a bundle would hold the state at the check, not the pre-step state; "
+                      "call monitor.begin_step() at each step's start, or use a trainer adapter "
+                      "(nanscan.integrations)", SnapshotWarning)
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
@@ -675,20 +709,26 @@ class Monitor:
         if self._scaler is not None and self._scaler.is_skip(report):
             return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
         category, tensors = categorize(report)
+        reason = NONFINITE
+        huge = overflowing_inputs(report.stats, (self._autocast or {}).get("dtype")) \
+            if category in ("loss", "gradient") else []
+        if huge:  # the step went bad computing on finite inputs it cannot hold: name them (NOTE: [overflow])
+            category, tensors, reason = "input", huge, INPUT_OVERFLOW
         first = self.first_invalid_step is None
         if first:
             self.first_invalid_step = step
             try:
-                self.bundle_path = write_bundle(self.incident(report, step, category, tensors, batch, sample_ids,
-                                                              started, start=start, read_at=read_at),
-                                                self.bundle_dir)
+                incident = self.incident(report, step, category, tensors, batch, sample_ids, started, start=start,
+                                         read_at=read_at)
+                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason), self.bundle_dir)
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                           type(exc).__name__, exc)
         else:
             self.invalid_steps += 1
-        self._apply_policy(report, step, category, tensors, first, read_at=read_at)
+        self._apply_policy(report, step, category, tensors, first, read_at=read_at,
+                           why=REASON_TITLES.get(reason, "").lstrip(":, ") or None)
         return report
 
     # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
@@ -790,8 +830,9 @@ class Monitor:
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
-                 streak: str | None = None) -> str:
-        text = f"nanscan: non-finite values at step {step} (category {category}: {shown_names(tensors)})"
+                 streak: str | None = None, why: str | None = None) -> str:
+        why = f", {why}" if why else ""
+        text = f"nanscan: non-finite values at step {step} (category {category}{why}: {shown_names(tensors)})"
         if streak:
             text += f"; GradScaler skipped every step since: {streak}"
         if read_at == "next_check":
@@ -809,18 +850,19 @@ class Monitor:
         return text
 
     def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
-                      read_at: str | None = None, streak: str | None = None) -> None:
-        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident)."""
+                      read_at: str | None = None, streak: str | None = None, why: str | None = None) -> None:
+        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
+        why: what the deciding tensors are, when they are not the non-finite ones)."""
         policy = self.on_invalid
         if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors, read_at, streak),
+            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, why),
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
         if policy == "skip":
             self._drop_gradients()
         if policy in ("warn", "skip"):
             if first:
-                warn_user(self._message(step, category, tensors, read_at, streak))
+                warn_user(self._message(step, category, tensors, read_at, streak, why))
             return
         policy(report, self.bundle_path)
 

@@ -68,7 +68,7 @@ def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
     assert finding["record"]["first_bad"] == 1
     result = replay(error.bundle_path, runs=2)
     assert result.reproduced and result.verdict == "persistent" and result.failing_run.category == "input"
-    assert result.bisect.indices == [2]
+    assert result.bisect.indices == [6] and result.bisect.sample_ids == [{"micro_batch": 1, "row": 2}]
 
 
 def test_a_bad_weight_gives_parameter(tmp_path):

@@ -69,8 +69,8 @@ def test_a_clean_run_writes_no_bundle_and_logs_nanscans_numbers(tmp_path, build,
     steps = [log for log in trainer.state.log_history if "loss" in log]
     assert len(steps) == 3
     assert all(log["nanscan/nonfinite_tensors"] == 0 and log["nanscan/nonfinite_steps"] == 0 for log in steps)
-    assert callback.monitor.step == 3  # one check per optimizer step, not per micro-batch
-    assert callback.monitor.history[-1].step == 2
+    assert callback.monitor.step == 4  # one check per optimizer step (numbered 1..3 as the Trainer logs them)
+    assert callback.monitor.history[-1].step == 3 == trainer.state.global_step
 
 
 def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
@@ -79,7 +79,7 @@ def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
     trainer = make_trainer(tmp_path, tiny_vit(), ImageData(), PlantingCollator("nan", at=(5,)), callback=callback,
                            steps=4)
     error = caught(trainer)
-    assert (error.step, error.category) == (2, "input")
+    assert (error.step, error.category) == (3, "input")
     assert error.tensors == ["input:micro_batches.1.pixel_values"]
     bundle = load_bundle(error.bundle_path)
     finding = next(f for f in bundle.findings() if f["key"] == "micro_batches")
@@ -92,7 +92,8 @@ def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
     assert result.reproduced and result.verdict == "persistent" and result.failing_run.category == "input"
     assert result.localization.phase == "input"
     assert result.localization.detail == "non-finite in input:micro_batches.1.pixel_values"
-    assert result.bisect.indices == [1]  # the planted row (of each micro-batch)
+    # the planted row, numbered across the step's micro-batches, and named by micro-batch and row
+    assert result.bisect.indices == [3] and result.bisect.sample_ids == [{"micro_batch": 1, "row": 1}]
 
 
 def test_a_bad_weight_gives_parameter_and_replay_names_its_module(tmp_path):
@@ -101,7 +102,7 @@ def test_a_bad_weight_gives_parameter_and_replay_names_its_module(tmp_path):
     trainer = make_trainer(tmp_path, tiny_gpt2(), TokenData(), PlantingCollator(), callback=callback,
                            extra=[PlantWeight(1, name)])
     error = caught(trainer)
-    assert (error.step, error.category) == (1, "parameter")
+    assert (error.step, error.category) == (2, "parameter")
     assert f"param:{name}" in error.tensors
     result = replay(error.bundle_path, runs=2, bisect=False)
     assert result.reproduced and result.verdict == "persistent" and result.failing_run.category == "parameter"
@@ -114,7 +115,7 @@ def test_a_fully_masked_step_gives_loss_and_the_cli_replays_it_without_an_entry(
     trainer = make_trainer(tmp_path, tiny_gpt2(), TokenData(), PlantingCollator("masked", at=(2, 3)),
                            callback=callback)
     error = caught(trainer)
-    assert (error.step, error.category) == (1, "loss")
+    assert (error.step, error.category) == (2, "loss")
     finding = next(f for f in load_bundle(error.bundle_path).findings() if f["key"] == "micro_batches")
     assert [row["bad"] for row in finding["record"]["rows"]] == [True, True]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
@@ -137,7 +138,7 @@ def test_stop_skips_the_bad_update_and_ends_training_cleanly(tmp_path):
     with pytest.warns(nanscan.NonFiniteWarning):
         trainer.train()
     assert trainer.state.global_step == 2  # step 1 was the bad one: skipped, then training stopped
-    assert callback.monitor.bundle_path is not None and callback.monitor.first_invalid_step == 1
+    assert callback.monitor.bundle_path is not None and callback.monitor.first_invalid_step == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
     last = [log for log in trainer.state.log_history if "nanscan/skipped_steps" in log][-1]
     assert last["nanscan/skipped_steps"] == 1 and last["nanscan/nonfinite_steps"] == 1
@@ -178,7 +179,7 @@ def test_in_async_mode_the_verdict_one_step_later_still_names_the_step_and_its_m
     trainer = make_trainer(tmp_path, tiny_vit(), ImageData(), PlantingCollator("nan", at=(5,)), callback=callback,
                            steps=5)
     error = caught(trainer)
-    assert (error.step, error.category) == (2, "input")
+    assert (error.step, error.category) == (3, "input")
     assert trainer.state.global_step == 3  # raised at the next step's check
     finding = next(f for f in load_bundle(error.bundle_path).findings() if f["key"] == "micro_batches")
     assert finding["record"]["first_bad"] == 1

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.headroom import FORMATS, headroom_by_kind
-from nanscan.incident import CATEGORY_EXPLANATIONS, LOSS, REASON_EXPLANATIONS, SPIKE, explain_category, is_kind
+from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, REASON_TITLES, SPIKE,
+                              explain_category, is_kind)
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
@@ -256,8 +257,14 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     names = [s.name for s in inc.report.stats]
     explanation = REASON_EXPLANATIONS.get(inc.reason) or explain_category(
         inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names))
+    if inc.reason == INPUT_OVERFLOW:
+        largest = {s.name: s.absmax for s in inc.report.stats}
+        shown_inputs = [f"`{n}` (largest |x| {largest.get(n, float('nan')):.4g})" for n in inc.tensors[:10]]
+        deciding_line = f"Inputs with finite values beyond the step's range, deciding the category: {', '.join(shown_inputs)}"
+    else:
+        deciding_line = f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
     body = [explanation, "",
-            f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
+            deciding_line
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")
             + (f"; {others} other tensor(s) were non-finite too." if others else "."), "",
             "| tensor | kind | NaN | +inf | -inf | elements |", "|---|---|---:|---:|---:|---:|"]
@@ -277,9 +284,8 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
                     f"{grad_norm_text(prev.grad_norm, 0)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
               "nonfinite_count": len(nonfinite), "reason": inc.reason}
-    streak = ", the first of a streak of skipped steps" if inc.reason in REASON_EXPLANATIONS else ""
     return {"kind": "finding", "key": DETECT_FINDING,
-            "title": f"First non-finite step: {inc.step} ({inc.category}{streak})",
+            "title": f"First non-finite step: {inc.step} ({inc.category}{REASON_TITLES.get(inc.reason, '')})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
 
 

@@ -187,7 +187,7 @@ class ArrayCheck:
 # NOTE: [locating values] A chunk the scan flags is not searched with elementwise torch ops over its whole length
 # (each allocates and writes a full-size mask). It is cut into pieces of LOCATE_ELEMS that one multi-tensor scan
 # covers; only the pieces whose record shows a non-finite value, an overflow value (NOTE: [overflow] in
-# findings.py), or the largest absolute value, are searched.
+# nanscan/headroom.py), or the largest absolute value, are searched.
 LOCATE_ELEMS = 1 << 14
 
 

@@ -160,7 +160,7 @@ class NumericBatch:
 
     Python floats found while walking records are pooled into one float64 array; arrays and tensors are scanned
     in place. Non-finite values become one `nonfinite` finding per (record, top-level field), overflow values
-    (NOTE: [overflow] in findings.py) one `overflow` finding per (record, top-level field).
+    (NOTE: [overflow] in nanscan/headroom.py) one `overflow` finding per (record, top-level field).
     """
 
     MAX_ITEMS = 4096

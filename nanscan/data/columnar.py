@@ -246,7 +246,7 @@ class TableCheck:
 
     def _scan(self, leaves: list) -> None:
         """One core scan over every floating leaf; rows with a non-finite or an overflow value (NOTE: [overflow] in
-        findings.py) get the full check."""
+        nanscan/headroom.py) get the full check."""
         if not leaves:
             return
         tensors, kept = [], []

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from nanscan import _layout as L
+# NOTE: [overflow] in nanscan/headroom.py: the Monitor's rule too, so data checks and incidents agree.
+from nanscan.headroom import OVERFLOW_EXPONENT, OVERFLOW_MIN, overflow_count, overflow_counts  # noqa: F401
 
 NONFINITE = "nonfinite"
 OVERFLOW = "overflow"
@@ -29,27 +30,6 @@ CATEGORIES = (NONFINITE, OVERFLOW, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, I
 # fail a check.
 DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
 EXIT_CODES = {"clean": 0, "findings": 1, "unreadable": 3}
-
-# NOTE: [overflow] A finite value with |x| >= 2**64 is an `overflow` finding: its square is past the float32
-# maximum (just under 2**128), so a squared error or an L2 norm computed over it in float32 is inf, and so is any
-# such square in bfloat16, which has float32's exponent range (float16 overflows at 65504 already). The scan counts
-# these values for free: they are the finite non-zero values in the exponent histogram's bins for exponents 64 and
-# up, so a tensor without any costs one sum over those bins, and only a tensor with some is searched element by
-# element. Infinities and NaN are never counted here: they are `nonfinite`.
-OVERFLOW_EXPONENT = 64
-OVERFLOW_MIN = 2.0 ** OVERFLOW_EXPONENT
-_OVERFLOW_BINS = slice(OVERFLOW_EXPONENT - L.MIN_BIN_EXPONENT, L.HIST_BINS)
-
-
-def overflow_count(stats) -> int:
-    """How many values of a scanned tensor (a nanscan TensorStats) are overflow values (NOTE: [overflow])."""
-    return int(stats.exp_hist[_OVERFLOW_BINS].sum())
-
-
-def overflow_counts(records: np.ndarray) -> np.ndarray:
-    """overflow_count for raw stats records (one row per scanned tensor, laid out as in nanscan._layout)."""
-    return records[:, L.REC_HIST:][:, _OVERFLOW_BINS].sum(axis=1)
-
 
 def _float32_text(value: float) -> float:
     """How a float32 value reads back from text written by its shortest decimal (e.g. 3.4028235e+38)."""

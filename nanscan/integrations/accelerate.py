@@ -27,7 +27,7 @@ import accelerate
 import torch
 
 from nanscan.integrations.rebuild import RECIPE_KEY, optimizer_recipe, pretrained_model, unavailable
-from nanscan.integrations.session import StepSession, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
 from nanscan.stats import ScanReport
 
 __all__ = ["AcceleratedMonitor", "monitor"]
@@ -74,6 +74,9 @@ class AcceleratedMonitor:
 
     def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._call = None if args else kwargs
+        if module.training and not self.session.inputs:  # the step's first micro-batch
+            # accelerate's autocast is entered inside forward, after every hook: the precision is the accelerator's
+            self.session.begin_step(autocast_region(self.accelerator.mixed_precision, self.accelerator.device.type))
 
     def _on_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._output_loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)

@@ -5,7 +5,8 @@ weights, gradients and optimizer state) before the update, and records what rebu
     trainer = lightning.Trainer(max_epochs=3, callbacks=[NanscanCallback(bundle_dir="bundles")])
     trainer.fit(module, loader)    # a NaN step raises nanscan.NonFiniteError, its evidence bundle written
 
-The batch comes from on_train_batch_start (each micro-batch under accumulate_grad_batches), its loss from
+The step starts at the first micro-batch's on_train_batch_start (RNG states, snapshot="cpu", the precision plugin's
+autocast), the batch comes from on_train_batch_start (each micro-batch under accumulate_grad_batches), its loss from
 on_before_backward (already divided by accumulate_grad_batches, as Lightning backpropagates it), and the check runs
 in on_before_optimizer_step, after Lightning's own unscale under 16-mixed (not unscaled again), with step =
 trainer.global_step. on_invalid="stop" skips the bad update and sets trainer.should_stop. The same class serves
@@ -23,7 +24,7 @@ except ImportError:  # the older package name, the same hooks
     import pytorch_lightning as pl
 
 from nanscan.integrations.rebuild import lightning_model, optimizer_recipe, unavailable
-from nanscan.integrations.session import StepSession, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
 
 __all__ = ["NanscanCallback"]
 
@@ -45,7 +46,8 @@ class NanscanCallback(pl.Callback):
     """A Lightning Callback that runs a nanscan Monitor over the LightningModule and its (first) optimizer.
 
     monitor_options: nanscan.Monitor's keyword arguments (bundle_dir, run_id, config, snapshot, mode, ...);
-    on_invalid is "raise" (default: NonFiniteError leaves trainer.fit()), "warn", "skip", "stop" or a callable.
+    on_invalid is "raise" (default: NonFiniteError leaves trainer.fit()), "warn", "skip", "stop" or a callable;
+    sample_id_field: the key of a (dict) batch that holds each sample's id, recorded for bisection.
     nanscan's numbers (nanscan.integrations.session.LOG_KEYS) are logged with pl_module.log at every step.
     """
 
@@ -68,6 +70,8 @@ class NanscanCallback(pl.Callback):
         self._batch_indices = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self._batch_indices:  # the optimizer step's first micro-batch: its start, whatever training_step calls
+            self.session.begin_step(autocast_region(trainer.precision, trainer.strategy.root_device.type))
         self.session.add_micro_batch(batch)
         self._batch_indices.append(int(batch_idx))
 

@@ -31,10 +31,12 @@ import torch
 
 from nanscan.entry import EntryError, ReplaySpec, UntrustedError, load_bundle_class
 from nanscan.entry import replay_entry as marked_entry
+from nanscan.inputs import batch_size, take_rows
 from nanscan.provenance import ConfigError, normalize_config
 
 __all__ = ["MICRO_BATCHES", "RECIPE_KEY", "REPLAY_ENTRY", "RebuildError", "class_path", "lightning_model",
-           "optimizer_recipe", "pretrained_model", "replay_entry", "step_loss", "unavailable", "with_recipe"]
+           "optimizer_recipe", "pretrained_model", "replay_entry", "select_rows", "step_loss", "unavailable",
+           "with_recipe"]
 
 RECIPE_KEY = "nanscan_rebuild"
 REPLAY_ENTRY = "nanscan.integrations.rebuild:replay_entry"
@@ -250,6 +252,55 @@ def _micro_batches(batch: Any) -> list:
     return batch[MICRO_BATCHES]
 
 
+def _label_count(micro: Sequence[Mapping], shifted: bool) -> int:
+    """The Trainer's num_items_in_batch rule: labels other than -100, without each row's first when shifted."""
+    return int(sum(int((b["labels"][..., 1:] if shifted else b["labels"]).ne(-100).sum()) for b in micro))
+
+
+def _recount(micro: list, kept: list) -> list:
+    """`kept` micro-batches with num_items_in_batch counted again over them, by the rule (labels shifted for a
+    causal LM, or not) that gives the value recorded for the whole step; unchanged when neither does."""
+    recorded = [b.get(NUM_ITEMS) for b in micro if isinstance(b, Mapping) and NUM_ITEMS in b]
+    if not recorded or not all(isinstance(b, Mapping) and "labels" in b for b in micro):
+        return kept
+    value = recorded[0]
+    value = int(value) if not isinstance(value, torch.Tensor) else int(value.reshape(-1)[0])
+    for shifted in (True, False):
+        if _label_count(micro, shifted) == value:
+            count = _label_count(kept, shifted)
+            like = recorded[0]
+            new = torch.tensor(count, dtype=like.dtype, device=like.device) if isinstance(like, torch.Tensor) \
+                else count
+            return [{**b, NUM_ITEMS: new} if NUM_ITEMS in b else b for b in kept]
+    return kept
+
+
+def select_rows(batch: Any, rows: Sequence[int]) -> dict:
+    """ReplaySpec.select_samples of an integration's step: `rows` number the samples across its micro-batches in
+    order (as nanscan.integrations.session records their ids). Each micro-batch keeps its selected rows, one left
+    without any is dropped (with its Lightning batch index), and a recorded num_items_in_batch is counted again
+    over what is kept, as the Trainer would have for those samples."""
+    micro = _micro_batches(batch)
+    wanted, kept, where, offset = sorted(set(int(r) for r in rows)), [], [], 0
+    for index, inputs in enumerate(micro):
+        size = batch_size(inputs)
+        if size is None:
+            raise RebuildError(f"micro-batch {index} has no tensor with a sample dimension, so its samples cannot be "
+                               "selected: pass --entry with a ReplaySpec.select_samples")
+        local = [r - offset for r in wanted if offset <= r < offset + size]
+        offset += size
+        if local:
+            kept.append(take_rows(inputs, local, size))
+            where.append(index)
+    outside = [r for r in wanted if not 0 <= r < offset]
+    if outside:
+        raise RebuildError(f"rows {outside} are outside the step's {offset} samples")
+    out = {**batch, MICRO_BATCHES: _recount(micro, kept)}
+    if isinstance(batch.get("batch_indices"), list):
+        out["batch_indices"] = [batch["batch_indices"][i] for i in where]
+    return out
+
+
 def _model_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
@@ -301,4 +352,4 @@ def replay_entry(config: dict) -> ReplaySpec:
                            + "): pass --entry package.module:function (a function taking the config dict and "
                            "returning a nanscan.entry.ReplaySpec)")
     optimizer = _optimizer_factory(recipe["optimizer"])  # every class checked before any is called
-    return ReplaySpec(_build_model(recipe["model"]), optimizer, _step_fn(recipe["step"]))
+    return ReplaySpec(_build_model(recipe["model"]), optimizer, _step_fn(recipe["step"]), select_samples=select_rows)

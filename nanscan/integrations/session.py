@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from nanscan.bundle import load_bundle
+from nanscan.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import NonFiniteError, tensor_name
-from nanscan.inputs import iter_batch_tensors
+from nanscan.inputs import batch_size, iter_batch_tensors
 from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_loss, with_recipe
 from nanscan.monitor import Monitor
+from nanscan.scan import scan
 from nanscan.stats import ScanReport
 
-__all__ = ["LOG_KEYS", "ON_INVALID", "StepSession", "check_on_invalid", "micro_batch_finding"]
+__all__ = ["LOG_KEYS", "ON_INVALID", "StepSession", "autocast_region", "check_on_invalid", "micro_batch_finding"]
 
 log = logging.getLogger("nanscan")
 
@@ -38,23 +40,39 @@ LOG_KEYS = ("nanscan/nonfinite_tensors", "nanscan/nonfinite_steps", "nanscan/ski
 MICRO_BATCH_FINDING = "micro_batches"
 
 
+def autocast_region(precision: str | None, device_type: str) -> Any:
+    """The autocast region a trainer's mixed-precision setting ("bf16", "fp16"; Lightning's "bf16-mixed",
+    "16-mixed") puts the forward in, as Monitor.begin_step takes it: None for full precision, "current" (read it
+    at the step's start) for a setting this does not know."""
+    dtype = {"bf16": "bfloat16", "bf16-mixed": "bfloat16", "fp16": "float16", "16-mixed": "float16"}.get(
+        str(precision) if precision is not None else "")
+    if dtype is not None:
+        return {"device_type": device_type, "dtype": dtype}
+    full = (None, "no", "32", "32-true", "64", "64-true", "bf16-true", "16-true")
+    return None if precision in full else "current"
+
+
 def check_on_invalid(policy: Any) -> None:
     if not (callable(policy) or policy in ON_INVALID):
         raise ValueError(f"on_invalid={policy!r}: use one of {', '.join(ON_INVALID)} or a callable "
                          "f(report, bundle_path)")
 
 
-def micro_batch_finding(micro_batches: list, losses: list) -> tuple[str, str, dict]:
-    """(title, markdown, record) of the finding that says which micro-batches of the step held a non-finite input
-    or loss (read once, at the incident)."""
+def micro_batch_finding(micro_batches: list, losses: list, compute_dtype: str | None = None) -> tuple[str, str, dict]:
+    """(title, markdown, record) of the finding that says which micro-batches of the step held a non-finite input,
+    a finite input beyond the range the step computes in (`compute_dtype`, the autocast dtype; NOTE: [overflow] in
+    nanscan/headroom.py), or a non-finite loss (read once, at the incident)."""
     rows = []
     for index, (inputs, loss) in enumerate(zip(micro_batches, losses)):
-        bad = [tensor_name("input", f"{MICRO_BATCHES}.{index}.{path}") for path, t in iter_batch_tensors(inputs)
-               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        named = [(tensor_name("input", f"{MICRO_BATCHES}.{index}.{path}"), t) for path, t in iter_batch_tensors(inputs)
+                 if t.is_floating_point()]
+        stats = scan(named).stats if named else []
+        bad = [s.name for s in stats if not s.ok]
+        huge = overflowing_inputs(stats, compute_dtype)
         loss_value = None if loss is None else float(loss.detach().float().reshape(-1)[0])
         loss_bad = loss_value is not None and not math.isfinite(loss_value)
-        rows.append({"index": index, "nonfinite_inputs": bad, "loss": loss_value if not loss_bad else str(loss_value),
-                     "bad": bool(bad) or loss_bad})
+        rows.append({"index": index, "nonfinite_inputs": bad, "out_of_range_inputs": huge,
+                     "loss": loss_value if not loss_bad else str(loss_value), "bad": bool(bad or huge) or loss_bad})
     first = next((row["index"] for row in rows if row["bad"]), None)
     total = len(rows)
     if first is None:
@@ -62,10 +80,12 @@ def micro_batch_finding(micro_batches: list, losses: list) -> tuple[str, str, di
                  "(the fault is in the state or the backward pass)")
     else:
         bad = [row["index"] for row in rows if row["bad"]]
-        title = f"Micro-batches: micro-batch {first} of {total} went bad first (bad: {bad})"
-    lines = ["| micro-batch | loss | non-finite inputs |", "| --- | --- | --- |"]
-    lines += [f"| {row['index']} | {row['loss']} | {', '.join(f'`{n}`' for n in row['nonfinite_inputs']) or '-'} |"
-              for row in rows]
+        what = (f"held finite inputs beyond the step's range ({range_limit_text(compute_dtype)})"
+                if rows[first]["out_of_range_inputs"] and not rows[first]["nonfinite_inputs"] else "went bad")
+        title = f"Micro-batches: micro-batch {first} of {total} {what} first (bad: {bad})"
+    lines = ["| micro-batch | loss | non-finite inputs | inputs beyond the step's range |", "| --- | --- | --- | --- |"]
+    lines += [f"| {row['index']} | {row['loss']} | {', '.join(f'`{n}`' for n in row['nonfinite_inputs']) or '-'} | "
+              f"{', '.join(f'`{n}`' for n in row['out_of_range_inputs']) or '-'} |" for row in rows]
     lines += ["", f"The bundle's batch is {{'{MICRO_BATCHES}': [...]}}: the step's micro-batches in the order they "
                   "were run; `input:micro_batches.<i>.<key>` names micro-batch i's tensors."]
     return title, "\n".join(lines), {"micro_batches": total, "first_bad": first, "rows": rows}
@@ -75,14 +95,20 @@ class StepSession:
     """A Monitor over one trainer's model and optimizer, fed a whole optimizer step at a time.
 
     options: the Monitor's keyword arguments, with on_invalid also "stop" (skip the update, then `stop_requested`
-    is True and the adapter stops the trainer). replay_entry defaults to the integrations' own (zero-config
+    is True and the adapter stops the trainer), and sample_id_field: the key of a micro-batch (a dict) that holds
+    its samples' ids (a dataset index, a record id). replay_entry defaults to the integrations' own (zero-config
     replay from `recipe`, nanscan.integrations.rebuild); config, when given, is kept with the recipe added.
     scaler: the framework's GradScaler, passed to the Monitor only when there is one.
+
+    Every checked step's sample ids are one per row of its micro-batches, in order: {"micro_batch": i, "row": r},
+    with "id" the sample's id when sample_id_field finds one, so a replay's bisection names the micro-batch, the
+    row and the sample.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, recipe: dict,
                  scaler: Any = None, options: dict):
         options = dict(options)
+        self.sample_id_field = options.pop("sample_id_field", None)
         policy = options.pop("on_invalid", "raise")
         check_on_invalid(policy)
         options["config"] = with_recipe(options.get("config"), recipe)
@@ -95,14 +121,38 @@ class StepSession:
         self.skipped_steps = 0
         self.nonfinite_tensors = 0  # in the last step checked (0 when it was finite)
         self._inputs: list = []
+        self._ids: list = []  # per micro-batch: its samples' ids (a list, a tensor) or None
         self._losses: list = []
         self._kept: dict[int, tuple[list, list]] = {}  # checked steps whose verdict may still come (mode="async")
         self._skipped_now = False
 
     # -- one step ---------------------------------------------------------------------------------------------
-    def add_micro_batch(self, inputs: Any) -> None:
+    def begin_step(self, autocast: Any = "current") -> None:
+        """The trainer's own step-start hook fired (before the step's first micro-batch): Monitor.begin_step, with
+        the autocast region the trainer's precision setting decides (autocast_region)."""
+        self.monitor.begin_step(autocast=autocast)
+
+    def add_micro_batch(self, inputs: Any, ids: Any = None) -> None:
+        """One micro-batch as the model receives it; `ids`: its samples' ids when the adapter took them out of it
+        (else they are read from inputs[sample_id_field])."""
+        if ids is None and self.sample_id_field is not None and isinstance(inputs, Mapping):
+            ids = inputs.get(self.sample_id_field)
         self._inputs.append(inputs)
+        self._ids.append(ids)
         self._losses.append(None)
+
+    def _sample_ids(self, micro: list, ids: list) -> list | None:
+        """The step's sample ids (see the class docstring); None when a micro-batch has no sample dimension."""
+        out = []
+        for index, (inputs, given) in enumerate(zip(micro, ids)):
+            rows = batch_size(inputs)
+            if rows is None:
+                return None
+            values = given.tolist() if isinstance(given, torch.Tensor) else given
+            known = isinstance(values, (list, tuple)) and len(values) == rows
+            out += [{"micro_batch": index, "row": row, **({"id": values[row]} if known else {})}
+                    for row in range(rows)]
+        return out
 
     def set_loss(self, loss: Any) -> None:
         """The latest micro-batch's loss (a tensor; anything else is ignored)."""
@@ -117,8 +167,8 @@ class StepSession:
     def check(self, *, step: int | None = None, divide_by: int = 1, extra: dict | None = None) -> ScanReport:
         """Check the step: its micro-batches as the batch {"micro_batches": [...], **extra}, the sum of their losses
         over `divide_by` as the loss (the trainer's normalisation)."""
-        micro, losses = self._inputs, self._losses
-        self._inputs, self._losses = [], []
+        micro, losses, ids = self._inputs, self._losses, self._ids
+        self._inputs, self._losses, self._ids = [], [], []
         self._skipped_now = False
         present = [loss for loss in losses if loss is not None]
         loss = step_loss(present, divide_by=divide_by) if present else None
@@ -128,7 +178,8 @@ class StepSession:
         self._kept[step] = (micro, losses)
         first_before = self.monitor.first_invalid_step
         try:
-            report = self.monitor.check(batch={MICRO_BATCHES: micro, **(extra or {})}, loss=loss, step=step)
+            report = self.monitor.check(batch={MICRO_BATCHES: micro, **(extra or {})}, loss=loss, step=step,
+                                        sample_ids=self._sample_ids(micro, ids))
         except NonFiniteError as exc:
             self.nonfinite_tensors = len(exc.tensors)
             self._record_micro_batches(first_before)
@@ -167,7 +218,8 @@ class StepSession:
         if first_before is not None or step is None or monitor.bundle_path is None or step not in self._kept:
             return
         try:
-            load_bundle(monitor.bundle_path).add_finding(MICRO_BATCH_FINDING, *micro_batch_finding(*self._kept[step]))
+            finding = micro_batch_finding(*self._kept[step], (monitor.autocast or {}).get("dtype"))
+            load_bundle(monitor.bundle_path).add_finding(MICRO_BATCH_FINDING, *finding)
         except Exception as exc:  # noqa: BLE001 - the bundle is written; a failed note must not hide the NaN
             log.error("nanscan: could not record the micro-batches in %s: %s: %s", monitor.bundle_path,
                       type(exc).__name__, exc)

@@ -8,7 +8,8 @@ losses, the weights, gradients and optimizer state) before the update, and recor
 The Trainer's hooks do not carry the batch or the loss, so the callback watches the model itself: a forward
 pre-hook keeps each micro-batch as the model receives it (model(**inputs), num_items_in_batch included) and a
 forward hook its `loss`. The check runs in on_pre_optimizer_step, after the Trainer's clipping (which, under
-fp16, unscaled the gradients: they are not unscaled again), with step = state.global_step at the step's start.
+fp16, unscaled the gradients: they are not unscaled again), with step = state.global_step + 1: the number the
+Trainer gives this update in its own logs (and checkpoint-N) once it is done.
 on_invalid="stop" skips the bad update and sets control.should_training_stop. nanscan's numbers are added to the
 Trainer's logs (nanscan.integrations.session.LOG_KEYS), where logging_nan_inf_filter cannot smooth them away.
 """
@@ -23,7 +24,7 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from nanscan.integrations.rebuild import optimizer_recipe, pretrained_model, trainer_divisor, unavailable
-from nanscan.integrations.session import StepSession, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
 
 __all__ = ["NanscanCallback"]
 
@@ -73,7 +74,9 @@ class NanscanCallback(TrainerCallback):
     """A TrainerCallback that runs a nanscan Monitor over the Trainer's model and optimizer.
 
     monitor_options: nanscan.Monitor's keyword arguments (bundle_dir, run_id, config, snapshot, mode, ...);
-    on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop" or a callable.
+    on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop" or a callable;
+    sample_id_field: a column of the batch that holds each sample's id (a dataset index, a record id), recorded
+    for bisection and taken out of the model's inputs (TrainingArguments(remove_unused_columns=False) keeps it).
     `monitor` and `session` are the current train() call's, from on_train_begin on.
     """
 
@@ -112,10 +115,22 @@ class NanscanCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._collecting = True
+        # accelerate enters autocast inside the model's forward, where no hook sees it: the precision is args'
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        self.session.begin_step(autocast_region(precision, args.device.type))
 
-    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._collecting and module.training:
+            field = self.session.sample_id_field
+            if field is not None and field in kwargs:
+                # taken out before the model sees it (its forward has no such argument); the Trainer keeps the
+                # column only with remove_unused_columns=False
+                kwargs = dict(kwargs)
+                ids = kwargs.pop(field)
+                self.session.add_micro_batch({**dict(zip(self._forward_params, args)), **kwargs}, ids=ids)
+                return args, kwargs
             self.session.add_micro_batch({**dict(zip(self._forward_params, args)), **kwargs})
+        return None
 
     def _on_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._collecting and module.training:
@@ -125,7 +140,7 @@ class NanscanCallback(TrainerCallback):
         self._collecting = False
         session = self.session
         try:
-            session.check(step=state.global_step, divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
+            session.check(step=state.global_step + 1, divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
         except BaseException as exc:
             self._remove_hooks()  # train() ends here: leave the model as it was given
             session.abandon(exc)

@@ -85,7 +85,9 @@ class Replayer:
             "no RNG state" if self.rng is None else "",
             "RNG states not from the start of the step" if self.rng is not None and rng_at != "step_start" else "",
         ) if text]
-        self.sample_count = batch_size(self.batch)
+        ids = self.bundle.sample_ids
+        # Recorded ids are one per sample, where a batch's leading sizes may not be (an integration's micro-batches)
+        self.sample_count = len(ids) if isinstance(ids, list) and ids else batch_size(self.batch)
         self._rng_warned = False
 
     @property

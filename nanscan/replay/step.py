@@ -20,8 +20,9 @@ import torch
 from nanscan import _layout as L
 from nanscan.bundle import json_float
 from nanscan.entry import ReplaySpec
+from nanscan.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import is_kind, owner_module, tensor_name
-from nanscan.inputs import iter_batch_tensors
+from nanscan.inputs import batch_size, iter_batch_tensors, map_tensors, take_rows
 from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
 from nanscan.replay.options import PRECISION_NAMES, StepOptions
 from nanscan.scan import model_inputs, scan, scan_inputs
@@ -167,7 +168,9 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         stack.enter_context(warnings.catch_warnings())
         # a module whose inputs need no gradient (the first layer) fires its full backward hook early: expected
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        stack.callback(model.register_forward_pre_hook(record_autocast).remove)
+        # On every module: a step_fn may call a submodule only (LightningModule.training_step -> self.net(...))
+        for module in model.modules():
+            stack.callback(module.register_forward_pre_hook(record_autocast).remove)
         if localizer is not None:
             stack.enter_context(localizer)
 
@@ -233,29 +236,15 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     localization = None
     if localizer is not None and category is not None:
         localization = first_bad(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
+    compute_dtype = seen_autocast[0] if seen_autocast else None
+    huge = overflowing_inputs(batch_report.stats, compute_dtype) if category in ("loss", "gradient") else []
+    if huge:  # as the Monitor decides (NOTE: [overflow] in nanscan/headroom.py); the localization says where
+        largest = max(s.absmax for s in batch_report.stats if s.name in huge)
+        notes.append(f"likely cause: the batch's {', '.join(huge[:3])} held finite values beyond the step's range "
+                     f"({range_limit_text(compute_dtype)}; largest |x| {largest:.4g}), which the model turned "
+                     f"non-finite ({category}); `nanscan data` flags them as overflow")
+        category = "input"
     return outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`value` with fn applied to every tensor inside nested dicts, lists and tuples (other leaves kept)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return type(value)({k: map_tensors(v, fn) for k, v in value.items()}) if type(value) is not dict \
-            else {k: map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
-
-
-def batch_size(batch: Any) -> int | None:
-    """The number of samples: the leading size most tensors of the batch share (None for a batch of scalars)."""
-    sizes = [t.shape[0] for _, t in iter_batch_tensors(batch) if t.dim() > 0]
-    if not sizes:
-        return None
-    return max(set(sizes), key=sizes.count)
 
 
 def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None = None) -> Any:
@@ -269,17 +258,10 @@ def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None =
             shown = f"{indices[:8]}{' ...' if len(indices) > 8 else ''}"
             raise ReplayError(f"ReplaySpec.select_samples raised {type(exc).__name__}: {exc} (selecting rows "
                               f"{shown}); fix it in the replay entry") from exc
-    size = batch_size(batch)
-    if size is None:
+    if batch_size(batch) is None:
         raise ReplayError("the batch has no tensor with a sample dimension, so samples cannot be selected; give "
                           "the replay entry a ReplaySpec.select_samples")
-
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] != size:
-            return t
-        return t.index_select(0, torch.tensor(indices, dtype=torch.long, device=t.device))
-
-    return map_tensors(batch, pick)
+    return take_rows(batch, indices)
 
 
 def prepare_batch(batch: Any, device: torch.device, options: StepOptions) -> Any:
