@@ -129,3 +129,17 @@ def regression_rows(count: int = 32, *, nan_rows: tuple[int, ...] = (), masked_r
     for row in masked_rows:
         mask[row] = 0.0
     return torch.utils.data.TensorDataset(x, y, mask)
+
+
+def regression_dicts(count: int = 32, *, nan_rows: tuple[int, ...] = ()) -> list[dict]:
+    """regression_rows as dict items with each row's dataset index under "id" (DictRegressor's batches)."""
+    rows = regression_rows(count, nan_rows=nan_rows)
+    return [{"x": x, "y": y, "mask": mask, "id": torch.tensor(i)} for i, (x, y, mask) in enumerate(rows)]
+
+
+if pl is not None:
+    class DictRegressor(TinyRegressor):
+        """TinyRegressor over dict batches (x, y, mask and the rows' ids), calling self.net as TinyRegressor does."""
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step((batch["x"], batch["y"], batch["mask"]), batch_idx)

@@ -168,6 +168,8 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         stack.enter_context(warnings.catch_warnings())
         # a module whose inputs need no gradient (the first layer) fires its full backward hook early: expected
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        # a module returning a ModelOutput (transformers) gets no backward hook: its submodules still localize
+        warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be")
         # On every module: a step_fn may call a submodule only (LightningModule.training_step -> self.net(...))
         for module in model.modules():
             stack.callback(module.register_forward_pre_hook(record_autocast).remove)
