@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q $(TORCH_PIN) "pybind11>=2.12" "numpy>=1.24"
 	$(PY) -m pip install -q "numba>=0.59" "matplotlib>=3.7" "Pillow>=10" "pyarrow>=14" "tokenizers>=0.15" \
-		"safetensors>=0.4" "rich>=13" "click>=8.1" "tensorboard>=2.14" "google-crc32c>=1.5" "pytest>=8" "pytest-timeout>=2" \
+		"safetensors>=0.4" "rich>=13" "markdown-it-py>=2.2" "click>=8.1" "tensorboard>=2.14" "google-crc32c>=1.5" "pytest>=8" "pytest-timeout>=2" \
 		"hypothesis>=6"
 	# The frameworks of nanscan/integrations/, so their tests run (after torch: they must not replace the pin).
 	$(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)

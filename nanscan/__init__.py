@@ -22,7 +22,7 @@ _HOMES = {
     "ReplaySpec": "nanscan.entry",
     "headroom": "nanscan.headroom",
     "NonFiniteError": "nanscan.incident", "NonFiniteWarning": "nanscan.incident", "SpikeWarning": "nanscan.incident",
-    "SnapshotWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
+    "SnapshotWarning": "nanscan.incident", "GradientWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
     "UnsupportedTensorError": "nanscan.inputs",
     "Monitor": "nanscan.monitor", "check": "nanscan.monitor", "first_invalid": "nanscan.monitor",
     "scan": "nanscan.scan",
@@ -34,7 +34,7 @@ __all__ = [
     "BackendUnavailable", "PendingReport", "ScanReport", "TensorStats", "UnsupportedTensorError",
     "backend_info", "check", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
-    "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
+    "GradientWarning", "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
     from nanscan.entry import ReplaySpec, replay_entry
     from nanscan.headroom import headroom
-    from nanscan.incident import NonFiniteError, NonFiniteWarning, SnapshotWarning
+    from nanscan.incident import GradientWarning, NonFiniteError, NonFiniteWarning, SnapshotWarning
     from nanscan.inputs import UnsupportedTensorError
     from nanscan.monitor import Monitor, check, first_invalid
     from nanscan.scan import scan

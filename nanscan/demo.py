@@ -4,8 +4,10 @@ non-finite when that record arrives, and nanscan catches the step, keeps the evi
 The fault is a data problem that travels the real path. Every record carries token ids and a per-token loss
 weight. One record's weights were exported as 3.4028235e+38, the float32 maximum that many tools write for a
 missing value. Each weight is finite, so the batch passes an input check, but weight x token loss overflows float32
-in the loss: the loss is inf and every gradient jumps to ~1e35. The Monitor sees finite inputs and weights with a
-non-finite loss and files the incident as `loss`; the bundle keeps the batch and its record ids.
+in the loss: the loss is inf and every gradient jumps to ~1e35. The Monitor sees a non-finite loss computed from
+finite values, one input of which, `input:weights`, lies beyond float32's safe range (NOTE: [overflow] in
+nanscan/headroom.py), and files the incident as `input` (reason input_overflow) naming it; the bundle keeps the
+batch and its record ids.
 
 The workflow runs as ordered stages (STAGES); later stages (replay, ablation, data checks) append to that list.
 

@@ -189,6 +189,10 @@ class NonFiniteWarning(RuntimeWarning):
     """Issued once, at the first non-finite step, by Monitor.check with on_invalid="warn" or "skip"."""
 
 
+class GradientWarning(UserWarning):
+    """A check saw no gradient where the model has parameters that train: it runs at the wrong moment."""
+
+
 class SnapshotWarning(UserWarning):
     """snapshot="cpu" was asked for, but a check came with no step start before it (nanscan.Monitor.begin_step)."""
 

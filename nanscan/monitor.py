@@ -78,8 +78,8 @@ from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
 from nanscan.headroom import overflowing_inputs
 from nanscan.history import HistoryRing
-from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, REASON_TITLES, SKIP_STREAK, SPIKE, NonFiniteError,
-                              SnapshotWarning, SpikeWarning, categorize, shown_names, warn_user)
+from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, REASON_TITLES, SKIP_STREAK, SPIKE, GradientWarning,
+                              NonFiniteError, SnapshotWarning, SpikeWarning, categorize, shown_names, warn_user)
 from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
@@ -127,13 +127,13 @@ def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
         elif isinstance(model, torch.nn.DataParallel):
-            hooked = hooked or model
+            hooked = model if hooked is None else hooked  # never bool(module): its __len__
             model = model.module
         elif compiled is not None and isinstance(model, compiled):
-            hooked = hooked or model
+            hooked = model if hooked is None else hooked  # never bool(module): its __len__
             model = model._orig_mod
         else:
-            return hooked or model, model
+            return (model if hooked is None else hooked), model
 
 
 def _distributed_ready() -> bool:
@@ -243,6 +243,10 @@ class _StepStartHook:
         self._monitor: weakref.ref | None = weakref.ref(monitor)
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # inside a compiled region (model.compile()): nothing to trace, so no graph break and fullgraph=True
+            # works; such a step's start is seen through Monitor.begin_step (the SnapshotWarning says so)
+            return
         monitor = self._monitor() if self._monitor is not None else None
         if monitor is not None:
             monitor._on_step_start(module)
@@ -408,6 +412,7 @@ class Monitor:
         self._armed = True
         self._started = False
         self._start_warned = False
+        self._grad_warned = False
         self._rng: dict | None = None
         self._snapshot = CpuSnapshot() if snapshot == "cpu" else None
         self._spare_snapshot = None  # mode="async": the other buffer, while the pending step's holds its state
@@ -603,6 +608,12 @@ class Monitor:
                 inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
                 scan = launch(inputs, backend=self._backend_for(inputs.devices))
         self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
+        if self._plan.no_gradients and not self._grad_warned:
+            self._grad_warned = True
+            warn_user(f"nanscan: the check of step {step} saw no gradient although the model has parameters that "
+                      "train: check() must come after loss.backward() and before optimizer.zero_grad() (with "
+                      "set_to_none=True the gradients are gone); under gradient accumulation, check once per "
+                      "optimizer step, after the last micro-batch's backward", GradientWarning)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         if self.mode == "async":

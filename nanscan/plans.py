@@ -211,6 +211,7 @@ class ModelScanPlan:
         self._raw_params: list = []  # every value of every module's parameter dict, duplicates and None included
         self._params: list[torch.Tensor] = []  # as named_parameters() gives them
         self._grad_absent: list[bool] = []
+        self.no_gradients = False  # parameters that train, none with a gradient (a check in the wrong place)
         self._grad_contiguous: list[bool] = []  # per gradient with an input: whether it was contiguous
         self._permuted_grads: list[int] = []  # the others (dense in another dimension order, e.g. channels_last)
         self._state_values: list[Any] = []  # every value of every parameter's state, in optimizer.state's order
@@ -399,6 +400,8 @@ class ModelScanPlan:
             self._raw_params = [p for d in self._param_dicts for p in d.values()]
             self._params = params
             self._grad_absent = [g is None for g in grads]
+            # a change of which parameters have gradients rebuilds the plan, so this holds for every later step
+            self.no_gradients = any(p.requires_grad for p in params) and all(self._grad_absent)
             present = [g for g in grads if g is not None]
             grad_items = items[len(params) : len(params) + len(present)]
             self._grad_contiguous = [item.layout == CONTIGUOUS for item in grad_items]

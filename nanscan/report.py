@@ -14,6 +14,7 @@ import html
 import io
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ import numpy as np
 
 from nanscan import _layout as L
 from nanscan.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import KINDS, LOSS, PREFIX, SPIKE, explain_category, module_layer, tensor_kind
+from nanscan.incident import (KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
+                              module_layer, tensor_kind)
 
 SUMMARY_SCHEMA = "nanscan.report/1"
 
@@ -117,9 +119,9 @@ def summarize(bundle, history: list | None = None) -> dict:
         "run_id": manifest.get("run_id"),
         "first_invalid_step": step,
         "category": category,
-        "category_meaning": explain_category(category, loss_checked=checked is None or LOSS in checked,
-                                             inputs_checked=checked is None
-                                             or any(tensor_kind(n) == "input" for n in checked)),
+        "category_meaning": REASON_EXPLANATIONS.get(manifest.get("reason")) or explain_category(
+            category, loss_checked=checked is None or LOSS in checked,
+            inputs_checked=checked is None or any(tensor_kind(n) == "input" for n in checked)),
         "nonfinite_tensors": [{k: t[k] for k in ("name", "kind", "module", "layer", "nan", "posinf", "neginf",
                                                    "numel")} for t in offenders],
         "groups": groups,
@@ -137,7 +139,7 @@ def summarize(bundle, history: list | None = None) -> dict:
         "files": sorted(manifest.get("files", {})),
         # a distributed incident's ranks (nanscan.bundle.BundleSet); None for a single process
         "distributed": bundle.set_summary() if hasattr(bundle, "set_summary") else None,
-        "reason": manifest.get("reason", "nonfinite"),
+        "reason": manifest.get("reason", NONFINITE),
         "mixed_precision": _mixed_precision(manifest.get("mixed_precision"), history, failing),
         # what replay, ablate and reviewers added to the ledger so far
         "findings": recorded_findings(bundle),
@@ -655,7 +657,22 @@ th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 .bad { color: #b00; font-weight: bold; } .muted { color: #666; } img { max-width: 100%; }
 code { background: #f4f4f4; padding: 1px 4px; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+.note { border-left: 3px solid #ddd; padding-left: 1em; } .note table td { text-align: left; }
+.note h1 { font-size: 1.2em; } .note h2 { font-size: 1.1em; } .note h3 { font-size: 1em; }
 """
+
+# nanscan's own markers in INCIDENT.md (<!-- nanscan:finding ... -->, <!-- nanscan:note ... -->): for the note's
+# updates, not for a reader.
+_MARKER = re.compile(r"^[ \t]*<!-- nanscan:[^\n]*-->[ \t]*\n?", re.MULTILINE)
+
+
+def markdown_html(text: str) -> str:
+    """Markdown (INCIDENT.md, a finding) as HTML, with markdown-it-py: tables, headings and lists rendered, nanscan's
+    markers dropped, and any raw HTML in the text shown as text, never as markup (a bundle's text is data)."""
+    from markdown_it import MarkdownIt  # noqa: PLC0415 - with the HTML report only
+
+    return MarkdownIt("commonmark", {"html": False}).enable("table").render(_MARKER.sub("", text))
 
 
 def _table(headers: list[str], rows: list[list[Any]], left: int = 1) -> str:
@@ -746,7 +763,7 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
     provenance = {"source": summary["source"], "replay_entry": summary["replay_entry"]}
     parts.append(f"<h2>Provenance</h2><pre>{esc(json.dumps(provenance, indent=2, default=str))}</pre>")
     incident = bundle.incident_text() if incident is None else incident
-    parts.append(f"<h2>Incident note</h2><pre>{esc(incident)}</pre>")
+    parts.append(f"<h2>Incident note</h2><div class='note'>{markdown_html(incident)}</div>")
     parts.append("</body></html>\n")
     return atomic_write_text(path, "".join(parts))
 

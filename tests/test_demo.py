@@ -1,4 +1,5 @@
-"""`nanscan demo` end to end: the planted corrupted record is caught at its step as a `loss` incident, the bundle
+"""`nanscan demo` end to end: the planted corrupted record is caught at its step as an `input` incident (its
+weights hold 3.4e38: finite, beyond float32's safe range, so the loss goes inf; reason input_overflow), the bundle
 holds the evidence a replay needs, and a rerun into the same directory changes no byte."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_demo_exits_zero_and_prints_step_category_and_bundle(demo_run):
     out, proc = demo_run
     assert proc.returncode == 0, proc.stderr
     bundle = out / "bundles" / D.RUN_ID / f"step-{D.FAULT_STEP}"
-    assert f"first invalid step {D.FAULT_STEP}, category loss" in proc.stdout
+    assert f"first invalid step {D.FAULT_STEP}, category input" in proc.stdout
     assert f"bundle: {bundle}" in proc.stdout
     assert "input:weights" in proc.stdout  # the batch table shows the suspect tensor
     assert bundle.is_dir()
@@ -55,7 +56,7 @@ def test_bundle_holds_the_corrupted_batch_and_its_ids(demo_run):
     out, _ = demo_run
     bundle = load_bundle(out / "bundles" / D.RUN_ID / f"step-{D.FAULT_STEP}")
     m = bundle.manifest
-    assert (m["first_invalid_step"], m["category"]) == (D.FAULT_STEP, "loss")
+    assert (m["first_invalid_step"], m["category"]) == (D.FAULT_STEP, "input")
     assert [t["name"] for t in m["nonfinite_tensors"]] == ["loss"]
     assert m["replay_entry"] == D.REPLAY_ENTRY
     assert m["state"]["pre_step"] is True
@@ -101,7 +102,7 @@ def test_rerun_is_idempotent_and_json(demo_run):
     assert tree_digest(out) == before
     data = json.loads(result.stdout)
     assert data["caught"] is True and data["ok"] is True
-    assert (data["first_invalid_step"], data["category"]) == (D.FAULT_STEP, "loss")
+    assert (data["first_invalid_step"], data["category"]) == (D.FAULT_STEP, "input")
     assert [s["name"] for s in data["stages"]] == [name for name, _ in D.STAGES]
     assert all(s["ok"] for s in data["stages"])
     assert data["summary"]["inputs_at_failure"][0]["name"] == "input:weights"

@@ -86,7 +86,8 @@ def test_report_json_fields(demo_bundle):
     result = CliRunner().invoke(main, ["report", str(demo_bundle.path), "--json"])
     assert result.exit_code == 0, result.output
     s = strict_json(result.stdout)
-    assert (s["first_invalid_step"], s["category"], s["run_id"]) == (D.FAULT_STEP, "loss", D.RUN_ID)
+    assert (s["first_invalid_step"], s["category"], s["run_id"]) == (D.FAULT_STEP, "input", D.RUN_ID)
+    assert s["reason"] == "input_overflow" and "beyond the range" in s["category_meaning"]
     assert [t["name"] for t in s["nonfinite_tensors"]] == ["loss"]
     assert s["groups"] == [{"module": "loss", "layer": "loss", "kinds": {"loss": 1}, "tensors": ["loss"],
                             "nan": 0, "posinf": 1, "neginf": 0, "numel": 1}]
@@ -110,7 +111,7 @@ def test_report_terminal(demo_bundle):
     result = CliRunner().invoke(main, ["report", str(demo_bundle.path)], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert f"first invalid step {D.FAULT_STEP}, category loss" in out
+    assert f"first invalid step {D.FAULT_STEP}, category input" in out
     for text in ("last finite", "input:weights", "3.403e+38", "if stored in another dtype", "jumps at step",
                  "grad norm", "replay: "):
         assert text in out
@@ -293,3 +294,42 @@ def test_terminal_shows_names_and_ids_with_brackets_literally(tmp_path):
     result = CliRunner().invoke(main, ["report", str(bundle.path)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output  # "[/b]" as markup closes no tag: rich raised MarkupError
     assert "input:tokens[bos]" in result.stdout and "2 samples: [/b], [red]c" in result.stdout
+
+
+def test_the_html_reports_incident_note_is_rendered_markdown(demo_bundle, tmp_path):
+    """INCIDENT.md's findings (the replay's and the ablation's included) as HTML: headings, tables, no nanscan
+    markers and no Markdown left raw; a note typed with HTML in it stays text."""
+    from html.parser import HTMLParser  # noqa: PLC0415
+
+    class Tags(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.headings, self.tables, self.pre_text, self.scripts = [], [], 0, [], 0
+
+        def handle_starttag(self, tag, attrs):
+            self.stack.append(tag)
+            self.tables += tag == "table"
+            self.scripts += tag == "script"
+
+        def handle_endtag(self, tag):
+            while self.stack and self.stack.pop() != tag:
+                pass
+
+        def handle_data(self, data):
+            if self.stack and self.stack[-1] == "h3":
+                self.headings.append(data)
+            if "pre" in self.stack:
+                self.pre_text.append(data)
+
+    incident = demo_bundle.incident_text() + "\n<script>alert(1)</script> and **bold** text\n"
+    page = render_html(demo_bundle, tmp_path / "r.html", incident=incident).read_text()
+    tags = Tags()
+    tags.feed(page)
+    titles = [f["title"] for f in demo_bundle.findings()]
+    assert any(t.startswith("Replay") for t in titles) and any(t.startswith("Ablation") for t in titles)
+    assert all(any(title in h for h in tags.headings) for title in titles), (titles, tags.headings)
+    assert tags.tables >= 4 and tags.scripts == 0
+    assert "nanscan:finding" not in page and "&lt;!-- nanscan" not in page
+    assert "### " not in page and "|---" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<strong>bold</strong>" in page
+    assert not any("Automatic findings" in t for t in tags.pre_text)

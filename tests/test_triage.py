@@ -39,12 +39,12 @@ def test_triage_groups_by_category_then_module(tmp_path):
 
     result = triage(tmp_path)
     groups = result.groups()
-    assert list(groups) == ["loss", "gradient", "input"]  # by descending count
-    assert {m: len(v) for m, v in groups["loss"].items()} == {"attn.softmax (Softmax, forward)": 2,
-                                                               NOT_REPLAYED: 1}
+    # by descending count; the 1e22 poison is finite, but its square is not: an input incident (input_overflow)
+    assert list(groups) == ["input", "loss", "gradient"]
+    assert {m: len(v) for m, v in groups["loss"].items()} == {"attn.softmax (Softmax, forward)": 2}
     assert [e.run_id for e in groups["loss"]["attn.softmax (Softmax, forward)"]] == ["attn-1", "attn-2"]
     assert list(groups["gradient"]) == ["mag (Magnitude, backward)"]
-    assert groups["input"][NOT_REPLAYED][0].path == str(paths["nan"])
+    assert sorted(e.path for e in groups["input"][NOT_REPLAYED]) == sorted([str(paths["nan"]), str(paths["poison"])])
     assert all(e.step == 3 for e in result.entries)
     assert [u["path"] for u in result.unreadable] == [str(broken)]
     assert "not valid JSON" in result.unreadable[0]["error"]

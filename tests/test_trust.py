@@ -129,7 +129,7 @@ def test_an_unmarked_entry_from_the_bundle_needs_entry(sent, tmp_path):
     with pytest.raises(UntrustedError, match="--entry replay_entries:unmarked_poisoned_sample"):
         replay(crafted, runs=1, bisect=False)
     result = replay(crafted, "replay_entries:unmarked_poisoned_sample", runs=1, bisect=False)
-    assert result.reproduced and result.failing_run.category == "loss"
+    assert result.reproduced and result.failing_run.category == "input"
 
 
 def test_the_monitor_warns_at_once_about_an_unmarked_entry():
@@ -282,4 +282,4 @@ def test_an_exported_test_keeps_the_entry_its_exporter_chose_in_its_code(sent, t
     source = Path(result.test_file).read_text()
     assert "ENTRY = 'replay_entries:unmarked_poisoned_sample'" in source and "case.build_spec(ENTRY)" in source
     run = _run_pytest(result.test_file, tmp_path)
-    assert run.returncode == 1 and "went non-finite (loss)" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 1 and "went non-finite (input)" in run.stdout, run.stdout + run.stderr

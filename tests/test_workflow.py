@@ -282,14 +282,14 @@ def _readme_entry_example() -> str:
 
 def test_the_readme_entry_example_is_complete_and_short(tmp_path, monkeypatch):
     code = _readme_entry_example()
-    assert len(code.strip().splitlines()) <= 11  # the file-name comment and ten lines
+    assert len(code.strip().splitlines()) <= 12  # the file-name comment, the mark and ten lines
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "train.py").write_text(code)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     from nanscan.entry import build_spec
 
-    spec = build_spec("mypkg.train:replay_entry", {})
+    spec = build_spec("mypkg.train:build_step", {}, from_bundle=True)  # marked: a bundle naming it replays
     assert isinstance(spec.model, nn.Module) and spec.extras
     loss = spec.step_fn(spec.model, next(iter(spec.batches)))
     assert loss.dim() == 0 and torch.isfinite(loss)

@@ -7,9 +7,10 @@ losses, the weights, gradients and optimizer state) before the update, and recor
 
 The Trainer's hooks do not carry the batch or the loss, so the callback watches the model itself: a forward
 pre-hook keeps each micro-batch as the model receives it (model(**inputs), num_items_in_batch included) and a
-forward hook its `loss`. The check runs in on_pre_optimizer_step, after the Trainer's clipping (which, under
-fp16, unscaled the gradients: they are not unscaled again), with step = state.global_step + 1: the number the
-Trainer gives this update in its own logs (and checkpoint-N) once it is done.
+forward hook its `loss`. The check runs just before the Trainer's gradient clipping (accelerator.clip_grad_norm_,
+which the Trainer calls every step, with an infinite norm when max_grad_norm=0): a clip over one NaN gradient makes
+them all NaN, and the first bad tensor would be lost. Where no clip is called, it runs in on_pre_optimizer_step.
+Its step is state.global_step + 1: the number the Trainer gives this update in its logs (and checkpoint-N).
 on_invalid="stop" skips the bad update and sets control.should_training_stop. nanscan's numbers are added to the
 Trainer's logs (nanscan.integrations.session.LOG_KEYS), where logging_nan_inf_filter cannot smooth them away.
 """
@@ -88,6 +89,8 @@ class NanscanCallback(TrainerCallback):
         self._scaled_for_ga: bool | None = None
         self._forward_params: list[str] = []
         self._hooks: list = []
+        self._unwrap: Any = lambda: None  # undoes _wrap_clipping
+        self._state: Any = None  # the TrainerState of the step being collected
         self._collecting = False
 
     @property
@@ -112,9 +115,26 @@ class NanscanCallback(TrainerCallback):
                                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_output)]
+        self._wrap_clipping(getattr(trainer, "accelerator", None))
+
+    def _wrap_clipping(self, accelerator: Any) -> None:
+        """Check the step before the Trainer clips its gradients (see the module docstring); the clip itself and
+        its result are untouched. Undone by _remove_hooks."""
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if clip is None:
+            return
+
+        def check_then_clip(*args: Any, **kwargs: Any) -> Any:
+            if self._collecting:
+                self._check_step()
+            return clip(*args, **kwargs)
+
+        accelerator.clip_grad_norm_ = check_then_clip
+        self._unwrap = lambda: accelerator.__dict__.pop("clip_grad_norm_", None)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._collecting = True
+        self._state = state
         # accelerate enters autocast inside the model's forward, where no hook sees it: the precision is args'
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
         self.session.begin_step(autocast_region(precision, args.device.type))
@@ -137,17 +157,22 @@ class NanscanCallback(TrainerCallback):
             self.session.set_loss(output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._collecting:  # no clip was called this step
+            self._check_step()
+        if self.session.stop_requested:
+            control.should_training_stop = True
+        return control
+
+    def _check_step(self) -> None:
         self._collecting = False
         session = self.session
         try:
-            session.check(step=state.global_step + 1, divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
+            session.check(step=self._state.global_step + 1,
+                          divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
         except BaseException as exc:
-            self._remove_hooks()  # train() ends here: leave the model as it was given
+            self._remove_hooks()  # train() ends here: leave the model and the accelerator as they were given
             session.abandon(exc)
             raise
-        if session.stop_requested:
-            control.should_training_stop = True
-        return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.session.after_update(skipped=bool(getattr(self._optimizer, "step_was_skipped", False)))
@@ -169,4 +194,6 @@ class NanscanCallback(TrainerCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._unwrap()
+        self._unwrap = lambda: None
         self._collecting = False
