@@ -73,10 +73,12 @@ CATEGORY_EXPLANATIONS = {
 }
 
 
-def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True) -> str:
+def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True,
+                     batch_given: bool = False) -> str:
     """CATEGORY_EXPLANATIONS[category], worded for what was actually checked: `nanscan.check(model)` sees no loss
     and no batch, so a NaN from the forward pass first shows in the gradients and must not be called a backward
-    pass failure, and "the inputs were finite" is not known."""
+    pass failure, and "the inputs were finite" is not known. `batch_given`: a batch was passed whose tensors were
+    all integers (token ids), so nothing in it was scanned, and nothing in it could be NaN."""
     text = CATEGORY_EXPLANATIONS.get(category, "")
     if category == "gradient" and not loss_checked:
         text = ("A gradient was the first non-finite tensor checked; no loss was checked (none was given), so this "
@@ -87,7 +89,8 @@ def explain_category(category: str, *, loss_checked: bool = True, inputs_checked
     elif category == "optimizer_state" and not inputs_checked:
         text = "The optimizer state was non-finite while the weights were finite: its moments or counters broke first."
     if category in ("parameter", "optimizer_state", "loss", "gradient") and not inputs_checked:
-        text += " No batch was checked (none was given), so the inputs may have been non-finite already."
+        text += (" The batch holds only integer tensors: nothing in it can be NaN." if batch_given else
+                 " No batch was checked (none was given), so the inputs may have been non-finite already.")
     return text
 
 

@@ -236,7 +236,8 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     shown = (culprits + [row for row in nonfinite if row["name"] not in deciding])[:20]
     names = [s.name for s in inc.report.stats]
     explanation = REASON_EXPLANATIONS.get(inc.reason) or explain_category(
-        inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names))
+        inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names),
+        batch_given=inc.batch is not None)
     body = [explanation, "",
             f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")

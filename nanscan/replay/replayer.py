@@ -80,7 +80,7 @@ class Replayer:
             "no RNG state" if self.rng is None else "",
             "RNG states not from the start of the step" if self.rng is not None and rng_at != "step_start" else "",
         ) if text]
-        self.sample_count = batch_size(self.batch)
+        self.sample_count = batch_size(self.batch, self.bundle.sample_ids)
         self._rng_warned = False
 
     @property
@@ -149,21 +149,23 @@ class Replayer:
                     group["lr"] = group["lr"] * options.lr_scale
         step_batch = self.batch if batch is None else batch
         if samples is not None:
-            step_batch = select_samples(step_batch, samples, spec)
+            step_batch = select_samples(step_batch, samples, spec,
+                                        size=self.sample_count if batch is None else None)
         step_batch = prepare_batch(step_batch, model_device(model), options)
         self._restore_rng()
         return spec, optimizer, step_batch
 
     def run(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None, batch: Any = None,
-            localize: bool = False) -> StepOutcome:
-        """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome."""
+            localize: bool = False, trace_ops: bool = False) -> StepOutcome:
+        """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome;
+        `localize`: module hooks (outcome.localization), `trace_ops`: the op tracer (outcome.op_site)."""
         learning_rates: list[Any] = []
 
         def attempt(backward_module_hooks: bool) -> StepOutcome:
             spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
             learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
             return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=options, localize=localize,
-                            backward_module_hooks=backward_module_hooks)
+                            backward_module_hooks=backward_module_hooks, trace_ops=trace_ops)
 
         result = run_localized(attempt) if localize else attempt(True)
         if options.lr_scale != 1.0 and not any(lr for lr in learning_rates if lr is not None):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import Localization, fmt_value
+from nanscan.replay.ops import OpSite
 from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
@@ -29,8 +30,11 @@ class ReplayResult:
     runs: list[StepOutcome]
     localization: Localization | None
     bisect: BisectResult | None
+    op: OpSite | None = None  # the first op or autograd node that went non-finite (NOTE: [op localization])
     notes: list[str] = field(default_factory=list)
     inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
+    # An optional phase (localization, bisection) that raised: {"phase", "error"}; what the others found stands.
+    phase_errors: list[dict] = field(default_factory=list)
 
     @property
     def failing_run(self) -> StepOutcome | None:
@@ -48,8 +52,9 @@ class ReplayResult:
                 "reproduced": self.reproduced, "verdict": self.verdict, "same_category": self.same_category,
                 "runs": [r.to_dict() for r in self.runs],
                 "localization": self.localization.to_dict() if self.localization else None,
+                "op": self.op.to_dict() if self.op else None,
                 "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
-                "inexact": list(self.inexact)}
+                "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors]}
 
     def headline(self) -> str:
         failing = self.failing_run
@@ -61,6 +66,8 @@ class ReplayResult:
             return text
         where = f"; first bad: {self.localization.label} ({self.localization.module_type}, " \
                 f"{self.localization.phase})" if self.localization else ""
+        if self.op is not None:
+            where += f"; op {self.op.op}{f' at {self.op.location}' if self.op.location else ''}"
         if self.verdict == "intermittent":
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
@@ -76,6 +83,10 @@ class ReplayResult:
                     "replay.")
         return VERDICT_EXPLANATIONS[self.verdict]
 
+
+# The localizations that computation made, so that an op can be named: not the batch (the record is named) nor a
+# state that was non-finite before the step ran.
+OP_PHASES = ("forward", "backward", "loss")
 
 VERDICT_EXPLANATIONS = {
     "persistent": "The same failure came back on every replay: the cause is in the code, the data or the state, "
@@ -122,15 +133,31 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
     failing = next((o for o in outcomes if not o.finite and o.error is None), None)
     reproduced = failing is not None
     localization = None
+    op = None
     bisected = None
+    phase_errors: list[dict] = []
+
+    def optional(phase: str, run: Callable[[], Any]) -> Any:
+        """An optional phase's result, or None with its error kept: it never discards what the others found."""
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - reported beside the results (replay --json: phase_errors)
+            phase_errors.append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+
     if reproduced:
         say("localizing with module hooks")
-        localized = replayer.run(options, localize=True)
-        localization = localized.localization
-        failing.notes.extend(n for n in localized.notes if n not in failing.notes)
+        localized = optional("localization", lambda: replayer.run(options, localize=True))
+        if localized is not None:
+            localization = localized.localization
+            failing.notes.extend(n for n in localized.notes if n not in failing.notes)
+        if localization is not None and localization.phase in OP_PHASES:
+            say("localizing the op")
+            traced = optional("op localization", lambda: replayer.run(options, trace_ops=True))
+            op = traced.op_site if traced is not None else None
         if bisect and verdict == "persistent":
             say("bisecting the batch")
-            bisected = bisect_samples(replayer, options)
+            bisected = optional("bisection", lambda: bisect_samples(replayer, options))
         elif bisect:
             bisected = BisectResult(False, batch_size=replayer.sample_count,
                                     reason=f"the failure is {verdict}, so a subset's result would not be reliable")
@@ -140,7 +167,7 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
                      f"values as {failing.category}")
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
-                        outcomes, localization, bisected, notes, list(replayer.inexact))
+                        outcomes, localization, bisected, op, notes, list(replayer.inexact), phase_errors)
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
@@ -163,6 +190,8 @@ def replay_markdown(result: ReplayResult) -> str:
         lines += ["", f"**First bad module:** `{loc.label}` ({loc.module_type}), {loc.phase}"
                       f"{f' ({loc.detail})' if loc.detail else ''}.",
                   f"It received: {loc.received.describe()}.", f"It produced: {loc.produced.describe()}."]
+    if result.op is not None:
+        lines += ["", op_markdown(result.op)]
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:
@@ -173,10 +202,22 @@ def replay_markdown(result: ReplayResult) -> str:
             if b.says_more:
                 lines[-1] += f" {b.describe()[0].upper()}{b.describe()[1:]}."
         else:
-            lines += ["", f"Bisection not done: {b.reason}."]
+            lines += ["", f"{b.describe()[0].upper()}{b.describe()[1:]}."]
+    for failed in result.phase_errors:
+        lines += ["", f"**{failed['phase'].capitalize()} failed** (the results above stand): `{failed['error']}`"]
     if result.notes:
         lines += [""] + [f"- note: {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+def op_markdown(site: OpSite) -> str:
+    """The first bad op as INCIDENT.md shows it."""
+    made = "created by" if site.phase == "backward" else "called as"
+    where = f", at `{site.location}`" if site.location else ""
+    code = f":\n\n    {site.code}" if site.code else "."
+    return (f"**First bad op:** `{site.op}` ({made} `{site.call}`), {site.phase}, in `{site.label}` "
+            f"({site.module_type}){where}{code}\n\nIt received: {site.received.describe()}. It produced: "
+            f"{site.produced.describe()}.")
 
 
 def record_replay(result: ReplayResult, bundle: Bundle | None = None) -> bool:

@@ -1,0 +1,133 @@
+"""Twelve NaN failures users reported, reproduced small on the CPU (tests/real_failures.py), each caught by a real
+Monitor and replayed: the step and category, the first bad module, the first bad op and the source line that called
+it (where the NaN was computed, not read from the data), and a bisection that names a sample only when it is to
+blame."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import real_failures as R
+from click.testing import CliRunner
+
+from nanscan.bundle import load_bundle
+from nanscan.cli import main
+from nanscan.replay import record_replay, replay
+from nanscan.report import summarize
+
+SOURCE = Path(R.__file__).read_text().splitlines()
+NOT_SPECIFIC = "not sample-specific"
+FEWER = "fewer than 2 samples"
+
+
+def line_of(fragment: str) -> int:
+    """The line of tests/real_failures.py holding `fragment` (exactly one)."""
+    found = [i + 1 for i, text in enumerate(SOURCE) if fragment in text]
+    assert len(found) == 1, f"{fragment!r} is on lines {found} of real_failures.py"
+    return found[0]
+
+
+# name: step, category, first bad module (label, phase), op, the calling line, what bisection says
+CASES = {
+    "nan_feature": (2, "input", ("batch", "input"), None, None, [R.BAD_ROW]),
+    "all_labels_ignored": (2, "loss", ("step_fn", "loss"), "aten.nll_loss_forward",
+                           "return F.cross_entropy(logits.view(-1, VOCAB), batch[\"labels\"]", NOT_SPECIFIC),
+    "zero_token_count": (2, "loss", ("step_fn", "loss"), "aten.div", "/ mask.sum()  # the count", NOT_SPECIFIC),
+    "fully_masked_row": (2, "loss", ("attn", "forward"), "aten._softmax", "weights = torch.softmax(scores",
+                         [R.BAD_ROW]),
+    "minibatch_std_of_one": (2, "loss", ("mbstd", "forward"), "aten.std", "std = torch.std(x, dim=0", FEWER),
+    "log_of_softmax": (2, "loss", ("(model)", "forward"), "aten.log", "return -torch.log(probs.gather",
+                       [R.BAD_ROW]),
+    "distance_at_zero": (2, "gradient", ("step_fn", "backward"), "SqrtBackward0",
+                         "return torch.sqrt((d ** 2).sum(-1)).mean()", [R.BAD_ROW]),
+    "masked_nan_targets": (2, "input", ("batch", "input"), None, None, [R.OTHER_BAD_ROW, R.BAD_ROW]),
+    "t5_fp16_overflow": (2, "loss", ("ff.wo", "forward"), "aten.mm", "return self.wo(torch.relu(self.wi(h)))",
+                         NOT_SPECIFIC),
+    "empty_history": (2, "loss", ("pool", "forward"), "aten.div", "/ mask.sum(1, keepdim=True)", [R.BAD_ROW]),
+    "large_lr": (20, "loss", ("step_fn", "loss"), "aten.mse_loss", "return F.mse_loss(model(batch[\"x\"]), batch",
+                 NOT_SPECIFIC),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_reported_failure_is_caught_and_explained(name, tmp_path):
+    step, category, (label, phase), op, fragment, bisected = CASES[name]
+    path = R.train(name, tmp_path)
+    bundle = load_bundle(path)
+    assert (bundle.step, bundle.category) == (step, category)
+    result = replay(path)
+    assert result.reproduced and result.verdict == "persistent" and not result.phase_errors
+    assert (result.localization.label, result.localization.phase) == (label, phase)
+    if op is None:  # the batch was non-finite: the record is named, no op
+        assert result.op is None
+    else:
+        site = result.op
+        assert site.op == op and site.label == label
+        assert Path(site.file).name == "real_failures.py" and site.line == line_of(fragment)
+        assert site.code == SOURCE[site.line - 1].strip()
+        assert site.received.nonfinite == 0 or (site.received.nan == 0 and site.produced.nan > 0)
+        assert site.produced.nonfinite > 0
+        assert f"op {op} at " in result.headline()
+    found = result.bisect
+    if isinstance(bisected, list):
+        assert found.applicable and found.indices == bisected and found.rest_passes
+        assert found.sample_ids == [f"{name}-{step}-{row}" for row in bisected]
+    else:
+        assert not found.applicable and not found.indices and bisected in found.describe()
+        assert found.sample_specific is (False if bisected == NOT_SPECIFIC else None)
+
+
+def test_the_batch_size_comes_from_the_recorded_sample_ids(tmp_path):
+    # one real image beside 8 generated ones: the most common leading size (8) is not the number of samples (1)
+    path = R.train("minibatch_std_of_one", tmp_path)
+    from nanscan.replay import Replayer
+
+    replayer = Replayer(path)
+    assert replayer.sample_count == 1
+    assert "fewer than 2 samples" in replay(path).bisect.reason
+
+
+def test_an_op_found_by_replay_reaches_the_report_and_the_incident_note(tmp_path):
+    path = R.train("log_of_softmax", tmp_path)
+    result = replay(path)
+    record_replay(result)
+    bundle = load_bundle(path)
+    text = bundle.incident_text()
+    assert "**First bad op:** `aten.log` (called as `torch.log`), forward, in `(model)` (Classifier)" in text
+    assert f"real_failures.py:{line_of('return -torch.log(probs.gather')}" in text
+    op = summarize(bundle)["findings"]["replay"]["first_bad_op"]
+    assert (op["op"], op["label"], op["call"]) == ("aten.log", "(model)", "torch.log")
+    out = CliRunner().invoke(main, ["report", str(path)])
+    assert out.exit_code == 0 and "first bad op: aten.log (called as torch.log)" in out.output
+    html = tmp_path / "report.html"
+    assert CliRunner().invoke(main, ["report", str(path), "--html", str(html)]).exit_code == 0
+    assert "first bad op: aten.log" in html.read_text()
+
+
+def test_an_error_in_bisection_keeps_reproduction_and_localization(tmp_path):
+    path = R.train("fully_masked_row", tmp_path)
+    out = CliRunner().invoke(main, ["replay", str(path), "--json", "--no-record", "--entry",
+                                    f"{R.MODULE}:fully_masked_row_broken_select"])
+    assert out.exit_code == 0, out.output
+    found = json.loads(out.stdout)
+    assert found["reproduced"] and found["verdict"] == "persistent"
+    assert (found["localization"]["label"], found["localization"]["phase"]) == ("attn", "forward")
+    assert found["op"]["op"] == "aten._softmax"
+    assert found["bisect"] is None
+    [failed] = found["phase_errors"]
+    assert failed["phase"] == "bisection" and "select_samples raised ValueError" in failed["error"]
+    text = CliRunner().invoke(main, ["replay", str(path), "--no-record", "--entry",
+                                     f"{R.MODULE}:fully_masked_row_broken_select"])
+    assert text.exit_code == 0 and re.search(r"warning: bisection failed, the results above stand", text.output)
+    assert "first bad op: aten._softmax" in text.output
+
+
+def test_a_batch_of_integer_tokens_is_reported_as_such(tmp_path):
+    path = R.train("all_labels_ignored", tmp_path)
+    meaning = summarize(load_bundle(path))["category_meaning"]
+    assert "The batch holds only integer tensors: nothing in it can be NaN." in meaning
+    assert "none was given" not in meaning
+    assert "The batch holds only integer tensors" in load_bundle(path).incident_text()
