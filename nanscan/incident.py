@@ -23,8 +23,10 @@ from typing import Any, Sequence
 # first because everything computed from them inherits their NaNs; the loss before the gradients because a
 # non-finite loss makes every gradient non-finite too.
 CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
-# A replayed step can also go bad only in optimizer.step(), which the Monitor never sees (it checks before it).
-STEP_CATEGORIES = (*CATEGORIES, "update")
+# A step can also go bad only in optimizer.step(): replay sees it, and so does the Monitor's post-update check
+# (nanscan.monitor_update NOTE: [post-update check]), which dates it to the step whose update wrote it.
+UPDATE = "update"
+STEP_CATEGORIES = (*CATEGORIES, UPDATE)
 # A report whose non-finite tensors follow no convention (nanscan.scan of the user's own tensors).
 OTHER = "other"
 # The category of a distributed part whose rank held only finite values at the failing step (another rank's
@@ -41,13 +43,19 @@ KINDS = (*CATEGORIES, OTHER)
 # (nanscan.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
 NONFINITE = "nonfinite"
 SKIP_STREAK = "skip_streak"
-REASONS = (NONFINITE, SKIP_STREAK)
+OPTIMIZER_UPDATE = "optimizer_update"  # non-finite right after optimizer.step(), seen by the post-update check
+REASONS = (NONFINITE, SKIP_STREAK, OPTIMIZER_UPDATE)
 OVERFLOW_SKIP = "overflow_skip"
 REASON_EXPLANATIONS = {
     SKIP_STREAK: "GradScaler skipped every step from this one on: only gradients were non-finite (inputs, weights, "
                  "optimizer state and loss finite), the scaler halved its scale each time and no update was "
                  "applied. A healthy run settles after a few such skips; this streak did not, so the gradients "
                  "are non-finite whatever the scale (a backward-pass bug, not mixed-precision overflow).",
+    OPTIMIZER_UPDATE: "The optimizer update of this step wrote the non-finite values: the batch, the loss, the "
+                      "gradients, the weights and the optimizer state it read were finite, and the weights or the "
+                      "state right after optimizer.step() were not. The cause is in the update itself: its settings "
+                      "against the dtypes (an eps that is 0 in the parameters' dtype, a learning rate times a "
+                      "gradient that overflows), or the size of the step; `nanscan replay` reruns it.",
 }
 
 # NOTE: [tensor names] prefixes, by kind; the loss is one tensor named LOSS.
@@ -65,12 +73,19 @@ CATEGORY_EXPLANATIONS = {
     "loss": "The loss was non-finite while inputs, weights and optimizer state were finite: something in the "
             "forward pass produced it.",
     "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
+    UPDATE: "Every tensor checked before optimizer.step() was finite, but the update wrote non-finite weights or "
+            "optimizer state.",
     SPIKE: "Every value was finite, but the loss or the gradient norm jumped far outside its recent range: an early "
            "warning, kept while the weights are still sound. The tensors whose norms moved first point at the cause "
            "(one layer's gradients: that layer; every layer at once with the loss: the batch or the learning rate).",
     OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
                 "index (index.json, one directory up) names the rank that went bad first.",
 }
+
+
+def update_message(step: int) -> str:
+    """How an incident of the post-update check names its cause."""
+    return f"the optimizer update of step {step}"
 
 
 def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True,

@@ -84,6 +84,7 @@ from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, normali
 from nanscan.snapshot import CpuSnapshot
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.spikes import Spike, SpikeRule, SpikeWatch
+from nanscan.monitor_update import UpdateContext, UpdateWatch
 from nanscan.monitor_verdict import PendingStep, StepStart, StepVerdicts, retained
 from nanscan.stats import PendingReport, ScanReport, gradient_rows
 
@@ -253,6 +254,11 @@ class Monitor(StepVerdicts):
         the host): use agreement="async" there, not mode="async".
     scaler: the torch.amp.GradScaler whose scaled gradients are checked (see the module docstring); max_skips and
         min_scale: when a streak of its overflow skips becomes an incident (nanscan.amp NOTE: [overflow skips]).
+    post_update: also scan the weights and optimizer state right after each optimizer.step() that follows a finite
+        check (an Optimizer step post-hook; nanscan.monitor_update NOTE: [post-update check]), so that an update
+        that writes non-finite values is an incident of that step (category "update", reason "optimizer_update"),
+        with the batch and, under snapshot="cpu", the state that update read. On by default; not with a process
+        group.
     tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
         nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
@@ -276,7 +282,7 @@ class Monitor(StepVerdicts):
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
-                 log_every: int | None = None):
+                 log_every: int | None = None, post_update: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -377,6 +383,8 @@ class Monitor(StepVerdicts):
                                  "its check; pass agreement='async' (the verdict arrives one step later) and leave "
                                  "mode at 'auto' or 'sync'")
             self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
+        # NOTE: [post-update check]: the ranks would have to agree on it, so not under a process group.
+        self._updates = UpdateWatch(self) if post_update and self._agreement is None else None
 
     # -- public state ---------------------------------------------------------------------------------------
     @property
@@ -434,6 +442,8 @@ class Monitor(StepVerdicts):
             self.flush()
         finally:
             self._hook.remove()
+            if self._updates is not None:
+                self._updates.close()
             if self._export is not None:
                 self._export.close()
 
@@ -489,6 +499,9 @@ class Monitor(StepVerdicts):
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
+        if self._updates is not None:  # NOTE: [post-update check]: only an update right after a finite check
+            self._updates.forget()
+            self._updates.attach(self.optimizer)
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
@@ -532,6 +545,9 @@ class Monitor(StepVerdicts):
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             self._finite_step()
+            if self._updates is not None:
+                start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
+                self._updates.expect(UpdateContext(step, batch, sample_ids, started, start))
             return report
         return self._invalid(report, step, batch, sample_ids, started, slot=slot)
 
@@ -579,6 +595,8 @@ class Monitor(StepVerdicts):
         start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
         self._pending = PendingStep(step, report, scan, slot, retained(batch), retained(sample_ids), started,
                                      start)
+        if self._updates is not None:  # read with this step's verdict, at the next check
+            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start))
         if started and self._snapshot is not None:
             # The pending step's snapshot must survive the next step's start: capture into the other buffer.
             spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
@@ -597,6 +615,8 @@ class Monitor(StepVerdicts):
         if not nonfinite:
             self._finite_step()
             self._read_spike(pending, read_at)
+            if self._updates is not None:  # its update's verdict, enqueued after the step's own
+                self._updates.read()
             return pending.step, True, False
         result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
                                pending.started, start=pending.start, read_at=read_at, slot=pending.slot)

@@ -23,7 +23,9 @@ import torch
 
 from nanscan.amp import Streak, mixed_precision_record
 from nanscan.bundle import Incident, read_log_tail, write_bundle
-from nanscan.incident import SKIP_STREAK, SPIKE, NonFiniteError, SpikeWarning, categorize, shown_names, warn_user
+from nanscan.incident import (OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError, SpikeWarning, categorize,
+                              shown_names, update_message, warn_user)
+from nanscan.monitor_update import broken_by_update
 from nanscan.pending import StepScan
 from nanscan.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.snapshot import CpuSnapshot
@@ -122,6 +124,28 @@ class StepVerdicts:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at)
         return report
+
+    def _update_incident(self, report: ScanReport, context: Any) -> None:
+        """Bundle a non-finite optimizer update (nanscan.monitor_update NOTE: [post-update check]) as the incident
+        of the step whose check it followed, and apply on_invalid (raising from inside optimizer.step() in
+        mode="sync"). `report`: the scan after the update; `context`: the check's UpdateContext."""
+        step, tensors = context.step, broken_by_update(report)
+        read_at = "next_check" if self.mode == "async" else None
+        self.first_invalid_step = step
+        try:
+            incident = self.incident(report, step, UPDATE, tensors, context.batch, context.sample_ids,
+                                     context.started, start=context.start, read_at=read_at)
+            if not incident.state_pre_step:
+                incident = dataclasses.replace(incident, state_note=(
+                    "snapshot='none': the weights and optimizer state are those the update wrote (non-finite), "
+                    "not the ones it read; snapshot='cpu' keeps the pre-step state, from which replay reruns the "
+                    "update"))
+            self.bundle_path = write_bundle(dataclasses.replace(incident, reason=OPTIMIZER_UPDATE), self.bundle_dir)
+        except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
+            self.bundle_error = exc
+            log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                      type(exc).__name__, exc)
+        self._apply_policy(report, step, UPDATE, tensors, True, read_at=read_at, update=True)
 
     # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
     def _finite_step(self) -> None:
@@ -222,8 +246,11 @@ class StepVerdicts:
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
-                 streak: str | None = None) -> str:
+                 streak: str | None = None, update: bool = False) -> str:
         text = f"nanscan: non-finite values at step {step} (category {category}: {shown_names(tensors)})"
+        if update:
+            text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
+                    f"{shown_names(tensors)}), right after optimizer.step(); everything checked before it was finite")
         if streak:
             text += f"; GradScaler skipped every step since: {streak}"
         if read_at == "next_check":
@@ -239,18 +266,19 @@ class StepVerdicts:
         return text
 
     def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
-                      read_at: str | None = None, streak: str | None = None) -> None:
-        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident)."""
+                      read_at: str | None = None, streak: str | None = None, update: bool = False) -> None:
+        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
+        update: the post-update check found it, nanscan.monitor_update)."""
         policy = self.on_invalid
         if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors, read_at, streak),
+            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update),
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
         if policy == "skip":
             self._drop_gradients()
         if policy in ("warn", "skip"):
             if first:
-                warn_user(self._message(step, category, tensors, read_at, streak))
+                warn_user(self._message(step, category, tensors, read_at, streak, update))
             return
         policy(report, self.bundle_path)
 

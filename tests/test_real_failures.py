@@ -15,6 +15,8 @@ from click.testing import CliRunner
 
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
+from nanscan.monitor import Monitor, NonFiniteError
+from nanscan.preflight import run_preflight
 from nanscan.replay import record_replay, replay
 from nanscan.report import summarize
 
@@ -131,3 +133,53 @@ def test_a_batch_of_integer_tokens_is_reported_as_such(tmp_path):
     assert "The batch holds only integer tensors: nothing in it can be NaN." in meaning
     assert "none was given" not in meaning
     assert "The batch holds only integer tensors" in load_bundle(path).incident_text()
+
+
+def test_an_update_that_writes_inf_is_dated_to_it_and_its_trap_named(tmp_path):
+    # model.half() + Adam(eps=1e-8): eps is 0 in float16, the first update divides by 0
+    path = R.train("half_adam", tmp_path)
+    bundle = load_bundle(path)
+    assert (bundle.step, bundle.category, bundle.manifest["reason"]) == (0, "update", "optimizer_update")
+    assert bundle.manifest["state"]["pre_step"]  # the weights that update read, for replay
+    assert "written by the optimizer update of step 0" in bundle.incident_text()
+    result = replay(path)
+    assert result.reproduced and result.runs[0].category == "update" and result.same_category
+    assert (result.localization.phase, result.localization.module) == ("update", "Adam")
+    assert result.update["broken"] and all(n.startswith(("param:", "optim:")) for n in result.update["broken"])
+    [trap] = result.update["traps"]
+    assert (trap["setting"], trap["dtype"], trap["severity"]) == ("eps", "float16", "breaks")
+    assert "eps rounds to 0 in float16" in trap["text"] and "eps rounds to 0 in float16" in result.headline()
+    assert not result.bisect.applicable and NOT_SPECIFIC in result.bisect.reason
+    record_replay(result)
+    out = CliRunner().invoke(main, ["report", str(path)])
+    assert out.exit_code == 0 and "update trap (breaks): param group 0: eps=1e-08" in out.output
+
+
+def test_without_the_post_update_check_the_same_fault_is_a_parameter_one_step_late(tmp_path):
+    path = R.train("half_adam", tmp_path, post_update=False)
+    bundle = load_bundle(path)
+    assert (bundle.step, bundle.category) == (1, "parameter")
+
+
+def test_the_post_update_check_in_async_mode_is_read_at_the_next_check(tmp_path):
+    spec = R.half_adam({})
+    optimizer = spec.make_optimizer()
+    monitor = Monitor(spec.model, optimizer, bundle_dir=tmp_path, mode="async", snapshot="cpu", spikes=None)
+    batch = R.half_batch({}, 0)
+    spec.step_fn(spec.model, batch).backward()
+    monitor.check(batch=batch, loss=spec.step_fn(spec.model, batch).detach())
+    optimizer.step()  # writes inf: nothing is read yet in async mode
+    optimizer.zero_grad()
+    spec.step_fn(spec.model, batch).backward()
+    with pytest.raises(NonFiniteError, match="optimizer update of step 0") as caught:
+        monitor.check(batch=batch)
+    assert (caught.value.step, caught.value.category) == (0, "update")
+    assert load_bundle(caught.value.bundle_path).manifest["reason"] == "optimizer_update"
+
+
+def test_preflight_flags_an_eps_that_is_zero_in_the_parameters_dtype():
+    report = run_preflight(R.half_adam({}), steps=2)
+    assert not report.go
+    assert any("eps=1e-08 with 4 float16 parameter(s): eps rounds to 0 in float16" in r for r in report.reasons)
+    healthy = run_preflight(R.nan_feature({}), steps=2)
+    assert not any("optimizer:" in r for r in healthy.reasons + healthy.warnings)

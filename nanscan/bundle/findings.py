@@ -94,6 +94,10 @@ def findings_lines(found: dict) -> list[str]:
             lines.append(f"first bad op: {op['op']} ({made} {op['call']}), {op['phase']}, in {op['label']} "
                          f"({op['module_type']})" + (f" at {op['location']}: {op['code'] or ''}" if op["location"]
                                                      else ""))
+        update = replay.get("update") or {}
+        for trap in update.get("traps") or []:
+            if isinstance(trap, dict) and isinstance(trap.get("text"), str):
+                lines.append(f"update trap ({trap.get('severity')}): {trap['text']}")
         if replay.get("bisection"):
             lines.append(f"bisection: {replay['bisection']}")
     elif found.get("first_bad_module"):

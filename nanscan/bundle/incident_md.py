@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.headroom import FORMATS, headroom_by_kind
-from nanscan.incident import CATEGORY_EXPLANATIONS, LOSS, REASON_EXPLANATIONS, SPIKE, explain_category, is_kind
+from nanscan.incident import (CATEGORY_EXPLANATIONS, LOSS, OPTIMIZER_UPDATE, REASON_EXPLANATIONS, SKIP_STREAK, SPIKE,
+                              explain_category, is_kind, update_message)
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
@@ -259,7 +260,8 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
                     f"{grad_norm_text(prev.grad_norm, 0)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
               "nonfinite_count": len(nonfinite), "reason": inc.reason}
-    streak = ", the first of a streak of skipped steps" if inc.reason in REASON_EXPLANATIONS else ""
+    streak = {SKIP_STREAK: ", the first of a streak of skipped steps",
+              OPTIMIZER_UPDATE: f", written by {update_message(inc.step)}"}.get(inc.reason, "")
     return {"kind": "finding", "key": DETECT_FINDING,
             "title": f"First non-finite step: {inc.step} ({inc.category}{streak})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}

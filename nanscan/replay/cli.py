@@ -49,6 +49,11 @@ def print_replay(result: ReplayResult, console) -> None:
             console.print(f"  at {site.location}: {site.code or ''}", highlight=False, markup=False)
         console.print(f"  received: {site.received.describe()}", highlight=False, markup=False)
         console.print(f"  produced: {site.produced.describe()}", highlight=False, markup=False)
+    if result.update is not None:
+        console.print(f"the update ({result.update['optimizer']}.step()) broke {result.update['broken_count']} "
+                      f"tensor(s): {', '.join(result.update['broken'][:5])}", highlight=False, markup=False)
+        for trap in result.update["traps"]:
+            console.print(f"  trap ({trap['severity']}): {trap['text']}", highlight=False, markup=False)
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:

@@ -11,7 +11,9 @@ from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import Localization, fmt_value
+from nanscan.incident import UPDATE, is_kind
 from nanscan.replay.ops import OpSite
+from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
@@ -31,6 +33,7 @@ class ReplayResult:
     localization: Localization | None
     bisect: BisectResult | None
     op: OpSite | None = None  # the first op or autograd node that went non-finite (NOTE: [op localization])
+    update: dict | None = None  # an update that went non-finite: what it broke and its traps (update_finding)
     notes: list[str] = field(default_factory=list)
     inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
     # An optional phase (localization, bisection) that raised: {"phase", "error"}; what the others found stands.
@@ -52,7 +55,7 @@ class ReplayResult:
                 "reproduced": self.reproduced, "verdict": self.verdict, "same_category": self.same_category,
                 "runs": [r.to_dict() for r in self.runs],
                 "localization": self.localization.to_dict() if self.localization else None,
-                "op": self.op.to_dict() if self.op else None,
+                "op": self.op.to_dict() if self.op else None, "update": self.update,
                 "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
                 "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors]}
 
@@ -68,6 +71,10 @@ class ReplayResult:
                 f"{self.localization.phase})" if self.localization else ""
         if self.op is not None:
             where += f"; op {self.op.op}{f' at {self.op.location}' if self.op.location else ''}"
+        if self.update is not None:
+            traps = [t for t in self.update["traps"] if t["severity"] == BREAKS]
+            where += f"; the update broke {self.update['broken_count']} tensor(s)" + \
+                (f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}" if traps else "")
         if self.verdict == "intermittent":
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
@@ -133,7 +140,7 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
     failing = next((o for o in outcomes if not o.finite and o.error is None), None)
     reproduced = failing is not None
     localization = None
-    op = None
+    op = update = None
     bisected = None
     phase_errors: list[dict] = []
 
@@ -155,6 +162,9 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
             say("localizing the op")
             traced = optional("op localization", lambda: replayer.run(options, trace_ops=True))
             op = traced.op_site if traced is not None else None
+        if failing.category == UPDATE:
+            say("checking the update")
+            update = optional("update check", lambda: update_finding(replayer, options, failing))
         if bisect and verdict == "persistent":
             say("bisecting the batch")
             bisected = optional("bisection", lambda: bisect_samples(replayer, options))
@@ -167,7 +177,7 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
                      f"values as {failing.category}")
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
-                        outcomes, localization, bisected, op, notes, list(replayer.inexact), phase_errors)
+                        outcomes, localization, bisected, op, update, notes, list(replayer.inexact), phase_errors)
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
@@ -192,6 +202,8 @@ def replay_markdown(result: ReplayResult) -> str:
                   f"It received: {loc.received.describe()}.", f"It produced: {loc.produced.describe()}."]
     if result.op is not None:
         lines += ["", op_markdown(result.op)]
+    if result.update is not None:
+        lines += ["", update_markdown(result.update)]
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:
@@ -207,6 +219,35 @@ def replay_markdown(result: ReplayResult) -> str:
         lines += ["", f"**{failed['phase'].capitalize()} failed** (the results above stand): `{failed['error']}`"]
     if result.notes:
         lines += [""] + [f"- note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def update_finding(replayer: Replayer, options: StepOptions, failing: StepOutcome) -> dict:
+    """What a non-finite update broke (its parameters and state tensors, from the replayed step) and the numeric
+    traps of its optimizer's settings against the dtypes (nanscan.replay.traps NOTE: [update traps]), the lr * grad
+    check from the replayed step's gradients."""
+    spec, optimizer, _ = replayer.prepare(options)
+    params = dict(spec.model.named_parameters())
+    absmax = {}
+    for stats in failing.gradients or ():
+        p = params.get(stats.name.partition(":")[2])
+        if p is not None:
+            absmax[id(p)] = stats.absmax
+    broken = [n for n in failing.nonfinite if is_kind(n, "parameter") or is_kind(n, "optimizer_state")]
+    traps = optimizer_traps(optimizer, absmax)
+    return {"optimizer": type(optimizer).__name__, "broken": broken[:50], "broken_count": len(broken),
+            "traps": [t.to_dict() for t in traps]}
+
+
+def update_markdown(update: dict) -> str:
+    broken = ", ".join(f"`{n}`" for n in update["broken"][:8]) + \
+        (f" and {update['broken_count'] - 8} more" if update["broken_count"] > 8 else "")
+    lines = [f"**The update ({update['optimizer']}.step()) broke:** {broken}."]
+    if update["traps"]:
+        lines += ["", "Numeric traps of its settings:"] + [f"- {t['text']}" for t in update["traps"]]
+    else:
+        lines.append("No known numeric trap of its settings applies: look at the size of the step (learning rate, "
+                     "gradient norm).")
     return "\n".join(lines)
 
 
