@@ -3,14 +3,16 @@ without the check, interleaved in one run, reported as median step times and one
 
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
     spike_detection_overhead = 0.3% of a checked step (spikes="warn" vs spikes=None, adjacent blocks)
-    post_update_overhead = 0.8% of a checked step (post_update=True vs False, adjacent blocks)
-    post_update_step_cost = +0.9% of a plain step (the post-update scan inside optimizer.step(), medians)
+    post_update_overhead = 2.7% of a checked step (post_update=True vs False, adjacent blocks)
+    post_update_step_cost = +2.1% of a plain step (the post-update scan inside optimizer.step(), medians)
+    post_update_net_cost = +2.3% of a plain step (check() + optimizer.step(), with vs without, medians)
 
 More variants run in the same rotation, each its own Monitor on the same model with its own step counter, and are
 reported as ratio lines against the default Monitor's adjacent blocks: `nospikes` (spikes=None, so the second line
-above is the cost of spike detection, on by default), `noupdate` (post_update=False: the third and fourth lines are
-the cost of the post-update check, nanscan.monitor_update NOTE: [post-update check], on by default; the fourth is
-the difference of the median optimizer.step() times, which hold the whole of it) and, with TensorBoard export (on by default;
+above is the cost of spike detection, on by default), `noupdate` (post_update=False, where every other Monitor here
+has post_update=True: the third to fifth lines are the cost of the post-update check, nanscan.monitor_update NOTE:
+[post-update check], on by default for float16/bfloat16 parameters; the fourth is the difference of the median
+optimizer.step() times, which hold the whole of its scan, the fifth adds check()) and, with TensorBoard export (on by default;
 --no-tensorboard leaves it out), the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1:
 
     tensorboard_overhead(log_every=100) = +0.4% of the Monitor's step (median over rounds)
@@ -80,8 +82,9 @@ class Trainer:
         with D.seeded_rngs(config["seed"]):
             self.model = D.build_model(config)
         self.optimizer = D.build_optimizer(self.model, config)
+        # post_update=True: the demo's float32 model would leave it off by default ("auto")
         self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
-                               run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
+                               run_id="bench-overhead", on_invalid="raise", post_update=True, **monitor_kwargs)
         # variant -> the Monitor it checks with; the TensorBoard ones count their own steps (log_every applies)
         self.monitors = {"check": self.monitor}
         variants = dict(SPIKE_MODES)
@@ -90,7 +93,7 @@ class Trainer:
         for variant, options in variants.items():
             self.monitors[variant] = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
                                              run_id=f"bench-overhead-{variant}", on_invalid="raise",
-                                             **options, **monitor_kwargs)
+                                             **{"post_update": True, **options}, **monitor_kwargs)
         self.steps = dict.fromkeys(self.monitors, 0)
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
@@ -204,11 +207,14 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
         # the default check (spikes="warn") against spikes=None, median over rounds
         "spike_detection_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["nospikes"]) - 1.0),
-        # the default check (post_update=True) against post_update=False: steps, and optimizer.step() alone
+        # the Monitor with post_update=True against post_update=False: steps, and optimizer.step() alone
         "post_update_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["noupdate"]) - 1.0),
         "post_update_step_cost_pct": 100.0 * (statistics.median(trainer.update_seconds["check"])
                                               - statistics.median(trainer.update_seconds["noupdate"])) / plain,
         "median_update_ms": {v: statistics.median(trainer.update_seconds[v]) * 1e3 for v in ("check", "noupdate")},
+        # check() + optimizer.step() with the post-update check against without it: what it adds in all
+        "post_update_net_cost_pct": 100.0 * (_step_and_check(trainer, "check") - _step_and_check(trainer, "noupdate"))
+                                    / plain,
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
@@ -219,6 +225,11 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
         "profile": profile_text,
     }
+
+
+def _step_and_check(trainer: Trainer, variant: str) -> float:
+    """Median check() time plus median optimizer.step() time of a variant, in seconds."""
+    return statistics.median(trainer.check_seconds[variant]) + statistics.median(trainer.update_seconds[variant])
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -285,6 +296,8 @@ def main(argv=None) -> int:
     print(f"post_update_step_cost = {result['post_update_step_cost_pct']:+.2f}% of a plain step (the post-update "
           f"scan inside optimizer.step(), medians: {result['median_update_ms']['check']:.3f} vs "
           f"{result['median_update_ms']['noupdate']:.3f} ms)")
+    print(f"post_update_net_cost = {result['post_update_net_cost_pct']:+.2f}% of a plain step (check() + "
+          "optimizer.step() with the post-update check vs without, medians)")
     for every, pct in result["tensorboard_overhead_pct"].items():
         print(f"tensorboard_overhead(log_every={every}) = {pct:+.1f}% of the Monitor's step (median over rounds)")
     for every, pct in result["tensorboard_check_cost_pct"].items():

@@ -257,8 +257,10 @@ class Monitor(StepVerdicts):
     post_update: also scan the weights and optimizer state right after each optimizer.step() that follows a finite
         check (an Optimizer step post-hook; nanscan.monitor_update NOTE: [post-update check]), so that an update
         that writes non-finite values is an incident of that step (category "update", reason "optimizer_update"),
-        with the batch and, under snapshot="cpu", the state that update read. On by default; not with a process
-        group.
+        with the batch and, under snapshot="cpu", the state that update read. True, False, or "auto" (the
+        default): on while the optimizer holds float16 or bfloat16 parameters, where an update's settings most
+        often break (an eps that is 0 in float16); elsewhere it costs about half a check (README). Not with a
+        process group.
     tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
         nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
@@ -282,7 +284,7 @@ class Monitor(StepVerdicts):
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
-                 log_every: int | None = None, post_update: bool = True):
+                 log_every: int | None = None, post_update: bool | str = "auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -384,7 +386,11 @@ class Monitor(StepVerdicts):
                                  "mode at 'auto' or 'sync'")
             self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
         # NOTE: [post-update check]: the ranks would have to agree on it, so not under a process group.
-        self._updates = UpdateWatch(self) if post_update and self._agreement is None else None
+        if post_update not in (True, False, "auto"):
+            raise ValueError(f"post_update={post_update!r}: use True, False or 'auto' (on for float16/bfloat16 "
+                             "parameters)")
+        self._updates = UpdateWatch(self, always=post_update is True) \
+            if post_update and self._agreement is None else None
 
     # -- public state ---------------------------------------------------------------------------------------
     @property
@@ -545,7 +551,7 @@ class Monitor(StepVerdicts):
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             self._finite_step()
-            if self._updates is not None:
+            if self._updates is not None and self._updates.wanted(self._plan.rebuilds):
                 start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
                 self._updates.expect(UpdateContext(step, batch, sample_ids, started, start))
             return report
@@ -595,7 +601,7 @@ class Monitor(StepVerdicts):
         start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
         self._pending = PendingStep(step, report, scan, slot, retained(batch), retained(sample_ids), started,
                                      start)
-        if self._updates is not None:  # read with this step's verdict, at the next check
+        if self._updates is not None and self._updates.wanted(self._plan.rebuilds):  # read with its verdict, later
             self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start))
         if started and self._snapshot is not None:
             # The pending step's snapshot must survive the next step's start: capture into the other buffer.

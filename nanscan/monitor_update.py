@@ -13,11 +13,14 @@ non-finite update is an incident of category "update", reason UPDATE, dated to t
 with that step's batch, sample ids, RNG states and (snapshot="cpu") the pre-step state: what the update read, so
 replay reruns it. In mode="async" the scan is only enqueued, its flag copied to pinned memory behind an event, and
 read with the step's own verdict at the next check: no host sync of its own. Not with a process group (the ranks
-would have to agree on it) and not for updates without a check before them.
+would have to agree on it) and not for updates without a check before them. The next check scans the weights
+and the state again: a loop may write them between optimizer.step() and the check (weights edited in place, a
+state loaded), and that write must be seen at the check that follows it.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,11 @@ class UpdateContext:
     start: Any  # nanscan.monitor_verdict.StepStart
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # post_update="auto" checks the updates of these parameters
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+
+
 class UpdateInputs:
     """The `param:` and `optim:` inputs of an optimizer's parameters, prepared once and confirmed per update (the
     same state objects, the same tensors at the same addresses with the same dtypes), rebuilt when they change."""
@@ -62,14 +70,16 @@ class UpdateInputs:
         return self._inputs
 
     def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The same parameter lists, state values and tensor addresses (C loops: this runs after every update)."""
         groups = optimizer.param_groups
         if len(groups) != len(self._groups) or any(g["params"] is not p or len(p) != n
                                                    for g, (p, n) in zip(groups, self._groups)):
             return False
         values = [v for d in optimizer.state.values() for v in d.values()]
-        if len(values) != len(self._state_values) or any(a is not b for a, b in zip(values, self._state_values)):
-            return False
-        return [t.data_ptr() for t in self._tensors] == self._ptrs and [t.dtype for t in self._tensors] == self._dtypes
+        # a .data swap or model.half() moves a tensor, or changes its dtype where the allocator gave the address back
+        return len(values) == len(self._state_values) and all(map(operator.is_, values, self._state_values)) \
+            and list(map(_DATA_PTR, self._tensors)) == self._ptrs \
+            and list(map(_DTYPE, self._tensors)) == self._dtypes
 
     def _rebuild(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.rebuilds += 1
@@ -89,8 +99,8 @@ class UpdateInputs:
                         tensors.append(t)
         self._inputs = ScanInputs(items)
         self._tensors = tensors
-        self._ptrs = [t.data_ptr() for t in tensors]
-        self._dtypes = [t.dtype for t in tensors]
+        self._ptrs = list(map(_DATA_PTR, tensors))
+        self._dtypes = list(map(_DTYPE, tensors))
         self._state_values = [v for d in optimizer.state.values() for v in d.values()]
         self._groups = [(group["params"], len(group["params"])) for group in optimizer.param_groups]
 
@@ -124,14 +134,18 @@ class UpdateWatch:
     scans after the next optimizer.step(), and `monitor._update_incident(report, context)` is called for a
     non-finite update (at once in mode="sync", from `read()` in mode="async")."""
 
-    def __init__(self, monitor: Any):
+    def __init__(self, monitor: Any, *, always: bool = True):
         self._monitor = weakref.ref(monitor)
+        self.always = always  # False: post_update="auto", only while the optimizer holds low-precision parameters
+        self._low_precision = False
+        self._seen_rebuilds = -1
         self._inputs = UpdateInputs()
         self._optimizer: torch.optim.Optimizer | None = None
         self._handle = None
         self._expected: Any = None  # the context of the check whose update comes next
         self.pending: PendingUpdate | None = None
         self.updates_checked = 0
+
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Hook `optimizer` (the Monitor's, which nanscan.check may change between calls)."""
@@ -145,6 +159,17 @@ class UpdateWatch:
     def expect(self, context: Any) -> None:
         """The next update follows the finite check `context` describes (its step, batch, captures)."""
         self._expected = context
+
+    def wanted(self, plan_rebuilds: int) -> bool:
+        """Whether the next update is checked: always, or ("auto") while the optimizer holds a float16 or bfloat16
+        parameter, looked up again only when the Monitor's scan plan was rebuilt (model.half() rebuilds it)."""
+        if self.always:
+            return True
+        if plan_rebuilds != self._seen_rebuilds:
+            self._seen_rebuilds = plan_rebuilds
+            groups = self._optimizer.param_groups if self._optimizer is not None else ()
+            self._low_precision = any(p.dtype in LOW_PRECISION for group in groups for p in group["params"])
+        return self._low_precision
 
     def forget(self) -> None:
         self._expected = None

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import real_failures as R
+import torch
 from click.testing import CliRunner
+from torch import nn
 
 from nanscan.bundle import load_bundle
 from nanscan.cli import main
@@ -183,3 +185,21 @@ def test_preflight_flags_an_eps_that_is_zero_in_the_parameters_dtype():
     assert any("eps=1e-08 with 4 float16 parameter(s): eps rounds to 0 in float16" in r for r in report.reasons)
     healthy = run_preflight(R.nan_feature({}), steps=2)
     assert not any("optimizer:" in r for r in healthy.reasons + healthy.warnings)
+
+
+
+@pytest.mark.parametrize("post_update, caught", [("auto", (1, "parameter")), (True, (0, "update"))])
+def test_post_update_auto_checks_low_precision_updates_only(post_update, caught, tmp_path):
+    # float32 weights, a step so large it overflows: "auto" leaves float32 updates to the next check
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e38)
+    monitor = Monitor(model, optimizer, bundle_dir=tmp_path, spikes=None, post_update=post_update)
+    with pytest.raises(NonFiniteError) as err:
+        for step in range(3):
+            optimizer.zero_grad()
+            x = torch.full((2, 4), 100.0)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            monitor.check(batch={"x": x}, loss=loss)
+            optimizer.step()
+    assert (err.value.step, err.value.category) == caught
