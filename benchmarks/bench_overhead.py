@@ -12,8 +12,8 @@ reported as ratio lines against the default Monitor's adjacent blocks: `nospikes
 above is the cost of spike detection, on by default), `noupdate` (post_update=False, where every other Monitor here
 has post_update=True: the third to fifth lines are the cost of the post-update check, nanscan.monitor_update NOTE:
 [post-update check], on by default for float16/bfloat16 parameters; the fourth is the difference of the median
-optimizer.step() times, which hold the whole of its scan, the fifth adds check()) and, with TensorBoard export (on by default;
---no-tensorboard leaves it out), the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1:
+optimizer.step() times, which hold the whole of its scan, the fifth adds check()) and, with TensorBoard export (on
+by default; --no-tensorboard leaves it out), the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1:
 
     tensorboard_overhead(log_every=100) = +0.4% of the Monitor's step (median over rounds)
     tensorboard_check_cost(log_every=100) = +0.45% of a plain step (the export's time inside check(), medians)

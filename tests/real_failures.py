@@ -364,7 +364,7 @@ def empty_history(config: dict) -> ReplaySpec:
                  lambda model, batch: F.mse_loss(model(batch["history"], batch["mask"]), batch["y"]))
 
 
-# 12. a learning rate meant for a 4x larger batch: the weights grow each step until the loss overflows -------------------
+# 12. a learning rate meant for a 4x larger batch: the weights grow each step until the loss overflows ---------------
 
 def regression_batch(config: dict, step: int) -> dict:
     g = _g(step)

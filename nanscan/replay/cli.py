@@ -42,8 +42,8 @@ def print_replay(result: ReplayResult, console) -> None:
         console.print(f"  produced: {loc.produced.describe()}", highlight=False, markup=False)
     site = result.op
     if site is not None:
-        made = "created by" if site.phase == "backward" else "called as"
-        console.print(f"first bad op: [bold]{escape(site.op)}[/bold] ({made} {escape(site.call)}), {site.phase}, in "
+        console.print(f"first bad op: [bold]{escape(site.op)}[/bold] ({site.made} {escape(site.call)}), "
+                      f"{site.phase}, in "
                       f"{escape(site.label)} ({escape(site.module_type)})", highlight=False)
         if site.location:
             console.print(f"  at {site.location}: {site.code or ''}", highlight=False, markup=False)

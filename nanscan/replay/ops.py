@@ -81,8 +81,13 @@ class OpSite:
             pass
         return f"{shown}:{self.line}"
 
+    @property
+    def made(self) -> str:
+        """How the op relates to the torch call: a node is "created by" it, an aten op "called as" it."""
+        return "created by" if self.phase == "backward" else "called as"
+
     def describe(self) -> str:
-        made = f"created by {self.call}" if self.phase == "backward" else f"called as {self.call}"
+        made = f"{self.made} {self.call}"
         where = f" at {self.location}" if self.location else ""
         code = f": {self.code}" if self.code else ""
         return (f"{self.op} ({made}) in {self.label} ({self.module_type}), {self.phase}{where}{code}; received "

@@ -73,8 +73,9 @@ class ReplayResult:
             where += f"; op {self.op.op}{f' at {self.op.location}' if self.op.location else ''}"
         if self.update is not None:
             traps = [t for t in self.update["traps"] if t["severity"] == BREAKS]
-            where += f"; the update broke {self.update['broken_count']} tensor(s)" + \
-                (f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}" if traps else "")
+            where += f"; the update broke {self.update['broken_count']} tensor(s)"
+            if traps:  # the problem's first clause: "eps rounds to 0 in float16"
+                where += f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}"
         if self.verdict == "intermittent":
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
@@ -253,10 +254,9 @@ def update_markdown(update: dict) -> str:
 
 def op_markdown(site: OpSite) -> str:
     """The first bad op as INCIDENT.md shows it."""
-    made = "created by" if site.phase == "backward" else "called as"
     where = f", at `{site.location}`" if site.location else ""
     code = f":\n\n    {site.code}" if site.code else "."
-    return (f"**First bad op:** `{site.op}` ({made} `{site.call}`), {site.phase}, in `{site.label}` "
+    return (f"**First bad op:** `{site.op}` ({site.made} `{site.call}`), {site.phase}, in `{site.label}` "
             f"({site.module_type}){where}{code}\n\nIt received: {site.received.describe()}. It produced: "
             f"{site.produced.describe()}.")
 
