@@ -23,8 +23,10 @@ from typing import Any, Sequence
 # first because everything computed from them inherits their NaNs; the loss before the gradients because a
 # non-finite loss makes every gradient non-finite too.
 CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
-# A replayed step can also go bad only in optimizer.step(), which the Monitor never sees (it checks before it).
-STEP_CATEGORIES = (*CATEGORIES, "update")
+# A step can also go bad only in optimizer.step(): replay sees it, and so does the Monitor's post-update check
+# (nanscan.monitor_update NOTE: [post-update check]), which dates it to the step whose update wrote it.
+UPDATE = "update"
+STEP_CATEGORIES = (*CATEGORIES, UPDATE)
 # A report whose non-finite tensors follow no convention (nanscan.scan of the user's own tensors).
 OTHER = "other"
 # The category of a distributed part whose rank held only finite values at the failing step (another rank's
@@ -41,10 +43,11 @@ KINDS = (*CATEGORIES, OTHER)
 # (nanscan.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
 NONFINITE = "nonfinite"
 SKIP_STREAK = "skip_streak"
+OPTIMIZER_UPDATE = "optimizer_update"  # non-finite right after optimizer.step(), seen by the post-update check
 # A batch tensor held finite values beyond the range the step computes in (NOTE: [overflow] in nanscan/headroom.py)
 # and the step then went non-finite in the loss or the gradients: category "input", the tensors those inputs.
 INPUT_OVERFLOW = "input_overflow"
-REASONS = (NONFINITE, SKIP_STREAK, INPUT_OVERFLOW)
+REASONS = (NONFINITE, SKIP_STREAK, OPTIMIZER_UPDATE, INPUT_OVERFLOW)
 OVERFLOW_SKIP = "overflow_skip"
 REASON_EXPLANATIONS = {
     SKIP_STREAK: "GradScaler skipped every step from this one on: only gradients were non-finite (inputs, weights, "
@@ -55,10 +58,15 @@ REASON_EXPLANATIONS = {
                     "whose squares overflow float32 and bfloat16; above 65504 under float16 autocast), and the "
                     "step then went non-finite: the data is the likely cause (3.4e38, float32's largest value, is a "
                     "common missing-value sentinel). `nanscan data` flags the same values as `overflow`.",
+    OPTIMIZER_UPDATE: "The optimizer update of this step wrote the non-finite values: the batch, the loss, the "
+                      "gradients, the weights and the optimizer state it read were finite, and the weights or the "
+                      "state right after optimizer.step() were not. The cause is in the update itself: its settings "
+                      "against the dtypes (an eps that is 0 in the parameters' dtype, a learning rate times a "
+                      "gradient that overflows), or the size of the step; `nanscan replay` reruns it.",
 }
-# How a finding's title names the reason, after the category.
+# How a finding's title names the reason, after the category (reason_title).
 REASON_TITLES = {SKIP_STREAK: ", the first of a streak of skipped steps",
-                 INPUT_OVERFLOW: ": finite inputs beyond the step's range"}
+                 INPUT_OVERFLOW: ", finite inputs beyond the step's range"}
 
 # NOTE: [tensor names] prefixes, by kind; the loss is one tensor named LOSS.
 PREFIX = {"input": "input:", "parameter": "param:", "optimizer_state": "optim:", "gradient": "grad:"}
@@ -75,6 +83,8 @@ CATEGORY_EXPLANATIONS = {
     "loss": "The loss was non-finite while inputs, weights and optimizer state were finite: something in the "
             "forward pass produced it.",
     "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
+    UPDATE: "Every tensor checked before optimizer.step() was finite, but the update wrote non-finite weights or "
+            "optimizer state.",
     SPIKE: "Every value was finite, but the loss or the gradient norm jumped far outside its recent range: an early "
            "warning, kept while the weights are still sound. The tensors whose norms moved first point at the cause "
            "(one layer's gradients: that layer; every layer at once with the loss: the batch or the learning rate).",
@@ -83,10 +93,24 @@ CATEGORY_EXPLANATIONS = {
 }
 
 
-def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True) -> str:
+def update_message(step: int) -> str:
+    """How an incident of the post-update check names its cause."""
+    return f"the optimizer update of step {step}"
+
+
+def reason_title(reason: str | None, step: int) -> str:
+    """What follows the category in a title ("(input, finite inputs beyond the step's range)"); "" for NONFINITE."""
+    if reason == OPTIMIZER_UPDATE:
+        return f", written by {update_message(step)}"
+    return REASON_TITLES.get(reason, "")
+
+
+def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True,
+                     batch_given: bool = False) -> str:
     """CATEGORY_EXPLANATIONS[category], worded for what was actually checked: `nanscan.check(model)` sees no loss
     and no batch, so a NaN from the forward pass first shows in the gradients and must not be called a backward
-    pass failure, and "the inputs were finite" is not known."""
+    pass failure, and "the inputs were finite" is not known. `batch_given`: a batch was passed whose tensors were
+    all integers (token ids), so nothing in it was scanned, and nothing in it could be NaN."""
     text = CATEGORY_EXPLANATIONS.get(category, "")
     if category == "gradient" and not loss_checked:
         text = ("A gradient was the first non-finite tensor checked; no loss was checked (none was given), so this "
@@ -97,7 +121,8 @@ def explain_category(category: str, *, loss_checked: bool = True, inputs_checked
     elif category == "optimizer_state" and not inputs_checked:
         text = "The optimizer state was non-finite while the weights were finite: its moments or counters broke first."
     if category in ("parameter", "optimizer_state", "loss", "gradient") and not inputs_checked:
-        text += " No batch was checked (none was given), so the inputs may have been non-finite already."
+        text += (" The batch holds only integer tensors: nothing in it can be NaN." if batch_given else
+                 " No batch was checked (none was given), so the inputs may have been non-finite already.")
     return text
 
 

@@ -388,11 +388,15 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
             yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)
 
 
-def batch_size(batch: Any) -> int | None:
-    """The number of samples: the leading size most tensors of the batch share (None for a batch of scalars)."""
+def batch_size(batch: Any, sample_ids: Any = None) -> int | None:
+    """The number of samples: the count of recorded sample ids when some tensor of the batch has that leading size
+    (a batch may hold more rows of something else, such as a GAN's generated images), else the leading size most
+    tensors of the batch share (None for a batch of scalars)."""
     sizes = [t.shape[0] for _, t in iter_batch_tensors(batch) if t.dim() > 0]
     if not sizes:
         return None
+    if isinstance(sample_ids, (list, tuple)) and len(sample_ids) in sizes:
+        return len(sample_ids)
     return max(set(sizes), key=sizes.count)
 
 

@@ -55,8 +55,6 @@ their recent range, from the same records. A spike warns (SpikeWarning) and the 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import operator
 import os
@@ -66,30 +64,28 @@ import sys
 import weakref
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from nanscan import _layout as L
-from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, Streak, autocast_state, mixed_precision_record, read_scaling
-from nanscan.bundle import HistoryEntry, Incident, check_run_id, read_log_tail, unsaved_parts, write_bundle
+from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_scaling
+from nanscan.bundle import HistoryEntry, check_run_id
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
-from nanscan.headroom import overflowing_inputs
 from nanscan.history import HistoryRing
-from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, REASON_TITLES, SKIP_STREAK, SPIKE, GradientWarning,
-                              NonFiniteError, SnapshotWarning, SpikeWarning, categorize, shown_names, warn_user)
+from nanscan.incident import GradientWarning, NonFiniteError, SnapshotWarning, warn_user
 from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
-from nanscan.pending import StepScan
 from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
-from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, environment, normalize_config
+from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, normalize_config
 from nanscan.snapshot import CpuSnapshot
-from nanscan.spikes import EPISODE_GAP
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.spikes import Spike, SpikeRule, SpikeWatch
+from nanscan.monitor_update import UpdateContext, UpdateWatch
+from nanscan.monitor_verdict import PendingStep, StepStart, StepVerdicts, retained
 from nanscan.stats import PendingReport, ScanReport, gradient_rows
 
 log = logging.getLogger("nanscan")
@@ -99,7 +95,6 @@ SNAPSHOTS = ("none", "cpu")
 MODES = ("auto", "sync", "async")
 BUNDLE_DIR_ENV = "NANSCAN_BUNDLE_DIR"
 DEFAULT_BUNDLE_DIR = "nanscan-bundles"
-_RNG_KEYS = {"torch": "torch_cpu", "numpy": "numpy", "python": "python"}  # a source's key in capture_rng's dict
 _REPLAY_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -140,10 +135,6 @@ def _distributed_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def _new_run_id() -> str:
     return f"{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
@@ -179,62 +170,6 @@ def _kept_scalar(value: Any, step_inputs: StepInputs | None = None) -> Any:
     return _scalar(value)
 
 
-def _retained(value: Any) -> Any:
-    """A batch (or sample ids) as kept until the verdict of its step arrives one step later: CPU tensors and numpy
-    arrays are copied (cheap, and the loop may refill its buffers in place), GPU tensors are kept by reference,
-    not copied (a copy would cost GPU memory and bandwidth every step), so they must not be modified in place
-    before the next check. Containers are rebuilt as the bundle stores them: mappings as dicts, tuples as tuples."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone() if value.device.type == "cpu" else value.detach()
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, Mapping):
-        return {k: _retained(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_retained(v) for v in value)
-    if isinstance(value, list):
-        return [_retained(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        kept = copy.copy(value)
-        for f in dataclasses.fields(value):
-            object.__setattr__(kept, f.name, _retained(getattr(value, f.name)))
-        return kept
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class _StepStart:
-    """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state)."""
-
-    rng: dict | None
-    snapshot: CpuSnapshot | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _PendingStep:
-    """A checked step whose verdict has not been read yet (mode="async"), with what its bundle needs."""
-
-    step: int
-    report: PendingReport
-    scan: StepScan
-    slot: int  # its slot in the history ring
-    batch: Any
-    sample_ids: Any
-    started: bool
-    start: _StepStart
-
-
-@dataclasses.dataclass(frozen=True)
-class _SkipEvidence:
-    """What a streak of overflow skips keeps of its first step, for the bundle if the streak becomes an incident."""
-
-    report: ScanReport
-    batch: Any
-    sample_ids: Any
-    started: bool
-    rng: dict | None
-
-
 class _StepStartHook:
     """The forward pre-hook that marks a step's start. It holds the Monitor weakly (the model must not keep it
     alive) and pickles as an inert hook, so torch.save or deepcopy of the whole module keeps working."""
@@ -258,7 +193,7 @@ class _StepStartHook:
         self._monitor = None
 
 
-class Monitor:
+class Monitor(StepVerdicts):
     """Watches one model (and optimizer) for the first step with a NaN or infinity and preserves the evidence.
 
     Call `check(...)` once per step after `loss.backward()` and before `optimizer.step()`.
@@ -323,6 +258,13 @@ class Monitor:
         the host): use agreement="async" there, not mode="async".
     scaler: the torch.amp.GradScaler whose scaled gradients are checked (see the module docstring); max_skips and
         min_scale: when a streak of its overflow skips becomes an incident (nanscan.amp NOTE: [overflow skips]).
+    post_update: also scan the weights and optimizer state right after each optimizer.step() that follows a finite
+        check (an Optimizer step post-hook; nanscan.monitor_update NOTE: [post-update check]), so that an update
+        that writes non-finite values is an incident of that step (category "update", reason "optimizer_update"),
+        with the batch and, under snapshot="cpu", the state that update read. True, False, or "auto" (the
+        default): on while the optimizer holds float16 or bfloat16 parameters, where an update's settings most
+        often break (an eps that is 0 in float16); elsewhere it costs about half a check (README). Not with a
+        process group.
     tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
         nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
         statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
@@ -346,7 +288,7 @@ class Monitor:
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
-                 log_every: int | None = None):
+                 log_every: int | None = None, post_update: bool | str = "auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -394,7 +336,7 @@ class Monitor:
         self.source = capture_source()  # at start-up: the code that runs is the code that was imported
 
         self._ring = HistoryRing(history)
-        self._pending: _PendingStep | None = None  # mode="async": the last checked step, verdict not yet read
+        self._pending: PendingStep | None = None  # mode="async": the last checked step, verdict not yet read
         self._next_step = 0
         self.first_invalid_step: int | None = None
         self.bundle_path: Path | None = None
@@ -449,6 +391,12 @@ class Monitor:
                                  "its check; pass agreement='async' (the verdict arrives one step later) and leave "
                                  "mode at 'auto' or 'sync'")
             self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
+        # NOTE: [post-update check]: the ranks would have to agree on it, so not under a process group.
+        if post_update not in (True, False, "auto"):
+            raise ValueError(f"post_update={post_update!r}: use True, False or 'auto' (on for float16/bfloat16 "
+                             "parameters)")
+        self._updates = UpdateWatch(self, always=post_update is True) \
+            if post_update and self._agreement is None else None
 
     # -- public state ---------------------------------------------------------------------------------------
     @property
@@ -511,6 +459,8 @@ class Monitor:
             self.flush()
         finally:
             self._hook.remove()
+            if self._updates is not None:
+                self._updates.close()
             if self._export is not None:
                 self._export.close()
 
@@ -585,6 +535,9 @@ class Monitor:
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
+        if self._updates is not None:  # NOTE: [post-update check]: only an update right after a finite check
+            self._updates.forget()
+            self._updates.attach(self.optimizer)
         if not started and self._snapshot is not None and not self._start_warned:
             self._start_warned = True  # at the first such check, while the run can still be fixed
             warn_user(f"nanscan: snapshot='cpu' but no step start was seen before the check of step {step}: no "
@@ -641,6 +594,9 @@ class Monitor:
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             self._finite_step()
+            if self._updates is not None and self._updates.wanted(self._plan.rebuilds):
+                start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
+                self._updates.expect(UpdateContext(step, batch, sample_ids, started, start))
             return report
         return self._invalid(report, step, batch, sample_ids, started, slot=slot)
 
@@ -685,9 +641,11 @@ class Monitor:
                                decided_step=decided_step, found_inf=found_inf, scaling=scaling,
                                overflow_skip=decided_skip)
         report.spike, self._decided_spike = self._decided_spike, None
-        start = _StepStart(self._rng, self._snapshot) if started else _StepStart(None, None)
-        self._pending = _PendingStep(step, report, scan, slot, _retained(batch), _retained(sample_ids), started,
+        start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
+        self._pending = PendingStep(step, report, scan, slot, retained(batch), retained(sample_ids), started,
                                      start)
+        if self._updates is not None and self._updates.wanted(self._plan.rebuilds):  # read with its verdict, later
+            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start))
         if started and self._snapshot is not None:
             # The pending step's snapshot must survive the next step's start: capture into the other buffer.
             spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
@@ -706,262 +664,12 @@ class Monitor:
         if not nonfinite:
             self._finite_step()
             self._read_spike(pending, read_at)
+            if self._updates is not None:  # its update's verdict, enqueued after the step's own
+                self._updates.read()
             return pending.step, True, False
         result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
                                pending.started, start=pending.start, read_at=read_at, slot=pending.slot)
         return pending.step, False, result.overflow_skip
-
-    # -- the incident ---------------------------------------------------------------------------------------
-    def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
-                 start: _StepStart | None = None, read_at: str | None = None, slot: int | None = None) -> ScanReport:
-        """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
-        check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures).
-        Under a GradScaler an overflow skip goes to _overflow_skip instead (slot: the step's in the history)."""
-        if self._scaler is not None and self._scaler.is_skip(report):
-            return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
-        category, tensors = categorize(report)
-        reason = NONFINITE
-        huge = overflowing_inputs(report.stats, (self._autocast or {}).get("dtype")) \
-            if category in ("loss", "gradient") else []
-        if huge:  # the step went bad computing on finite inputs it cannot hold: name them (NOTE: [overflow])
-            category, tensors, reason = "input", huge, INPUT_OVERFLOW
-        first = self.first_invalid_step is None
-        if first:
-            self.first_invalid_step = step
-            try:
-                incident = self.incident(report, step, category, tensors, batch, sample_ids, started, start=start,
-                                         read_at=read_at)
-                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason), self.bundle_dir)
-            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
-                self.bundle_error = exc
-                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
-                          type(exc).__name__, exc)
-        else:
-            self.invalid_steps += 1
-        self._apply_policy(report, step, category, tensors, first, read_at=read_at,
-                           why=REASON_TITLES.get(reason, "").lstrip(":, ") or None)
-        return report
-
-    # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
-    def _finite_step(self) -> None:
-        if self._scaler is not None:
-            self._scaler.end_streak()
-
-    def _overflow_skip(self, report: ScanReport, batch: Any, sample_ids: Any, started: bool, *,
-                       start: _StepStart | None, read_at: str | None, slot: int | None) -> ScanReport:
-        """Record an expected overflow skip; bundle its streak, from the streak's first step, once the streak has
-        become an incident, and apply on_invalid to it then. Only a streak's first step is kept: its batch as
-        _retained keeps a pending step's (an async verdict's batch is already retained)."""
-        report.overflow_skip = True
-        if slot is not None:
-            self._ring.mark_overflow_skip(slot)
-        evidence = None
-        if self._scaler.streak is None:
-            rng = (start.rng if start is not None else self._rng) if started else None
-            evidence = _SkipEvidence(report, batch if read_at else _retained(batch),
-                                     sample_ids if read_at else _retained(sample_ids), started, rng)
-        streak = self._scaler.record_skip(report, evidence)
-        if streak is None:
-            return report
-        first, step = streak.first, streak.first_step
-        category, tensors = categorize(first.report)
-        if self.first_invalid_step is None:
-            self.first_invalid_step = step
-            try:
-                self.bundle_path = write_bundle(self._streak_incident(streak, category, tensors, read_at),
-                                                self.bundle_dir)
-            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the streak; reported below
-                self.bundle_error = exc
-                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
-                          type(exc).__name__, exc)
-            first_incident = True
-        else:
-            self.invalid_steps += 1
-            first_incident = False
-        self._apply_policy(report, step, category, tensors, first_incident, read_at=read_at, streak=streak.reason)
-        return report
-
-    def _streak_incident(self, streak: Streak, category: str, tensors: list[str], read_at: str | None) -> Incident:
-        """The incident of a streak of overflow skips: its first step's report, batch and RNG, the state now (no
-        update was applied since that step's start), the scale history."""
-        first = streak.first
-        incident = self.incident(first.report, streak.first_step, category, tensors, first.batch, first.sample_ids,
-                                 first.started, start=_StepStart(first.rng, None), read_at=read_at)
-        note = (f"a streak of {len(streak.skips)} GradScaler overflow skips from step {streak.first_step}: no update "
-                f"was applied since that step's start, so weights and optimizer state are the ones it started from; "
-                "buffers updated by the forward pass (e.g. BatchNorm statistics) include the later batches")
-        return dataclasses.replace(incident, reason=SKIP_STREAK, state_note=note, state_pre_step=False,
-                                   mixed_precision=mixed_precision_record(self._scaler, self._autocast, streak))
-
-    def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
-                 sample_ids: Any, started: bool, *, start: _StepStart | None = None,
-                 read_at: str | None = None) -> Incident:
-        """The evidence of a non-finite step as write_bundle takes it: the report, the history, the batch, the
-        step-start RNG states and the state (the snapshot's when it was taken at this step's start). Also what
-        nanscan.distributed's Agreement writes each rank's part from."""
-        model = self.model
-        if start is None:
-            start = _StepStart(self._rng, self._snapshot)
-        rng = dict(start.rng) if started and start.rng is not None else {}
-        rng_at = {source: "step_start" for source in RNG_SOURCES if _RNG_KEYS[source] in rng}
-        late = tuple(source for source in RNG_SOURCES if source not in rng_at)
-        rng.update(capture_rng(late))
-        # Taken now: at the step's own check, or (async) where its verdict was read.
-        rng_at.update({source: "next_check" if read_at == "next_check" else "check" for source in late})
-        if started and start.snapshot is not None:
-            model_state, optimizer_state = start.snapshot.result()
-            pre_step, note = True, ""
-        else:
-            model_state = model.state_dict()
-            optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
-            pre_step = False
-            if self._snapshot is not None:
-                note = "snapshot='cpu' but no training forward of the model was seen since the previous check"
-            elif read_at == "next_check":
-                note = (f"mode='async', snapshot='none': the verdict arrived at the next check, so weights and "
-                        f"optimizer state include step {step}'s update unless it was skipped (report.found_inf "
-                        "given to a fused optimizer, or no optimizer.step()), and buffers updated by the forward "
-                        "pass (e.g. BatchNorm statistics) include the next batch; snapshot='cpu' keeps the exact "
-                        "pre-step state")
-            elif read_at is not None:
-                note = (f"mode='async', snapshot='none': the verdict was read at {read_at}(); weights and optimizer "
-                        f"state include step {step}'s update if optimizer.step() ran after its check; buffers "
-                        "updated by the forward pass (e.g. BatchNorm statistics) already include this batch")
-            else:
-                note = ("snapshot='none': weights and optimizer state before this step's update; buffers updated "
-                        "by the forward pass (e.g. BatchNorm statistics) already include this batch")
-        return Incident(
-            run_id=self.run_id, step=step, category=category, tensors=tensors, report=report, detected_at=_now(),
-            history=self._history_entries(), batch=batch, sample_ids=sample_ids, config=self.config,
-            source=self.source, environment=environment(report.backend), rng=rng, rng_captured_at=rng_at,
-            model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
-            logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
-            mixed_precision=mixed_precision_record(self._scaler, self._autocast),
-            spikes=[spike.to_dict() for spike in self.spikes],
-        )
-
-    def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
-                 streak: str | None = None, why: str | None = None) -> str:
-        why = f", {why}" if why else ""
-        text = f"nanscan: non-finite values at step {step} (category {category}{why}: {shown_names(tensors)})"
-        if streak:
-            text += f"; GradScaler skipped every step since: {streak}"
-        if read_at == "next_check":
-            text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
-                     "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
-                     "before optimizer.step() to decide each step before its update)")
-        if self.bundle_path is not None:
-            where = "evidence" if step == self.first_invalid_step else \
-                f"first incident at step {self.first_invalid_step}, evidence"
-            unsaved = unsaved_parts(self.bundle_path)  # NOTE: [write faults] in nanscan/bundle/write.py
-            missing = f"; not saved: {'; '.join(unsaved)}" if unsaved else ""
-            return f"{text}; {where} in {self.bundle_path} (see `nanscan report {self.bundle_path}`){missing}"
-        if self.bundle_error is not None:
-            return f"{text}; the evidence bundle could not be written: {self.bundle_error}"
-        return text
-
-    def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
-                      read_at: str | None = None, streak: str | None = None, why: str | None = None) -> None:
-        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
-        why: what the deciding tensors are, when they are not the non-finite ones)."""
-        policy = self.on_invalid
-        if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, why),
-                                 bundle_path=self.bundle_path, step=step, category=category,
-                                 tensors=tensors) from self.bundle_error
-        if policy == "skip":
-            self._drop_gradients()
-        if policy in ("warn", "skip"):
-            if first:
-                warn_user(self._message(step, category, tensors, read_at, streak, why))
-            return
-        policy(report, self.bundle_path)
-
-    def _drop_gradients(self) -> None:
-        """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes
-        nothing (zeroed gradients would not do: Adam's momentum would still move the weights)."""
-        for p in self.model.parameters():
-            p.grad = None
-        if self.optimizer is not None:  # it may also update parameters outside the model
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-
-    # -- spikes (nanscan.spikes NOTE: [spike statistic]) ------------------------------------------------------
-    def _spike_at_check(self, report: ScanReport, step: int, batch: Any, sample_ids: Any,
-                        started: bool) -> ScanReport:
-        """Judge a finite sync step; at a spike, act on it and return the report carrying it."""
-        spike = self._spike_watch.observe_host(step, report)
-        if spike is None:
-            return report
-        if self.on_spike == "skip":
-            self._drop_gradients()
-            report = ScanReport(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
-                                step=step, found_inf=torch.ones_like(report.found_inf), any_nonfinite=False,
-                                scaling=report.scaling)
-        report.spike = self._spike_found(spike, report, step, batch, sample_ids, started)
-        return report
-
-    def _spike_on_device(self, step: int, scan: Any, tensors: tuple, scaling: Any) -> Any:
-        """Judge an async step where its records are (no host sync); returns the found_inf its report gives: with
-        spikes="skip", the non-finite flag and the spike flag combined on the device, else None (the scan's)."""
-        if self._spike_watch is None:
-            return None
-        spiked = self._spike_watch.observe_device(step, scan, tensors, scaling)
-        return torch.maximum(scan.found_inf, spiked) if self.on_spike == "skip" else None
-
-    def _read_spike(self, pending: _PendingStep, read_at: str) -> None:
-        """Read a finite async step's spike verdict (judged on the device with its scan) and act on it."""
-        read = self._spike_watch.read() if self._spike_watch is not None else None
-        if read is None or read[0] != pending.step or not read[1]:
-            return
-        spike = self._spike_watch.spike_of(pending.step, read[1])
-        self._decided_spike = self._spike_found(spike, pending.report.result(), pending.step, pending.batch,
-                                                pending.sample_ids, pending.started, start=pending.start,
-                                                read_at=read_at)
-
-    def _spike_found(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool,
-                     *, start: _StepStart | None = None, read_at: str | None = None) -> Spike:
-        """Keep a spike, bundle it (the run's first; every episode's first with spikes="bundle") and warn, raise
-        or call spikes(spike, bundle_path). Spikes within EPISODE_GAP steps of the previous are one episode."""
-        new_episode = not self.spikes or step - self.spikes[-1].step > EPISODE_GAP
-        if new_episode or callable(self.on_spike):
-            spike = self._spike_watch.attributed(spike, self._ring.entries())  # copies the history: at spikes only
-        self.spikes.append(spike)
-        bundle_path = None
-        if new_episode and (self.on_spike == "bundle" or len(self.spikes) == 1):
-            bundle_path = self._spike_bundle(spike, report, step, batch, sample_ids, started, start, read_at)
-        if callable(self.on_spike):
-            self.on_spike(spike, bundle_path)
-            return spike
-        warning = SpikeWarning(self._spike_message(spike, bundle_path, read_at), step=step, quantity=spike.quantity,
-                               spike=spike, bundle_path=bundle_path)
-        if self.on_spike == "raise":
-            raise warning
-        if new_episode:
-            warn_user(warning)
-        return spike
-
-    def _spike_bundle(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any,
-                      started: bool, start: _StepStart | None, read_at: str | None) -> Path | None:
-        try:
-            path = write_bundle(self.incident(report, step, SPIKE, spike.tensors, batch, sample_ids, started,
-                                              start=start, read_at=read_at), self.bundle_dir)
-        except Exception as exc:  # noqa: BLE001 - a failed write must not stop training; the warning goes out
-            log.error("nanscan: could not write the spike bundle for step %d: %s: %s", step, type(exc).__name__, exc)
-            return None
-        if self.spike_bundle_path is None:
-            self.spike_bundle_path = path
-        return path
-
-    def _spike_message(self, spike: Spike, bundle_path: Path | None, read_at: str | None) -> str:
-        text = f"nanscan: {spike.describe()}"
-        if read_at == "next_check":
-            text += "; mode='async': read at the next check (spikes='skip' skips it through report.found_inf)"
-        if bundle_path is not None:
-            text += f"; evidence in {bundle_path} (see `nanscan report {bundle_path}`)"
-        return text + ". Values are still finite: this is an early warning, not an invalid step"
-
 
 # -- the default Monitor behind nanscan.check(model) ---------------------------------------------------------
 

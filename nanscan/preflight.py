@@ -1,5 +1,6 @@
 """`nanscan preflight`: before a long run, check the data, then train a few steps from the replay entry on a
-fixed review sample with a scan after every backward and every optimizer step, and give a go / no-go verdict.
+fixed review sample with a scan after every backward and every optimizer step, check the optimizer's settings
+against the parameters' dtypes (nanscan.replay.traps NOTE: [update traps]), and give a go / no-go verdict.
 
 The review sample holds normal batches and the boundary batches (the longest samples, the largest input
 magnitude) from the entry's healthy batches. Before the real steps, a canary runs on a copy of the model and
@@ -28,6 +29,7 @@ from nanscan.headroom import headroom
 from nanscan.incident import shown_names
 from nanscan.preflight_options import DEFAULT_SAMPLE_BATCHES, DEFAULT_STEPS
 from nanscan.replay.step import StepOutcome, run_step
+from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.stats import ScanReport
 
 # Warn when the largest value is this close (in binades, i.e. factors of two) to a low-precision format's maximum.
@@ -375,6 +377,7 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
         report.reasons.append(f"building the optimizer raised {type(exc).__name__}: {exc}")
         return
     report.low_precision = sorted({_LOW_PRECISION[p.dtype] for p in model.parameters() if p.dtype in _LOW_PRECISION})
+    _add_traps(report, optimizer_traps(optimizer))  # NOTE: [update traps]: before any step runs
     normal = batches[report.sample[0].index]
     report.canaries = run_canary(spec, model, optimizer, normal, scan)
     if not any(c.caught for c in report.canaries):
@@ -387,8 +390,18 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
     if failed:
         s = failed[0]
         report.reasons.append(f"step {s.step} on {s.batch}: {s.problem}")
+    largest = {id(p): float(p.grad.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for p in model.parameters()
+               if p.grad is not None and p.grad.numel()}
+    # after the steps, from their gradients: an explanation beside a failed step's reason, not a reason of its own
+    report.warnings += [f"optimizer: {t.describe()}" for t in optimizer_traps(optimizer, largest) if t.setting == "lr"]
     report.headroom, headroom_warnings = headroom_report(hists, report.low_precision)
     report.warnings += headroom_warnings
+
+
+def _add_traps(report: PreflightReport, traps: list) -> None:
+    """An optimizer setting that breaks the update in these dtypes is a no-go, one that only weakens it a warning."""
+    for trap in traps:
+        (report.reasons if trap.severity == BREAKS else report.warnings).append(f"optimizer: {trap.describe()}")
 
 
 def _finish(report: PreflightReport) -> PreflightReport:

@@ -121,7 +121,8 @@ def summarize(bundle, history: list | None = None) -> dict:
         "category": category,
         "category_meaning": REASON_EXPLANATIONS.get(manifest.get("reason")) or explain_category(
             category, loss_checked=checked is None or LOSS in checked,
-            inputs_checked=checked is None or any(tensor_kind(n) == "input" for n in checked)),
+            inputs_checked=checked is None or any(tensor_kind(n) == "input" for n in checked),
+            batch_given=bool(manifest.get("batch", {}).get("file"))),
         "nonfinite_tensors": [{k: t[k] for k in ("name", "kind", "module", "layer", "nan", "posinf", "neginf",
                                                    "numel")} for t in offenders],
         "groups": groups,
@@ -711,6 +712,10 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
     rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _grad_norm_cell(v), v["nonfinite_tensors"]]
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]
+    from nanscan.bundle.findings import findings_lines  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
+    parts.append("<h2>Findings</h2><ul>" + "".join(f"<li>{esc(line)}</li>"
+                                                   for line in findings_lines(summary["findings"])) + "</ul>")
     parts.append("<h2>Loss, learning rate and gradient norm</h2>")
     parts.append(_table(["", "step", "loss", "lr", "grad norm", "non-finite tensors"], rows))
     parts += _img(plot_curves(summary, history), "loss and gradient norm")

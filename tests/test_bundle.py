@@ -206,7 +206,7 @@ def _capture_incident(monkeypatch, tmp_path) -> tuple[B.Incident, Path]:
         captured.append(incident)
         return real(incident, bundle_dir)
 
-    monkeypatch.setattr("nanscan.monitor.write_bundle", spy)
+    monkeypatch.setattr("nanscan.monitor_verdict.write_bundle", spy)  # where the Monitor writes its incidents
     run = Run(tmp_path)
     return captured[0], run.path
 

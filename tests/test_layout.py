@@ -18,7 +18,8 @@ LAYERS = {
               "preflight_options", "data", "testing", "bench_scan", "bench_cli", "bench_options", "export", "__main__"),
     # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
     # TensorBoard export, and which the trainer adapters drive
-    "runtime": ("monitor", "spikes", "distributed", "snapshot", "history", "amp", "integrations"),
+    "runtime": ("monitor", "monitor_verdict", "monitor_update", "spikes", "distributed", "snapshot", "history", "amp",
+                "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
                "compact", "_native", "_layout", "_atomic", "_lazy"),

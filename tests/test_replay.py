@@ -344,8 +344,11 @@ def test_not_reproduced_from_inexact_conditions_does_not_blame_hardware(tmp_path
 
 def test_without_recorded_rng_every_replay_draws_the_same(tmp_path, monkeypatch):
     import nanscan.monitor
+    import nanscan.monitor_verdict
 
-    monkeypatch.setattr(nanscan.monitor, "capture_rng", lambda *args, **kwargs: {})
+    # at the step's start (the Monitor's forward pre-hook) and at the incident (nanscan.monitor_verdict)
+    for module in (nanscan.monitor, nanscan.monitor_verdict):
+        monkeypatch.setattr(module, "capture_rng", lambda *args, **kwargs: {})
     path = E.train("poisoned_sample", tmp_path)
     monkeypatch.undo()
     replayer = Replayer(path, f"{E.MODULE}:rng_draws")

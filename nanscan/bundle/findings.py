@@ -35,6 +35,19 @@ def first_bad_module(bundle) -> tuple[str, str, str | None]:
     return NOT_REPLAYED, "", verdict
 
 
+def first_bad_op(record: dict) -> dict | None:
+    """The replay record's first bad op (nanscan.replay.ops.OpSite.to_dict), reduced to what a report shows."""
+    op = record.get("op")
+    if not isinstance(op, dict) or not isinstance(op.get("op"), str):
+        return None
+    return {k: _text(op.get(k)) for k in ("op", "call", "phase", "label", "module_type", "location", "code")}
+
+
+def _bisection_verdict(record: dict) -> str | None:
+    found = record.get("bisect")
+    return _text(found.get("verdict")) if isinstance(found, dict) else None
+
+
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
@@ -50,7 +63,9 @@ def recorded_findings(bundle) -> dict:
     if replay is not None:
         record = replay.get("record") or {}
         out["replay"] = {"title": replay["title"], "verdict": verdict, "reproduced": record.get("reproduced"),
-                         "first_bad_module": module if source == REPLAY_FINDING else None}
+                         "first_bad_module": module if source == REPLAY_FINDING else None,
+                         "first_bad_op": first_bad_op(record), "bisection": _bisection_verdict(record),
+                         "update": record.get("update") if isinstance(record.get("update"), dict) else None}
     for f in findings:
         key, record = f.get("key"), f.get("record") or {}
         if key.startswith(ABLATE_FINDING_PREFIX):
@@ -73,6 +88,18 @@ def findings_lines(found: dict) -> list[str]:
     replay = found.get("replay")
     if replay is not None:
         lines.append(f"replay: {replay['title'].removeprefix('Replay: ')}")
+        op = replay.get("first_bad_op")
+        if op:
+            made = "created by" if op["phase"] == "backward" else "called as"
+            lines.append(f"first bad op: {op['op']} ({made} {op['call']}), {op['phase']}, in {op['label']} "
+                         f"({op['module_type']})" + (f" at {op['location']}: {op['code'] or ''}" if op["location"]
+                                                     else ""))
+        update = replay.get("update") or {}
+        for trap in update.get("traps") or []:
+            if isinstance(trap, dict) and isinstance(trap.get("text"), str):
+                lines.append(f"update trap ({trap.get('severity')}): {trap['text']}")
+        if replay.get("bisection"):
+            lines.append(f"bisection: {replay['bisection']}")
     elif found.get("first_bad_module"):
         lines.append(f"first bad module: {found['first_bad_module']['module']} "
                      f"(from {found['first_bad_module']['from']})")

@@ -9,8 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.headroom import FORMATS, headroom_by_kind
-from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, REASON_TITLES, SPIKE,
-                              explain_category, is_kind)
+from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, SPIKE,
+                              explain_category, is_kind, reason_title)
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
@@ -256,7 +256,8 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     shown = (culprits + [row for row in nonfinite if row["name"] not in deciding])[:20]
     names = [s.name for s in inc.report.stats]
     explanation = REASON_EXPLANATIONS.get(inc.reason) or explain_category(
-        inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names))
+        inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names),
+        batch_given=inc.batch is not None)
     if inc.reason == INPUT_OVERFLOW:
         largest = {s.name: s.absmax for s in inc.report.stats}
         shown_inputs = [f"`{n}` (largest |x| {largest.get(n, float('nan')):.4g})" for n in inc.tensors[:10]]
@@ -285,7 +286,7 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
               "nonfinite_count": len(nonfinite), "reason": inc.reason}
     return {"kind": "finding", "key": DETECT_FINDING,
-            "title": f"First non-finite step: {inc.step} ({inc.category}{REASON_TITLES.get(inc.reason, '')})",
+            "title": f"First non-finite step: {inc.step} ({inc.category}{reason_title(inc.reason, inc.step)})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
 
 

@@ -40,6 +40,20 @@ def print_replay(result: ReplayResult, console) -> None:
                       f"[bold]{loc.phase}[/bold]{escape(f' - {loc.detail}') if loc.detail else ''}", highlight=False)
         console.print(f"  received: {loc.received.describe()}", highlight=False, markup=False)
         console.print(f"  produced: {loc.produced.describe()}", highlight=False, markup=False)
+    site = result.op
+    if site is not None:
+        console.print(f"first bad op: [bold]{escape(site.op)}[/bold] ({site.made} {escape(site.call)}), "
+                      f"{site.phase}, in "
+                      f"{escape(site.label)} ({escape(site.module_type)})", highlight=False)
+        if site.location:
+            console.print(f"  at {site.location}: {site.code or ''}", highlight=False, markup=False)
+        console.print(f"  received: {site.received.describe()}", highlight=False, markup=False)
+        console.print(f"  produced: {site.produced.describe()}", highlight=False, markup=False)
+    if result.update is not None:
+        console.print(f"the update ({result.update['optimizer']}.step()) broke {result.update['broken_count']} "
+                      f"tensor(s): {', '.join(result.update['broken'][:5])}", highlight=False, markup=False)
+        for trap in result.update["traps"]:
+            console.print(f"  trap ({trap['severity']}): {trap['text']}", highlight=False, markup=False)
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:
@@ -50,7 +64,10 @@ def print_replay(result: ReplayResult, console) -> None:
             if b.says_more:
                 console.print(f"  {b.describe()}", highlight=False, markup=False)
         else:
-            console.print(f"bisection not done: {b.reason}", highlight=False, markup=False)
+            console.print(b.describe(), highlight=False, markup=False)
+    for failed in result.phase_errors:
+        console.print(f"warning: {failed['phase']} failed, the results above stand: {failed['error']}",
+                      style="yellow", highlight=False, markup=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False, markup=False)
 
@@ -64,7 +81,10 @@ def print_replay(result: ReplayResult, console) -> None:
 @click.option("--no-record", is_flag=True, help="Do not add the result to the bundle's ledger and INCIDENT.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record, as_json):
-    """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module, fewest samples."""
+    """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module and op, fewest samples.
+
+    Exits 0 when the step ran, reproduced or not; an optional phase (localization, bisection) that fails is
+    reported as a warning line (in --json: phase_errors) beside what the other phases found."""
     from nanscan.cli import console as cli_console  # noqa: PLC0415
     from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
 

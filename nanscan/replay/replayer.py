@@ -14,6 +14,7 @@ import torch
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.rank_set import require_full_state
 from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, entry_search_dirs, locate_entry
+from nanscan.integrations.rebuild import MICRO_BATCHES
 from nanscan.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
                                  model_device, prepare_batch, run_localized, run_step, select_samples)
@@ -86,8 +87,9 @@ class Replayer:
             "RNG states not from the start of the step" if self.rng is not None and rng_at != "step_start" else "",
         ) if text]
         ids = self.bundle.sample_ids
-        # Recorded ids are one per sample, where a batch's leading sizes may not be (an integration's micro-batches)
-        self.sample_count = len(ids) if isinstance(ids, list) and ids else batch_size(self.batch)
+        # An integration's step: its ids number the rows across its micro-batches (nanscan.integrations.session)
+        integrated = isinstance(self.batch, dict) and isinstance(self.batch.get(MICRO_BATCHES), list)
+        self.sample_count = len(ids) if integrated and isinstance(ids, list) and ids else batch_size(self.batch, ids)
         self._rng_warned = False
 
     @property
@@ -157,21 +159,23 @@ class Replayer:
                     group["lr"] = group["lr"] * options.lr_scale
         step_batch = self.batch if batch is None else batch
         if samples is not None:
-            step_batch = select_samples(step_batch, samples, spec)
+            step_batch = select_samples(step_batch, samples, spec,
+                                        size=self.sample_count if batch is None else None)
         step_batch = prepare_batch(step_batch, model_device(model), options)
         self._restore_rng()
         return spec, optimizer, step_batch
 
     def run(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None, batch: Any = None,
-            localize: bool = False) -> StepOutcome:
-        """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome."""
+            localize: bool = False, trace_ops: bool = False) -> StepOutcome:
+        """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome;
+        `localize`: module hooks (outcome.localization), `trace_ops`: the op tracer (outcome.op_site)."""
         learning_rates: list[Any] = []
 
         def attempt(backward_module_hooks: bool) -> StepOutcome:
             spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
             learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
             return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=options, localize=localize,
-                            backward_module_hooks=backward_module_hooks)
+                            backward_module_hooks=backward_module_hooks, trace_ops=trace_ops)
 
         result = run_localized(attempt) if localize else attempt(True)
         if options.lr_scale != 1.0 and not any(lr for lr in learning_rates if lr is not None):

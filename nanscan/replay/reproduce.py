@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import Localization, fmt_value
+from nanscan.incident import UPDATE, is_kind
+from nanscan.replay.ops import OpSite
+from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
@@ -29,8 +32,12 @@ class ReplayResult:
     runs: list[StepOutcome]
     localization: Localization | None
     bisect: BisectResult | None
+    op: OpSite | None = None  # the first op or autograd node that went non-finite (NOTE: [op localization])
+    update: dict | None = None  # an update that went non-finite: what it broke and its traps (update_finding)
     notes: list[str] = field(default_factory=list)
     inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
+    # An optional phase (localization, bisection) that raised: {"phase", "error"}; what the others found stands.
+    phase_errors: list[dict] = field(default_factory=list)
 
     @property
     def failing_run(self) -> StepOutcome | None:
@@ -48,8 +55,9 @@ class ReplayResult:
                 "reproduced": self.reproduced, "verdict": self.verdict, "same_category": self.same_category,
                 "runs": [r.to_dict() for r in self.runs],
                 "localization": self.localization.to_dict() if self.localization else None,
+                "op": self.op.to_dict() if self.op else None, "update": self.update,
                 "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
-                "inexact": list(self.inexact)}
+                "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors]}
 
     def headline(self) -> str:
         failing = self.failing_run
@@ -61,6 +69,13 @@ class ReplayResult:
             return text
         where = f"; first bad: {self.localization.label} ({self.localization.module_type}, " \
                 f"{self.localization.phase})" if self.localization else ""
+        if self.op is not None:
+            where += f"; op {self.op.op}{f' at {self.op.location}' if self.op.location else ''}"
+        if self.update is not None:
+            traps = [t for t in self.update["traps"] if t["severity"] == BREAKS]
+            where += f"; the update broke {self.update['broken_count']} tensor(s)"
+            if traps:  # the problem's first clause: "eps rounds to 0 in float16"
+                where += f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}"
         if self.verdict == "intermittent":
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
@@ -76,6 +91,10 @@ class ReplayResult:
                     "replay.")
         return VERDICT_EXPLANATIONS[self.verdict]
 
+
+# The localizations that computation made, so that an op can be named: not the batch (the record is named) nor a
+# state that was non-finite before the step ran.
+OP_PHASES = ("forward", "backward", "loss")
 
 VERDICT_EXPLANATIONS = {
     "persistent": "The same failure came back on every replay: the cause is in the code, the data or the state, "
@@ -124,15 +143,34 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
     failing = next((o for o in outcomes if not o.finite and o.error is None), None)
     reproduced = failing is not None
     localization = None
+    op = update = None
     bisected = None
+    phase_errors: list[dict] = []
+
+    def optional(phase: str, run: Callable[[], Any]) -> Any:
+        """An optional phase's result, or None with its error kept: it never discards what the others found."""
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - reported beside the results (replay --json: phase_errors)
+            phase_errors.append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+
     if reproduced:
         say("localizing with module hooks")
-        localized = replayer.run(options, localize=True)
-        localization = localized.localization
-        failing.notes.extend(n for n in localized.notes if n not in failing.notes)
+        localized = optional("localization", lambda: replayer.run(options, localize=True))
+        if localized is not None:
+            localization = localized.localization
+            failing.notes.extend(n for n in localized.notes if n not in failing.notes)
+        if localization is not None and localization.phase in OP_PHASES:
+            say("localizing the op")
+            traced = optional("op localization", lambda: replayer.run(options, trace_ops=True))
+            op = traced.op_site if traced is not None else None
+        if failing.category == UPDATE:
+            say("checking the update")
+            update = optional("update check", lambda: update_finding(replayer, options, failing))
         if bisect and verdict == "persistent":
             say("bisecting the batch")
-            bisected = bisect_samples(replayer, options)
+            bisected = optional("bisection", lambda: bisect_samples(replayer, options))
         elif bisect:
             bisected = BisectResult(False, batch_size=replayer.sample_count,
                                     reason=f"the failure is {verdict}, so a subset's result would not be reliable")
@@ -142,7 +180,7 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
                      f"values as {failing.category}")
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
-                        outcomes, localization, bisected, notes, list(replayer.inexact))
+                        outcomes, localization, bisected, op, update, notes, list(replayer.inexact), phase_errors)
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
@@ -165,6 +203,10 @@ def replay_markdown(result: ReplayResult) -> str:
         lines += ["", f"**First bad module:** `{loc.label}` ({loc.module_type}), {loc.phase}"
                       f"{f' ({loc.detail})' if loc.detail else ''}.",
                   f"It received: {loc.received.describe()}.", f"It produced: {loc.produced.describe()}."]
+    if result.op is not None:
+        lines += ["", op_markdown(result.op)]
+    if result.update is not None:
+        lines += ["", update_markdown(result.update)]
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:
@@ -175,10 +217,50 @@ def replay_markdown(result: ReplayResult) -> str:
             if b.says_more:
                 lines[-1] += f" {b.describe()[0].upper()}{b.describe()[1:]}."
         else:
-            lines += ["", f"Bisection not done: {b.reason}."]
+            lines += ["", f"{b.describe()[0].upper()}{b.describe()[1:]}."]
+    for failed in result.phase_errors:
+        lines += ["", f"**{failed['phase'].capitalize()} failed** (the results above stand): `{failed['error']}`"]
     if result.notes:
         lines += [""] + [f"- note: {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+def update_finding(replayer: Replayer, options: StepOptions, failing: StepOutcome) -> dict:
+    """What a non-finite update broke (its parameters and state tensors, from the replayed step) and the numeric
+    traps of its optimizer's settings against the dtypes (nanscan.replay.traps NOTE: [update traps]), the lr * grad
+    check from the replayed step's gradients."""
+    spec, optimizer, _ = replayer.prepare(options)
+    params = dict(spec.model.named_parameters())
+    absmax = {}
+    for stats in failing.gradients or ():
+        p = params.get(stats.name.partition(":")[2])
+        if p is not None:
+            absmax[id(p)] = stats.absmax
+    broken = [n for n in failing.nonfinite if is_kind(n, "parameter") or is_kind(n, "optimizer_state")]
+    traps = optimizer_traps(optimizer, absmax)
+    return {"optimizer": type(optimizer).__name__, "broken": broken[:50], "broken_count": len(broken),
+            "traps": [t.to_dict() for t in traps]}
+
+
+def update_markdown(update: dict) -> str:
+    broken = ", ".join(f"`{n}`" for n in update["broken"][:8]) + \
+        (f" and {update['broken_count'] - 8} more" if update["broken_count"] > 8 else "")
+    lines = [f"**The update ({update['optimizer']}.step()) broke:** {broken}."]
+    if update["traps"]:
+        lines += ["", "Numeric traps of its settings:"] + [f"- {t['text']}" for t in update["traps"]]
+    else:
+        lines.append("No known numeric trap of its settings applies: look at the size of the step (learning rate, "
+                     "gradient norm).")
+    return "\n".join(lines)
+
+
+def op_markdown(site: OpSite) -> str:
+    """The first bad op as INCIDENT.md shows it."""
+    where = f", at `{site.location}`" if site.location else ""
+    code = f":\n\n    {site.code}" if site.code else "."
+    return (f"**First bad op:** `{site.op}` ({site.made} `{site.call}`), {site.phase}, in `{site.label}` "
+            f"({site.module_type}){where}{code}\n\nIt received: {site.received.describe()}. It produced: "
+            f"{site.produced.describe()}.")
 
 
 def record_replay(result: ReplayResult, bundle: Bundle | None = None) -> bool:

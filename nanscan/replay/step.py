@@ -24,6 +24,7 @@ from nanscan.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import is_kind, owner_module, tensor_name
 from nanscan.inputs import batch_size, iter_batch_tensors, map_tensors, take_rows
 from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
+from nanscan.replay.ops import OpSite, OpTracer
 from nanscan.replay.options import PRECISION_NAMES, StepOptions
 from nanscan.scan import model_inputs, scan, scan_inputs
 from nanscan.stats import ScanReport
@@ -53,6 +54,8 @@ class StepOutcome:
     localization: Localization | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    start_nonfinite: bool = False  # the weights or optimizer state were non-finite before the step ran
+    op_site: OpSite | None = None  # with trace_ops: the first op or autograd node that went non-finite
     # The scans behind the outcome, for callers that read more than the verdict (preflight's headroom): the
     # gradients after backward (and clipping) and the weights and optimizer state after optimizer.step().
     gradients: ScanReport | None = field(default=None, repr=False, compare=False)
@@ -69,7 +72,8 @@ class StepOutcome:
                 "grad_norm": json_float(self.grad_norm), "grad_max_exponent": self.grad_max_exponent,
                 "autocast": self.autocast, "param_dtypes": list(self.param_dtypes),
                 "localization": self.localization.to_dict() if self.localization else None,
-                "error": self.error, "notes": list(self.notes)}
+                "error": self.error, "notes": list(self.notes), "start_nonfinite": self.start_nonfinite,
+                "op": self.op_site.to_dict() if self.op_site else None}
 
     def describe(self) -> str:
         if self.error:
@@ -136,12 +140,13 @@ def param_dtypes(model: torch.nn.Module) -> list[str]:
 
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_fn: Callable, batch: Any, *,
              options: StepOptions = StepOptions(), localize: bool = False,
-             backward_module_hooks: bool = True) -> StepOutcome:
+             backward_module_hooks: bool = True, trace_ops: bool = False) -> StepOutcome:
     """Run one training step (forward through step_fn, backward, optional clipping, optimizer.step()) and scan
     the batch, the starting state, the loss, the gradients and the updated state.
 
     The caller has loaded the state and moved the batch to the model's device. Without an optimizer the step ends
-    after the gradients. `localize` adds the hooks of Localizer for this step only. Exceptions raised by the
+    after the gradients. `localize` adds the hooks of Localizer for this step only; `trace_ops` the op tracer
+    (nanscan.replay.ops NOTE: [op localization]), whose first site is `outcome.op_site`. Exceptions raised by the
     step become `outcome.error`; nothing is raised for a non-finite step.
     """
     device_type = model_device(model).type
@@ -155,7 +160,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                                  else None)
 
     def outcome(category, nonfinite, loss_value=None, grads=None, error=None, localization=None, updated=None):
-        return StepOutcome(
+        return StepOutcome(op_site=tracer.first if tracer is not None else None,
             finite=category is None and error is None, category=category, loss=loss_value, nonfinite=nonfinite,
             grad_norm=float(np.sqrt(grads.totals.sumsq)) if grads is not None and len(grads) else None,
             grad_max_exponent=top_exponent(grads) if grads is not None else None,
@@ -163,6 +168,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             localization=localization, error=error, notes=notes, gradients=grads, updated=updated)
 
     localizer = Localizer(model, backward_modules=backward_module_hooks) if localize else None
+    tracer = OpTracer(model) if trace_ops else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(deterministic_algorithms(options.deterministic))
         stack.enter_context(warnings.catch_warnings())
@@ -192,10 +198,12 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             owner = dict(model.named_modules()).get(where, model)
             loc = Localization("state", where, type(owner).__name__, ValueSummary(), summary_of(state_report),
                                f"{category}: {len(bad)} non-finite tensor(s), first {bad[0]}")
-            return outcome(category, batch_report.nonfinite + bad, localization=loc)
+            result = outcome(category, batch_report.nonfinite + bad, localization=loc)
+            result.start_nonfinite = True
+            return result
 
         try:
-            with autocast_context(options, device_type):
+            with autocast_context(options, device_type), tracer or contextlib.nullcontext():
                 loss = step_fn(model, batch)
         except Exception as exc:  # noqa: BLE001 - the user's step failing is a result to report
             return outcome("loss", [], error=f"step_fn raised {type(exc).__name__}: {exc}")
@@ -249,9 +257,11 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     return outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
 
 
-def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None = None) -> Any:
+def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None = None, *,
+                   size: int | None = None) -> Any:
     """The batch restricted to the given sample rows: spec.select_samples when the entry gives one, else every
-    tensor whose leading dimension is the batch size is indexed along dimension 0 (other tensors kept whole)."""
+    tensor whose leading dimension is the batch size (`size`, default batch_size(batch)) is indexed along
+    dimension 0 (other tensors kept whole)."""
     indices = [int(i) for i in indices]
     if spec is not None and spec.select_samples is not None:
         try:
@@ -260,10 +270,11 @@ def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None =
             shown = f"{indices[:8]}{' ...' if len(indices) > 8 else ''}"
             raise ReplayError(f"ReplaySpec.select_samples raised {type(exc).__name__}: {exc} (selecting rows "
                               f"{shown}); fix it in the replay entry") from exc
-    if batch_size(batch) is None:
+    size = batch_size(batch) if size is None else size
+    if size is None:
         raise ReplayError("the batch has no tensor with a sample dimension, so samples cannot be selected; give "
                           "the replay entry a ReplaySpec.select_samples")
-    return take_rows(batch, indices)
+    return take_rows(batch, indices, size)
 
 
 def prepare_batch(batch: Any, device: torch.device, options: StepOptions) -> Any:
