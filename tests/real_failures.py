@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanscan.entry import ReplaySpec, build_spec
+from nanscan.entry import ReplaySpec, build_spec, replay_entry
 from nanscan.monitor import Monitor, NonFiniteError
 
 MODULE = Path(__file__).stem
@@ -59,6 +59,7 @@ def nan_feature_batch(config: dict, step: int) -> dict:
     return {"x": x, "y": torch.randn(BATCH, 1, generator=g)}
 
 
+@replay_entry
 def nan_feature(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -92,6 +93,7 @@ def tagging_step(model, batch):
     return F.cross_entropy(logits.view(-1, VOCAB), batch["labels"].view(-1), ignore_index=IGNORE)
 
 
+@replay_entry
 def all_labels_ignored(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("all_labels_ignored", TokenTagger(), _sgd(), tagging_step)
@@ -113,6 +115,7 @@ def counted_step(model, batch):
     return (per_token * mask).sum() / mask.sum()  # the count of target tokens: 0 when every one is masked
 
 
+@replay_entry
 def zero_token_count(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("zero_token_count", TokenTagger(), _sgd(), counted_step)
@@ -155,6 +158,7 @@ def attention_step(model, batch):
     return F.mse_loss(model(batch["x"], batch["mask"]), batch["y"])
 
 
+@replay_entry
 def fully_masked_row(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("fully_masked_row", Attender(), _sgd(), attention_step)
@@ -194,6 +198,7 @@ def gan_step(model, batch):
     return F.softplus(-model(batch["real"])).mean() + F.softplus(model(batch["fake"])).mean()
 
 
+@replay_entry
 def minibatch_std_of_one(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("minibatch_std_of_one", Discriminator(), _sgd(), gan_step)
@@ -224,6 +229,7 @@ def classify_batch(config: dict, step: int) -> dict:
     return {"x": x, "y": torch.randint(0, 4, (BATCH,), generator=g)}
 
 
+@replay_entry
 def log_of_softmax(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("log_of_softmax", Classifier(), _sgd(), lambda model, batch: model(batch["x"], batch["y"]))
@@ -244,6 +250,7 @@ def distance_step(model, batch):
     return torch.sqrt((d ** 2).sum(-1)).mean()
 
 
+@replay_entry
 def distance_at_zero(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("distance_at_zero", nn.Sequential(nn.Linear(6, 4)), _sgd(), distance_step)
@@ -266,6 +273,7 @@ def masked_mse_step(model, batch):
     return (per_element * batch["mask"]).sum() / batch["mask"].sum()
 
 
+@replay_entry
 def masked_nan_targets(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("masked_nan_targets", nn.Sequential(nn.Linear(6, 1)), _sgd(), masked_mse_step)
@@ -282,6 +290,7 @@ def half_step(model, batch):
     return F.mse_loss(model(batch["x"]).float(), batch["y"].float())
 
 
+@replay_entry
 def half_adam(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)).half()
@@ -322,6 +331,7 @@ def t5_step(model, batch):
     return F.mse_loss(out.float(), batch["y"])
 
 
+@replay_entry
 def t5_fp16_overflow(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     model = T5Block()
@@ -358,6 +368,7 @@ def history_batch(config: dict, step: int) -> dict:
     return {"history": torch.randn(BATCH, 4, 6, generator=g), "mask": mask, "y": torch.randn(BATCH, 1, generator=g)}
 
 
+@replay_entry
 def empty_history(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("empty_history", Recommender(), _sgd(),
@@ -372,6 +383,7 @@ def regression_batch(config: dict, step: int) -> dict:
     return {"x": x, "y": x.sum(1, keepdim=True)}
 
 
+@replay_entry
 def large_lr(config: dict) -> ReplaySpec:
     torch.manual_seed(0)
     return _spec("large_lr", nn.Sequential(nn.Linear(6, 1)), _sgd(lr=0.5), _regression_step)
@@ -422,6 +434,7 @@ def train(name: str, bundle_dir: Path, *, steps: int = 60, **monitor_options) ->
     raise AssertionError(f"entry {name} trained {steps} steps without a non-finite value")
 
 
+@replay_entry
 def fully_masked_row_broken_select(config: dict) -> ReplaySpec:
     """fully_masked_row with a select_samples that raises: bisection fails, the other phases must stand."""
     spec = fully_masked_row(config)
