@@ -3,10 +3,11 @@ included) as TensorBoard events (--tensorboard DIR) or as one tidy table (--csv 
 
 The table has one row per (step, tensor, stat): columns step (int64), tensor (string; empty for the step's own
 scalars), stat (string) and value (float64). Per step: loss, lr and grad_norm (tensor empty, when recorded; the
-gradient norm is NaN at a step whose gradients hold a NaN, inf where they hold only infinities). Per
-tensor and step: numel, nan, posinf, neginf, zero, subnormal, absmax, absmin, sumsq, and one `exp_hist:<e>` row per
-non-empty exponent bin, the count of finite non-zero values with floor(log2|x|) = e (clamped to [-128, 127]).
-Counts are exact in float64 up to 2**53. Non-finite loss or sumsq values are NaN or inf, as they were recorded.
+gradient norm is NaN at a step whose gradients hold a NaN, inf where they hold only infinities, as in the
+TensorBoard export: NOTE: [non-finite norms] in nanscan.integrations.live). Per tensor and step: numel, nan, posinf,
+neginf, zero, subnormal, absmax, absmin, sumsq, and one `exp_hist:<e>` row per non-empty exponent bin, the count
+of finite non-zero values with floor(log2|x|) = e (clamped to [-128, 127]). Counts are exact in float64 up to
+2**53. Non-finite loss or sumsq values are NaN or inf, as they were recorded.
 
 Every output is written under a temporary name and renamed into place when complete; an existing file or
 non-empty directory is replaced only with --overwrite.

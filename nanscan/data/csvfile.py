@@ -146,8 +146,8 @@ def _csv_record(checker: Checker, header: list[str], row: list[str], ref: Record
         return
     names = _unique_names(header)
     lists = checker.fields.list_fields()
-    inspect_record(checker, {name: (_csv_list if name in lists else _csv_value)(cell) for name, cell in zip(names, row)},
-                   ref)
+    record = {name: (_csv_list if name in lists else _csv_value)(cell) for name, cell in zip(names, row)}
+    inspect_record(checker, record, ref)
 
 
 def _unique_names(header: list[str]) -> list[str]:

@@ -54,6 +54,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from nanscan import _layout as L
 from nanscan.integrations.live import (
     DEFAULT_LOG_EVERY,
     DEFAULT_MAX_TENSORS,
@@ -178,6 +179,11 @@ def _summary_adder(writer: Any) -> Any:
     return None
 
 
+# Row b: the edges (e, e + 1) of bin b's bucket, e = b - 128 (NOTE: [exponent buckets]).
+_BUCKET_EDGES = np.stack([np.arange(L.HIST_BINS, dtype=np.float64) + L.MIN_BIN_EXPONENT,
+                          np.arange(L.HIST_BINS, dtype=np.float64) + L.MIN_BIN_EXPONENT + 1], axis=1)
+
+
 class _HistogramValues:
     """Summary values of exponent histograms in TensorBoard's tensor form (module docstring), the description
     written with a tag's first histogram only (TensorBoard keeps the first metadata of a tag)."""
@@ -192,13 +198,18 @@ class _HistogramValues:
         self._value, self._tensor, self._shape, self._double = Summary.Value, TensorProto, TensorShapeProto, DT_DOUBLE
         self._metadata = create_summary_metadata(display_name="", description=HISTOGRAM_DESCRIPTION)
         self._described: set[str] = set()
+        self._shapes: dict[int, Any] = {}  # (k, 3) TensorShapeProto per bucket count k
 
     def __call__(self, h: ExponentHistogram) -> Any:
         tag = histogram_tag(h.name, h.group)
-        edges = np.asarray(h.edges(), dtype=np.float64)
-        buckets = np.stack([edges[:-1], edges[1:], np.asarray(h.counts, dtype=np.float64)], axis=1)
-        dims = [self._shape.Dim(size=len(h.counts)), self._shape.Dim(size=3)]
-        tensor = self._tensor(dtype=self._double, tensor_shape=self._shape(dim=dims), tensor_content=buckets.tobytes())
+        k, first = len(h.counts), h.first_exponent - L.MIN_BIN_EXPONENT
+        buckets = np.empty((k, 3))  # rows of (left, right, count): slices of a table, a third of the time of a stack
+        buckets[:, :2] = _BUCKET_EDGES[first : first + k]
+        buckets[:, 2] = h.counts
+        shape = self._shapes.get(k)
+        if shape is None:
+            shape = self._shapes[k] = self._shape(dim=[self._shape.Dim(size=k), self._shape.Dim(size=3)])
+        tensor = self._tensor(dtype=self._double, tensor_shape=shape, tensor_content=buckets.tobytes())
         if tag in self._described:
             return self._value(tag=tag, tensor=tensor)
         self._described.add(tag)
