@@ -102,15 +102,3 @@ def abs_bits_to_float(bits: int, dtype_code: int) -> float:
         return math.ldexp(mant | (1 << f.mant_bits), field - f.bias - f.mant_bits)
     float_type = {FLOAT16: np.float16, FLOAT32: np.float32, FLOAT64: np.float64}[dtype_code]
     return float(np.array([bits], dtype=BITS_DTYPES[dtype_code]).view(float_type)[0])
-
-
-def abs_bits_to_floats(bits: np.ndarray, dtype_code: int) -> list[float]:
-    """abs_bits_to_float of many bit patterns of one format, as Python floats (exact): a view for the formats
-    numpy has, one at a time for float8."""
-    if dtype_code in FLOAT8_CODES:
-        return [abs_bits_to_float(int(b), dtype_code) for b in bits]
-    bits = np.asarray(bits, dtype=np.int64)
-    if dtype_code == BFLOAT16:
-        return (bits.astype(np.uint32) << 16).view(np.float32).tolist()
-    float_type = {FLOAT16: np.float16, FLOAT32: np.float32, FLOAT64: np.float64}[dtype_code]
-    return bits.astype(BITS_DTYPES[dtype_code]).view(float_type).tolist()

@@ -178,6 +178,21 @@ def main():
     """
 
 
+def build_line(build: dict) -> str:
+    """The build line of `nanscan info`: build_info()'s "cuda" (compiled, the key --json keeps) shown as
+    cuda_compiled with what it means here, so that a CPU-only torch does not read as CUDA."""
+    import torch  # noqa: PLC0415 - info has imported it with the backends already
+
+    from nanscan.backends import cuda_build_note  # noqa: PLC0415
+
+    if "cuda" not in build:  # the extension did not load: its error
+        return f"build: {build}"
+    compiled = bool(build["cuda"])
+    note = cuda_build_note(compiled, torch.version.cuda, torch.cuda.is_available())
+    rest = "".join(f", {key}: {value}" for key, value in build.items() if key != "cuda")
+    return f"build: cuda_compiled: {compiled} ({note}){rest}"
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def info(as_json):
@@ -217,7 +232,7 @@ def info(as_json):
             else:  # the reason, which says what to do, on one line however narrow the terminal
                 out.print(f"active on {device}: none: {name.removeprefix('error: ')}", markup=False,
                               highlight=False, soft_wrap=True)
-        out.print(f"build: {data['build']}", markup=False)
+        out.print(build_line(data["build"]), markup=False, highlight=False, soft_wrap=True)
         out.print(f"plan checks read tensors {data['tensor_reads']}", markup=False)
     if status:
         raise SystemExit(status)

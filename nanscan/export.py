@@ -2,10 +2,12 @@
 included) as TensorBoard events (--tensorboard DIR) or as one tidy table (--csv / --parquet FILE) for pandas.
 
 The table has one row per (step, tensor, stat): columns step (int64), tensor (string; empty for the step's own
-scalars), stat (string) and value (float64). Per step: loss, lr and grad_norm (tensor empty, when recorded). Per
-tensor and step: numel, nan, posinf, neginf, zero, subnormal, absmax, absmin, sumsq, and one `exp_hist:<e>` row per
-non-empty exponent bin, the count of finite non-zero values with floor(log2|x|) = e (clamped to [-128, 127]).
-Counts are exact in float64 up to 2**53. Non-finite loss or sumsq values are NaN or inf, as they were recorded.
+scalars), stat (string) and value (float64). Per step: loss, lr and grad_norm (tensor empty, when recorded; the
+gradient norm is NaN at a step whose gradients hold a NaN, inf where they hold only infinities, as in the
+TensorBoard export: NOTE: [non-finite norms] in nanscan.integrations.live). Per tensor and step: numel, nan, posinf,
+neginf, zero, subnormal, absmax, absmin, sumsq, and one `exp_hist:<e>` row per non-empty exponent bin, the count
+of finite non-zero values with floor(log2|x|) = e (clamped to [-128, 127]). Counts are exact in float64 up to
+2**53. Non-finite loss or sumsq values are NaN or inf, as they were recorded.
 
 Every output is written under a temporary name and renamed into place when complete; an existing file or
 non-empty directory is replaced only with --overwrite.
@@ -25,6 +27,7 @@ import numpy as np
 
 from nanscan import _layout as L
 from nanscan._atomic import TEMP_PREFIX, atomic_directory, atomic_write_with
+from nanscan.incident import is_kind
 from nanscan.cli import CommandFailed, console
 
 STATS = ("numel", "nan", "posinf", "neginf", "zero", "subnormal", "absmax", "absmin", "sumsq")
@@ -34,6 +37,8 @@ COLUMNS = ("step", "tensor", "stat", "value")
 
 def history_table(entries: Sequence[Any]) -> dict[str, list]:
     """The tidy table of a bundle's history entries (nanscan.bundle.HistoryEntry), as columns."""
+    from nanscan.integrations.live import reported_norms  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+
     table: dict[str, list] = {column: [] for column in COLUMNS}
 
     def row(step: int, tensor: str, stat: str, value: float) -> None:
@@ -45,6 +50,10 @@ def history_table(entries: Sequence[Any]) -> dict[str, list]:
     for entry in entries:
         for stat in STEP_STATS:
             value = getattr(entry, stat)
+            if value is not None and stat == "grad_norm":  # NOTE: [non-finite norms] in nanscan.integrations.live
+                gradients = [s for s in entry.report.stats if is_kind(s.name, "gradient")]
+                value = float(reported_norms(value, sum(s.nan for s in gradients),
+                                             sum(s.posinf + s.neginf for s in gradients)))
             if value is not None:
                 row(entry.step, "", stat, value)
         for stats in entry.report.stats:
@@ -88,8 +97,8 @@ def write_parquet(table: dict[str, list], path: Path) -> None:
 def write_tensorboard(entries: Sequence[Any], directory: Path, *, overwrite: bool) -> None:
     """Every entry's scalars, every tensor's histogram and every module's gradient norm as TensorBoard events in
     `directory` (built under a temporary name, then renamed into place)."""
-    from nanscan.integrations.tensorboard import (EVENT_FILE_PREFIX, open_writer,  # noqa: PLC0415 - NOTE: [fast help]
-                                                  write_step)
+    from nanscan.integrations.live import step_row  # noqa: PLC0415 - NOTE: [fast help]
+    from nanscan.integrations.tensorboard import EVENT_FILE_PREFIX, TensorBoardSink  # noqa: PLC0415
 
     old = None
     if directory.exists():
@@ -110,14 +119,12 @@ def write_tensorboard(entries: Sequence[Any], directory: Path, *, overwrite: boo
         Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{directory.name}-new-", dir=directory.parent)) / directory.name
     try:
         with atomic_directory(staging) as temp:
-            writer, _ = open_writer(temp)
+            sink = TensorBoardSink(temp)
             try:
-                for entry in entries:
-                    report = entry.report
-                    write_step(writer, entry.step, report.tensors, report.records, loss=entry.loss, lr=entry.lr,
-                               histograms=range(len(report.tensors)), layer_norms=True)
+                sink.write([step_row(e.step, e.report.tensors, e.report.records, loss=e.loss, lr=e.lr,
+                                     histograms=range(len(e.report.tensors)), module_norms=True) for e in entries])
             finally:
-                writer.close()
+                sink.close()
     except BaseException:
         if old is not None:  # the staging directory's parent, made for the swap below
             shutil.rmtree(staging.parent, ignore_errors=True)

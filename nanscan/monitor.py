@@ -267,9 +267,10 @@ class Monitor(StepVerdicts):
         process group.
     tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
         nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
-        statistics to, live: loss, lr, gradient norm and the count of non-finite tensors and elements every step;
-        exponent histograms and per-module gradient norms every `log_every` steps (default 100) and at every
-        non-finite step. No host sync of its own: in mode="async" step s is written when its records are back,
+        statistics to, live: loss, lr, gradient norm (NaN, never 0.0, where gradients are non-finite) and the count
+        of non-finite tensors and elements every step; exponent histograms over log2|x| (one bucket per binade) and
+        per-module gradient norms every `log_every` steps (default 100) and at every non-finite step, where each
+        non-finite tensor's NaN and inf counts are logged too. No host sync of its own: in mode="async" step s is written when its records are back,
         at step s+1's check. Needs the tensorboard and google-crc32c packages (nanscan[tensorboard]).
     wandb: a wandb run (`wandb.init(...)`, or a nanscan.integrations.wandb.WandbExport) to log the same statistics
         into, on an axis of their own, nanscan/step (nanscan.integrations.wandb NOTE: [wandb step]); with

@@ -95,10 +95,11 @@ def _load_config(path: str | None) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @data_options
 def preflight_command(entry, config_path, steps, data_paths, sample_batches, seed, as_json, max_tokens, tokenizer,
-                      text_fields, fail_on, max_findings, max_record_bytes):
+                      text_fields, token_fields, labels_field, ignore_index, loss_mask_field, fail_on, max_findings,
+                      max_record_bytes):
     """Before a long run: data checks, then a few training steps with every-step checks, a canary that must be
     caught, and the dtype headroom report; prints GO or NO-GO with reasons (exit 0 go, 1 no-go, 2 usage)."""
-    from nanscan.data.cli import RichProgress, parse_fail_on
+    from nanscan.data.cli import RichProgress, parse_fail_on, training_fields
     from nanscan.data.tokens import TokenizerError
     from nanscan.entry import EntryError  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
     from nanscan.preflight import run_preflight  # noqa: PLC0415
@@ -106,7 +107,8 @@ def preflight_command(entry, config_path, steps, data_paths, sample_batches, see
     fail_on = parse_fail_on(fail_on)
     config = _load_config(config_path)
     options = {"max_tokens": max_tokens, "tokenizer": tokenizer, "text_fields": text_fields or None,
-               "max_findings": max_findings, "max_record_bytes": max_record_bytes}
+               "max_findings": max_findings, "max_record_bytes": max_record_bytes,
+               "fields": training_fields(token_fields, labels_field, ignore_index, loss_mask_field)}
     try:
         with RichProgress(not as_json) as progress:
             report = run_preflight(entry, config=config, steps=steps, data_paths=data_paths, fail_on=fail_on,

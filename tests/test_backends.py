@@ -282,3 +282,24 @@ def test_nanscan_info_json_in_a_fresh_process():
         assert info["build"]["record_width"] == L.RECORD_WIDTH
     else:
         assert "error" in info["build"]
+
+
+def test_nanscan_info_says_the_cuda_part_is_compiled_and_whether_it_can_run_here(clean_backend_state, monkeypatch):
+    """build_info()'s "cuda" is whether the CUDA part was compiled: on a CPU-only torch it cannot run, and the build
+    line says so (the --json key stays "cuda")."""
+    result = invoke_info(monkeypatch, None)
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("build:")]
+    as_json = json.loads(invoke_info(monkeypatch, None, "--json").stdout)["build"]
+    if "error" in as_json:
+        assert line == f"build: {as_json}"
+        return
+    compiled = as_json["cuda"]
+    assert isinstance(compiled, bool)
+    note = backends.cuda_build_note(compiled, torch.version.cuda, torch.cuda.is_available())
+    assert line.startswith(f"build: cuda_compiled: {compiled} ({note}), openmp: ")
+    assert "'cuda'" not in line and " cuda: " not in line
+    assert backends.cuda_build_note(True, None, False) == "torch has no CUDA: not usable here"
+    assert backends.cuda_build_note(True, "12.4", False) == "torch (CUDA 12.4) sees no GPU: not usable here"
+    assert backends.cuda_build_note(True, "12.4", True) == "usable here"
+    assert backends.cuda_build_note(False, "12.4", True) == "the cuda backend needs a build with nvcc"

@@ -118,10 +118,12 @@ def test_jsonl_fast_path_checks_few_lines_individually(tmp_path, monkeypatch):
 _TEXT = st.text(alphabet=st.sampled_from(list("ab \t\u00a0\u2009\u3000\u00e9\x00\u2028")), max_size=8)
 _SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-(10 ** 20), 10 ** 20), st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([-100, 0]),  # the ignore index and a masked position (no_supervised_tokens)
     _TEXT, st.sampled_from(["2020-01-01", "2021-05-06 10:00:00"]))
 _VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
     st.sampled_from(["x", "y"]), inner, max_size=2), max_leaves=5)
-_RECORDS = st.dictionaries(st.sampled_from(["a", "b", "text", "n"]), _VALUES, max_size=4)
+_RECORDS = st.dictionaries(st.sampled_from(["a", "b", "text", "n", "input_ids", "labels", "loss_mask"]), _VALUES,
+                           max_size=4)
 # Records sharing one shape, so that Arrow accepts whole runs and the columnar checks do the work.
 _UNIFORM = st.fixed_dictionaries(
     {"text": _TEXT, "n": st.floats(allow_nan=True, allow_infinity=True),
@@ -168,3 +170,58 @@ def test_parquet_fast_path_matches_definition(tmp_path, monkeypatch):
     assert fast.counts["nonfinite"] == 2 and fast.counts["empty"] == 2 and fast.counts["overflow"] == 1
     assert fast.counts["inconsistent"] == 2 and fast.counts["too_long"] > 0  # vec[20] short, text[60] absent
     assert fast.largest_magnitude.value == slow.largest_magnitude.value
+
+
+def _training_records(n: int) -> list[dict]:
+    """Pre-tokenized records (input_ids, labels, loss_mask, text) with fully ignored labels, all-zero masks, long
+    id lists, scalar and boolean masks planted among them."""
+    rng = random.Random(3)
+    records = []
+    for i in range(n):
+        size = rng.randint(1, 6) + (40 if i % 29 == 4 else 0)
+        labels = [-100] * size if i % 7 == 2 else [-100] * (size - 1) + [rng.randint(0, 50)]
+        mask = [0] * size if i % 11 == 5 else [rng.randint(0, 1) for _ in range(size - 1)] + [1]
+        records.append({"text": "a few words here", "input_ids": [rng.randint(0, 50) for _ in range(size)],
+                        "labels": labels, "loss_mask": mask, "label": -100 if i % 13 == 6 else i})
+    return records
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_training_fields_fast_path_matches_definition(tmp_path, monkeypatch, fmt):
+    """Token ids counted in place of the text, no_supervised_tokens from list and scalar labels and masks: the
+    columnar path flags exactly the records the per-record definition reports."""
+    from nanscan.data import TrainingFields  # noqa: PLC0415
+
+    records = _training_records(200)
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        monkeypatch.setattr("nanscan.data.parquet.PARQUET_BATCH_ROWS", 64)
+        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=50)
+    inspected = []
+    original = columnar.TableCheck._inspect
+
+    def spy(self, rows):
+        inspected.extend(rows.tolist())
+        original(self, rows)
+
+    for fields in (TrainingFields(), TrainingFields(labels_field="label")):
+        fast, slow = _both_paths(monkeypatch, path, max_tokens=30, fields=fields)
+        assert _summary(fast) == _summary(slow)
+        assert fast.tokens["max"] == max(len(r["input_ids"]) for r in records)  # ids, never the four words
+        with monkeypatch.context() as m:
+            m.setattr(columnar.TableCheck, "_inspect", spy)
+            inspected.clear()
+            check_paths([path], max_tokens=30, fields=fields)
+        labels = [r["label"] == -100 if fields.labels_field == "label" else set(r["labels"]) == {-100}
+                  for r in records]
+        planted = [i for i, r in enumerate(records)
+                   if labels[i] or not any(r["loss_mask"]) or len(r["input_ids"]) > 30]
+        assert len(inspected) == len(planted) > 0  # the fast path checks only the planted records one by one
+    expected = sum(r["labels"] == [-100] * len(r["labels"]) for r in records) + sum(
+        not any(r["loss_mask"]) for r in records)
+    assert check_paths([path], max_tokens=30).counts["no_supervised_tokens"] == expected > 0
+    assert fast.counts["no_supervised_tokens"] == sum(r["label"] == -100 for r in records) + sum(
+        not any(r["loss_mask"]) for r in records)
+    assert fast.counts["too_long"] == sum(len(r["input_ids"]) > 30 for r in records) > 0

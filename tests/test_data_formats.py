@@ -102,8 +102,8 @@ def test_jsonl_each_finding_with_stable_ids(tmp_path):
     assert "missing field(s) 'score'" in at(21, "inconsistent").detail
     assert "empty record" in at(23, "empty").detail
     assert "zero-length sequence" in at(25, "empty").detail
-    assert report.counts == {"nonfinite": 2, "overflow": 0, "empty": 4, "too_long": 1, "corrupt_image": 0,
-                             "unreadable": 2, "inconsistent": 3}
+    assert report.counts == {"nonfinite": 2, "overflow": 0, "empty": 4, "too_long": 1, "no_supervised_tokens": 0,
+                             "corrupt_image": 0, "unreadable": 2, "inconsistent": 3}
     assert report.longest.value == 50 and report.longest.record.line == 11
     assert report.largest_magnitude.value == 39.5
 

@@ -1,7 +1,9 @@
 """TensorBoard and table export, read back with the real readers: the Monitor's live export (tensorboard's own
-EventAccumulator: tags, steps, the non-finite count, exponent buckets equal to the records; the event file's
-framing checked by tensorboard's own record reader, CRCs included), `nanscan export` of a bundle's history
-(TensorBoard, CSV and Parquet through pyarrow) against load_bundle's history, and its refusals."""
+EventAccumulator: tags, steps, the non-finite counts per step and per tensor, the gradient norm NaN at the failing
+step, exponent buckets with integer edges and counts equal to the records, an all-NaN tensor's empty histogram, a
+3.4e38 in one bucket at 127; the event file's framing checked by tensorboard's own record reader, CRCs included),
+`nanscan export` of a bundle's history (TensorBoard, CSV and Parquet through pyarrow) against load_bundle's
+history, and its refusals."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 # `make test` installs both; a machine with only torch (the GPU check's) skips this file instead of failing to collect.
@@ -17,13 +20,20 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("tensorboard")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.plugin_event_accumulator import (  # noqa: E402
+    EventAccumulator as PluginEventAccumulator,
+)
+from tensorboard.util.tensor_util import make_ndarray  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
+import nanscan  # noqa: E402
 from nanscan import _layout as L  # noqa: E402
 from nanscan.integrations import live  # noqa: E402
 from nanscan.bundle import load_bundle  # noqa: E402
 from nanscan.cli import main  # noqa: E402
-from nanscan.integrations.tensorboard import EventFile, TensorBoardExport, histogram_tag  # noqa: E402
+from nanscan.integrations.tensorboard import (  # noqa: E402
+    HISTOGRAM_DESCRIPTION, EventFile, TensorBoardExport, TensorBoardSink, histogram_tag,
+)
 from nanscan.monitor import Monitor  # noqa: E402
 
 import export_runs  # noqa: E402
@@ -33,21 +43,35 @@ LONG_INPUT = "features_of_the_sample_with_a_rather_long_name_for_the_table"
 
 
 def events(log_dir) -> EventAccumulator:
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+def histograms(acc: EventAccumulator, tag: str) -> dict[int, np.ndarray]:
+    """A tag's histograms by step, as TensorBoard's histogram plugin reads them: (left, right, count) rows."""
+    assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "histograms", tag
+    return {e.step: make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)}
+
+
+def histogram_tags(acc: EventAccumulator) -> list[str]:
+    return [t for t in acc.Tags()["tensors"] if "/exp_hist/" in t]
 
 
 def train(monitor, model, optimizer, steps=8, fail_at=FAIL_AT):
     return export_runs.train(monitor, model, optimizer, steps, fail_at, input_name=LONG_INPUT)
 
 
-def expected_buckets(record: np.ndarray) -> tuple[list[float], list[int]]:
-    """NOTE: [exponent buckets], written out slowly: bin b holds |x| in [2**(b-128), 2**(b-127))."""
+def assert_exponent_buckets(buckets: np.ndarray, record: np.ndarray) -> None:
+    """NOTE: [exponent buckets], written out slowly: bin b is the bucket [b - 128, b - 127), over the occupied bins;
+    no bucket for a record with nothing binned."""
     hist = record[L.REC_HIST:]
     occupied = [b for b in range(L.HIST_BINS) if hist[b]]
-    bins = range(occupied[0], occupied[-1] + 1)
-    return [math.ldexp(1.0, b - 127) for b in bins], [int(hist[b]) for b in bins]
+    bins = range(occupied[0], occupied[-1] + 1) if occupied else range(0)
+    assert buckets.shape == (len(bins), 3) and buckets.dtype == np.float64
+    assert buckets[:, 0].tolist() == [b + L.MIN_BIN_EXPONENT for b in bins]
+    assert buckets[:, 1].tolist() == [b + L.MIN_BIN_EXPONENT + 1 for b in bins]
+    assert buckets[:, 2].tolist() == [int(hist[b]) for b in bins]
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
@@ -89,23 +113,109 @@ def test_live_scalars_every_step_and_the_spike_at_the_failing_step(live_run):
     assert "0/grad_norm" in scalars and "2/grad_norm" in scalars
 
 
+def test_the_gradient_norm_at_the_failing_step_is_nan_never_zero(live_run):
+    """NOTE: [non-finite norms]: every gradient is NaN at the failing step, so the finite values' norm is 0.0."""
+    _, root, history, _ = live_run
+    acc = events(root / "tb")
+    failing = {h.step: h for h in history}[FAIL_AT]
+    assert all(s.nan == s.numel for s in failing.report if s.name.startswith("grad:"))
+    assert failing.grad_norm == 0.0  # the history's norm over the finite values: what the export must not show
+    for tag in ("nanscan/grad_norm", "0/grad_norm", "2/grad_norm"):
+        values = {e.step: e.value for e in acc.Scalars(tag)}
+        assert math.isnan(values[FAIL_AT]), tag
+        assert all(math.isfinite(v) and v > 0 for s, v in values.items() if s < FAIL_AT), tag
+
+
+def test_nonfinite_counts_per_tensor_at_the_failing_step(live_run):
+    _, root, history, _ = live_run
+    acc = events(root / "tb")
+    failing = {h.step: h for h in history}[FAIL_AT].report
+    logged = {t for t in acc.Tags()["scalars"] if any(f"/{stat}/" in t for stat in ("nan", "posinf", "neginf"))}
+    expected = set()
+    for s in (failing[name] for name in failing.nonfinite):
+        for stat in ("nan", "posinf", "neginf"):
+            tag = f"{live.group_of(s.name)}/{stat}/{s.name}"
+            expected.add(tag)
+            assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(FAIL_AT, getattr(s, stat))], tag
+    assert logged == expected and f"input/nan/input:{LONG_INPUT}" in logged and "0/nan/grad:0.weight" in logged
+
+
 def test_live_histograms_at_log_every_and_at_the_failing_step_equal_the_records(live_run):
     _, root, history, _ = live_run
     acc = events(root / "tb")
     by_step = {h.step: h.report for h in history}
-    name = "param:0.weight"  # finite at the failing step (its gradient is all NaN there: nothing to bin)
-    tag = histogram_tag(name)
-    assert tag == "0/param:0.weight" and tag in acc.Tags()["histograms"]
-    assert histogram_tag(f"input:{LONG_INPUT}") in acc.Tags()["histograms"]
-    assert [e.step for e in acc.Histograms(tag)] == [0, 2, 4, FAIL_AT]
-    for event in acc.Histograms(tag):
-        report = by_step[event.step]
-        row = report.names.index(name)
-        limits, counts = expected_buckets(report.records[row])
-        value = event.histogram_value
-        assert list(value.bucket_limit) == limits and list(value.bucket) == counts
-        stats = report[name]
-        assert value.num == int(stats.exp_hist.sum()) and value.max == stats.absmax and value.min == stats.absmin
+    tag = histogram_tag("param:0.weight")
+    assert tag == "0/exp_hist/param:0.weight"
+    names = {n for report in by_step.values() for n in report.names}  # optimizer state from step 1 on
+    assert sorted(histogram_tags(acc)) == sorted(histogram_tag(n) for n in names)
+    assert acc.SummaryMetadata(tag).summary_description == HISTOGRAM_DESCRIPTION
+    assert "the x axis is log2|x|" in HISTOGRAM_DESCRIPTION
+    for name in names:
+        logged = histograms(acc, histogram_tag(name))
+        assert sorted(logged) == [s for s in (0, 2, 4, FAIL_AT) if name in by_step[s].names], name
+        for step, buckets in logged.items():
+            report = by_step[step]
+            assert_exponent_buckets(buckets, report.records[report.names.index(name)])
+
+
+def test_an_all_nan_tensor_has_an_empty_histogram_and_its_nan_count(live_run):
+    _, root, history, _ = live_run
+    acc = events(root / "tb")
+    stats = {h.step: h for h in history}[FAIL_AT].report["grad:0.weight"]
+    assert stats.nan == stats.numel > 0
+    assert histograms(acc, histogram_tag("grad:0.weight"))[FAIL_AT].shape == (0, 3)
+    assert {e.step: e.value for e in acc.Scalars("0/nan/grad:0.weight")} == {FAIL_AT: stats.numel}
+
+
+def test_a_float32_maximum_is_one_bucket_at_127_on_the_exponent_axis(tmp_path):
+    """The case the exponent axis is for: over |x|, 3.4e38 would stretch the axis and squeeze every other bucket."""
+    x = torch.tensor([0.5, 0.75, 1.0, 3.0, 3.4e38, 0.0, float("nan")])
+    report = nanscan.scan({"input:x": x})
+    sink = TensorBoardSink(tmp_path)
+    sink.write([live.step_row(0, report.tensors, report.records, histograms=[0])])
+    sink.close()
+    buckets = histograms(events(tmp_path), histogram_tag("input:x"))[0]
+    assert buckets[0].tolist() == [-1, 0, 2] and buckets[-1].tolist() == [127, 128, 1]
+    assert buckets[:, 2].sum() == 5 and buckets[1:3, 2].tolist() == [1, 1]  # 1.0 and 3.0; NaN and 0 not binned
+    assert_exponent_buckets(buckets, report.records[0])
+    assert {e.value for e in events(tmp_path).Scalars("input/nan/input:x")} == {1}
+
+
+@pytest.mark.parametrize("bad, norm", [(None, 5.0), (math.inf, math.inf), (-math.inf, math.inf),
+                                       (math.nan, math.nan)])
+def test_a_gradient_norm_is_nan_with_a_nan_inf_with_only_infinities(bad, norm):
+    """NOTE: [non-finite norms], per step and per module, as torch.linalg.vector_norm has it."""
+    values = [3.0, 4.0] + ([] if bad is None else [bad])
+    report = nanscan.scan({"grad:a.w": torch.tensor(values), "grad:b.w": torch.tensor([3.0, 4.0]),
+                           "param:a.w": torch.tensor([math.nan])})
+    by_torch = torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64)).item()
+    assert by_torch == pytest.approx(norm, rel=1e-12, nan_ok=True)
+    row = live.step_row(0, report.tensors, report.records, module_norms=True)
+    expected = {"a": norm, "b": 5.0, "total": math.sqrt(norm ** 2 + 25.0)}
+    got = {**row.module_norms, "total": row.scalars["grad_norm"]}
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert (math.isnan(got[key]) and math.isnan(value)) or got[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_a_writer_without_add_summary_gets_the_same_buckets_as_tensorboard_reads_them(tmp_path):
+    """The add_histogram_raw path (tensorboardX's writers): TensorBoard's own conversion of the older
+    HistogramProto, as its histogram plugin runs it, gives the same integer-edged buckets."""
+    torch_writer = SummaryWriter(log_dir=str(tmp_path))
+
+    class PlainWriter:  # only the two calls every SummaryWriter-like writer has
+        add_scalar = staticmethod(torch_writer.add_scalar)
+        add_histogram_raw = staticmethod(torch_writer.add_histogram_raw)
+
+    report = nanscan.scan({"input:x": torch.tensor([0.5, 0.75, 3.0, 3.4e38])})
+    sink = TensorBoardSink(PlainWriter())
+    sink.write([live.step_row(0, report.tensors, report.records, histograms=[0])])
+    torch_writer.close()
+    acc = PluginEventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors(histogram_tag("input:x"))
+    buckets = make_ndarray(event.tensor_proto).astype(np.float64)
+    assert_exponent_buckets(buckets, report.records[0])
 
 
 def test_a_given_writer_stays_open_and_the_tensor_choice_is_honoured(tmp_path):
@@ -120,7 +230,7 @@ def test_a_given_writer_stays_open_and_the_tensor_choice_is_honoured(tmp_path):
     acc = events(tmp_path / "tb")
     matching = [n for n in names if n.startswith("grad:") or n.startswith("param:2.")]
     assert len(matching) == 6  # four gradients, two weights of the second layer: more than the cap
-    assert sorted(acc.Tags()["histograms"]) == sorted(histogram_tag(n) for n in matching[:3])
+    assert sorted(histogram_tags(acc)) == sorted(histogram_tag(n) for n in matching[:3])
     assert "mine" in acc.Tags()["scalars"]
 
 
@@ -158,15 +268,6 @@ def test_an_event_file_passes_tensorboards_own_record_checks(tmp_path):
     first.path.write_bytes(bytes(data))
     with pytest.raises(errors.DataLossError, match="crc32"):
         tensorboard_records(first.path)
-
-
-def test_min_and_max_are_exact_in_every_format():
-    rng = np.random.default_rng(0)
-    for code, fmt in L.FORMATS.items():
-        bits = rng.integers(0, 1 << (8 * fmt.bytes - 1), 300, dtype=np.int64)
-        one_at_a_time = [L.abs_bits_to_float(int(b), code) for b in bits]
-        keep = [i for i, v in enumerate(one_at_a_time) if not math.isnan(v)]
-        assert L.abs_bits_to_floats(bits[keep], code) == [one_at_a_time[i] for i in keep], L.DTYPE_NAMES[code]
 
 
 def test_kept_steps_reach_the_event_file_before_close(tmp_path, monkeypatch):
@@ -212,20 +313,25 @@ def test_export_tensorboard_holds_every_tensor_of_every_kept_step(bundle_path, t
     assert sorted(elements) == steps and elements[FAIL_AT] > 0 and elements[steps[0]] == 0
     for entry in history:
         for i, t in enumerate(entry.report.tensors):
-            if not entry.report.records[i, L.REC_HIST:].any():
-                continue
-            found = [e for e in acc.Histograms(histogram_tag(t.name)) if e.step == entry.step]
+            found = [e for e in acc.Tensors(histogram_tag(t.name)) if e.step == entry.step]
             assert len(found) == 1, (t.name, entry.step)
-            limits, counts = expected_buckets(entry.report.records[i])
-            assert list(found[0].histogram_value.bucket_limit) == limits
-            assert list(found[0].histogram_value.bucket) == counts
+            assert_exponent_buckets(make_ndarray(found[0].tensor_proto), entry.report.records[i])
+    norms = {e.step: e.value for e in acc.Scalars("nanscan/grad_norm")}
+    assert math.isnan(norms[FAIL_AT]) and norms[steps[0]] > 0
+    assert {e.step for e in acc.Scalars("0/nan/grad:0.weight")} == {FAIL_AT}
 
 
 def _expected_rows(history) -> list[tuple]:
     rows = []
     for entry in history:
-        rows += [(entry.step, "", k, getattr(entry, k)) for k in ("loss", "lr", "grad_norm")
-                 if getattr(entry, k) is not None]
+        rows += [(entry.step, "", k, getattr(entry, k)) for k in ("loss", "lr") if getattr(entry, k) is not None]
+        gradients = [s for s in entry.report if s.name.startswith("grad:")]
+        if any(s.nan for s in gradients):  # NOTE: [non-finite norms]
+            rows.append((entry.step, "", "grad_norm", math.nan))
+        elif any(s.posinf or s.neginf for s in gradients):
+            rows.append((entry.step, "", "grad_norm", math.inf))
+        elif entry.grad_norm is not None:
+            rows.append((entry.step, "", "grad_norm", entry.grad_norm))
         for s in entry.report:
             rows += [(entry.step, s.name, k, float(getattr(s, k))) for k in
                      ("numel", "nan", "posinf", "neginf", "zero", "subnormal", "absmax", "absmin", "sumsq")]
@@ -254,6 +360,17 @@ def test_export_csv_and_parquet_are_the_history_as_one_tidy_table(bundle_path, t
     assert read[0] == ["step", "tensor", "stat", "value"]
     assert _comparable([(int(s), t, k, float(v)) for s, t, k, v in read[1:]]) == expected
     assert any(k == "nan" and v == 1 for _, t, k, v in expected if t == f"input:{LONG_INPUT}")
+    assert [v for step, t, k, v in expected if (step, t, k) == (FAIL_AT, "", "grad_norm")] == ["nan"]
+
+
+def test_export_to_several_outputs_says_what_it_wrote_for_each(bundle_path, tmp_path):
+    result = CliRunner().invoke(main, ["export", str(bundle_path), "--tensorboard", str(tmp_path / "tb"), "--csv",
+                                       str(tmp_path / "h.csv"), "--parquet", str(tmp_path / "h.parquet")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["tensorboard", "csv", "parquet"], result.output
+    assert str(tmp_path / "tb") in lines[0] and str(tmp_path / "h.csv") in lines[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.csv", "h.parquet", "tb"]
 
 
 def test_export_never_replaces_a_file_without_overwrite(bundle_path, tmp_path):

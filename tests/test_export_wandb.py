@@ -1,7 +1,8 @@
 """W&B export, run for real in wandb's offline mode and read back from the run's transaction log (run-<id>.wandb):
-the scalars at every step (no non-finite count before the planted NaN, the count at it), the histograms equal to the
-records' exponent bins, the per-module gradient norms, nanscan/step as the axis beside the user's own logging, the
-same steps and tensors as the TensorBoard export when both are asked for, and the refusals."""
+the scalars at every step (no non-finite count before the planted NaN, the count at it, the gradient norm NaN
+there), the histograms over log2|x| equal to the records' exponent bins, the non-finite counts per tensor at the
+failing step, the per-module gradient norms, nanscan/step as the axis beside the user's own logging, the same steps
+and tensors as the TensorBoard export when both are asked for, and the refusals."""
 
 from __future__ import annotations
 
@@ -179,32 +180,60 @@ def test_scalars_every_step_with_the_nonfinite_count_at_the_planted_nan(live_run
     assert all(row["nanscan/lr"] == history[s].lr == 1e-3 for s, row in by_step.items())  # the optimizer's
 
 
-def expected_bins(record: np.ndarray) -> tuple[list[int], list[float]]:
-    """NOTE: [exponent buckets], written out slowly: bin b holds |x| in [2**(b-128), 2**(b-127))."""
+def expected_bins(record: np.ndarray) -> tuple[list[int], list[int]]:
+    """NOTE: [exponent buckets], written out slowly: bin b is the bucket [b - 128, b - 127) of log2|x|."""
     hist = record[L.REC_HIST:]
     occupied = [b for b in range(L.HIST_BINS) if hist[b]]
     bins = range(occupied[0], occupied[-1] + 1)
-    return [int(hist[b]) for b in bins], [math.ldexp(1.0, b - 128) for b in range(bins[0], bins[-1] + 2)]
+    return [int(hist[b]) for b in bins], [b + L.MIN_BIN_EXPONENT for b in range(bins[0], bins[-1] + 2)]
+
+
+def hist_key(name: str) -> str:
+    return f"nanscan/exp_hist/{group_of(name)}/{name}"
 
 
 def test_histograms_at_log_every_and_at_the_failing_step_equal_the_records(live_run):
     _, _, history, _, rows = live_run
     by_step = nanscan_rows(rows)
     name = "param:0.weight"
-    key = f"nanscan/hist/{group_of(name)}/{name}"
-    assert key == "nanscan/hist/0/param:0.weight"
-    assert [s for s, row in sorted(by_step.items()) if key in row] == [0, 2, 4, FAIL_AT]
+    assert hist_key(name) == "nanscan/exp_hist/0/param:0.weight"
+    assert [s for s, row in sorted(by_step.items()) if hist_key(name) in row] == [0, 2, 4, FAIL_AT]
     for step in (0, 2, 4, FAIL_AT):
         report = history[step].report
         for i, t in enumerate(report.tensors):
-            logged = by_step[step].get(f"nanscan/hist/{group_of(t.name)}/{t.name}")
-            if not report.records[i, L.REC_HIST:].any():  # only zeros, NaNs or infinities: nothing to draw
+            logged = by_step[step].get(hist_key(t.name))
+            if not report.records[i, L.REC_HIST:].any():  # only zeros, NaNs or infinities: no histogram to draw
                 assert logged is None
                 continue
             counts, edges = expected_bins(report.records[i])
             assert logged["_type"] == "histogram"
             assert logged["values"] == counts and logged["bins"] == edges, (step, t.name)
-    assert not any(k.startswith("nanscan/hist/") for k in by_step[1])
+    assert not any(k.startswith("nanscan/exp_hist/") for k in by_step[1])
+
+
+def is_count_key(key: str) -> bool:
+    """nanscan/nan/<module>/<tensor>, and the same for posinf and neginf."""
+    parts = key.split("/", 3)
+    return len(parts) == 4 and parts[0] == "nanscan" and parts[1] in ("nan", "posinf", "neginf")
+
+
+def test_the_failing_step_has_a_nan_gradient_norm_and_each_tensors_nonfinite_counts(live_run):
+    _, _, history, _, rows = live_run
+    by_step = nanscan_rows(rows)
+    failing = history[FAIL_AT].report
+    assert history[FAIL_AT].grad_norm == 0.0  # the finite values' norm: what the export must not show
+    for key in ("nanscan/grad_norm", "nanscan/grad_norm/0", "nanscan/grad_norm/2"):
+        assert math.isnan(by_step[FAIL_AT][key]), key  # NOTE: [non-finite norms]
+    counted = {k for k in by_step[FAIL_AT] if is_count_key(k)}
+    expected = set()
+    for name in failing.nonfinite:
+        for stat in ("nan", "posinf", "neginf"):
+            key = f"nanscan/{stat}/{group_of(name)}/{name}"
+            expected.add(key)
+            assert by_step[FAIL_AT][key] == getattr(failing[name], stat), key
+    assert counted == expected and "nanscan/nan/0/grad:0.weight" in counted  # the all-NaN gradient has its entry
+    assert failing["grad:0.weight"].nan == failing["grad:0.weight"].numel
+    assert not any(is_count_key(k) for s, row in by_step.items() if s != FAIL_AT for k in row)
 
 
 def test_module_gradient_norms_at_logged_steps(live_run):
@@ -239,18 +268,18 @@ def test_tensorboard_beside_wandb_gets_the_same_steps_and_tensors(live_run):
     if not (root / "tb").exists():
         pytest.skip("tensorboard or google-crc32c is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
+    from tensorboard.util.tensor_util import make_ndarray  # noqa: PLC0415
 
-    acc = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     by_step = nanscan_rows(rows)
     tb = {e.step: e.value for e in acc.Scalars("nanscan/nonfinite_elements")}
     assert tb == {s: row["nanscan/nonfinite_elements"] for s, row in by_step.items()}
-    wandb_tags = {k.removeprefix("nanscan/hist/") for row in by_step.values() for k in row
-                  if k.startswith("nanscan/hist/")}
-    assert wandb_tags == set(acc.Tags()["histograms"])
-    for tag in wandb_tags:
-        assert [e.step for e in acc.Histograms(tag)] == [s for s, row in sorted(by_step.items())
-                                                          if f"nanscan/hist/{tag}" in row]
+    # TensorBoard's <module>/exp_hist/<tensor> is W&B's nanscan/exp_hist/<module>/<tensor>; W&B has no empty one
+    drawn = {(e.step, f"nanscan/exp_hist/{tag.replace('/exp_hist/', '/', 1)}") for tag in acc.Tags()["tensors"]
+             for e in acc.Tensors(tag) if len(make_ndarray(e.tensor_proto))}
+    assert drawn == {(s, k) for s, row in by_step.items() for k in row if k.startswith("nanscan/exp_hist/")}
+    assert len(drawn) > 10
 
 
 def test_an_export_object_keeps_its_choice_of_tensors(tmp_path):
@@ -262,10 +291,10 @@ def test_an_export_object_keeps_its_choice_of_tensors(tmp_path):
         names = monitor.history[-1].report.names
     run.finish()
     _, rows = offline_run(tmp_path)
-    logged = {k for row in rows for k in row if k.startswith("nanscan/hist/")}
+    logged = {k for row in rows for k in row if k.startswith("nanscan/exp_hist/")}
     gradients = [n for n in names if n.startswith("grad:")]
     assert len(gradients) == 4  # more than the cap
-    assert logged == {f"nanscan/hist/{group_of(n)}/{n}" for n in gradients[:3]}
+    assert logged == {hist_key(n) for n in gradients[:3]}
 
 
 def test_a_run_finished_before_the_monitor_closes_loses_the_last_steps_with_a_warning(tmp_path, caplog):

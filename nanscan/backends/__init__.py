@@ -138,8 +138,21 @@ def _announce(device: torch.device, chosen: str, order: Sequence[str]) -> None:
         log.info("nanscan: scanning %s tensors with the %r backend", device.type, chosen)
 
 
+def cuda_build_note(compiled: bool, torch_cuda: str | None, gpu_visible: bool) -> str:
+    """What build_info()'s "cuda" flag means here: it says the extension's CUDA part was compiled, not that it can
+    run. torch_cuda: torch.version.cuda (None for a CPU-only torch); gpu_visible: torch.cuda.is_available()."""
+    if not compiled:
+        return "the cuda backend needs a build with nvcc"
+    if torch_cuda is None:
+        return "torch has no CUDA: not usable here"
+    if not gpu_visible:
+        return f"torch (CUDA {torch_cuda}) sees no GPU: not usable here"
+    return "usable here"
+
+
 def backend_info() -> dict:
-    """What is built, what can run, and what auto would choose, per backend and device."""
+    """What is built, what can run, and what auto would choose, per backend and device. info["build"] is the
+    extension's build_info(), whose "cuda" says its CUDA part was compiled (cuda_build_note: whether it runs)."""
     info: dict = {"backends": {}, "active": {}, "env": {ENV_VAR: os.environ.get(ENV_VAR)},
                   "requested": requested_name(None)}  # None: auto, the best available per device
     for name in BACKEND_NAMES:

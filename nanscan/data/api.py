@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nanscan.data.checker import DEFAULT_MAX_FINDINGS, DEFAULT_MAX_RECORD_BYTES, Checker
-from nanscan.data.findings import UNREADABLE, DataReport, RecordRef
+from nanscan.data.findings import UNREADABLE, DataReport, RecordRef, TrainingFields
 from nanscan.data.records import digest_object, inspect_record
 from nanscan.data.walk import check_path, walk_total_bytes
 
@@ -35,7 +35,7 @@ def _is_map_style(dataset: Any) -> bool:
 
 def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
           text_fields: Iterable[str] | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
-          name: str = "dataset", limit: int | None = None) -> DataReport:
+          name: str = "dataset", limit: int | None = None, fields: TrainingFields | None = None) -> DataReport:
     """Check every record of a dataset for non-finite numbers, finite numbers too large to square in float32
     (|x| >= 2**64: `overflow`), empty fields, over-long text and inconsistent field types or shapes.
 
@@ -45,6 +45,8 @@ def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
     `max_tokens`: report records with more tokens (whitespace tokens, or `tokenizer`: a tokenizer.json path).
     `text_fields`: the fields whose text is counted (default: every top-level string field).
     `limit`: check only the first `limit` records.
+    `fields`: a TrainingFields naming the fields of token ids (counted as the record's tokens, in place of its
+    text), labels and loss mask (`no_supervised_tokens`); default input_ids, labels (ignore index -100), loss_mask.
     A record that raises when loaded is reported `unreadable` and the check goes on (for an iterable, the
     iteration cannot go on and the check stops there).
     """
@@ -52,9 +54,9 @@ def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
             isinstance(dataset, (list, tuple)) and dataset and all(isinstance(p, os.PathLike) for p in dataset)):
         paths = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
         return check_paths(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
-                           max_findings=max_findings)
+                           max_findings=max_findings, fields=fields)
     checker = Checker(max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
-                      max_findings=max_findings)
+                      max_findings=max_findings, fields=fields)
     if _is_map_style(dataset):
         n = len(dataset) if limit is None else min(limit, len(dataset))
         for i in range(n):
@@ -87,15 +89,18 @@ def check(dataset: Any, *, max_tokens: int | None = None, tokenizer: Any = None,
 
 def check_paths(paths: Iterable[str | os.PathLike], *, max_tokens: int | None = None, tokenizer: Any = None,
                 text_fields: Iterable[str] | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
-                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, progress: Any = None) -> DataReport:
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, progress: Any = None,
+                fields: TrainingFields | None = None) -> DataReport:
     """Check data files and folders (JSON Lines, CSV, Parquet, .npy/.npz, safetensors, images; .gz for the text
-    formats). A missing path raises FileNotFoundError naming it; broken content is reported, never raised."""
+    formats). A missing path raises FileNotFoundError naming it; broken content is reported, never raised.
+    `fields`: as for `check`."""
     paths = [Path(p) for p in paths]
     for p in paths:
         if not p.exists():
             raise FileNotFoundError(f"data path {str(p)!r} does not exist")
     checker = Checker(max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
-                      max_findings=max_findings, max_record_bytes=max_record_bytes, progress=progress)
+                      max_findings=max_findings, max_record_bytes=max_record_bytes, progress=progress,
+                      fields=fields)
     if getattr(checker.progress, "enabled", True):
         for p in paths:
             checker.progress.add_total(walk_total_bytes(p))

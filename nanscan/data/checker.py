@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from nanscan._atomic import sha256_file
 from nanscan.data.findings import (
     CATEGORIES, NONFINITE, OVERFLOW, SAMPLES_PER_SIGNATURE, Boundary, DataReport, FieldTracker, FindingSink,
-    RecordRef, TokenLengths, overflow_counts, overflow_detail,
+    RecordRef, TokenLengths, TrainingFields, overflow_counts, overflow_detail,
 )
 from nanscan.data.numeric import (
     as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, overflow_mask, scan_tensors,
@@ -56,7 +56,10 @@ class Checker:
 
     def __init__(self, *, max_tokens: int | None = None, tokenizer: Any = None,
                  text_fields: Iterable[str] | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, progress: Any = None):
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, progress: Any = None,
+                 fields: TrainingFields | None = None):
+        """fields: which fields hold token ids, labels and a loss mask (default: input_ids, labels with ignore
+        index -100, loss_mask)."""
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if max_record_bytes <= 0:
@@ -66,6 +69,7 @@ class Checker:
         loaded = load_tokenizer(tokenizer)
         self.tokenizer = self.whitespace if isinstance(loaded, WhitespaceTokenizer) else loaded
         self.text_fields = frozenset(text_fields) if text_fields else None
+        self.fields = fields if fields is not None else TrainingFields()
         self.max_record_bytes = max_record_bytes
         self.sink = FindingSink(max_findings)
         self._samples = max(1, min(SAMPLES_PER_SIGNATURE, max_findings))
@@ -120,7 +124,7 @@ class Checker:
                 findings=findings, counts={c: self.sink.counts.get(c, 0) for c in CATEGORIES},
                 records=self.records, files=self.files, bytes=self.bytes, tokens=self.tokens.summary(),
                 longest=self.longest, largest_magnitude=self.largest_magnitude, max_tokens=self.max_tokens,
-                tokenizer=self.tokenizer.name, listed_per_category=self.sink.max_findings,
+                tokenizer=self.tokenizer.name, fields=self.fields, listed_per_category=self.sink.max_findings,
                 skipped=list(self.skipped), skipped_count=self.skipped_count,
                 unreadable_inputs=list(self.sink.unreadable_inputs),
                 unreadable_input_count=self.sink.unreadable_input_count)

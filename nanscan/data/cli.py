@@ -11,7 +11,10 @@ from typing import Iterable
 
 import click
 
-from nanscan.data.findings import CATEGORIES, DEFAULT_FAIL_ON
+from nanscan.data.findings import (
+    CATEGORIES, DEFAULT_FAIL_ON, DEFAULT_IGNORE_INDEX, DEFAULT_LABELS_FIELD, DEFAULT_LOSS_MASK_FIELD,
+    DEFAULT_TOKEN_FIELDS, TrainingFields,
+)
 
 
 def parse_fail_on(values: Iterable[str]) -> tuple[str, ...]:
@@ -135,6 +138,16 @@ def data_options(func):
                      help="A HuggingFace tokenizer.json to count tokens with (default: whitespace tokens)."),
         click.option("--text-field", "text_fields", multiple=True,
                      help="A field whose text is counted (repeatable; default: every top-level string field)."),
+        click.option("--token-field", "token_fields", multiple=True, metavar="FIELD",
+                     help="A field of token ids (a list of ints; in CSV a JSON list): a record with one counts its "
+                          "length as its tokens, in place of its text (repeatable; default: "
+                          f"{', '.join(DEFAULT_TOKEN_FIELDS)})."),
+        click.option("--labels-field", default=DEFAULT_LABELS_FIELD, show_default=True, metavar="FIELD",
+                     help="The field of labels: all equal to --ignore-index is no_supervised_tokens ('' for none)."),
+        click.option("--ignore-index", type=int, default=DEFAULT_IGNORE_INDEX, show_default=True,
+                     help="The label the loss ignores (torch's cross_entropy and Hugging Face models: -100)."),
+        click.option("--loss-mask-field", default=DEFAULT_LOSS_MASK_FIELD, show_default=True, metavar="FIELD",
+                     help="The field of a 0/1 loss mask: all 0 is no_supervised_tokens ('' for none)."),
         click.option("--fail-on", "fail_on", multiple=True,
                      help="Categories that fail the check (repeatable or comma-separated; 'all', 'none'). "
                           f"Default: {', '.join(DEFAULT_FAIL_ON)}."),
@@ -148,7 +161,14 @@ def data_options(func):
     return func
 
 
-def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, max_record_bytes, show_progress):
+def training_fields(token_fields, labels_field, ignore_index, loss_mask_field) -> TrainingFields:
+    """The TrainingFields of the --token-field, --labels-field, --ignore-index and --loss-mask-field options."""
+    return TrainingFields(tuple(token_fields) or DEFAULT_TOKEN_FIELDS, labels_field or None, ignore_index,
+                          loss_mask_field or None)
+
+
+def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, max_record_bytes, show_progress,
+                   fields):
     """check_paths with CLI error handling: a bad tokenizer is a usage error (exit 2)."""
     from nanscan.data.api import check_paths
     from nanscan.data.tokens import TokenizerError
@@ -157,7 +177,7 @@ def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, m
         with RichProgress(show_progress) as progress:
             return check_paths(paths, max_tokens=max_tokens, tokenizer=tokenizer,
                                text_fields=text_fields or None, max_findings=max_findings,
-                               max_record_bytes=max_record_bytes, progress=progress)
+                               max_record_bytes=max_record_bytes, progress=progress, fields=fields)
     except TokenizerError as exc:
         raise click.BadParameter(str(exc), param_hint="--tokenizer") from None
 
@@ -169,13 +189,15 @@ def run_data_check(paths, *, max_tokens, tokenizer, text_fields, max_findings, m
               help="Also name each listed record by this field's value (JSON Lines, CSV, Parquet): the sample id "
                    "training passes to Monitor.check(sample_ids=...), which bundles and replay show.")
 @data_options
-def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, fail_on, max_findings,
-                 max_record_bytes):
+def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, token_fields, labels_field,
+                 ignore_index, loss_mask_field, fail_on, max_findings, max_record_bytes):
     """Check data files and folders for records that will break training.
 
     Findings: nonfinite (NaN, inf), overflow (finite but |x| >= 2**64, so its square overflows float32, e.g. a
-    float32-maximum "missing value" sentinel), empty, too_long (--max-tokens), corrupt_image, unreadable,
-    inconsistent (a field's type or shape differs from the other records').
+    float32-maximum "missing value" sentinel), empty, too_long (--max-tokens; a record's tokens are its token ids
+    when it has a --token-field, else its text), no_supervised_tokens (every label is --ignore-index, or the loss
+    mask is all 0: a mean loss over the record is 0/0), corrupt_image, unreadable, inconsistent (a field's type or
+    shape differs from the other records').
 
     Formats: JSON Lines (.jsonl/.ndjson/.json, optionally .gz), CSV/TSV (optionally .gz), Parquet, .npy, .npz,
     safetensors, and folders of images (png, jpeg, webp, bmp, tiff, gif). Every finding names its record by
@@ -187,7 +209,8 @@ def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, f
     """
     fail_on = parse_fail_on(fail_on)
     report = run_data_check(paths, max_tokens=max_tokens, tokenizer=tokenizer, text_fields=text_fields,
-                            max_findings=max_findings, max_record_bytes=max_record_bytes, show_progress=not as_json)
+                            max_findings=max_findings, max_record_bytes=max_record_bytes, show_progress=not as_json,
+                            fields=training_fields(token_fields, labels_field, ignore_index, loss_mask_field))
     if report.files == 0:  # "no findings" in nothing checked would read as clean data
         raise click.UsageError(f"no data files found in {', '.join(map(str, paths))}: nothing was checked; point "
                                "nanscan data at files or folders in one of the formats listed in --help")

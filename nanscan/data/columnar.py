@@ -133,9 +133,11 @@ class TableCheck:
         columns = []  # (name, kind, lengths or None, valid rows or None)
         leaves: list = []
         token_parts: list[np.ndarray] = []
-        text_fields = checker.text_fields
+        id_parts: list[np.ndarray] = []  # token ids per row, of the token fields (records.inspect_record)
+        text_fields, training = checker.text_fields, checker.fields
         any_value = np.zeros(n, dtype=bool)
         has_text = np.zeros(n, dtype=bool)  # rows with a text field present: only those have a token length
+        has_ids = np.zeros(n, dtype=bool)  # rows with a token field present: their length is its ids
         for name, chunked in zip(self.table.column_names, self.table.columns):
             arr = _decode(chunked.combine_chunks())
             if pa.types.is_null(arr.type):
@@ -148,6 +150,14 @@ class TableCheck:
             present = np.ones(n, dtype=bool) if valid is None else valid
             any_value |= present
             lengths = None
+            token_field = name in training.token_fields and kind != "string"  # a string is text, as per record
+            if name in (training.labels_field, training.loss_mask_field):
+                self._flag_unsupervised(name, arr, kind, present)
+            if token_field and kind == "number":
+                has_ids |= present
+                id_parts.append(present.astype(np.int64))
+            elif token_field and kind != "list[number]":
+                self.flagged |= present  # ids in another form (nested lists, booleans): the per-record check counts
             if kind == "string":
                 words = checker.whitespace.count_arrow(arr)
                 self.flagged |= (words == 0) & present  # str.strip() == "" exactly when str.split() == []
@@ -166,7 +176,10 @@ class TableCheck:
                 if values.null_count:  # [1, null] is a list of mixed kinds for the per-record check
                     parents = pc.list_parent_indices(arr).to_numpy()
                     self.flagged[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
-                if text_fields is not None and name in text_fields and kind == "list[number]":
+                if token_field and kind == "list[number]":
+                    has_ids |= present
+                    id_parts.append(lengths)
+                elif text_fields is not None and name in text_fields and kind == "list[number]":
                     has_text |= present
                     token_parts.append(lengths)
             elif kind == "object":
@@ -183,8 +196,11 @@ class TableCheck:
         self.flagged |= ~any_value  # {} or only nulls: an empty record
         self._scan(leaves)
         tokens = None
-        if token_parts:
-            tokens = np.sum(token_parts, axis=0) if len(token_parts) > 1 else token_parts[0]
+        if token_parts or id_parts:
+            tokens = np.sum(token_parts, axis=0) if token_parts else np.zeros(n, dtype=np.int64)
+            if id_parts:  # a record with token ids counts them, in place of its text
+                tokens = np.where(has_ids, np.sum(id_parts, axis=0), tokens)
+                has_text |= has_ids
             if checker.max_tokens is not None:
                 self.flagged |= tokens > checker.max_tokens
         return columns, tokens, has_text
@@ -221,6 +237,26 @@ class TableCheck:
             keys = always + [name for (name, _), has in zip(optional, pattern) if has]
             rows = clean_rows[inverse == p]
             tracker.add_keys(keys, count, lambda k, rows=rows: [self.ref(int(i)) for i in rows[:k]])
+
+    def _flag_unsupervised(self, name: str, arr: pa.Array, kind: str, present: np.ndarray) -> None:
+        """Flag the rows whose labels are all the ignore index, or whose loss mask is all 0 (NOTE: [no supervised
+        tokens]); the per-record check words the finding. Text and objects hold no labels: nothing to flag."""
+        training = self.checker.fields
+        ignored = training.ignore_index if name == training.labels_field else 0
+
+        def supervised(values: pa.Array) -> np.ndarray:
+            return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float64) != ignored
+
+        if kind in ("number", "bool"):
+            self.flagged |= present & ~supervised(arr.fill_null(ignored))
+        elif kind in ("list[number]", "list[bool]"):
+            values = arr.flatten()
+            parents = pc.list_parent_indices(arr).to_numpy()
+            count = np.bincount(parents[supervised(values.fill_null(ignored))], minlength=self.n)
+            lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+            self.flagged |= present & (lengths > 0) & (count == 0)
+        elif kind == "list[list]":
+            self.flagged |= present  # nested lists of numbers: the per-record check flattens them
 
     def _tokenize(self, arr: pa.Array) -> np.ndarray:
         try:

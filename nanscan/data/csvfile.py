@@ -2,8 +2,9 @@
 
 A record is a row after the header; its identifier is the number of its first line and the sha256 of its lines
 (several when quoted text spans lines) without the final line break. Cells that spell numbers are checked as
-numbers ("nan" and "1e999" are non-finite). A line longer than --max-record-bytes is not parsed: it is reported
-`unreadable` and hashed in passing.
+numbers ("nan" and "1e999" are non-finite). A cell of a token, labels or loss-mask field (TrainingFields) that is a
+JSON list, "[101, 2023, 102]", is that list, so its length counts as tokens and its labels are checked. A line
+longer than --max-record-bytes is not parsed: it is reported `unreadable` and hashed in passing.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import gzip
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -79,6 +81,18 @@ def _csv_value(cell: str):
         return cell
 
 
+def _csv_list(cell: str):
+    """A cell of a list field: the JSON list it spells, else the cell as any other (_csv_value)."""
+    if cell.lstrip().startswith("["):
+        try:
+            value = json.loads(cell)
+        except ValueError:  # not JSON after all: the text, as in any other field
+            return cell
+        if isinstance(value, list):
+            return value
+    return _csv_value(cell)
+
+
 def check_csv(checker: Checker, path: Path) -> None:
     display = str(path)
     delimiter = "\t" if ".tsv" in [s.lower() for s in path.suffixes] else ","
@@ -131,7 +145,9 @@ def _csv_record(checker: Checker, header: list[str], row: list[str], ref: Record
         checker.sink.add(INCONSISTENT, ref, f"{len(row)} cells where the header has {len(header)}")
         return
     names = _unique_names(header)
-    inspect_record(checker, {name: _csv_value(cell) for name, cell in zip(names, row)}, ref)
+    lists = checker.fields.list_fields()
+    record = {name: (_csv_list if name in lists else _csv_value)(cell) for name, cell in zip(names, row)}
+    inspect_record(checker, record, ref)
 
 
 def _unique_names(header: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """What a dataset check reports: findings with stable record identifiers, the token-length distribution, the
-boundary records, and the per-field type/shape tallies that decide which records are inconsistent.
+boundary records, the per-field type/shape tallies that decide which records are inconsistent, and which fields
+hold token ids, labels and a loss mask.
 
 Everything here is bounded in memory whatever the input size: counts are exact, but only the first
 `max_findings` findings of each category are kept for listing, token lengths are kept as a histogram, and each
@@ -22,14 +23,55 @@ NONFINITE = "nonfinite"
 OVERFLOW = "overflow"
 EMPTY = "empty"
 TOO_LONG = "too_long"
+NO_SUPERVISED_TOKENS = "no_supervised_tokens"  # NOTE: [no supervised tokens]
 CORRUPT_IMAGE = "corrupt_image"
 UNREADABLE = "unreadable"
 INCONSISTENT = "inconsistent"
-CATEGORIES = (NONFINITE, OVERFLOW, EMPTY, TOO_LONG, CORRUPT_IMAGE, UNREADABLE, INCONSISTENT)
+CATEGORIES = (NONFINITE, OVERFLOW, EMPTY, TOO_LONG, NO_SUPERVISED_TOKENS, CORRUPT_IMAGE, UNREADABLE, INCONSISTENT)
 # A long record is worth knowing about but is often truncated on purpose by the loader, so by default it does not
 # fail a check.
 DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
 EXIT_CODES = {"clean": 0, "findings": 1, "unreadable": 3}
+
+# NOTE: [no supervised tokens] A record whose labels are all the ignore index (-100 for torch's cross_entropy and
+# every Hugging Face model), or whose loss mask is 0 everywhere, gives the loss no token to learn from: a mean
+# cross-entropy over it is 0/0 = NaN (PyTorch returns NaN when every target is ignored), and a summed loss divided by
+# its count of supervised tokens divides by 0. It happens when truncation cuts away the whole answer of a prompt
+# whose tokens are masked, or when a template puts no supervised token in. One finding per such field of a record.
+DEFAULT_TOKEN_FIELDS = ("input_ids",)
+DEFAULT_LABELS_FIELD = "labels"
+DEFAULT_IGNORE_INDEX = -100
+DEFAULT_LOSS_MASK_FIELD = "loss_mask"
+
+
+@dataclass(frozen=True)
+class TrainingFields:
+    """The fields a training loop reads as tokens: `token_fields` hold token ids already (a list of ints; a record
+    with one counts its length as its tokens, in place of its text), `labels_field` the targets (NOTE: [no
+    supervised tokens]: all equal to `ignore_index`), `loss_mask_field` a 0/1 mask (all 0). None: no such field."""
+
+    token_fields: tuple[str, ...] = DEFAULT_TOKEN_FIELDS
+    labels_field: str | None = DEFAULT_LABELS_FIELD
+    ignore_index: int = DEFAULT_IGNORE_INDEX
+    loss_mask_field: str | None = DEFAULT_LOSS_MASK_FIELD
+
+    def __post_init__(self):
+        if isinstance(self.token_fields, str):
+            raise TypeError(f"token_fields={self.token_fields!r}: give a tuple of field names, e.g. "
+                            f"({self.token_fields!r},)")
+        object.__setattr__(self, "token_fields", tuple(self.token_fields))
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise TypeError(f"ignore_index={self.ignore_index!r}: give the integer label the loss ignores (-100 for "
+                            "torch's cross_entropy)")
+
+    def to_dict(self) -> dict:
+        return {"token_fields": list(self.token_fields), "labels_field": self.labels_field,
+                "ignore_index": self.ignore_index, "loss_mask_field": self.loss_mask_field}
+
+    def list_fields(self) -> frozenset[str]:
+        """The fields whose values are lists of numbers: in a CSV file, a cell of them is a JSON list."""
+        return frozenset(f for f in (*self.token_fields, self.labels_field, self.loss_mask_field) if f)
+
 
 def _float32_text(value: float) -> float:
     """How a float32 value reads back from text written by its shortest decimal (e.g. 3.4028235e+38)."""
@@ -385,6 +427,7 @@ class DataReport:
     largest_magnitude: Boundary | None = None
     max_tokens: int | None = None
     tokenizer: str = "whitespace"
+    fields: TrainingFields = field(default_factory=TrainingFields)
     listed_per_category: int = 0
     skipped: list[str] = field(default_factory=list)  # files of unknown formats found in folders (not checked)
     skipped_count: int = 0  # all of them; `skipped` lists the first ones
@@ -426,6 +469,7 @@ class DataReport:
             "counts": {c: self.counts.get(c, 0) for c in CATEGORIES},
             "records": self.records, "files": self.files, "bytes": self.bytes,
             "tokens": {**self.tokens, "tokenizer": self.tokenizer, "max_tokens": self.max_tokens},
+            "fields": self.fields.to_dict(),
             "boundary": {
                 "longest": self.longest.to_dict() if self.longest else None,
                 "largest_magnitude": self.largest_magnitude.to_dict() if self.largest_magnitude else None,

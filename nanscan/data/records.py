@@ -1,6 +1,6 @@
 """The definition of a record check, on plain Python values: which fields are empty, which hold non-finite
-numbers or finite ones too large to square in float32, how many tokens the text has, and each field's kind and
-shape.
+numbers or finite ones too large to square in float32, how many tokens the record has (its token ids, else its
+text), whether its labels or loss mask leave any token supervised, and each field's kind and shape.
 
 Every format reader either calls `inspect_record` on each record or (for JSON Lines and Parquet) runs a columnar
 fast path that must reach the same findings; rows the fast path cannot vouch for are sent here. Numbers found in a
@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from nanscan.data.checker import Checker, NumericBatch
-from nanscan.data.findings import EMPTY, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef
+from nanscan.data.findings import (
+    EMPTY, NO_SUPERVISED_TOKENS, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef, TrainingFields,
+)
 
 
 # -- kinds and shapes --------------------------------------------------------------------------------------------
@@ -217,6 +219,40 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
             batch.add_array(ref, p, np.asarray(v))
 
 
+# -- token ids, labels and loss masks ----------------------------------------------------------------------------
+def flat_numbers(value: Any) -> np.ndarray | None:
+    """The numbers of a list (nested lists too), array, tensor or lone number, flattened; None when it holds
+    anything else (text, None among the numbers, lists of unequal lengths)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().reshape(-1).to(torch.float64).numpy()
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):  # ragged, or numbers past every numpy type
+            return None
+        return arr.reshape(-1) if arr.dtype.kind in "biuf" else None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return np.asarray([value])
+    return None
+
+
+def unsupervised_detail(name: str, value: Any, fields: TrainingFields) -> str | None:
+    """Why field `name` leaves no token supervised (NOTE: [no supervised tokens]), or None."""
+    if name not in (fields.labels_field, fields.loss_mask_field):
+        return None
+    numbers = flat_numbers(value)
+    if numbers is None or not numbers.size:
+        return None
+    if name == fields.labels_field and np.all(numbers == fields.ignore_index):
+        what = (f"the label is the ignore index {fields.ignore_index}" if numbers.size == 1 else
+                f"all {numbers.size} labels are the ignore index {fields.ignore_index}")
+        return f"{what}: no token is supervised, so a mean loss over it is 0/0 (NaN)"
+    if name == fields.loss_mask_field and not np.any(numbers):
+        return (f"the loss mask is 0 at all {numbers.size} positions: no token is supervised, so a loss divided by "
+                "the mask's sum is 0/0 (NaN)")
+    return None
+
+
 # -- one record ---------------------------------------------------------------------------------------------------
 def inspect_record(checker: Checker, record: Any, ref: RecordRef) -> None:
     """Check one record: empty fields, numbers (via the batch), token length, field kinds and shapes, keys."""
@@ -233,9 +269,10 @@ def inspect_record(checker: Checker, record: Any, ref: RecordRef) -> None:
         # The record's own kind, so that a JSON line that is a list or a number among objects is inconsistent
         # (a record that is neither is tallied under ROOT_FIELD below, as its only field).
         tracker.add(ROOT_FIELD, "object" if isinstance(record, Mapping) else "tuple", None, ref)
-    text_fields = checker.text_fields
+    text_fields, training = checker.text_fields, checker.fields
     texts: list[str] = []
     pretokenized = 0
+    ids: int | None = None  # the count of token ids, when the record has a token field
     for name, value in fields:
         reason = empty_reason(value)
         if reason is not None:
@@ -243,7 +280,13 @@ def inspect_record(checker: Checker, record: Any, ref: RecordRef) -> None:
             continue
         tracker.add(name, kind_of(value), shape_of(value), ref)
         gather_numbers(value, name, ref, checker.numbers)
-        if text_fields is None:
+        detail = unsupervised_detail(name, value, training)
+        if detail is not None:
+            checker.sink.add(NO_SUPERVISED_TOKENS, ref, detail, name)
+        numbers = flat_numbers(value) if name in training.token_fields and not isinstance(value, str) else None
+        if numbers is not None:
+            ids = (ids or 0) + numbers.size  # already tokens: what the model sees, in place of the text
+        elif text_fields is None:
             if isinstance(value, str):
                 texts.append(value)
         elif name in text_fields:
@@ -254,12 +297,16 @@ def inspect_record(checker: Checker, record: Any, ref: RecordRef) -> None:
                 pretokenized += len(value)  # already token ids
     if isinstance(record, (Mapping, tuple)):
         tracker.add_keys([name for name, _ in fields], 1, lambda k: [ref])
-    if texts or pretokenized:
+    if ids is not None:
+        tokens = ids
+    elif texts or pretokenized:
         try:
             tokens = int(checker.tokenizer.count(texts).sum()) + pretokenized
         except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer cannot encode
             checker.sink.add(UNREADABLE, ref, f"text cannot be tokenized ({type(exc).__name__}: {exc})")
             return
-        checker.note_tokens(np.array([tokens]), lambda i: ref)
-        if checker.max_tokens is not None and tokens > checker.max_tokens:
-            checker.sink.add(TOO_LONG, ref, f"{tokens} tokens > --max-tokens {checker.max_tokens}")
+    else:
+        return
+    checker.note_tokens(np.array([tokens]), lambda i: ref)
+    if checker.max_tokens is not None and tokens > checker.max_tokens:
+        checker.sink.add(TOO_LONG, ref, f"{tokens} tokens > --max-tokens {checker.max_tokens}")

@@ -4,22 +4,31 @@ the exponent histograms of the chosen tensors. A sink (nanscan.integrations.tens
 only turns the rows it is handed into its library's calls.
 
 What a sink is handed, per step (StepRow):
-  scalars        every step: loss, lr (when given), grad_norm (the L2 norm over the finite values of every
-                 gradient), nonfinite_tensors and nonfinite_elements (0 on a healthy step: an incident is a spike,
-                 never a gap)
-  module_norms   every `log_every` steps and at every non-finite step: the gradient norm per module
-  histograms     the same steps: each chosen tensor's exponent histogram of |x| (NOTE: [exponent buckets])
+  scalars        every step: loss, lr (when given), grad_norm (the L2 norm of every gradient: NaN or inf at a step
+                 whose gradients hold a NaN or an infinity, NOTE: [non-finite norms]), nonfinite_tensors and
+                 nonfinite_elements (0 on a healthy step: an incident is a spike, never a gap)
+  module_norms   every `log_every` steps and at every non-finite step: the gradient norm per module (the same rule)
+  histograms     the same steps: each chosen tensor's exponent histogram (NOTE: [exponent buckets]), empty for a
+                 tensor with no finite non-zero value (all NaN, say), so that every chosen tensor has one
+  nonfinite      at a non-finite step: the NaN, +inf and -inf counts of every tensor holding any
 A tensor's group is the module owning it (nanscan.incident.owner_module), "model" for parameters of the model
 itself, "input" for the batch, "loss" for the loss: the dashboards of both sinks group by it.
 
 NOTE: [exponent buckets]
-Bin b of a stats record counts the finite non-zero values with floor(log2|x|) = b - 128 (clamped to [-128, 127]),
-i.e. |x| in [2**(b-128), 2**(b-127)): its edges are powers of two, the extreme bins also holding what the clamp
-put there. A histogram spans the occupied bins only (first to last non-empty bin, the empty ones between
-included) and its counts are the records' own, exactly. min and max are the tensor's smallest and largest finite
-non-zero |x|, sum_squares its sumsq; the records hold no sum of values. Zeros, NaNs and infinities are counted,
-never binned: they show in the nonfinite scalars, not in a histogram (TensorBoard's own histogram summary rejects
-them).
+A histogram's x axis is the binary exponent e = floor(log2|x|), not x: bin b of a stats record counts the finite
+non-zero values with floor(log2|x|) = b - 128 (clamped to [-128, 127]), and is written as the bucket [e, e + 1)
+with e = b - 128, so one bucket is one binade and every edge is an integer (the bins of the HTML report's heat
+maps). Drawn over |x| itself, bins with edges at powers of two put a 3.4e38 at the far end of a linear axis and
+squeeze every other bin into a sliver; over e the same tensor reads as a bar at 127 beside its bulk near 0. A
+histogram spans the occupied bins only (first to last non-empty bin, the empty ones between included) and its
+counts are the records' own, exactly. Zeros, NaNs and infinities have no exponent and are never binned: a tensor
+holding nothing else gets an empty histogram, and its NaN and infinity counts are the step's `nonfinite` scalars.
+
+NOTE: [non-finite norms]
+The records' sumsq sums the finite values only, so the norm computed from it over a gradient full of NaN is 0.0,
+which reads as a vanishing gradient. A norm over gradients holding a NaN is written as NaN, and over gradients
+holding an infinity (and no NaN) as +inf, as torch.linalg.vector_norm (and so clip_grad_norm_) returns; it is
+the finite values' norm only when every gradient value is finite.
 
 NOTE: [live export cost]
 The export runs inside check(), on the training thread, so a step that writes nothing must cost next to nothing:
@@ -56,9 +65,8 @@ MAX_BUFFERED_STEPS = 100  # NOTE: [live export cost]
 MAX_BUFFERED_SECONDS = 10.0
 SCALARS = ("loss", "lr", "grad_norm", "nonfinite_tensors", "nonfinite_elements")
 
-# Bin b's lower edge is EDGES[b] and its upper edge EDGES[b + 1] (NOTE: [exponent buckets]).
-EDGES = tuple(2.0 ** (b + L.MIN_BIN_EXPONENT) for b in range(L.HIST_BINS + 1))
 _NONFINITE = slice(L.REC_NAN, L.REC_NEGINF + 1)
+NONFINITE_STATS = ("nan", "posinf", "neginf")  # the record's slots in _NONFINITE, in order
 
 
 def group_of(name: str) -> str:
@@ -70,28 +78,31 @@ def group_of(name: str) -> str:
 
 
 class ExponentHistogram(NamedTuple):
-    """One tensor's binary-exponent histogram over its occupied bins (NOTE: [exponent buckets]); a NamedTuple, since
-    a logged step makes dozens of them."""
+    """One tensor's histogram over the binary exponent of its finite non-zero values, occupied bins only (NOTE:
+    [exponent buckets]); a NamedTuple, since a logged step makes dozens of them."""
 
     name: str  # the scanned tensor's name
     group: str  # group_of(name)
-    first_bin: int  # the record's bin that counts[0] is
-    counts: list[int]
-    min: float
-    max: float
-    sum_squares: float
+    first_exponent: int  # the exponent e of counts[0]'s bucket [e, e + 1)
+    counts: list[int]  # empty: no finite non-zero value
 
     @property
     def num(self) -> int:
         return sum(self.counts)
 
-    def edges(self) -> list[float]:
-        """len(counts) + 1 bin edges, powers of two: counts[i] holds |x| in [edges[i], edges[i + 1])."""
-        return list(EDGES[self.first_bin : self.first_bin + len(self.counts) + 1])
+    def edges(self) -> list[int]:
+        """len(counts) + 1 integer bucket edges: counts[i] holds the values with floor(log2|x|) = edges[i]."""
+        return list(range(self.first_exponent, self.first_exponent + len(self.counts) + 1))
 
-    def upper_edges(self) -> list[float]:
-        """Each bin's upper edge (TensorBoard's bucket limits)."""
-        return list(EDGES[self.first_bin + 1 : self.first_bin + len(self.counts) + 1])
+
+class NonfiniteCounts(NamedTuple):
+    """One tensor's non-finite counts at a non-finite step."""
+
+    name: str
+    group: str
+    nan: int
+    posinf: int
+    neginf: int
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,7 @@ class StepRow:
     scalars: dict[str, float | int | None]  # by SCALARS name; None: not known (no loss given, no gradients)
     module_norms: dict[str, float] | None = None  # None: not a logged step
     histograms: tuple[ExponentHistogram, ...] = field(default=())
+    nonfinite: tuple[NonfiniteCounts, ...] = field(default=())  # the tensors holding any, at a non-finite step
 
 
 class Sink(Protocol):
@@ -118,6 +130,12 @@ class Sink(Protocol):
         """Flush, and close what the sink opened itself (never what the user handed it)."""
 
 
+def reported_norms(finite_norms: np.ndarray, nans: np.ndarray, infs: np.ndarray) -> np.ndarray:
+    """Norms as written (NOTE: [non-finite norms]): NaN where there are NaNs, +inf where there are only
+    infinities, else the finite values' norm; all three arrays of one shape."""
+    return np.where(nans > 0, np.nan, np.where(infs > 0, np.inf, finite_norms))
+
+
 class GradientRows:
     """Which records are gradients, and the module of each, for one list of scanned tensors (worked out once: the
     Monitor hands every step the same tuple while nothing changes)."""
@@ -128,19 +146,26 @@ class GradientRows:
         self.modules = [group_of(tensors[i].name) for i in self.rows]
 
     def totals(self, scalar_slots: np.ndarray) -> np.ndarray | None:
-        """The L2 norm over every gradient's finite values, per step, from a (steps, tensors, slots) stack of the
-        records' scalar slots (their sumsq); None without gradients."""
+        """The L2 norm of every gradient, per step (NOTE: [non-finite norms]), from a (steps, tensors, slots) stack
+        of the records' scalar slots; None without gradients."""
         if not len(self.rows):
             return None
-        sumsq = np.ascontiguousarray(scalar_slots[:, self.rows, L.REC_SUMSQ]).view(np.float64)
-        return np.sqrt(sumsq.sum(axis=1))
+        slots = scalar_slots[:, self.rows]
+        sumsq = np.ascontiguousarray(slots[:, :, L.REC_SUMSQ]).view(np.float64)
+        infs = slots[:, :, L.REC_POSINF] + slots[:, :, L.REC_NEGINF]
+        return reported_norms(np.sqrt(sumsq.sum(axis=1)), slots[:, :, L.REC_NAN].sum(axis=1), infs.sum(axis=1))
 
     def per_module(self, records: np.ndarray) -> dict[str, float]:
         """The same norm per module, for one step's records."""
-        sums: dict[str, float] = {}
-        for module, s in zip(self.modules, L.sumsq_values(records, self.rows)):
-            sums[module] = sums.get(module, 0.0) + float(s)
-        return {m: float(np.sqrt(s)) for m, s in sums.items()}
+        sums: dict[str, list] = {}  # module: [sumsq, NaNs, infinities]
+        infs = records[self.rows, L.REC_POSINF] + records[self.rows, L.REC_NEGINF]
+        for module, sumsq, nans, inf in zip(self.modules, L.sumsq_values(records, self.rows).tolist(),
+                                            records[self.rows, L.REC_NAN].tolist(), infs.tolist()):
+            total = sums.setdefault(module, [0.0, 0, 0])
+            total[0] += sumsq
+            total[1] += nans
+            total[2] += inf
+        return {m: float(reported_norms(np.sqrt(s), nans, inf)) for m, (s, nans, inf) in sums.items()}
 
 
 def _float_or_none(value: Any) -> float | None:
@@ -162,44 +187,37 @@ def step_scalars(gradients: GradientRows, scalar_slots: np.ndarray, losses: Sequ
 
 def exponent_histograms(tensors: Sequence[ScannedTensor], records: np.ndarray, rows: Sequence[int],
                         groups: Sequence[str] | None = None) -> tuple[ExponentHistogram, ...]:
-    """The histograms of the given rows (NOTE: [exponent buckets]), leaving out a tensor with no value binned (only
-    zeros, NaNs or infinities). groups: group_of each row's tensor, when the caller keeps them."""
+    """The histograms of the given rows (NOTE: [exponent buckets]), an empty one for a tensor with no value binned
+    (only zeros, NaNs or infinities). groups: group_of each row's tensor, when the caller keeps them."""
     if not len(rows):
         return ()
     if groups is None:
         groups = [group_of(tensors[i].name) for i in rows]
     hist = records[rows, L.REC_HIST:]
     first, width = compact.occupied_ranges(hist)
-    kept = np.flatnonzero(width)  # the rows with a value binned
-    hist, first, end = hist[kept], first[kept].tolist(), (first + width)[kept].tolist()
-    rows = [rows[j] for j in kept.tolist()]
-    groups = [groups[j] for j in kept.tolist()]
-    sumsq = np.ascontiguousarray(records[rows, L.REC_SUMSQ]).view(np.float64).tolist()
-    absmin_bits = records[rows, L.REC_ABSMIN_BITS]
-    absmin_bits = np.where(absmin_bits == L.ABSMIN_NONE, 0, absmin_bits)  # "none": 0.0, as min of nothing
-    absmax_bits = records[rows, L.REC_ABSMAX_BITS]
-    codes = np.array([tensors[i].scanned_code for i in rows], dtype=np.int64)
-    absmin, absmax = [0.0] * len(rows), [0.0] * len(rows)
-    for code in np.unique(codes).tolist():  # one conversion per format, not per tensor
-        where = np.flatnonzero(codes == code)
-        for j, low, high in zip(where.tolist(), L.abs_bits_to_floats(absmin_bits[where], code),
-                                L.abs_bits_to_floats(absmax_bits[where], code)):
-            absmin[j], absmax[j] = low, high
-    out = [ExponentHistogram(tensors[i].name, groups[j], first[j], hist[j, first[j] : end[j]].tolist(), absmin[j],
-                             absmax[j], sumsq[j]) for j, i in enumerate(rows)]
-    return tuple(out)
+    end = (first + width).tolist()
+    first = first.tolist()
+    return tuple(ExponentHistogram(tensors[i].name, groups[j], first[j] + L.MIN_BIN_EXPONENT,
+                                   hist[j, first[j] : end[j]].tolist()) for j, i in enumerate(rows))
+
+
+def nonfinite_counts(tensors: Sequence[ScannedTensor], records: np.ndarray) -> tuple[NonfiniteCounts, ...]:
+    """The NaN, +inf and -inf counts of every tensor holding any (none at a healthy step)."""
+    counts = records[:, _NONFINITE]
+    return tuple(NonfiniteCounts(tensors[i].name, group_of(tensors[i].name), *counts[i].tolist())
+                 for i in np.flatnonzero(counts.any(axis=1)).tolist())
 
 
 def step_row(step: int, tensors: Sequence[ScannedTensor], records: np.ndarray, *, loss: Any = None,
              lr: Any = None, histograms: Iterable[int] = (), module_norms: bool = False,
              gradients: GradientRows | None = None, walltime: float | None = None) -> StepRow:
-    """One step's row from its records, outside a live export (a bundle's history): its scalars and, with
-    module_norms, each module's gradient norm; histograms of the rows in `histograms`."""
+    """One step's row from its records, outside a live export (a bundle's history): its scalars, its non-finite
+    counts and, with module_norms, each module's gradient norm; histograms of the rows in `histograms`."""
     gradients = gradients if gradients is not None and gradients.tensors is tensors else GradientRows(tensors)
     scalars = step_scalars(gradients, records[None, :, : L.REC_HIST], [loss], [lr])[0]
     return StepRow(step, time.time() if walltime is None else walltime, scalars,
                    gradients.per_module(records) if module_norms else None,
-                   exponent_histograms(tensors, records, list(histograms)))
+                   exponent_histograms(tensors, records, list(histograms)), nonfinite_counts(tensors, records))
 
 
 class LiveExport:
@@ -262,7 +280,9 @@ class LiveExport:
         if bad or step % self.log_every == 0:
             gradients = self._gradients_of(tensors)
             rows, groups = self._rows(tensors)
-            self._hand_off(gradients.per_module(records), exponent_histograms(tensors, records, rows, groups))
+            self._hand_off(module_norms=gradients.per_module(records),
+                           histograms=exponent_histograms(tensors, records, rows, groups),
+                           nonfinite=nonfinite_counts(tensors, records) if bad else ())
         elif len(self._kept) >= MAX_BUFFERED_STEPS or now - self._kept[0][1] >= MAX_BUFFERED_SECONDS:
             self._hand_off()
         if bad:  # the run may end here (on_invalid="raise"): the incident must be on disk, not in a buffer
@@ -274,9 +294,9 @@ class LiveExport:
             self._gradients = GradientRows(tensors)
         return self._gradients
 
-    def _hand_off(self, module_norms: dict[str, float] | None = None,
-                  histograms: tuple[ExponentHistogram, ...] = ()) -> None:
-        """The kept steps' rows to every sink; the details given belong to the last of them."""
+    def _hand_off(self, **details: Any) -> None:
+        """The kept steps' rows to every sink; the details given (StepRow's module_norms, histograms, nonfinite)
+        belong to the last of them."""
         rows: list[StepRow] = []
         start = 0
         while start < len(self._kept):  # one run of steps per tensor list
@@ -292,8 +312,8 @@ class LiveExport:
         self._kept.clear()
         if not rows:
             return
-        if module_norms is not None:
-            rows[-1] = replace(rows[-1], module_norms=module_norms, histograms=histograms)
+        if details:
+            rows[-1] = replace(rows[-1], **details)
         for sink in self.sinks:
             sink.write(rows)
 

@@ -8,16 +8,23 @@ user hands in), and only when a writer is opened: importing it costs nothing.
 
 What is written (tags):
   nanscan/loss, nanscan/lr, nanscan/grad_norm     every step (the step's loss and learning rate when given; the L2
-                                                  norm over the finite values of every gradient)
+                                                  norm of every gradient, NaN or inf at a step whose gradients hold
+                                                  a NaN or an infinity: NOTE: [non-finite norms])
   nanscan/nonfinite_tensors, nanscan/nonfinite_elements
                                                   every step, 0 on a healthy step
-  <module>/grad_norm                              every log_every steps: the gradient norm per module
-  <module>/<tensor name>                          every log_every steps and at every non-finite step: histograms
-                                                  of |x| (TensorBoard's dashboards group tags by their first part, so
-                                                  a module's weights, gradients and optimizer state sit together)
-<module> is a tensor's group (nanscan.integrations.live.group_of). A histogram's bucket i holds the values above
-bucket_limit[i-1] up to bucket_limit[i], so exponent bin b is written as the bucket whose limit is its upper edge
-(NOTE: [exponent buckets]); `sum` is 0, the records hold none (TensorBoard's charts do not use it).
+  <module>/grad_norm                              every log_every steps and at every non-finite step: the gradient
+                                                  norm per module (the same rule)
+  <module>/exp_hist/<tensor name>                 the same steps: each tensor's histogram over log2|x| (NOTE:
+                                                  [exponent buckets]), empty for a tensor with no finite non-zero
+                                                  value, with a description saying what the axis is
+  <module>/nan/<tensor name>, <module>/posinf/<tensor name>, <module>/neginf/<tensor name>
+                                                  at a non-finite step, for every tensor holding a NaN or infinity
+<module> is a tensor's group (nanscan.integrations.live.group_of); TensorBoard's dashboards group tags by their
+first part, so a module's weights, gradients and optimizer state sit together. A histogram is written in
+TensorBoard's own form, a float64 tensor of (left edge, right edge, count) rows with the histogram plugin's
+metadata, as tf.summary.histogram writes it: the edges are the integers e and e + 1 and the counts exact (the
+older HistogramProto is read back through float32, exact only up to 2**24). A writer without add_summary
+(tensorboardX's) gets add_histogram_raw with the same buckets and no description.
 
 NOTE: [event file]
 A log directory given as a path is written by EventFile, not by torch's SummaryWriter: SummaryWriter writes through
@@ -43,22 +50,21 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from nanscan import _layout as L
 from nanscan.integrations.live import (
     DEFAULT_LOG_EVERY,
     DEFAULT_MAX_TENSORS,
+    NONFINITE_STATS,
     SCALARS,
     ExponentHistogram,
-    GradientRows,
     LiveExport,
     StepRow,
     group_of,
-    step_row,
 )
-from nanscan.stats import ScannedTensor
 
 SCALAR_PREFIX = "nanscan/"
 EVENT_FILE_PREFIX = "events.out.tfevents."
@@ -135,13 +141,30 @@ def open_writer(target: Any) -> tuple[Any, bool]:
     return EventFile(target), True
 
 
-def histogram_tag(name: str) -> str:
-    """The tag of a tensor's histograms: its group, then its name."""
-    return f"{group_of(name)}/{name}"
+HISTOGRAM_DESCRIPTION = (
+    "nanscan's exponent histogram: the x axis is log2|x|, the binary exponent of the tensor's finite non-zero "
+    "values. The bucket [e, e+1) counts, exactly, the values with 2^e <= |x| < 2^(e+1) (e clamped to [-128, 127]). "
+    "Zeros, NaN and infinities have no exponent and are not drawn: a tensor holding nothing else has an empty "
+    "histogram, and its counts are the scalars <module>/nan/<tensor>, <module>/posinf/<tensor> and "
+    "<module>/neginf/<tensor> at a non-finite step.")
 
 
-def _tag(h: ExponentHistogram) -> str:
-    return f"{h.group}/{h.name}"
+def histogram_tag(name: str, group: str | None = None) -> str:
+    """The tag of a tensor's exponent histograms: its group (group_of(name) unless given), exp_hist, its name."""
+    return f"{group_of(name) if group is None else group}/exp_hist/{name}"
+
+
+def step_tags(row: StepRow) -> list[tuple[str, float]]:
+    """(tag, value) of a row's own scalars, written every step."""
+    return [(SCALAR_PREFIX + name, float(row.scalars[name])) for name in SCALARS if row.scalars.get(name) is not None]
+
+
+def detail_tags(row: StepRow) -> list[tuple[str, float]]:
+    """(tag, value) of a logged or non-finite step's other scalars: the module norms, the non-finite counts."""
+    tags = [(f"{module}/grad_norm", norm) for module, norm in (row.module_norms or {}).items()]
+    for c in row.nonfinite:
+        tags += [(f"{c.group}/{stat}/{c.name}", float(getattr(c, stat))) for stat in NONFINITE_STATS]
+    return tags
 
 
 def _summary_adder(writer: Any) -> Any:
@@ -156,48 +179,76 @@ def _summary_adder(writer: Any) -> Any:
     return None
 
 
-def write_rows(writer: Any, rows: Sequence[StepRow]) -> None:
-    """Each row's scalars as one event and, for a logged step, its module norms and histograms as another (one
-    event per value through a writer without add_summary)."""
-    add_summary = _summary_adder(writer)
-    if add_summary is not None:
-        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary  # noqa: PLC0415
+# Row b: the edges (e, e + 1) of bin b's bucket, e = b - 128 (NOTE: [exponent buckets]).
+_BUCKET_EDGES = np.stack([np.arange(L.HIST_BINS, dtype=np.float64) + L.MIN_BIN_EXPONENT,
+                          np.arange(L.HIST_BINS, dtype=np.float64) + L.MIN_BIN_EXPONENT + 1], axis=1)
 
-        value = Summary.Value
-    for row in rows:
-        shown = [(SCALAR_PREFIX + name, float(row.scalars[name])) for name in SCALARS
-                 if row.scalars.get(name) is not None]
-        norms = [(f"{module}/grad_norm", norm) for module, norm in (row.module_norms or {}).items()]
-        if add_summary is None:
-            for tag, v in shown + norms:
-                writer.add_scalar(tag, v, global_step=row.step, walltime=row.walltime)
-            for h in row.histograms:
-                writer.add_histogram_raw(_tag(h), global_step=row.step, walltime=row.walltime,
-                                         **_raw(h))
-            continue
-        add_summary(Summary(value=[value(tag=tag, simple_value=v) for tag, v in shown]), row.step, row.walltime)
-        if norms or row.histograms:
-            details = [value(tag=tag, simple_value=v) for tag, v in norms]
-            details += [value(tag=_tag(h), histo=HistogramProto(
-                min=h.min, max=h.max, num=h.num, sum=0.0, sum_squares=h.sum_squares, bucket_limit=h.upper_edges(),
-                bucket=h.counts)) for h in row.histograms]
-            add_summary(Summary(value=details), row.step, row.walltime)
+
+class _HistogramValues:
+    """Summary values of exponent histograms in TensorBoard's tensor form (module docstring), the description
+    written with a tag's first histogram only (TensorBoard keeps the first metadata of a tag)."""
+
+    def __init__(self) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415 - only when events are written
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto  # noqa: PLC0415
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto  # noqa: PLC0415
+        from tensorboard.compat.proto.types_pb2 import DT_DOUBLE  # noqa: PLC0415
+        from tensorboard.plugins.histogram.metadata import create_summary_metadata  # noqa: PLC0415
+
+        self._value, self._tensor, self._shape, self._double = Summary.Value, TensorProto, TensorShapeProto, DT_DOUBLE
+        self._metadata = create_summary_metadata(display_name="", description=HISTOGRAM_DESCRIPTION)
+        self._described: set[str] = set()
+        self._shapes: dict[int, Any] = {}  # (k, 3) TensorShapeProto per bucket count k
+
+    def __call__(self, h: ExponentHistogram) -> Any:
+        tag = histogram_tag(h.name, h.group)
+        k, first = len(h.counts), h.first_exponent - L.MIN_BIN_EXPONENT
+        buckets = np.empty((k, 3))  # rows of (left, right, count): slices of a table, a third of the time of a stack
+        buckets[:, :2] = _BUCKET_EDGES[first : first + k]
+        buckets[:, 2] = h.counts
+        shape = self._shapes.get(k)
+        if shape is None:
+            shape = self._shapes[k] = self._shape(dim=[self._shape.Dim(size=k), self._shape.Dim(size=3)])
+        tensor = self._tensor(dtype=self._double, tensor_shape=shape, tensor_content=buckets.tobytes())
+        if tag in self._described:
+            return self._value(tag=tag, tensor=tensor)
+        self._described.add(tag)
+        return self._value(tag=tag, tensor=tensor, metadata=self._metadata)
 
 
 def _raw(h: ExponentHistogram) -> dict:
-    """add_histogram_raw's arguments for one histogram (NOTE: [exponent buckets])."""
-    return {"min": h.min, "max": h.max, "num": h.num, "sum": 0.0, "sum_squares": h.sum_squares,
-            "bucket_limits": h.upper_edges(), "bucket_counts": h.counts}
+    """add_histogram_raw's arguments for one histogram (NOTE: [exponent buckets]): TensorBoard reads bucket i as
+    (limit i-1, limit i], the first from `min` and the last up to `max`. sum and sum_squares are those of nothing
+    TensorBoard draws: 0."""
+    edges = h.edges()
+    return {"min": float(edges[0]), "max": float(edges[-1]), "num": h.num, "sum": 0.0, "sum_squares": 0.0,
+            "bucket_limits": [float(e) for e in edges[1:]], "bucket_counts": h.counts}
 
 
-def write_step(writer: Any, step: int, tensors: Sequence[ScannedTensor], records: np.ndarray, *, loss: Any = None,
-               lr: Any = None, histograms: Iterable[int] = (), layer_norms: bool = False,
-               gradients: GradientRows | None = None) -> None:
-    """One step's scalars and, for the rows in `histograms`, exponent histograms; with layer_norms, each module's
-    gradient norm (a bundle's history: nanscan export). `gradients`: GradientRows of `tensors`, when the caller
-    keeps one."""
-    write_rows(writer, [step_row(step, tensors, records, loss=loss, lr=lr, histograms=histograms,
-                                 module_norms=layer_norms, gradients=gradients)])
+def write_rows(writer: Any, rows: Sequence[StepRow], histogram_values: _HistogramValues | None = None) -> None:
+    """Each row's scalars as one event and, for a logged step, its module norms, non-finite counts and histograms
+    as another (one event per value through a writer without add_summary). histogram_values: the writer's own,
+    kept across calls so that each tag is described once."""
+    add_summary = _summary_adder(writer)
+    if add_summary is not None:
+        from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415
+
+        value = Summary.Value
+        histogram_values = histogram_values or _HistogramValues()
+    for row in rows:
+        scalars, details = step_tags(row), detail_tags(row)
+        if add_summary is None:
+            for tag, v in scalars + details:
+                writer.add_scalar(tag, v, global_step=row.step, walltime=row.walltime)
+            for h in row.histograms:
+                writer.add_histogram_raw(histogram_tag(h.name, h.group), global_step=row.step, walltime=row.walltime,
+                                         **_raw(h))
+            continue
+        add_summary(Summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars]), row.step, row.walltime)
+        if details or row.histograms:
+            values = [value(tag=tag, simple_value=v) for tag, v in details]
+            values += [histogram_values(h) for h in row.histograms]
+            add_summary(Summary(value=values), row.step, row.walltime)
 
 
 class TensorBoardSink:
@@ -206,9 +257,10 @@ class TensorBoardSink:
 
     def __init__(self, target: Any):
         self.writer, self._owned = open_writer(target)
+        self._histogram_values = _HistogramValues() if _summary_adder(self.writer) is not None else None
 
     def write(self, rows: Sequence[StepRow]) -> None:
-        write_rows(self.writer, rows)
+        write_rows(self.writer, rows, self._histogram_values)
         if self._owned:  # a few KB into the OS's hands at each hand-off (NOTE: [event file])
             self.writer.flush()
 

@@ -7,11 +7,17 @@ The one module that imports wandb, and only when a run is handed to it: importin
 What is logged (keys; W&B's workspace groups keys by their first part, so all of nanscan's sit together):
   nanscan/step                              the training step: the x axis of every nanscan/ key (NOTE: [wandb step])
   nanscan/loss, nanscan/lr, nanscan/grad_norm, nanscan/nonfinite_tensors, nanscan/nonfinite_elements
-                                            every step (0 non-finite on a healthy step)
+                                            every step (0 non-finite on a healthy step; grad_norm NaN or inf at a
+                                            step whose gradients hold a NaN or an infinity: NOTE: [non-finite
+                                            norms])
   nanscan/grad_norm/<module>                every log_every steps and at every non-finite step
-  nanscan/hist/<module>/<tensor name>       the same steps: wandb.Histogram(np_histogram=(counts, bin_edges)) over
-                                            the occupied exponent bins, edges at powers of two (NOTE: [exponent
-                                            buckets]; W&B draws them on a linear axis)
+  nanscan/exp_hist/<module>/<tensor name>   the same steps: wandb.Histogram(np_histogram=(counts, bin_edges)) over
+                                            the occupied bins of log2|x|, integer edges e, e + 1 (NOTE: [exponent
+                                            buckets]); none for a tensor without a finite non-zero value, which
+                                            W&B's histogram cannot hold empty
+  nanscan/nan/<module>/<tensor name>, nanscan/posinf/..., nanscan/neginf/...
+                                            at a non-finite step, for every tensor holding a NaN or infinity (so an
+                                            all-NaN tensor has its entry)
 <module> is a tensor's group (nanscan.integrations.live.group_of).
 
 NOTE: [wandb step]
@@ -34,7 +40,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from nanscan.integrations.live import DEFAULT_LOG_EVERY, DEFAULT_MAX_TENSORS, LiveExport, StepRow
+from nanscan.integrations.live import DEFAULT_LOG_EVERY, DEFAULT_MAX_TENSORS, NONFINITE_STATS, LiveExport, StepRow
 
 log = logging.getLogger("nanscan")
 
@@ -72,7 +78,10 @@ class WandbSink:
             for module, norm in (row.module_norms or {}).items():
                 data[f"{PREFIX}grad_norm/{module}"] = norm
             for h in row.histograms:
-                data[f"{PREFIX}hist/{h.group}/{h.name}"] = self._histogram(np_histogram=(h.counts, h.edges()))
+                if h.counts:
+                    data[f"{PREFIX}exp_hist/{h.group}/{h.name}"] = self._histogram(np_histogram=(h.counts, h.edges()))
+            for c in row.nonfinite:
+                data.update((f"{PREFIX}{stat}/{c.group}/{c.name}", getattr(c, stat)) for stat in NONFINITE_STATS)
             try:
                 self.run.log(data)
             except self._finished_error:  # the user finished the run before the Monitor closed
