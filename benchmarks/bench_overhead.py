@@ -3,9 +3,9 @@ without the check, interleaved in one run, reported as median step times and one
 
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
     spike_detection_overhead = 0.3% of a checked step (spikes="warn" vs spikes=None, adjacent blocks)
-    post_update_overhead = 2.7% of a checked step (post_update=True vs False, adjacent blocks)
-    post_update_step_cost = +2.1% of a plain step (the post-update scan inside optimizer.step(), medians)
-    post_update_net_cost = +2.3% of a plain step (check() + optimizer.step(), with vs without, medians)
+    post_update_overhead = 3.6% of a checked step (post_update=True vs False, adjacent blocks)
+    post_update_step_cost = +2.67% of a plain step (the post-update scan inside optimizer.step(), medians)
+    post_update_net_cost = +2.83% of a plain step (check() + optimizer.step(), with vs without, medians)
 
 More variants run in the same rotation, each its own Monitor on the same model with its own step counter, and are
 reported as ratio lines against the default Monitor's adjacent blocks: `nospikes` (spikes=None, so the second line
