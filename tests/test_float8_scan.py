@@ -51,6 +51,26 @@ def backend_for(name: str, chunk: int | None):
     return NumbaBackend() if chunk is None else NumbaBackend(chunk_elems=chunk)
 
 
+def planted_patterns(dtype: torch.dtype, n: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """One tensor per bit pattern: n finite elements with that pattern at a random place."""
+    tensors = {}
+    for bits in range(256):
+        t = background(dtype, n, rng)
+        t[rng.integers(0, n)] = bits
+        tensors[f"pattern {bits:#04x}"] = BitTables.tensor(t, dtype)
+    return tensors
+
+
+def float8_path_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A smaller set for the portable build's check (tests/test_native_build.py): every pattern planted in a block
+    and a half, and a few lengths around a vector."""
+    rng = np.random.default_rng(5)
+    tensors = planted_patterns(dtype, BLOCK + BLOCK // 2, rng)
+    whole = BitTables.tensor(background(dtype, 2 * BLOCK, rng), dtype)
+    tensors.update({f"{length} elements": whole[length:2 * length] for length in (0, 1, 63, 64, 65, 130)})
+    return tensors
+
+
 @pytest.fixture(params=["cpu", "numba"])
 def byte_backend(request):
     request.getfixturevalue(f"{request.param}_backend")  # skips, saying why, a backend that cannot run here
@@ -60,13 +80,7 @@ def byte_backend(request):
 @pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
 @pytest.mark.parametrize("chunk", [None, 3 * BLOCK + 5, 7])
 def test_every_pattern_inside_finite_blocks(byte_backend, dtype, chunk):
-    rng = np.random.default_rng(30)
-    n = 2 * BLOCK + 37
-    tensors = {}
-    for bits in range(256):
-        t = background(dtype, n, rng)
-        t[rng.integers(0, n)] = bits
-        tensors[f"pattern {bits:#04x}"] = BitTables.tensor(t, dtype)
+    tensors = planted_patterns(dtype, 2 * BLOCK + 37, np.random.default_rng(30))
     report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
     nonfinite = [bits for bits in range(256) if bits not in set(finite_patterns(dtype).tolist())]
     for bits in nonfinite:  # the planted value is there, and counted where the reference counts it

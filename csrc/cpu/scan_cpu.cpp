@@ -1,6 +1,7 @@
 // scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, one vectorised pass per 4 KiB
-// block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are counted per
-// bit pattern (NOTE: [byte formats]).
+// block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are looked up in
+// byte tables 64 elements at a time with AVX-512 (NOTE: [byte vectors]), else counted per bit pattern (NOTE: [byte
+// formats]).
 #include "scan_cpu.h"
 
 #include <algorithm>
