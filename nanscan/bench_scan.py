@@ -1,9 +1,10 @@
-"""The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor
-torch checks, on float32 and then float8_e4m3fn tensors shaped like GPT-2 small (nanscan.bench_options says what is
-measured, in the words of --help, and parses the arguments before this module imports torch).
+"""The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor torch
+checks, on float32, bfloat16, float16 and then float8_e4m3fn tensors shaped like GPT-2 small (nanscan.bench_options
+says what is measured, in the words of --help, and parses the arguments before this module imports torch).
 
-It prints a table and ratio lines such as `cpu/read_limit = 0.78` and `cpu/isfinite_loop = 14.2x`, and with
---json writes the same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
+It prints a table per dtype and ratio lines, among them a read-limit line per dtype and backend (`cpu/read_limit =
+0.78` for float32, `bfloat16 numba/read_limit = 0.31`, `cpu/isfinite_loop = 14.2x`), and with --json writes the
+same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
 `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json`
 (`--scale 0.1` shrinks every tensor tenfold for a quick run). Before anything is timed, the backends' records are
 checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must not
@@ -113,6 +114,20 @@ def make_float8_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Te
     return out
 
 
+# float16 gradients are held loss-scaled in mixed-precision training (GradScaler starts at 2**16): unscaled, most of
+# these gradients would be float16 subnormals, which no run keeps.
+FLOAT16_LOSS_SCALE = 2.0 ** 16
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def make_half_tensors(float32: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The float32 set as a 16-bit training run holds it: cast to bfloat16, or to float16 with the gradients
+    loss-scaled (FLOAT16_LOSS_SCALE)."""
+    scale = FLOAT16_LOSS_SCALE if dtype == torch.float16 else 1.0
+    return {name: (t * scale if name.startswith("grad:") and scale != 1.0 else t).to(dtype)
+            for name, t in float32.items()}
+
+
 def _read_probe(tensors: list[torch.Tensor], code: int = L.FLOAT32) -> Callable[[], object] | None:
     """nanscan._C.read_bandwidth_probe over the tensors (every byte read once, nothing else), if built."""
     try:
@@ -179,6 +194,12 @@ def make_float8_methods(named: dict[str, torch.Tensor], backend_names: list[str]
     return _read_limit_and_nanscan(named, backend_names, L.FLOAT8_E4M3FN) + [
         Method("float isfinite loop", "torch", lambda: _float_isfinite_loop(tensors),
                "t.float().isfinite().all() per tensor")]
+
+
+def make_half_methods(named: dict[str, torch.Tensor], backend_names: list[str], code: int) -> list[Method]:
+    tensors = list(named.values())
+    return _read_limit_and_nanscan(named, backend_names, code) + [
+        Method("isfinite loop", "torch", lambda: _isfinite_loop(tensors), "torch.isfinite(t).all() per tensor")]
 
 
 def make_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
@@ -261,14 +282,16 @@ def summarise(methods: list[Method], times: dict[str, list[float]], total_bytes:
     } for m in methods]
 
 
-def float8_ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, float]:
+def dtype_ratio_lines(results: list[dict], backend_names: list[str], dtype: torch.dtype,
+                      baseline: str) -> dict[str, float]:
+    """`<dtype> <backend>/read_limit` and `<dtype> <backend>/<baseline>` for a set other than the float32 one."""
     by_name = {r["name"]: r for r in results}
-    prefix = str(FLOAT8_DTYPE).removeprefix("torch.")
+    prefix = str(dtype).removeprefix("torch.")
     ratios: dict[str, float] = {}
     for b in backend_names:
         r = by_name[f"nanscan {b}"]
         ratios[f"{prefix} {b}/read_limit"] = r["fraction_of_read_limit"]
-        ratios[f"{prefix} {b}/float_isfinite_loop"] = by_name["float isfinite loop"]["seconds"] / r["seconds"]
+        ratios[f"{prefix} {b}/{baseline.replace(' ', '_')}"] = by_name[baseline]["seconds"] / r["seconds"]
     return ratios
 
 
@@ -353,6 +376,25 @@ def run(args: argparse.Namespace) -> int:
                                          f"{read_limit_name})", "isfinite loop"))
     ratios = ratio_lines(results, backend_names)
     num_tensors = len(named)
+    halves: dict[str, dict] = {}
+    for dtype in HALF_DTYPES:
+        half = make_half_tensors(named, dtype)
+        half_bytes = sum(t.numel() * t.element_size() for t in half.values())
+        problems16 = validate(half, backend_names)
+        if problems16:
+            for p in problems16[:20]:
+                console.print(f"[red]validation failed ({dtype}):[/red] {p}")
+            return 1
+        methods16 = make_half_methods(half, backend_names, L.DTYPE_CODES[str(dtype).removeprefix("torch.")])
+        read_limit16, results16 = summarise(methods16, time_methods(methods16, args.reps), half_bytes,
+                                            "isfinite loop")
+        console.print(results_table(results16, f"scan of {half_bytes / 1e9:.2f} GB of {dtype} (validated against "
+                                               f"the reference), median of {args.reps} (read limit: {read_limit16})",
+                                    "isfinite loop"))
+        ratios.update(dtype_ratio_lines(results16, backend_names, dtype, "isfinite loop"))
+        halves[str(dtype).removeprefix("torch.")] = {"tensors": len(half), "bytes": half_bytes,
+                                                     "read_limit": read_limit16, "results": results16}
+        del half, methods16
     del named, methods  # the float8 set takes their place
 
     float8 = make_float8_tensors(args.scale, args.seed)
@@ -367,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(results_table(results8, f"scan of {float8_bytes / 1e9:.2f} GB of {FLOAT8_DTYPE} (validated "
                                           f"against the reference), median of {args.reps} (read limit: {read_limit8})",
                                 "float isfinite loop"))
-    ratios.update(float8_ratio_lines(results8, backend_names))
+    ratios.update(dtype_ratio_lines(results8, backend_names, FLOAT8_DTYPE, "float isfinite loop"))
     for key, value in ratios.items():
         print(format_ratio(key, value))
 
@@ -384,6 +426,7 @@ def run(args: argparse.Namespace) -> int:
             "peak_extra_memory_bytes": memory,
             "read_limit": read_limit_name,
             "results": results,
+            **halves,
             "float8": {"dtype": str(FLOAT8_DTYPE).removeprefix("torch."), "tensors": len(float8),
                        "bytes": float8_bytes, "read_limit": read_limit8, "results": results8},
             "ratios": ratios,

@@ -309,8 +309,9 @@ def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
     assert {r["name"] for r in data["results"]} >= {"nanscan cpu", "read probe", "_foreach_norm", "isfinite loop"}
     assert data["float8"]["dtype"] == "float8_e4m3fn" and {r["name"] for r in data["float8"]["results"]} >= {
         "nanscan cpu", "read probe", "float isfinite loop"}
-    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm", "float8_e4m3fn cpu/read_limit",
-                "float8_e4m3fn cpu/float_isfinite_loop"):
+    assert {r["name"] for r in data["bfloat16"]["results"]} >= {"nanscan cpu", "read probe", "isfinite loop"}
+    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm", "bfloat16 cpu/read_limit",
+                "float16 cpu/read_limit", "float8_e4m3fn cpu/read_limit", "float8_e4m3fn cpu/float_isfinite_loop"):
         assert data["ratios"][key] > 0
         assert f"{key} = " in printed
 
@@ -421,6 +422,14 @@ for dtype in DTYPES:
         tensors = kernel_path_tensors(dtype, blocks=blocks)
         report = nanscan.scan(tensors, backend=CpuBackend(chunk_elems=chunk))
         reference = nanscan.scan(tensors, backend="reference")
+        assert_records_match(report.records, reference.records, report.names, label=f"{{dtype}}, chunks of {{chunk}}")
+from conftest import FLOAT8_DTYPES
+from test_float8_scan import float8_path_tensors
+for dtype in FLOAT8_DTYPES:  # counted per bit pattern here (NOTE: [byte formats])
+    tensors = float8_path_tensors(dtype)
+    reference = nanscan.scan(tensors, backend="reference")
+    for chunk in (1 << 16, 7):
+        report = nanscan.scan(tensors, backend=CpuBackend(chunk_elems=chunk))
         assert_records_match(report.records, reference.records, report.names, label=f"{{dtype}}, chunks of {{chunk}}")
 print(json.dumps({{"file": _C.__file__, "simd": _C.build_info()["cpu_simd"]}}))
 """

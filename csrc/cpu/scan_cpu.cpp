@@ -1,11 +1,13 @@
 // scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, one vectorised pass per 4 KiB
-// block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are counted per
-// bit pattern (NOTE: [byte formats]).
+// block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are looked up in
+// byte tables 64 elements at a time with AVX-512 (NOTE: [byte vectors]), else counted per bit pattern (NOTE: [byte
+// formats]).
 #include "scan_cpu.h"
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -798,14 +800,15 @@ void scan_small(const typename F::Bits* p, int64_t n, int64_t* record, double& s
 }
 
 // NOTE: [byte formats]
-// A float8 element is one byte, so the vector machinery above (abs thresholds, field windows) is not used for it: a
-// chunk is counted per bit pattern, 256 counters in kByteTables interleaved tables (so runs of one pattern do not
-// wait on each other's stores), and then each pattern's count goes where classify.h puts that pattern, through a
-// table of 256 entries made once per format from classify(), exponent_bin() and abs_to_double() (ByteTable). Every
-// slot of the record follows from the counts: the classes, the bins, the extremes (the largest and smallest abs
-// patterns counted among finite values), and the sum of squares, added as count * square in pattern order. So the
-// sum depends on the chunking alone (NOTE: [chunking]), not on the order of the elements, and each term is exact
-// (a square has at most 8 significant bits, a count at most 30).
+// A float8 element is one byte, so the vector machinery above (abs thresholds, field windows) is not used for it.
+// Without the AVX-512 byte instructions (NOTE: [byte vectors]) a chunk is counted per bit pattern, 256 counters in
+// kByteTables interleaved tables (so runs of one pattern do not wait on each other's stores), and then each pattern's
+// count goes where classify.h puts that pattern, through a table of 256 entries made once per format from
+// classify(), exponent_bin() and abs_to_double() (ByteTable). Every slot of the record follows from the counts: the
+// classes, the bins, the extremes (the largest and smallest abs patterns counted among finite values), and the sum
+// of squares, added as count * square in pattern order. So the sum depends on the chunking alone (NOTE: [chunking]),
+// not on the order of the elements, and each term is exact (a square has at most 8 significant bits, a count at
+// most 30).
 constexpr int kByteTables = 4;
 constexpr int64_t kByteTablesFrom = 4096;  // shorter chunks count into one table: clearing four would cost more
 
@@ -831,26 +834,12 @@ const ByteTable<F>& byte_table() {
   return table;
 }
 
-// One chunk of a one-byte format (NOTE: [byte formats]), added to `record` like scan_chunk.
+// Adds the elements that `tables` pattern-count tables counted to `record` (classes and bins) and to the extremes;
+// returns their sum of squares, added in pattern order (NOTE: [byte formats]).
 template <typename F>
-void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
-  static_assert(F::kBytes == 1, "one-byte formats only");
-  static_assert(kMaxChunkElems <= UINT32_MAX, "the per-pattern counters are uint32");
-  uint32_t counts[kByteTables][256];
-  const int tables = n >= kByteTablesFrom ? kByteTables : 1;
-  std::memset(counts, 0, sizeof(counts[0]) * tables);
-  int64_t i = 0;
-  if (tables == kByteTables) {
-    for (; i + 8 <= n; i += 8) {
-      uint64_t w;
-      std::memcpy(&w, p + i, sizeof(w));
-      __builtin_prefetch(p + i + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
-      for (int k = 0; k < 8; ++k) counts[k % kByteTables][(w >> (8 * k)) & 0xff]++;
-    }
-  }
-  for (; i < n; ++i) counts[0][p[i]]++;
+double fold_patterns(const uint32_t (*counts)[256], int tables, int64_t* record, uint64_t& absmax,
+                     uint64_t& absmin) {
   const ByteTable<F>& table = byte_table<F>();
-  uint64_t absmax = 0, absmin = UINT64_MAX;
   double sumsq = 0.0;
   for (int b = 0; b < 256; ++b) {
     uint64_t c = 0;
@@ -870,9 +859,261 @@ void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out)
     absmin = std::min(absmin, a);
     sumsq += static_cast<double>(c) * table.square[b];
   }
+  return sumsq;
+}
+
+inline void write_extremes(int64_t* record, uint64_t absmax, uint64_t absmin) {
   record[record::kAbsMaxBits] = static_cast<int64_t>(absmax);
   if (absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(absmin);
+}
+
+// One chunk of a one-byte format counted per bit pattern (NOTE: [byte formats]), added to `record` like scan_chunk.
+template <typename F>
+void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
+  static_assert(kMaxChunkElems <= UINT32_MAX, "the per-pattern counters are uint32");
+  uint32_t counts[kByteTables][256];
+  const int tables = n >= kByteTablesFrom ? kByteTables : 1;
+  std::memset(counts, 0, sizeof(counts[0]) * tables);
+  int64_t i = 0;
+  if (tables == kByteTables) {
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, sizeof(w));
+      __builtin_prefetch(p + i + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
+      for (int k = 0; k < 8; ++k) counts[k % kByteTables][(w >> (8 * k)) & 0xff]++;
+    }
+  }
+  for (; i < n; ++i) counts[0][p[i]]++;
+  uint64_t absmax = 0, absmin = UINT64_MAX;
+  sumsq_out = fold_patterns<F>(counts, tables, record, absmax, absmin);
+  write_extremes(record, absmax, absmin);
+}
+
+#if NANSCAN_AVX512_BYTES
+// NOTE: [byte vectors]
+// Counting per bit pattern is a dependent load-increment-store per byte: 0.2-0.3 of the read limit on the 2-core
+// development machine. With AVX-512's byte instructions a chunk is read 64 elements at a time instead, and each
+// vector looked up in 128-entry byte tables (vpermi2b, indexed by the low 7 bits, so by |x|: the sign matters only
+// to the NaN of fnuz formats, NOTE: [float8 specials]) made once per format from classify.h:
+//  - quads: table q maps an element whose exponent field f is one of 4q .. 4q + 3 to 4^(f mod 4), others to 0.
+//  - squares: x^2 = M^2 * 4^(f - 1) * 4^kMinExponent, with M the significand (hidden bit included) and
+//    2^kMinExponent the subnormals' ulp; a subnormal (f = 0) squares like field 1. A byte dot product (vpdpbusd:
+//    unsigned byte times signed byte, four per 32-bit lane, added) of a = M^2 (4 M^2 for subnormals) with quad q
+//    adds the squares of quad q's elements, times 4^(1 - kMinExponent - 4q), as exact integers: a product is at
+//    most 225 * 64. The quads' sums, scaled by their powers of 4 in __int128, are the chunk's sum of squares, exact,
+//    rounded once to double.
+//  - fields: two quads in one byte (the second shifted up a bit) hold one bit per field of 8. The GF(2) transpose of
+//    each 8-byte word (gf2p8affineqb) gathers one field's bits of 8 elements into one byte, and a byte popcount
+//    counts them. Byte counters take kByteSteps vectors, 16-bit ones a block, the chunk's 16-bit ones kWordBlocks
+//    blocks, then int64.
+//  - extremes: the byte maximum of |x| and the byte minimum of |x| - 1, where zeros wrap to 0xff (zeros_and_min).
+// Zeros and subnormals count as field 0. Per block (kBlockBytes), the extremes tell the rest: a block with an inf
+// or NaN (for fnuz formats, whose NaN 0x80 has |x| bits 0: a signed byte minimum of -128) leaves its vector counts
+// unused and is counted per bit pattern instead (NOTE: [byte formats]); a block with a subnormal is read again,
+// and each subnormal binned one by one (they are few). The zero padding of a chunk's last vector, and the
+// subnormals, are taken back out of field 0, which leaves the zeros.
+template <typename F>
+struct ByteVectors {
+  static constexpr int kFields = 1 << F::kExpBits;
+  static constexpr int kQuads = kFields / 4;
+  static constexpr int kFieldBytes = kQuads / 2;  // bytes of field bits: 8 fields each
+  static constexpr int kMinExponent = 1 - F::kBias - F::kMantBits;
+  static_assert((2 << F::kMantBits) - 1 <= 15, "M^2 must fit an unsigned byte");
+  static_assert(8 * (kQuads - 1) + 16 + 45 <= 128, "the scaled quad sums must fit __int128");
+
+  // The quads depend on the field alone, so they are looked up (vpermb, which reads 6 index bits and leaves its
+  // table intact) by the element's bits from the mantissa's top one up: shifted as 16-bit words, the neighbouring
+  // byte's bits land above bit 5, where vpermb does not look.
+  static constexpr int kFieldIndexShift = F::kMantBits - 1;
+  static_assert(F::kMantBits >= 1 && 1 + F::kExpBits <= 6, "the field and the top mantissa bit fit 6 bits");
+  __m512i quad[kQuads];     // vpermb tables: index (|x| bits >> kFieldIndexShift) mod 64
+  __m512i square[2];        // vpermi2b table: |x| bits 0..63, 64..127
+
+  ByteVectors() {
+    alignas(64) uint8_t quads[kQuads][128] = {};
+    alignas(64) uint8_t squares[128] = {};
+    for (int b = 0; b < 128; ++b) {
+      const auto bits = static_cast<typename F::Bits>(b);
+      const ValueClass cls = classify<F>(bits);
+      if (cls == kNaN || cls == kPosInf || cls == kNegInf) continue;  // their blocks are counted per pattern
+      const int field = exponent_field<F>(bits);
+      quads[field / 4][b] = static_cast<uint8_t>(1u << (2 * (field % 4)));
+      const int mant = static_cast<int>(bits & F::kMantMask);
+      const int significand = field == 0 ? mant : mant | (1 << F::kMantBits);
+      squares[b] = static_cast<uint8_t>(significand * significand * (field == 0 ? 4 : 1));
+    }
+    for (int q = 0; q < kQuads; ++q) {
+      alignas(64) uint8_t by_index[64];
+      for (int i = 0; i < 64; ++i) by_index[i] = quads[q][(i << kFieldIndexShift) & F::kAbsMask];
+      quad[q] = _mm512_loadu_si512(by_index);
+    }
+    halves(squares, square);
+  }
+  static void halves(const uint8_t* table, __m512i (&out)[2]) {
+    out[0] = _mm512_loadu_si512(table);
+    out[1] = _mm512_loadu_si512(table + 64);
+  }
+  // The field that bit k of field byte t counts: even bits hold quad 2t, odd bits quad 2t + 1.
+  static constexpr int field_of(int t, int k) { return 8 * t + (k % 2) * 4 + k / 2; }
+};
+
+template <typename F>
+const ByteVectors<F>& byte_vectors() {
+  static const ByteVectors<F> tables;  // made on first use; thread-safe initialisation
+  return tables;
+}
+
+constexpr int kByteSteps = 16;   // vectors per byte counter: each adds at most 8 to one of its bytes
+constexpr int kWordBlocks = 64;  // blocks per chunk 16-bit counter: a block adds at most 512 to one
+constexpr int64_t kVectorsPerBlock = kBlockBytes / 64;
+static_assert(kVectorsPerBlock * 8 * kWordBlocks <= 0xffff, "16-bit field counters would overflow");
+static_assert(kVectorsPerBlock * 4 * 225 * 64 * 16 <= INT32_MAX, "a block's squares must fit int32 lane sums");
+
+inline int reduce_max_u8(__m512i v) {
+  v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 32));
+  v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 16));
+  v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 8));
+  return static_cast<int>(_mm512_reduce_max_epu64(_mm512_and_si512(v, _mm512_set1_epi64(0xff))));
+}
+
+// Bins the subnormals of a block one by one, as exponent_bin does; returns how many there were.
+template <typename F>
+int64_t bin_subnormal_bytes(const uint8_t* p, int64_t n, int64_t* hist) {
+  const __m512i abs_mask = _mm512_set1_epi8(static_cast<char>(F::kAbsMask));
+  const __m512i one = _mm512_set1_epi8(1);
+  const __m512i below = _mm512_set1_epi8(static_cast<char>(F::kSmallestNormalAbsBits - 1));
+  int64_t count = 0;
+  for (int64_t at = 0; at < n; at += 64) {
+    const __mmask64 load = n - at >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - at)) - 1;
+    const __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi8(load, p + at), abs_mask);
+    // 0 < |x| < smallest normal, as |x| - 1 < smallest normal - 1: zeros (and masked-off bytes) wrap to 0xff.
+    for (uint64_t m = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(a, one), below); m; m &= m - 1) {
+      hist[bin_of_subnormal<F>(p[at + __builtin_ctzll(m)])]++;
+      ++count;
+    }
+  }
+  return count;
+}
+
+// One chunk of a one-byte format (NOTE: [byte vectors]), added to `record` like scan_chunk. No lambda or variable
+// index touches the per-vector accumulators (NOTE: [blocks]): the loops over quads are unrolled.
+template <typename F>
+void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
+  using BV = ByteVectors<F>;
+  constexpr int Q = BV::kQuads;
+  constexpr int T = BV::kFieldBytes;
+  const BV& tables = byte_vectors<F>();
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i transpose = _mm512_set1_epi64(0x8040201008040201ll);  // byte k selects bit k of each byte
+  const __m512i abs_mask = _mm512_set1_epi8(static_cast<char>(F::kAbsMask));
+  const __m512i one = _mm512_set1_epi8(1);
+  __m512i chunk_words[T][2];
+  for (int t = 0; t < T; ++t) chunk_words[t][0] = chunk_words[t][1] = zero;
+  int64_t fields[BV::kFields] = {};
+  int64_t quad_sums[Q] = {};
+  uint32_t patterns[1][256];
+  bool by_pattern = false;
+  uint64_t absmax = 0, absmin = UINT64_MAX;
+  int64_t subnormals = 0, padding = 0;
+  int word_blocks = 0;
+  // Word w of each 128-bit lane counts bit w % 8 of its field byte (unpacklo/hi keep a byte's place in its word).
+  auto spill_words = [&]() {
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) {
+        const VU16 w = bits_as<VU16>(chunk_words[t][h]);
+        for (int l = 0; l < kVectorBytes / 2; ++l) fields[BV::field_of(t, l % 8)] += w[l];
+        chunk_words[t][h] = zero;
+      }
+    word_blocks = 0;
+  };
+  for (int64_t b = 0; b < n; b += kBlockBytes) {
+    const uint8_t* q = p + b;
+    const int64_t len = std::min(kBlockBytes, n - b);
+    __m512i vmax = zero, below = _mm512_set1_epi8(-1), smin = zero;
+    __m512i words[T][2];
+    __m512i squares[Q];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) words[t][0] = words[t][1] = zero;
+#pragma GCC unroll 8
+    for (int k = 0; k < Q; ++k) squares[k] = zero;
+    for (int64_t step = 0; step < len; step += 64 * kByteSteps) {
+      __m512i counts[T];
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) counts[t] = zero;
+      const int64_t stop = std::min(len, step + 64 * kByteSteps);
+      for (int64_t at = step; at < stop; at += 64) {
+        __builtin_prefetch(q + at + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
+        // The chunk's last vector reads only its own bytes; the rest are zeros (taken out of field 0 below).
+        const __mmask64 load = len - at >= 64 ? ~__mmask64(0) : (__mmask64(1) << (len - at)) - 1;
+        const __m512i raw = _mm512_maskz_loadu_epi8(load, q + at);
+        const __m512i a = _mm512_and_si512(raw, abs_mask);
+        vmax = _mm512_max_epu8(vmax, a);
+        below = _mm512_min_epu8(below, _mm512_sub_epi8(a, one));
+        if constexpr (F::kNaNIsSignAlone) smin = _mm512_min_epi8(smin, raw);
+        const __m512i sq = _mm512_permutex2var_epi8(tables.square[0], raw, tables.square[1]);
+        const __m512i field_index = _mm512_srli_epi16(raw, BV::kFieldIndexShift);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+          const __m512i even = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t]);
+          const __m512i odd = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t + 1]);
+          squares[2 * t] = _mm512_dpbusd_epi32(squares[2 * t], sq, even);
+          squares[2 * t + 1] = _mm512_dpbusd_epi32(squares[2 * t + 1], sq, odd);
+          const __m512i field_bits = _mm512_or_si512(even, _mm512_add_epi8(odd, odd));
+          counts[t] = _mm512_add_epi8(counts[t],
+                                      _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(transpose, field_bits, 0)));
+        }
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        words[t][0] = _mm512_add_epi16(words[t][0], _mm512_unpacklo_epi8(counts[t], zero));
+        words[t][1] = _mm512_add_epi16(words[t][1], _mm512_unpackhi_epi8(counts[t], zero));
+      }
+    }
+    const int max_abs = reduce_max_u8(vmax);
+    const int min_abs = (256 - reduce_max_u8(_mm512_xor_si512(below, _mm512_set1_epi8(-1)))) & 0xff;  // 0: none
+    bool special = max_abs >= static_cast<int>(F::kInfAbsBitsWide);
+    if constexpr (F::kNaNIsSignAlone)
+      special |= _mm512_cmpeq_epi8_mask(smin, _mm512_set1_epi8(static_cast<char>(F::kSignMask))) != 0;
+    if (special) {
+      if (!by_pattern) std::memset(patterns, 0, sizeof(patterns));
+      by_pattern = true;
+      for (int64_t i = 0; i < len; ++i) patterns[0][q[i]]++;
+      continue;
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) chunk_words[t][h] = _mm512_add_epi16(chunk_words[t][h], words[t][h]);
+    for (int k = 0; k < Q; ++k) quad_sums[k] += _mm512_reduce_add_epi32(squares[k]);
+    padding += (64 - len % 64) % 64;
+    if (min_abs != 0) {
+      absmax = std::max<uint64_t>(absmax, max_abs);
+      absmin = std::min<uint64_t>(absmin, min_abs);
+      if (min_abs < static_cast<int>(F::kSmallestNormalAbsBits))
+        subnormals += bin_subnormal_bytes<F>(q, len, record + record::kHist);
+    }
+    if (++word_blocks == kWordBlocks) spill_words();
+  }
+  spill_words();
+  record[record::kZero] += fields[0] - padding - subnormals;
+  record[record::kSubnormal] += subnormals;
+  fold_fields<F>(fields, 1, F::kMaxNormalField, record + record::kHist);
+  unsigned __int128 total = 0;
+  for (int k = 0; k < Q; ++k) total += static_cast<unsigned __int128>(quad_sums[k]) << (8 * k);
+  double sumsq = std::ldexp(static_cast<double>(total), 2 * (BV::kMinExponent - 1));  // exact: a power of two
+  if (by_pattern) sumsq += fold_patterns<F>(patterns, 1, record, absmax, absmin);
+  write_extremes(record, absmax, absmin);
   sumsq_out = sumsq;
+}
+#endif
+
+// One chunk of a one-byte format, added to `record` like scan_chunk.
+template <typename F>
+void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
+  static_assert(F::kBytes == 1, "one-byte formats only");
+#if NANSCAN_AVX512_BYTES
+  scan_bytes_vector<F>(p, n, record, sumsq_out);  // NOTE: [byte vectors]
+#else
+  scan_bytes_by_pattern<F>(p, n, record, sumsq_out);  // NOTE: [byte formats]
+#endif
 }
 
 struct Partial {

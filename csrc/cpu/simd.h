@@ -24,6 +24,15 @@
 #else
 #define NANSCAN_AVX512 0
 #endif
+// The float8 vector path (NOTE: [byte vectors] in scan_cpu.cpp) also needs AVX-512's byte permutes (VBMI), GF(2)
+// bit-matrix transforms (GFNI), byte popcounts (BITALG) and byte dot products (VNNI); without them float8 chunks
+// are counted per bit pattern (NOTE: [byte formats]).
+#if NANSCAN_AVX512 && defined(__AVX512VBMI__) && defined(__GFNI__) && defined(__AVX512BITALG__) && \
+    defined(__AVX512VNNI__)
+#define NANSCAN_AVX512_BYTES 1
+#else
+#define NANSCAN_AVX512_BYTES 0
+#endif
 
 namespace nanscan {
 // Internal linkage: what this file defines depends on the instruction set of the file that includes it, and the

@@ -20,7 +20,9 @@ not memory, bounds the speed, so it has two ways:
 Both tables are folded into bins once per chunk. Their int32 counters hold any chunk below 2**31 elements.
 The one-byte formats (float8) take none of this: a chunk is counted per bit pattern and the counts are folded through
 the format's table of 256 patterns (nanscan/backends/byte_formats.py), in pattern order, as the C++ kernel does
-(NOTE: [byte formats] in csrc/cpu/scan_cpu.cpp), so the two give the same records, the sum of squares included.
+without AVX-512 (NOTE: [byte formats] in csrc/cpu/scan_cpu.cpp), so the two give the same records. (With AVX-512 the
+C++ kernel sums the squares as exact integers, rounded once, NOTE: [byte vectors]: the same sum wherever the pattern
+order's is exact, as for float8_e4m3fn chunks below 2**17 elements, else one within rounding of it.)
 
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
 nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_cpu*.nbi/.nbc).

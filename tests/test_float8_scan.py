@@ -1,0 +1,136 @@
+"""The float8 scan paths against the reference, exhaustively: the C++ kernel's vector path (NOTE: [byte vectors] in
+csrc/cpu/scan_cpu.cpp) and its per-pattern path (NOTE: [byte formats]), and the numba backend's byte scan.
+
+Every one of the 256 patterns of each format sits at a random place inside blocks of finite values (so each pattern
+is classified by the vector tables, and each non-finite one sends its block to the per-pattern path); tensors of
+every length from 0 to 130 elements, and of two blocks and 0..130 more, start at random offsets into one buffer (so
+the last vector is cut short at every length and the loads are unaligned); chunks of a few elements, of a few
+blocks and one chunk per tensor split the same tensors; and a chunk of more than kWordBlocks blocks of one field
+fills the 16-bit field counters as full as they get before they are spilled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nanscan
+from conftest import FLOAT8_DTYPES, BitTables, assert_records_match
+from nanscan import _layout as L
+
+BLOCK = 4096  # kBlockBytes: a block of float8 is 4096 elements
+
+
+def finite_patterns(dtype: torch.dtype) -> np.ndarray:
+    """The bit patterns of the finite values of `dtype`, decided by the reference's own decoding (torch)."""
+    values = BitTables.all_patterns(dtype).to(torch.float64)
+    return np.flatnonzero(torch.isfinite(values).numpy()).astype(np.uint8)
+
+
+def background(dtype: torch.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n finite elements spread as a float8 recipe spreads them: Gaussian values scaled to the format's largest,
+    with their zeros and subnormals, as raw bits."""
+    x = rng.standard_normal(n)
+    x *= float(torch.finfo(dtype).max) / max(np.abs(x).max(), 1e-300)
+    return BitTables.bits_of(torch.from_numpy(x).to(dtype))
+
+
+def scan_both(tensors: dict[str, torch.Tensor], backend, label: str) -> nanscan.ScanReport:
+    report = nanscan.scan(tensors, backend=backend)
+    reference = nanscan.scan(tensors, backend="reference")
+    assert_records_match(report.records, reference.records, report.names, label=label)
+    return report
+
+
+def backend_for(name: str, chunk: int | None):
+    if name == "cpu":
+        return nanscan.backends.CpuBackend() if chunk is None else nanscan.backends.CpuBackend(chunk_elems=chunk)
+    from nanscan.backends.numba_cpu import NumbaBackend
+
+    return NumbaBackend() if chunk is None else NumbaBackend(chunk_elems=chunk)
+
+
+def planted_patterns(dtype: torch.dtype, n: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """One tensor per bit pattern: n finite elements with that pattern at a random place."""
+    tensors = {}
+    for bits in range(256):
+        t = background(dtype, n, rng)
+        t[rng.integers(0, n)] = bits
+        tensors[f"pattern {bits:#04x}"] = BitTables.tensor(t, dtype)
+    return tensors
+
+
+def float8_path_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A smaller set for the portable build's check (tests/test_native_build.py): every pattern planted in a block
+    and a half, and a few lengths around a vector."""
+    rng = np.random.default_rng(5)
+    tensors = planted_patterns(dtype, BLOCK + BLOCK // 2, rng)
+    whole = BitTables.tensor(background(dtype, 2 * BLOCK, rng), dtype)
+    tensors.update({f"{length} elements": whole[length:2 * length] for length in (0, 1, 63, 64, 65, 130)})
+    return tensors
+
+
+@pytest.fixture(params=["cpu", "numba"])
+def byte_backend(request):
+    request.getfixturevalue(f"{request.param}_backend")  # skips, saying why, a backend that cannot run here
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [None, 3 * BLOCK + 5, 7])
+def test_every_pattern_inside_finite_blocks(byte_backend, dtype, chunk):
+    tensors = planted_patterns(dtype, 2 * BLOCK + 37, np.random.default_rng(30))
+    report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
+    nonfinite = [bits for bits in range(256) if bits not in set(finite_patterns(dtype).tolist())]
+    for bits in nonfinite:  # the planted value is there, and counted where the reference counts it
+        stats = report[f"pattern {bits:#04x}"]
+        assert stats.nan + stats.posinf + stats.neginf == 1
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [None, BLOCK + 3, 5])
+def test_every_tail_length_at_random_offsets(byte_backend, dtype, chunk):
+    rng = np.random.default_rng(131)
+    finite = finite_patterns(dtype)
+    buffer = background(dtype, 8 * BLOCK, rng)
+    buffer[rng.integers(0, buffer.size, 64)] = rng.choice(finite, 64)  # every finite kind, subnormals included
+    whole = BitTables.tensor(buffer, dtype)
+    tensors = {}
+    for length in range(131):
+        for base in (0, 2 * BLOCK):
+            offset = int(rng.integers(0, whole.numel() - base - length))
+            tensors[f"{base + length} at {offset}"] = whole[offset:offset + base + length]
+    # One NaN (or inf) and the format's largest value in a short and a long tensor: the per-pattern path, cut short.
+    special = torch.tensor([np.nan], dtype=torch.float64).to(dtype)
+    tensors["special in a tail"] = torch.cat([whole[1:100], special, whole[200:230]])
+    tensors["special in a second block"] = torch.cat([whole[3:BLOCK + 90], special, whole[:77]])
+    report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
+    assert report["special in a tail"].nan == 1 and report["special in a second block"].nan == 1
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_one_field_fills_the_counters(byte_backend, dtype):
+    """Over 64 blocks of one pattern in one chunk: every byte and 16-bit field counter as full as it gets."""
+    finite = finite_patterns(dtype)
+    largest = int(finite[finite < 0x80].max())
+    n = 100 * BLOCK + 11
+    tensors = {"largest": BitTables.tensor(np.full(n, largest, np.uint8), dtype),
+               "negative largest": BitTables.tensor(np.full(n, largest | 0x80, np.uint8), dtype),
+               "zeros": BitTables.tensor(np.zeros(n, np.uint8), dtype)}
+    report = scan_both(tensors, backend_for(byte_backend, 1 << 22), byte_backend)
+    top = L.HIST_BINS - 1 - int(np.argmax(report["largest"].exp_hist[::-1] > 0))
+    assert report["largest"].exp_hist[top] == n and report["zeros"].zero == n
+    assert report["negative largest"].absmax == float(torch.finfo(dtype).max)
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_records_do_not_depend_on_threads(dtype):
+    """The cpu backend's sums of squares included: chunks are merged in order (NOTE: [chunking])."""
+    pytest.importorskip("nanscan._C")
+    rng = np.random.default_rng(8)
+    tensors = {"gauss": BitTables.tensor(background(dtype, 40 * BLOCK + 3, rng), dtype)}
+    runs = [nanscan.scan(tensors, backend=nanscan.backends.CpuBackend(chunk_elems=3 * BLOCK, num_threads=n)).records
+            for n in (1, 2, 5)]
+    for records in runs[1:]:
+        assert np.array_equal(records, runs[0])
