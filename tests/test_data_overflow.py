@@ -23,7 +23,7 @@ from nanscan import demo as D
 from nanscan.cli import main
 from nanscan.data import arrays, check_paths, columnar, numeric, records
 from nanscan.data import checker as checker_module
-from nanscan.data.findings import OVERFLOW_MIN
+from nanscan.headroom import OVERFLOW_MIN
 
 BELOW = float(np.nextafter(2.0 ** 64, 0))  # the largest float64 below 2**64: not an overflow value
 F32_MAX = float(np.finfo(np.float32).max)

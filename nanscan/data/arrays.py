@@ -19,14 +19,12 @@ import torch
 
 from nanscan import _layout as L
 from nanscan.data.checker import Checker, file_ref
-from nanscan.data.findings import (
-    EMPTY, NONFINITE, OVERFLOW, OVERFLOW_EXPONENT, UNREADABLE, RecordRef, overflow_count, overflow_counts,
-    overflow_detail, sha256_hex,
-)
+from nanscan.data.findings import EMPTY, NONFINITE, OVERFLOW, UNREADABLE, RecordRef, overflow_detail, sha256_hex
 from nanscan.data.numeric import (
     as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, nonfinite_mask, overflow_mask,
     scan_tensors,
 )
+from nanscan.headroom import OVERFLOW_EXPONENT, overflow_count, overflow_counts
 
 SCAN_BYTES = 16 << 20  # array memory per core-scan call: enough for the thread team, little to re-read
 

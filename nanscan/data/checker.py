@@ -24,11 +24,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from nanscan._atomic import sha256_file
 from nanscan.data.findings import (
     CATEGORIES, NONFINITE, OVERFLOW, SAMPLES_PER_SIGNATURE, Boundary, DataReport, FieldTracker, FindingSink,
-    RecordRef, TokenLengths, TrainingFields, overflow_counts, overflow_detail,
+    RecordRef, TokenLengths, TrainingFields, overflow_detail,
 )
 from nanscan.data.numeric import (
     as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, overflow_mask, scan_tensors,
 )
+from nanscan.headroom import overflow_counts
 from nanscan.data.tokens import WhitespaceTokenizer, load_tokenizer
 
 DEFAULT_MAX_FINDINGS = 1000

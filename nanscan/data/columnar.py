@@ -17,8 +17,9 @@ import pyarrow.compute as pc
 import torch
 
 from nanscan.data.checker import Checker
-from nanscan.data.findings import ROOT_FIELD, RecordRef, overflow_counts
+from nanscan.data.findings import ROOT_FIELD, RecordRef
 from nanscan.data.numeric import as_scannable, largest_finite_element, overflow_mask, scan_tensors
+from nanscan.headroom import overflow_counts
 
 
 def _scalar_kind(t: pa.DataType) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 # NOTE: [overflow] in nanscan/headroom.py: the Monitor's rule too, so data checks and incidents agree.
-from nanscan.headroom import OVERFLOW_EXPONENT, OVERFLOW_MIN, overflow_count, overflow_counts  # noqa: F401
+from nanscan.headroom import OVERFLOW_EXPONENT
 
 NONFINITE = "nonfinite"
 OVERFLOW = "overflow"

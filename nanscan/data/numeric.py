@@ -16,7 +16,7 @@ import torch
 
 import nanscan
 from nanscan import backends
-from nanscan.data.findings import OVERFLOW_MIN
+from nanscan.headroom import OVERFLOW_MIN
 
 
 _SCANNED_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)

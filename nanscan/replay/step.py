@@ -12,7 +12,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
