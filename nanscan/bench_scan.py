@@ -39,8 +39,11 @@ from nanscan.scan import scan
 VOCAB, CONTEXT, WIDTH, LAYERS = 50257, 1024, 768, 12
 # Elements of each tensor checked against the reference before timing.
 VALIDATION_SLICE = 1 << 16
-# A scan may use this much memory beyond its result (per-chunk partial records), as a fraction of its inputs.
+# A scan may use this much memory beyond its result (per-chunk partial records), as a fraction of its inputs,
+# plus a fixed allowance: the resident-set peak moves in pages and allocator arenas, which on a tiny run (the test's
+# 2 MiB of inputs) outweigh 2% of the inputs although nothing grows with them.
 MAX_EXTRA_MEMORY_FRACTION = 0.02
+EXTRA_MEMORY_SLACK_BYTES = 4 << 20
 
 
 def gpt2_small_shapes(scale: float = 1.0) -> list[tuple[str, tuple[int, ...]]]:
@@ -363,9 +366,10 @@ def run(args: argparse.Namespace) -> int:
         if extra is None:
             console.print("peak memory of a scan: not measurable here (needs Linux /proc/self/clear_refs)")
             continue
+        result_bytes = len(named) * L.RECORD_WIDTH * 8
         console.print(f"peak extra memory of one {b} scan: {extra / 2**20:.1f} MiB for {total_bytes / 2**20:.0f} "
-                      f"MiB of inputs (result {len(named) * L.RECORD_WIDTH * 8 / 2**10:.0f} KiB)")
-        if extra > MAX_EXTRA_MEMORY_FRACTION * total_bytes:
+                      f"MiB of inputs (result {result_bytes / 2**10:.0f} KiB)")
+        if extra > result_bytes + MAX_EXTRA_MEMORY_FRACTION * total_bytes + EXTRA_MEMORY_SLACK_BYTES:
             console.print(f"[red]the {b} scan used more memory than its result and workspace should[/red]")
             return 1
 
