@@ -330,6 +330,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("batch_leaves", &plan::batch_leaves, py::arg("batch"), py::arg("loss"), py::arg("plan"),
         "The per-step check of nanscan.inputs.BatchPlan: (the scanned leaves and the loss, their data pointers), or "
         "None if the batch's structure changed.");
+  m.def("tensor_stamps", &plan::tensor_stamps, py::arg("tensors"), py::arg("tensor_access"),
+        "Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None.");
   py::class_<plan::PlanCheck>(m, "PlanCheck",
                               "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at "
                               "its rebuild.")
@@ -345,9 +347,10 @@ PYBIND11_MODULE(_C, m) {
            "None if anything changed since the rebuild, else (pointers, gradients).")
       .def("check_and_scan", &plan::PlanCheck::check_and_scan, py::arg("optimizer_state"), py::arg("extra_ptrs"),
            py::arg("numels"), py::arg("dtypes"), py::arg("records"), py::arg("chunk_elems"),
-           py::arg("num_threads") = 0,
+           py::arg("num_threads") = 0, py::arg("carried") = py::none(),
            "check() and, when nothing changed, the scan of the inputs it found into records: None (changed, nothing "
-           "scanned) or the number of tensors holding a NaN or an infinity.");
+           "scanned) or the number of tensors holding a NaN or an infinity. carried: (stable indices, stamps, "
+           "records) standing in for tensors whose stamps did not move.");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

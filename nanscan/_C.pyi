@@ -41,6 +41,9 @@ def build_info() -> dict[str, Any]:
 def batch_leaves(batch: object, loss: object, plan: tuple[Any, ...]) -> tuple[list[Any], list[int]] | None:
     """The per-step check of nanscan.inputs.BatchPlan: (scanned leaves and loss, data pointers), or None if changed."""
 
+def tensor_stamps(tensors: list[Any], tensor_access: object) -> npt.NDArray[np.int64] | None:
+    """Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None."""
+
 class PlanCheck:
     """The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild."""
 
@@ -77,8 +80,10 @@ class PlanCheck:
         records: npt.NDArray[np.int64],
         chunk_elems: int,
         num_threads: int = 0,
+        carried: tuple[npt.ArrayLike, npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None,
     ) -> int | None:
-        """check() and, when nothing changed, the scan into records: None, or how many tensors hold NaN/inf."""
+        """check() and, when nothing changed, the scan into records: None, or how many tensors hold NaN/inf.
+        carried: (stable indices, stamps, records) standing in for tensors whose stamps did not move."""
 
 # Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
 

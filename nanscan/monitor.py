@@ -372,7 +372,7 @@ class Monitor(StepVerdicts):
 
         self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
-        self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see _backend_for
+        self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
         self._agreement = None
         if _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
@@ -536,9 +536,11 @@ class Monitor(StepVerdicts):
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
+        carried = None
         if self._updates is not None:  # NOTE: [post-update check]: only an update right after a finite check
             self._updates.forget()
             self._updates.attach(self.optimizer)
+            carried = self._updates.carried_rows(self._plan)  # NOTE: [carried records]
         if not started and self._snapshot is not None and not self._start_warned:
             self._start_warned = True  # at the first such check, while the run can still be fixed
             warn_user(f"nanscan: snapshot='cpu' but no step start was seen before the check of step {step}: no "
@@ -557,10 +559,11 @@ class Monitor(StepVerdicts):
         if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
             inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
         else:
-            host = self._plan.scan_on_host(model, self.optimizer, extra=step_inputs, backend_for=self._backend_for)
+            host = self._plan.scan_on_host(model, self.optimizer, extra=step_inputs, backend_for=self.backend_for,
+                                           carried=carried)
             if host is None:
                 inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
-                scan = launch(inputs, backend=self._backend_for(inputs.devices))
+                scan = launch(inputs, backend=self.backend_for(inputs.devices))
         self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
         if self._plan.no_gradients and not self._grad_warned:
             self._grad_warned = True
@@ -601,7 +604,7 @@ class Monitor(StepVerdicts):
             return report
         return self._invalid(report, step, batch, sample_ids, started, slot=slot)
 
-    def _backend_for(self, devices: tuple[str, ...]) -> Any:
+    def backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
         from device to Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each
         is chosen once per device and `backend` setting, by launch's policy (nanscan.dispatch.select_for_part;
@@ -630,7 +633,7 @@ class Monitor(StepVerdicts):
                      lr: Any, started: bool, scaling: Any) -> PendingReport:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
         decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
-        scan = launch(inputs, backend=self._backend_for(inputs.devices))
+        scan = launch(inputs, backend=self.backend_for(inputs.devices))
         tensors = inputs.identities
         kept_loss, kept_lr = _kept_scalar(loss), _kept_scalar(lr)
         if self._export is not None:  # its copies are enqueued before the flag's: back once the verdict is

@@ -14,8 +14,31 @@ with that step's batch, sample ids, RNG states and (snapshot="cpu") the pre-step
 replay reruns it. In mode="async" the scan is only enqueued, its flag copied to pinned memory behind an event, and
 read with the step's own verdict at the next check: no host sync of its own. Not with a process group (the ranks
 would have to agree on it) and not for updates without a check before them. The next check scans the weights
-and the state again: a loop may write them between optimizer.step() and the check (weights edited in place, a
-state loaded), and that write must be seen at the check that follows it.
+and the state again, unless nothing wrote them since (NOTE: [carried records]): a loop may write them between
+optimizer.step() and the check (weights edited in place, a state loaded), and that write must be seen at the check
+that follows it.
+
+NOTE: [carried records]
+Scanned after the update and again at the next check, every weight and state tensor would be read twice per step
+for one answer: between the two, a training loop almost never writes them (zero_grad, forward and backward touch
+gradients and activations). So a post-update scan on the host (mode="sync") hands its records to the next check,
+which copies them in instead of reading those tensors again (nanscan.plans.ModelScanPlan.scan_on_host), for each
+tensor that is provably the one scanned, unchanged:
+  - the same object, found by identity among the check plan's confirmed tensors (ModelScanPlan.stable_tensors);
+  - the same data pointer and dtype (a `.data` swap or model.half() keeps the object and its version counter);
+  - the same autograd version counter, which every in-place write through the tensor moves (an edit under
+    torch.no_grad(), copy_, load_state_dict); these three are compared in C++ (nanscan._C.PlanCheck, through
+    nanscan._torch_access) inside the check's own pass over the tensors, since in a training step each Python
+    read of a tensor attribute costs a cache miss, and so does a second pass over them; without those reads
+    nothing is carried;
+  - and no optimizer.step() since the scan (fused optimizers write without moving the counter), nor another check.
+One write escapes these: an in-place write through `.data` (`p.data.clamp_()`), which shares the storage but not
+the version counter. So a check that finds any non-finite value is scanned whole, its verdict and first bad tensor
+from fresh records; a `.data` write that makes a weight non-finite is caught at that step wherever the weight is
+used (its loss and gradients), and otherwise by that step's own post-update scan, one update later than the write.
+Its cost: a tensor's records at a check are the post-update ones, so a finite `.data` edit in between (WGAN's weight
+clipping) shows in the history one step late. Not in mode="async", where the records stay on the device until the
+next check has launched its scan.
 """
 
 from __future__ import annotations
@@ -25,12 +48,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from nanscan.dispatch import launch
 from nanscan.incident import is_kind, tensor_name
 from nanscan.inputs import ScanInputs, prepare
 from nanscan.pending import StepScan
+from nanscan.plans import tensor_stamps
 from nanscan.stats import ScanReport
 
 
@@ -47,8 +72,15 @@ class UpdateContext:
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # post_update="auto" checks the updates of these parameters
-_DATA_PTR = torch.Tensor.data_ptr
-_DTYPE = operator.attrgetter("dtype")
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A post-update scan's records and what its tensors were when scanned (NOTE: [carried records])."""
+
+    rebuilds: int  # UpdateInputs.rebuilds when scanned: which tensors the rows are
+    records: np.ndarray
+    stamps: np.ndarray  # nanscan.plans.tensor_stamps
 
 
 class UpdateInputs:
@@ -59,48 +91,61 @@ class UpdateInputs:
         self._inputs: ScanInputs | None = None
         self._state_values: list[Any] = []
         self._tensors: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._dtypes: list[torch.dtype] = []
+        self._placed = np.empty((0, 2), dtype=np.int64)  # the rebuild's data pointers and dtypes (tensor_stamps)
         self._groups: list[tuple[list, int]] = []
+        self.stamps = np.empty((0, 3), dtype=np.int64)  # the tensors' stamps when inputs() last confirmed them
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ScanInputs:
-        if self._inputs is None or not self._unchanged(optimizer):
-            self._rebuild(model, optimizer)
+        if self._inputs is not None and self._same_objects(optimizer):
+            stamps = tensor_stamps(self._tensors)
+            # a .data swap or model.half() moves a tensor, or changes its dtype where the allocator gave the
+            # address back
+            if np.array_equal(stamps[:, 1:], self._placed):
+                self.stamps = stamps
+                return self._inputs
+        self._rebuild(model, optimizer)
         return self._inputs
 
-    def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
-        """The same parameter lists, state values and tensor addresses (C loops: this runs after every update)."""
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The scanned tensors, in the inputs' order."""
+        return self._tensors
+
+    def carried(self, records: np.ndarray) -> Carried:
+        """The records of a scan of inputs() as the next check may take them (NOTE: [carried records])."""
+        return Carried(self.rebuilds, records, self.stamps)
+
+    def _same_objects(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The same parameter lists and state values (C loops: this runs after every update)."""
         groups = optimizer.param_groups
         if len(groups) != len(self._groups) or any(g["params"] is not p or len(p) != n
                                                    for g, (p, n) in zip(groups, self._groups)):
             return False
         values = [v for d in optimizer.state.values() for v in d.values()]
-        # a .data swap or model.half() moves a tensor, or changes its dtype where the allocator gave the address back
-        return len(values) == len(self._state_values) and all(map(operator.is_, values, self._state_values)) \
-            and list(map(_DATA_PTR, self._tensors)) == self._ptrs \
-            and list(map(_DTYPE, self._tensors)) == self._dtypes
+        return len(values) == len(self._state_values) and all(map(operator.is_, values, self._state_values))
 
     def _rebuild(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.rebuilds += 1
         names = {id(p): name for name, p in model.named_parameters()}
-        items, tensors = [], []
+        params, states = [], []  # the parameters first, then the state, as the check's plan orders them
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 name = names.get(id(p), f"optimizer.param_groups.{g}.params.{i}")
-                pending = [(tensor_name("parameter", name), p)]
+                params.append((tensor_name("parameter", name), p))
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-                        pending.append((tensor_name("optimizer_state", f"{name}.{key}"), value))
-                for scanned, t in pending:
-                    item = prepare(scanned, t)
-                    if item is not None:
-                        items.append(item)
-                        tensors.append(t)
+                        states.append((tensor_name("optimizer_state", f"{name}.{key}"), value))
+        items, tensors = [], []
+        for scanned, t in params + states:
+            item = prepare(scanned, t)
+            if item is not None:
+                items.append(item)
+                tensors.append(t)
         self._inputs = ScanInputs(items)
         self._tensors = tensors
-        self._ptrs = list(map(_DATA_PTR, tensors))
-        self._dtypes = list(map(_DTYPE, tensors))
+        self.stamps = tensor_stamps(tensors)
+        self._placed = self.stamps[:, 1:].copy()
         self._state_values = [v for d in optimizer.state.values() for v in d.values()]
         self._groups = [(group["params"], len(group["params"])) for group in optimizer.param_groups]
 
@@ -131,8 +176,9 @@ class PendingUpdate:
 
 class UpdateWatch:
     """The optimizer hook of NOTE: [post-update check]. The Monitor arms it at a finite check (`expect`), the hook
-    scans after the next optimizer.step(), and `monitor._update_incident(report, context)` is called for a
-    non-finite update (at once in mode="sync", from `read()` in mode="async")."""
+    scans after the next optimizer.step(), and `monitor.update_incident(report, context)` is called for a
+    non-finite update (at once in mode="sync", from `read()` in mode="async"); a finite one's records are offered
+    to the next check (`carried_rows`, NOTE: [carried records])."""
 
     def __init__(self, monitor: Any, *, always: bool = True):
         self._monitor = weakref.ref(monitor)
@@ -145,7 +191,10 @@ class UpdateWatch:
         self._expected: Any = None  # the context of the check whose update comes next
         self.pending: PendingUpdate | None = None
         self.updates_checked = 0
-
+        self._carried: Carried | None = None
+        self._rows_key: tuple | None = None  # (plan, its rebuilds, the inputs' rebuilds) of _rows
+        self._rows: tuple[np.ndarray, np.ndarray | None] = (np.empty(0, np.int64), None)
+        self.records_offered = 0  # tensors whose records were offered to a check (it takes them if its plan holds)
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Hook `optimizer` (the Monitor's, which nanscan.check may change between calls)."""
@@ -174,28 +223,57 @@ class UpdateWatch:
     def forget(self) -> None:
         self._expected = None
 
+    def carried_rows(self, plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """For the check that follows a finite post-update scan: (indices into `plan.stable_tensors()`, their
+        stamps and records) of the tensors that scan read, which the check takes where the stamps did not move
+        (NOTE: [carried records]), or None. Taken once: a second check scans everything."""
+        carried, self._carried = self._carried, None
+        if carried is None or carried.rebuilds != self._inputs.rebuilds:
+            return None
+        key = (id(plan), plan.rebuilds, carried.rebuilds)
+        if key != self._rows_key:
+            self._rows_key = key
+            index = {id(t): i for i, t in enumerate(self._inputs.tensors)}
+            found = [(j, index[id(t)]) for j, t in enumerate(plan.stable_tensors()) if id(t) in index]
+            stable = np.array([j for j, _ in found], dtype=np.int64)
+            rows = np.array([i for _, i in found], dtype=np.int64)
+            # the usual order (an optimizer over model.parameters()) needs no gather: the arrays are taken whole
+            whole = len(rows) == len(index) and np.array_equal(rows, np.arange(len(rows)))
+            self._rows = (stable, None if whole else rows)
+        stable, rows = self._rows
+        if not len(stable):
+            return None
+        self.records_offered += len(stable)
+        if rows is None:
+            return stable, carried.stamps, carried.records
+        return stable, carried.stamps[rows], carried.records[rows]
+
     def close(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         self._optimizer = None
+        self._carried = None
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         monitor = self._monitor()
         context, self._expected = self._expected, None
+        self._carried = None  # this update wrote what an earlier scan read
         if monitor is None or context is None or monitor.first_invalid_step is not None:
             return
         inputs = self._inputs.inputs(monitor.model, optimizer)
         if not len(inputs):
             return
-        scan = launch(inputs, backend=monitor._backend_for(inputs.devices))
+        scan = launch(inputs, backend=monitor.backend_for(inputs.devices))
         self.updates_checked += 1
         pending = PendingUpdate(scan, context)
         if monitor.mode == "async":
             self.pending = pending
             return
         if pending.nonfinite():
-            monitor._update_incident(pending.report(context.step), context)
+            monitor.update_incident(pending.report(context.step), context)
+        elif scan.on_host:
+            self._carried = self._inputs.carried(scan.records())
 
     def read(self) -> None:
         """mode="async": act on the last update's verdict, if one is pending."""
@@ -204,7 +282,7 @@ class UpdateWatch:
         if pending is None or monitor is None or monitor.first_invalid_step is not None:
             return
         if pending.nonfinite():
-            monitor._update_incident(pending.report(pending.context.step), pending.context)
+            monitor.update_incident(pending.report(pending.context.step), pending.context)
 
 
 def broken_by_update(report: ScanReport) -> list[str]:

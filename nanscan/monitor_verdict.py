@@ -132,7 +132,7 @@ class StepVerdicts:
                            why=reason_title(reason, step).lstrip(", ") or None)
         return report
 
-    def _update_incident(self, report: ScanReport, context: Any) -> None:
+    def update_incident(self, report: ScanReport, context: Any) -> None:
         """Bundle a non-finite optimizer update (nanscan.monitor_update NOTE: [post-update check]) as the incident
         of the step whose check it followed, and apply on_invalid (raising from inside optimizer.step() in
         mode="sync"). `report`: the scan after the update; `context`: the check's UpdateContext."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_records_match, native_extension_expected
+from conftest import assert_records_match
 from nanscan import _layout as L
 from nanscan.backends import CpuBackend
 from nanscan.bench_scan import peak_extra_bytes
@@ -28,18 +28,6 @@ from nanscan.scan import scan
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CODES = {torch.float16: L.FLOAT16, torch.bfloat16: L.BFLOAT16, torch.float32: L.FLOAT32, torch.float64: L.FLOAT64}
-
-
-@pytest.fixture(scope="module")
-def native():
-    """nanscan._C; a build that exists but does not import fails the test instead of skipping it."""
-    try:
-        from nanscan import _C
-    except ImportError as exc:
-        if native_extension_expected():
-            pytest.fail(f"nanscan._C is built but does not import: {exc}")
-        pytest.skip(f"nanscan._C is not built here: {exc}")
-    return _C
 
 
 # -- the extension and nanscan/_layout.py describe one layout ------------------------------------------------------

@@ -364,11 +364,11 @@ def test_the_monitor_chooses_each_devices_backend_once(monkeypatch, tmp_path):
     monkeypatch.setattr(monitor_module, "select_for_part", counting)
     mon = nanscan.Monitor(make_model(), bundle_dir=tmp_path)
     spanning = ("cuda:0", "cpu")
-    first, second = mon._backend_for(spanning), mon._backend_for(spanning)
+    first, second = mon.backend_for(spanning), mon.backend_for(spanning)
     assert set(first) == {"cuda:0", "cpu"} and first == second
     assert calls == [("cuda:0", True), ("cpu", True)]
     one = ("cpu",)
-    assert mon._backend_for(one) is mon._backend_for(one) and calls[2:] == [("cpu", False)]
+    assert mon.backend_for(one) is mon.backend_for(one) and calls[2:] == [("cpu", False)]
 
 
 def test_one_call_scans_the_batch_and_loss_with_the_model_and_gives_the_verdict():

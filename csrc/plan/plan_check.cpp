@@ -2,6 +2,7 @@
 // optimizer's and the batch's Python objects with those the plan was built from, and the data pointers they yield.
 #include "plan/plan_check.h"
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,13 +150,16 @@ py::object PlanCheck::check(const py::object& optimizer_state, const py::list& e
 py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py::list& extra_ptrs,
                                      const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
                                      py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
-                                     int num_threads) const {
+                                     int num_threads, const py::object& carried) const {
   const py::ssize_t n = py::len(extra_ptrs) + num_inputs();
   if (numels.size() != n || dtypes.size() != n || records.ndim() != 2 || records.shape(0) != n ||
       records.shape(1) != record::kWidth)
     throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
                           std::to_string(n) + ")");
   std::vector<ScanTask> tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
+  py::object kept_records;  // holds the carried records while they are copied
+  const std::vector<Reuse> reused = carried_rows(carried, py::len(extra_ptrs), kept_records);
+  for (const Reuse& r : reused) tasks[r.row].numel = 0;  // not read: its record is copied in below
   std::vector<int64_t> address(n);
   py::list grads;  // only held while the scan reads them
   bool unchanged = false;
@@ -169,7 +173,47 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
     return true;
   });
   if (!unchanged) return py::none();  // nothing was scanned
-  return py::int_(count_nonfinite(out, n));
+  int64_t nonfinite = count_nonfinite(out, n);
+  if (reused.empty()) return py::int_(nonfinite);
+  if (nonfinite > 0) {  // a non-finite step's verdict never rests on a carried record: scan it whole
+    tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
+    for (py::ssize_t i = 0; i < n; ++i) set_data(tasks[i], address[i], i, "PlanCheck.check_and_scan");
+    scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, Prologue());
+    return py::int_(count_nonfinite(out, n));
+  }
+  for (const Reuse& r : reused)
+    std::memcpy(out + r.row * record::kWidth, r.record, sizeof(int64_t) * record::kWidth);
+  return py::int_(nonfinite);
+}
+
+std::vector<PlanCheck::Reuse> PlanCheck::carried_rows(const py::object& carried, py::ssize_t num_extra,
+                                                      py::object& holder) const {
+  std::vector<Reuse> reused;
+  if (carried.is_none() || access_ == nullptr) return reused;
+  const auto parts = carried.cast<py::tuple>();
+  if (parts.size() != 3) throw py::value_error("PlanCheck.check_and_scan: carried is (stable, stamps, records)");
+  const auto stable = parts[0].cast<CArray<int64_t>>();
+  const auto stamps = parts[1].cast<CArray<int64_t>>();
+  const auto kept = parts[2].cast<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>();
+  holder = kept;
+  const py::ssize_t k = stable.size();
+  if (stamps.ndim() != 2 || stamps.shape(0) != k || stamps.shape(1) != 3 || kept.ndim() != 2 ||
+      kept.shape(0) != k || kept.shape(1) != record::kWidth)
+    throw py::value_error("PlanCheck.check_and_scan: carried needs one stamp (3) and one record per tensor");
+  reused.reserve(k);
+  for (py::ssize_t i = 0; i < k; ++i) {
+    const int64_t j = stable.data()[i];
+    if (j < 0 || j >= num_params_ + num_state_)
+      throw py::value_error("PlanCheck.check_and_scan: carried names no parameter or state tensor");
+    PyObject* tensor = j < num_params_ ? PyList_GET_ITEM(params_.ptr(), j)
+                                       : PyList_GET_ITEM(state_tensors_.ptr(), j - num_params_);
+    int64_t now[3];
+    const int64_t* then = stamps.data() + 3 * i;
+    if (access_->stamp(tensor, now) != 1 || now[0] != then[0] || now[1] != then[1] || now[2] != then[2]) continue;
+    const int64_t row = num_extra + (j < num_params_ ? j : num_grads_ + j);
+    reused.push_back({row, kept.data() + record::kWidth * i});
+  }
+  return reused;
 }
 
 bool PlanCheck::run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out,
@@ -224,6 +268,18 @@ bool PlanCheck::contiguous_address(PyObject* grad, int64_t* address) const {
   if (contiguous != Py_True) return false;
   *address = call_data_ptr(data_ptr_.ptr(), grad);
   return true;
+}
+
+py::object tensor_stamps(const py::list& tensors, const py::object& tensor_access) {
+  const auto* access = static_cast<const TensorAccess*>(PyCapsule_GetPointer(tensor_access.ptr(),
+                                                                             kTensorAccessCapsule));
+  if (access == nullptr) throw py::error_already_set();
+  const py::ssize_t n = PyList_GET_SIZE(tensors.ptr());
+  py::array_t<int64_t> out({n, py::ssize_t(3)});
+  int64_t* row = out.mutable_data();
+  for (py::ssize_t i = 0; i < n; ++i, row += 3)
+    if (access->stamp(PyList_GET_ITEM(tensors.ptr(), i), row) != 1) return py::none();
+  return std::move(out);
 }
 
 py::object batch_leaves(const py::handle& batch, const py::handle& loss, const py::tuple& plan) {

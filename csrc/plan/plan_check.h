@@ -40,7 +40,8 @@ std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64
 // inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
 // check_and_scan() instead scans them when nothing changed, the check running on the calling thread inside the
 // scan's parallel region (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and returns None or the number of
-// tensors that hold a NaN or an infinity.
+// tensors that hold a NaN or an infinity; records `carried` from a scan since (nanscan.monitor_update NOTE:
+// [carried records]) stand in for the tensors whose stamps did not move, unless the step is non-finite.
 class PlanCheck {
  public:
   PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
@@ -54,9 +55,19 @@ class PlanCheck {
   py::object check_and_scan(const py::object& optimizer_state, const py::list& extra_ptrs,
                             const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
                             py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
-                            int num_threads) const;
+                            int num_threads, const py::object& carried) const;
 
  private:
+  // A carried record (nanscan.monitor_update NOTE: [carried records]): the table row it fills and its 2 KiB.
+  struct Reuse {
+    int64_t row;
+    const int64_t* record;
+  };
+
+  // The rows of `carried` = (stable indices, their (version, data pointer, dtype) stamps, their records) whose
+  // tensors still have those stamps; none without nanscan._torch_access's reads. `holder` keeps the records alive.
+  std::vector<Reuse> carried_rows(const py::object& carried, py::ssize_t num_extra, py::object& holder) const;
+
   py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
 
   // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.
@@ -85,6 +96,10 @@ class PlanCheck {
 // skipped one); leaves and the loss of exactly type tensor_type (torch.Tensor); loss_dtype None for no loss.
 // Returns (the scanned leaves then the loss, their data pointers), or None when anything differs.
 py::object batch_leaves(const py::handle& batch, const py::handle& loss, const py::tuple& plan);
+
+// Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, read through
+// nanscan._torch_access's capsule (TensorAccess::stamp), or None when one cannot be read that way.
+py::object tensor_stamps(const py::list& tensors, const py::object& tensor_access);
 
 }  // namespace plan
 }  // namespace nanscan

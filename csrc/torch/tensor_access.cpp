@@ -58,7 +58,19 @@ int batch_leaf(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* addre
   }
 }
 
-nanscan::TensorAccess tensor_access{stable, contiguous, batch_leaf};
+int stamp(PyObject* tensor, int64_t* out) {
+  try {
+    const at::Tensor& t = THPVariable_Unpack(tensor);
+    out[0] = static_cast<int64_t>(t._version());
+    out[1] = static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+    out[2] = static_cast<int64_t>(t.scalar_type());
+    return 1;
+  } catch (...) {
+    return 0;
+  }
+}
+
+nanscan::TensorAccess tensor_access{stable, contiguous, batch_leaf, stamp};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_torch_access",
                           "nanscan's plan-check tensor reads through torch's C++ headers (see csrc/torch).",

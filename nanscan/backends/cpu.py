@@ -37,11 +37,12 @@ class CpuBackend:
         return records, nonfinite > 0
 
     def scan_planned(self, check, optimizer_state, extra_ptrs: list[int], numels: np.ndarray,
-                     codes: np.ndarray) -> tuple | None:
+                     codes: np.ndarray, carried: tuple | None = None) -> tuple | None:
         """A model scan plan's per-step check (nanscan._C.PlanCheck) and, when it passes, the scan of the inputs it
         found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): None when the plan changed (nothing
-        was scanned), else (records, whether any tensor holds a NaN or an infinity)."""
+        was scanned), else (records, whether any tensor holds a NaN or an infinity). `carried`: records that stand
+        in for unchanged tensors (nanscan.monitor_update NOTE: [carried records])."""
         records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # set by the call
         nonfinite = check.check_and_scan(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
-                                         self.num_threads)
+                                         self.num_threads, carried)
         return None if nonfinite is None else (records, nonfinite > 0)

@@ -20,6 +20,10 @@ struct TensorAccess {
   // that is scanned (nbytes >= 0), `nbytes` bytes in one contiguous, strided run of CPU memory without a lazy
   // negation, setting *address; else 0. Never raises.
   int (*batch_leaf)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
+  // What a write to a tensor changes (nanscan.monitor_update NOTE: [carried records]): sets out[0] to its autograd
+  // version counter, out[1] to its data pointer and out[2] to its scalar type, and returns 1; 0 (nothing set) when
+  // it cannot be read this way. Never raises.
+  int (*stamp)(PyObject* tensor, int64_t* out);
 };
 
 // The capsule's name; the module checks the torch version it was built for before it hands the capsule out.
