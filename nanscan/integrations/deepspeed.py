@@ -75,6 +75,12 @@ def _shard(rank: int, world: int) -> str:
     return f"{SHARD_SUFFIX}{rank}/{world}"
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense buffer; a strided one as it is (reshape would copy it, and prepare reads it in place)."""
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else t
+
+
 def _flat_state(inner: Any, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The inner optimizer's state tensors of one flat master that are shaped like it (exp_avg, exp_avg_sq)."""
     state = getattr(inner, "state", {}).get(flat, {})
@@ -106,8 +112,8 @@ def _zero12_tensors(optimizer: Any, names: dict[int, str]) -> Iterator[tuple[str
             except (ValueError, KeyError, IndexError, TypeError):
                 grad = None  # before the first backward, or after engine.step() freed it
             if grad is not None:
-                grad = grad.detach().view(-1)
-                if grad.numel() == p.numel() and lp.numel != p.numel():
+                grad = _flat(grad)
+                if grad.dim() == 1 and grad.numel() == p.numel() and lp.numel != p.numel():
                     grad = grad.narrow(0, lp.start, lp.numel)  # a whole-parameter buffer (as get_full_hp_grad)
                 yield "gradient", name + suffix, grad
             yield "optimizer_state", f"{name}{suffix}.{MASTER}", mapping.hp_fragment.detach()
@@ -136,10 +142,10 @@ def _zero3_tensors(optimizer: DeepSpeedZeroOptimizer_Stage3,
             held = max(0, min(p.ds_numel - rank * size, size))  # the rest of the last partition is padding
             if held == 0:
                 continue
-            local = p.ds_tensor.detach().view(-1).narrow(0, 0, held)
+            local = _flat(p.ds_tensor).narrow(0, 0, held)
             yield "parameter", name + suffix, local
             if p.requires_grad and group_grads is not None and i < len(group_grads):
-                yield "gradient", name + suffix, group_grads[i].detach().view(-1).narrow(0, 0, held)
+                yield "gradient", name + suffix, _flat(group_grads[i]).narrow(0, 0, held)
             _, offset, _ = optimizer.grad_position[optimizer.get_param_id(p)]
             master = master_flat.detach().narrow(0, offset, held)
             if master.data_ptr() != local.data_ptr():  # fp32 training: the master is the weight itself
