@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch that dev machines and CI have on disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 # Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15,
-# wandb 0.31: its tests run it offline, no account or network).
-FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2" "wandb>=0.19"
+# wandb 0.31: its tests run it offline, no account or network; deepspeed 0.19.8 on the CPU, whose ZeRO internals
+# nanscan.integrations.deepspeed reads, hence the narrow range).
+FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2" "wandb>=0.19" "deepspeed>=0.19,<0.20"
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean
@@ -24,7 +25,8 @@ $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
 		"safetensors>=0.4" "rich>=13" "markdown-it-py>=2.2" "click>=8.1" "tensorboard>=2.14" "google-crc32c>=1.5" "pytest>=8" "pytest-timeout>=2" \
 		"hypothesis>=6"
 	# The frameworks of nanscan/integrations/, so their tests run (after torch: they must not replace the pin).
-	$(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)
+	# DS_BUILD_OPS=0: DeepSpeed builds no native op at install (its tests need none on the CPU).
+	DS_BUILD_OPS=0 $(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(NATIVE_SOURCES)

@@ -79,7 +79,7 @@ from nanscan.incident import GradientWarning, NonFiniteError, SnapshotWarning, w
 from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
-from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs
+from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs, TensorSource
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, normalize_config
 from nanscan.snapshot import CpuSnapshot
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
@@ -276,6 +276,9 @@ class Monitor(StepVerdicts):
         into, on an axis of their own, nanscan/step (nanscan.integrations.wandb NOTE: [wandb step]); with
         tensorboard= too, both get the same steps and tensors (nanscan.integrations.live). Needs wandb.
 
+    source: where the model's tensors are, when not in its parameters and a torch optimizer (nanscan.plans NOTE:
+        [tensor source]): a framework adapter's (nanscan.integrations.deepspeed); default: the module's own.
+
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
     check time and the bundle says so.
@@ -289,9 +292,13 @@ class Monitor(StepVerdicts):
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
-                 log_every: int | None = None, post_update: bool | str = "auto"):
+                 log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
+        if source is None and engine_type is not None and isinstance(model, engine_type):
+            raise TypeError("model is a DeepSpeedEngine, whose gradients and (ZeRO-3) weights are not in its "
+                            "parameters: use nanscan.integrations.deepspeed.DeepSpeedMonitor(engine)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if not (callable(on_invalid) or on_invalid in ON_INVALID):
@@ -370,11 +377,13 @@ class Monitor(StepVerdicts):
         self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink),
                                                   ("wandb", wandb, wandb_export.as_sink)])
 
-        self._plan = ModelScanPlan()  # prepares the model's tensors again only when they change
+        self._plan: TensorSource = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
         self._agreement = None
-        if _distributed_ready():
+        if source is not None:  # NOTE: [tensor source]: the framework's adapter knows where its tensors are
+            self._plan = source
+        elif _distributed_ready():
             from nanscan import distributed  # noqa: PLC0415 - only where torch.distributed is in use
 
             self._plan = distributed.local_scan_plan()  # FSDP2 shards are DTensors: scan the local part

@@ -224,8 +224,7 @@ class StepVerdicts:
             model_state, optimizer_state = start.snapshot.result()
             pre_step, note = True, ""
         else:
-            model_state = model.state_dict()
-            optimizer_state = self.optimizer.state_dict() if self.optimizer is not None else None
+            model_state, optimizer_state = self._plan.state(model, self.optimizer)  # NOTE: [tensor source]
             pre_step = False
             if self._snapshot is not None:
                 note = "snapshot='cpu' but no training forward of the model was seen since the previous check"

@@ -1,14 +1,15 @@
 """The every-step fast path: what a Monitor scans each step, prepared once and only confirmed per step.
 
 ModelScanPlan holds a model's (and optimizer's) `param:`, `grad:` and `optim:` inputs, BatchPlan a batch's
-`input:` and `loss` inputs, StepInputs the two joined for one check. On the CPU the confirmation and the scan are
+`input:` and `loss` inputs, StepInputs the two joined for one check. TensorSource is what a Monitor asks of the
+first (NOTE: [tensor source]): a framework that keeps its tensors elsewhere gives the Monitor its own. On the CPU the confirmation and the scan are
 one native call (nanscan._C.PlanCheck, csrc/plan/); elsewhere the plans hand their inputs to nanscan.dispatch.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -153,6 +154,42 @@ class BatchPlan:
                 None if loss is None else loss.dtype, -1 if loss is None else loss.nbytes)
 
 
+class TensorSource(Protocol):
+    """What a Monitor scans each step besides the batch and the loss, and what a bundle stores of it.
+
+    NOTE: [tensor source]
+    The Monitor joins the batch's inputs (BatchPlan) with those of one tensor source, and knows nothing else of
+    where a model keeps its tensors. The default is a ModelScanPlan (the module's parameters and their `.grad`, a
+    torch optimizer's state); a framework that keeps them elsewhere (DeepSpeed ZeRO: flat partitions per rank,
+    nanscan.integrations.deepspeed) gives `Monitor(..., source=...)` its own, which names what it scans as
+    NOTE: [tensor names] says, so categories, agreement and bundles work unchanged. A source:
+      - `inputs(model, optimizer, extra=...)`: a ScanInputs of `extra` (the batch and the loss, prepared by the
+        caller) followed by its own inputs;
+      - `scan_on_host(model, optimizer, extra=..., backend_for=..., carried=None)`: a one-call host scan, or
+        None (then the Monitor launches `inputs()` itself; a source without such a path always returns None);
+        `carried` records (nanscan.monitor_update NOTE: [carried records]) index `stable_tensors()`;
+      - `stable_tensors()`: the tensors a passing per-step check confirms unchanged since the last rebuild (a
+        source that confirms none gives []);
+      - `state(model, optimizer)`: (model state, optimizer state) as a bundle stores them: trees of tensors;
+      - `rebuilds` (how often it prepared everything again) and `no_gradients` (it found no gradient where
+        parameters train: the check is in the wrong place).
+    """
+
+    rebuilds: int
+    no_gradients: bool
+
+    def inputs(self, model: torch.nn.Module, optimizer: Any, *, extra: StepInputs | Sequence[ScanInput] = ()
+               ) -> ScanInputs: ...
+
+    def scan_on_host(self, model: torch.nn.Module, optimizer: Any, *, extra: StepInputs,
+                     backend_for: Callable[[tuple[str, ...]], Any], carried: tuple | None = None
+                     ) -> tuple | None: ...
+
+    def stable_tensors(self) -> list[torch.Tensor]: ...
+
+    def state(self, model: torch.nn.Module, optimizer: Any) -> tuple[Any, Any]: ...
+
+
 def whole_tensor(t: torch.Tensor) -> tuple[torch.Tensor, str]:
     """The shard function of a single process: the whole tensor, no name suffix."""
     return t, ""
@@ -290,6 +327,10 @@ class ModelScanPlan:
         check confirms are the same objects at the same addresses (NOTE: [model scan plan]); empty where the plan
         keeps nothing between steps."""
         return self._params + self._state_tensors if self._fast else []
+
+    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+        """(model state, optimizer state) for a bundle (NOTE: [tensor source]): their state_dict()s."""
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
 
     def _unchanged_structure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """The cheap part of the check, in Python: the last rebuild allows the fast path, the root's children

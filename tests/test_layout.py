@@ -164,3 +164,10 @@ def test_imports_point_down_the_layers(name):
 def test_every_module_opens_with_a_purpose_line(name):
     docstring = ast.get_docstring(ast.parse(MODULES[name].read_text()))
     assert docstring and len(docstring.splitlines()[0]) > 20, f"{MODULES[name]} has no purpose line"
+
+
+def test_deepspeed_is_imported_only_by_its_adapter():
+    """`import nanscan` must not need DeepSpeed: only nanscan.integrations.deepspeed imports it."""
+    importers = sorted(name for name in MODULES for _, target, _ in _imports(name)
+                       if target == "deepspeed" or target.startswith("deepspeed."))
+    assert set(importers) == {"nanscan.integrations.deepspeed"}

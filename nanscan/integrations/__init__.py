@@ -3,6 +3,7 @@
     nanscan.integrations.transformers.NanscanCallback   transformers.Trainer(callbacks=[...])
     nanscan.integrations.lightning.NanscanCallback      lightning.Trainer(callbacks=[...]) (pytorch_lightning too)
     nanscan.integrations.accelerate.monitor             a hand-written accelerate loop
+    nanscan.integrations.deepspeed.DeepSpeedMonitor     a DeepSpeed engine (ZeRO 0-3): each rank's partitions
     nanscan.integrations.tensorboard                    Monitor(tensorboard=...): live statistics in TensorBoard
     nanscan.integrations.wandb                          Monitor(wandb=run): the same statistics in a W&B run
 

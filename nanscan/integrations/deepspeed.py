@@ -1,0 +1,296 @@
+"""DeepSpeed (ZeRO stages 0 to 3) for the Monitor: each rank scans the partitions it holds, under the parameter names
+they belong to, and its bundle part stores them.
+
+    from nanscan.integrations.deepspeed import DeepSpeedMonitor
+    mon = DeepSpeedMonitor(engine, on_invalid="raise")        # engine from deepspeed.initialize(...)
+    loss = engine(batch); engine.backward(loss); mon.check(batch=batch, loss=loss); engine.step()
+
+NOTE: [zero partitions]
+Under ZeRO a parameter's `.grad` is None when the Monitor looks (DeepSpeed reduces it into a flat partition and
+clears it) and under ZeRO-3 its `.data` has no elements, so the plain plan (nanscan.plans.ModelScanPlan) saw
+nothing. ZeroSource (a nanscan.plans.TensorSource, NOTE: [tensor source]) reads, per parameter, the pieces this
+rank holds, as views (`narrow`) into DeepSpeed's own buffers, never copies, read after engine.backward() and
+before engine.step(), which frees them:
+  - ZeRO-1/2 (DeepSpeedZeroOptimizer) and the bf16 optimizer of stage 0: the parameter's `_hp_mapping` (a
+    deepspeed.utils.tensor_fragment.tensor_fragment, set by link_hp_params) says which elements of it this rank's
+    partition holds (`lp_fragment_address`) and where they sit in the flat fp32 master partition
+    (`hp_fragment_address`); its gradient fragment is `get_lp_grad_fragment(param._index_in_param_group)`, an entry
+    of `averaged_gradients[group]` (narrowed to the fragment where DeepSpeed keeps the whole parameter's buffer,
+    as get_full_hp_grad does). The low-precision weights are whole on every rank.
+  - ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): `grad_position[param id]` is (sub-group, offset, count) of the
+    parameter's partition in the sub-group's flat buffers: the fp32 masters `fp32_partitioned_groups_flat[g]`, the
+    gradients `averaged_gradients[g][i]` (views of `grad_partitions_flat_buffer`), the inner optimizer's state
+    keyed by the flat master; the low-precision weights are `param.ds_tensor`. A partition is `partition_numel()`
+    elements; rank r holds the parameter's flattened elements [r * n, (r + 1) * n), the last rank's tail being
+    padding, which is not scanned.
+  - the inner optimizer's state tensors shaped like the flat master (Adam's exp_avg, exp_avg_sq) are narrowed the
+    same way, as tensor_fragment.set_optim_state_fragment does; scalar state (step) is skipped.
+Names follow NOTE: [tensor names] with the FSDP suffix of this rank's partition (`@shard<rank>/<world>` over the
+data-parallel group): `param:<name>` (ZeRO-1/2, whole) or `param:<name>@shard1/2` (ZeRO-3), `grad:<name>@shard1/2`,
+`optim:<name>@shard1/2.master` (the fp32 master weights), `optim:<name>@shard1/2.exp_avg`. A parameter with no
+elements in this rank's partition has no grad:/optim: inputs here. The buffers are new objects after most steps, so
+the source prepares its inputs each check (Python, a few microseconds per tensor; the scan itself is one fused
+pass, as for any model).
+
+The bundle. Each rank's part stores what it holds (NOTE: [tensor source] `state`), with no collective (under
+agreement="async" a rank writes its part alone): under ZeRO-1/2 the whole low-precision weights (the module's
+state_dict()); under ZeRO-3 their local shards; and always the fp32 master and optimizer-state fragments, keyed by
+the scanned names. The inner optimizer's own state_dict() is not called: under ZeRO-3 it raised KeyError.
+
+Skipped steps. DeepSpeed skips an update itself when its overflow check finds a non-finite gradient (fp16 loss
+scaling, bf16 with `check_grad_overflow`), logging "OVERFLOW! Skipping step" on rank 0 without naming a tensor.
+Under bf16 and fp32 there is no loss scale to back off, so such a step is an incident here, caught at its check as
+category "gradient" before engine.step() skips it. Under fp16 dynamic loss scaling an overflow is expected; see
+DeepSpeedMonitor for how it is told apart. Whatever the precision, a streak of DEFAULT_MAX_SKIPS steps that
+DeepSpeed skipped in a row (`engine.skipped_steps`) warns (DeepSpeedSkipWarning): every update is being dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import deepspeed
+import torch
+from deepspeed import comm as ds_comm
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from nanscan.amp import MAX_SKIPS
+from nanscan.distributed import SHARD_SUFFIX
+from nanscan.incident import GradientWarning, tensor_name, warn_user
+from nanscan.inputs import ScanInputs, prepare
+from nanscan.monitor import Monitor
+from nanscan.plans import ModelScanPlan, StepInputs, as_step_inputs
+
+__all__ = ["DeepSpeedMonitor", "ZeroSource", "DeepSpeedSkipWarning", "DEFAULT_MAX_SKIPS", "zero_tensors"]
+
+DEFAULT_MAX_SKIPS = MAX_SKIPS  # the GradScaler default (nanscan.amp NOTE: [overflow skips])
+MASTER = "master"  # the state key of the fp32 master weights in `optim:` names
+
+
+class DeepSpeedSkipWarning(GradientWarning):
+    """DeepSpeed skipped every update of a streak of steps (its overflow check)."""
+
+
+def _shard(rank: int, world: int) -> str:
+    return f"{SHARD_SUFFIX}{rank}/{world}"
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense buffer; a strided one as it is (reshape would copy it, and prepare reads it in place)."""
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else t
+
+
+def _flat_state(inner: Any, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The inner optimizer's state tensors of one flat master that are shaped like it (exp_avg, exp_avg_sq)."""
+    state = getattr(inner, "state", {}).get(flat, {})
+    return [(key, value) for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.shape == flat.shape]
+
+
+def _zero12_tensors(optimizer: Any, names: dict[int, str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(kind, name, view) for ZeRO-1/2 and the stage-0 bf16 optimizer (NOTE: [zero partitions])."""
+    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None) or []
+    dp_groups = getattr(optimizer, "real_dp_process_group", None)
+    inner = optimizer.optimizer
+    for g, params in enumerate(groups):
+        dp_group = dp_groups[g] if dp_groups is not None else None
+        suffix = _shard(ds_comm.get_rank(group=dp_group), ds_comm.get_world_size(group=dp_group))
+        flat = inner.param_groups[g]["params"][0] if g < len(inner.param_groups) else None
+        state = _flat_state(inner, flat) if flat is not None else []
+        for p in params:
+            name = names.get(id(p))
+            if name is None:
+                continue
+            yield "parameter", name, p.detach()
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                continue  # none of this parameter's elements is in this rank's partition
+            lp = mapping.lp_fragment_address
+            try:
+                grad = mapping.get_lp_grad_fragment(p._index_in_param_group)
+            except (ValueError, KeyError, IndexError, TypeError):
+                grad = None  # before the first backward, or after engine.step() freed it
+            if grad is not None:
+                grad = _flat(grad)
+                if grad.dim() == 1 and grad.numel() == p.numel() and lp.numel != p.numel():
+                    grad = grad.narrow(0, lp.start, lp.numel)  # a whole-parameter buffer (as get_full_hp_grad)
+                yield "gradient", name + suffix, grad
+            yield "optimizer_state", f"{name}{suffix}.{MASTER}", mapping.hp_fragment.detach()
+            hp = mapping.hp_fragment_address
+            for key, value in state:
+                yield "optimizer_state", f"{name}{suffix}.{key}", value.detach().narrow(0, hp.start, hp.numel)
+
+
+def _zero3_tensors(optimizer: DeepSpeedZeroOptimizer_Stage3,
+                   names: dict[int, str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(kind, name, view) for ZeRO-3 (NOTE: [zero partitions])."""
+    group = optimizer.dp_process_group
+    rank, world = ds_comm.get_rank(group=group), ds_comm.get_world_size(group=group)
+    suffix = _shard(rank, world)
+    inner = optimizer.optimizer
+    grads = optimizer.averaged_gradients
+    for g, params in enumerate(optimizer.fp16_groups):
+        master_flat = optimizer.fp32_partitioned_groups_flat[g]
+        state = _flat_state(inner, master_flat)
+        group_grads = grads.get(g) if isinstance(grads, dict) else None
+        for i, p in enumerate(params):
+            name = names.get(id(p))
+            if name is None:
+                continue
+            size = p.partition_numel()
+            held = max(0, min(p.ds_numel - rank * size, size))  # the rest of the last partition is padding
+            if held == 0:
+                continue
+            local = _flat(p.ds_tensor).narrow(0, 0, held)
+            yield "parameter", name + suffix, local
+            if p.requires_grad and group_grads is not None and i < len(group_grads):
+                yield "gradient", name + suffix, _flat(group_grads[i]).narrow(0, 0, held)
+            _, offset, _ = optimizer.grad_position[optimizer.get_param_id(p)]
+            master = master_flat.detach().narrow(0, offset, held)
+            if master.data_ptr() != local.data_ptr():  # fp32 training: the master is the weight itself
+                yield "optimizer_state", f"{name}{suffix}.{MASTER}", master
+            for key, value in state:
+                yield "optimizer_state", f"{name}{suffix}.{key}", value.detach().narrow(0, offset, held)
+
+
+def zero_tensors(engine: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """(kind, name, view) of every tensor this rank holds of the engine's model and optimizer, or [] when the
+    engine's optimizer keeps none in partitions (stage 0 without the bf16 optimizer: ZeroSource then scans the
+    module and a torch optimizer as a plain Monitor does)."""
+    optimizer = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return list(_zero3_tensors(optimizer, names))
+    if getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None):
+        return list(_zero12_tensors(optimizer, names))
+    return []
+
+
+def _partitioned(engine: Any) -> bool:
+    optimizer = engine.optimizer
+    return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) or bool(
+        getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None))
+
+
+class ZeroSource:
+    """A nanscan.plans.TensorSource (NOTE: [tensor source]) over what this rank holds of a DeepSpeed engine
+    (NOTE: [zero partitions]). An engine whose optimizer keeps nothing in partitions (stage 0, fp32 or fp16 with
+    a torch optimizer) is scanned by a ModelScanPlan of its module and optimizer."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.partitioned = _partitioned(engine)
+        self._plain = None if self.partitioned else ModelScanPlan()
+        self.rebuilds = 0
+        self.no_gradients = False
+
+    def _plain_optimizer(self) -> torch.optim.Optimizer | None:
+        optimizer = self.engine.optimizer
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+    def inputs(self, model: torch.nn.Module, optimizer: Any, *, extra: StepInputs | Sequence = ()) -> ScanInputs:
+        if self._plain is not None:
+            found = self._plain.inputs(self.engine.module, self._plain_optimizer(), extra=extra)
+            self.rebuilds, self.no_gradients = self._plain.rebuilds, self._plain.no_gradients
+            return found
+        items = list(as_step_inputs(extra).items())
+        any_grad = trains = False
+        for kind, name, tensor in zero_tensors(self.engine):
+            item = prepare(tensor_name(kind, name), tensor)
+            if item is not None:
+                items.append(item)
+                any_grad = any_grad or kind == "gradient"
+            trains = trains or kind == "parameter"
+        self.rebuilds += 1  # the buffers are new objects after most steps: prepared at every check
+        self.no_gradients = trains and not any_grad
+        return ScanInputs(items)
+
+    def scan_on_host(self, model: torch.nn.Module, optimizer: Any, *, extra: StepInputs,
+                     backend_for: Callable[[tuple[str, ...]], Any], carried: tuple | None = None) -> tuple | None:
+        if self._plain is not None:
+            return self._plain.scan_on_host(self.engine.module, self._plain_optimizer(), extra=extra,
+                                            backend_for=backend_for, carried=carried)
+        return None  # the Monitor launches inputs() itself
+
+    def stable_tensors(self) -> list[torch.Tensor]:
+        return self._plain.stable_tensors() if self._plain is not None else []
+
+    def state(self, model: torch.nn.Module, optimizer: Any) -> tuple[Any, Any]:
+        """(model state, optimizer state) this rank holds, with no collective (see the module docstring)."""
+        if self._plain is not None:
+            return self._plain.state(self.engine.module, self._plain_optimizer())
+        tensors = zero_tensors(self.engine)
+        stage3 = isinstance(self.engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
+        if stage3:
+            model_state = {name: t for kind, name, t in tensors if kind == "parameter"}
+        else:
+            model_state = self.engine.module.state_dict()
+        optimizer_state = {"zero_stage": self.engine.zero_optimization_stage(),
+                           "fragments": {name: t for kind, name, t in tensors if kind == "optimizer_state"}}
+        return model_state, optimizer_state
+
+
+class DeepSpeedMonitor(Monitor):
+    """nanscan.Monitor for a DeepSpeed engine (deepspeed.initialize's first result): each rank scans what it holds
+    (NOTE: [zero partitions]) and the ranks agree as under DDP (nanscan.distributed). Call `check(batch=...,
+    loss=...)` after engine.backward(loss) and before engine.step(), at every gradient accumulation boundary
+    (`engine.is_gradient_accumulation_boundary()`), once per optimizer step.
+
+    Every keyword of nanscan.Monitor is taken, except snapshot="cpu" (it copies the module's state_dict(), which
+    under ZeRO-3 holds no elements) and on_invalid="skip" (it sets `.grad` to None, which DeepSpeed does not read:
+    with "warn", leave engine.step() to DeepSpeed, whose own overflow check skips a step with non-finite
+    gradients under bf16 and fp16). `max_skips`: how many steps DeepSpeed may skip in a row (its overflow check,
+    read from `engine.skipped_steps` at each check) before a DeepSpeedSkipWarning says every update is dropped.
+
+    fp16 (dynamic loss scaling): an overflow skip is DeepSpeed's expected event, but the ranks' agreement has no
+    notion of one yet (nanscan.distributed), so a step whose scaled fp16 gradients overflowed is reported as an
+    incident of category "gradient" like any other; pass on_invalid="warn" (or a callable) for fp16 runs, where
+    the skip streak warning above tells a run stuck in overflow from one that recovers.
+    """
+
+    def __init__(self, engine: Any, *, max_skips: int = DEFAULT_MAX_SKIPS, **kwargs: Any):
+        if not isinstance(engine, deepspeed.DeepSpeedEngine):
+            raise TypeError(f"engine must be a deepspeed.DeepSpeedEngine (from deepspeed.initialize), got "
+                            f"{type(engine).__name__}")
+        if kwargs.get("snapshot", "none") != "none":
+            raise ValueError("snapshot='cpu' with DeepSpeed: the module's state_dict() holds no elements under "
+                             "ZeRO-3; the bundle stores what each rank holds at the check instead")
+        if kwargs.get("on_invalid") == "skip":
+            raise ValueError("on_invalid='skip' with DeepSpeed: DeepSpeed does not read param.grad; use 'warn' (its "
+                             "own overflow check skips a step whose gradients are non-finite) or 'raise'")
+        for given in ("optimizer", "source", "scaler"):
+            if given in kwargs:
+                raise TypeError(f"DeepSpeedMonitor takes no {given}=: it reads the engine's")
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        source = ZeroSource(engine)
+        # The inner torch optimizer is given for its learning rate (param_groups); its tensors come from the source.
+        super().__init__(engine.module, inner if isinstance(inner, torch.optim.Optimizer) else None,
+                         source=source, **kwargs)
+        self.engine = engine
+        self.max_ds_skips = max_skips
+        self._skips_seen = engine.skipped_steps
+        self._skip_streak = 0
+        self._skip_warned = False
+
+    def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
+              step: int | None = None):
+        self._watch_skips()
+        if lr is None:
+            lrs = self.engine.get_lr()
+            lr = lrs[0] if lrs else None
+        return super().check(batch=batch, loss=loss, sample_ids=sample_ids, lr=lr, step=step)
+
+    def _watch_skips(self) -> None:
+        """Count the steps DeepSpeed skipped since the last check: a streak of max_skips warns once."""
+        skipped = self.engine.skipped_steps
+        # Between two checks one engine.step() ran: skipped (the counter moved) or applied (a streak ends).
+        self._skip_streak = self._skip_streak + (skipped - self._skips_seen) if skipped > self._skips_seen else 0
+        self._skips_seen = skipped
+        if self._skip_streak >= self.max_ds_skips and not self._skip_warned:
+            self._skip_warned = True
+            warn_user(f"nanscan: DeepSpeed skipped the last {self._skip_streak} optimizer steps in a row (its "
+                      f"overflow check; engine.skipped_steps={skipped}, max_skips={self.max_ds_skips}): no update "
+                      "is being applied. Under fp16 the loss scale is backing off without recovering; under bf16 "
+                      "the gradients are non-finite at every step (see the bundles of the first one)",
+                      DeepSpeedSkipWarning)

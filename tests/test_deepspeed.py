@@ -1,0 +1,259 @@
+"""DeepSpeed ZeRO-1, 2 and 3 on CPU (gloo, DS_ACCELERATOR=cpu, 2 ranks, bf16): a NaN planted in one gradient
+element that only rank 1 holds is caught at that step as `gradient`, naming the parameter and rank 1's partition, on
+every rank, with a bundle set that loads and reports; a NaN in rank 0's batch is `input` on rank 0; a healthy run
+raises nothing. Against the real library: the planted NaN goes into DeepSpeed's own gradient partition.
+
+One spawn of 2 processes per ZeRO stage (module fixture) runs the three scenarios in a row, each on a fresh engine;
+the workers leave what they saw in JSON. A hung rank cannot hang the suite: gloo's collectives have a timeout, the
+spawn is joined with a deadline and killed after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its accelerator then
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nanscan[deepspeed]')")
+
+from nanscan import load_bundle  # noqa: E402
+from nanscan.bundle import BundleSet  # noqa: E402
+from nanscan.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+STEPS = 5
+FAULT_STEP = 3
+GRAD_PARAM = "2.weight"  # the NaN goes into the gradient of this parameter, in the partition rank 1 holds
+SPAWN_TIMEOUT_S = 200
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _config(stage: int) -> dict:
+    # Small buckets and no parameter persistence, so that ZeRO-3 partitions every parameter of this small model.
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+            "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
+                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 64,
+                                  "stage3_max_live_parameters": 1000}}
+
+
+def _batch(rank: int, step: int, nan_input: bool) -> dict:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(4, 8, generator=g)
+    if nan_input and rank == 0 and step == FAULT_STEP:
+        x[1, 2] = float("nan")
+    return {"x": x.to(torch.bfloat16), "y": torch.randn(4, 3, generator=g)}
+
+
+def _plant_gradient_nan(engine, name: str) -> bool:
+    """Write a NaN into DeepSpeed's gradient partition of parameter `name`, at an element this rank holds; False
+    when this rank holds none of it. Through DeepSpeed's structures, not nanscan's: ZeRO-3 by its public local-grad
+    API, ZeRO-1/2 through the parameter's fragment mapping (what safe_set_full_grad writes)."""
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    p = dict(engine.module.named_parameters())[name]
+    if hasattr(p, "ds_id"):
+        local = safe_get_local_grad(p)
+        local.view(-1)[0] = float("nan")
+        safe_set_local_grad(p, local)
+        return True
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return False
+    fragment = mapping.gradient_dict[mapping.param_group_index][p._index_in_param_group].view(-1)
+    at = mapping.lp_fragment_address.start if fragment.numel() == p.numel() else 0
+    fragment[at] = float("nan")
+    return True
+
+
+def _run(stage: int, rank: int, bundle_dir: Path, scenario: str) -> dict:
+    """One scenario on a fresh engine: train STEPS steps under a DeepSpeedMonitor (on_invalid="raise"; for
+    "streak", on_invalid="warn" and a NaN gradient at every step from step 1, which DeepSpeed's bf16 overflow check
+    skips every time)."""
+    import deepspeed
+
+    from nanscan.integrations.deepspeed import DeepSpeedMonitor
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage))
+    streak = scenario == "streak"
+    mon = DeepSpeedMonitor(engine, bundle_dir=bundle_dir, run_id=f"zero{stage}-{scenario}",
+                           on_invalid="warn" if streak else "raise", max_skips=2)
+    record = {"error": None, "scanned_grads": [], "planted": False, "optimizer": type(engine.optimizer).__name__,
+              "warnings": []}
+    for step in range(STEPS):
+        batch = _batch(rank, step, scenario == "input")
+        loss = torch.nn.functional.mse_loss(engine(batch["x"]).float(), batch["y"])
+        engine.backward(loss)
+        if rank == 1 and (scenario == "gradient" and step == FAULT_STEP or streak and step >= 1):
+            record["planted"] = _plant_gradient_nan(engine, GRAD_PARAM)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                report = mon.check(batch=batch, loss=loss)
+            record["warnings"] += [(step, type(w.message).__name__) for w in caught
+                                   if w.category.__module__.startswith("nanscan")]
+        except Exception as err:  # noqa: BLE001 - recorded, the test asserts on it
+            record["error"] = {"type": type(err).__name__, "step": getattr(err, "step", None),
+                               "category": getattr(err, "category", None), "tensors": getattr(err, "tensors", None),
+                               "first_bad_ranks": getattr(err, "first_bad_ranks", None),
+                               "local_category": getattr(err, "local_category", None),
+                               "bundle_path": str(getattr(err, "bundle_path", None)), "message": str(err)}
+            break
+        record["scanned_grads"].append(sum(name.startswith("grad:") for name in report.names))
+        engine.step()
+    mon.close()
+    return record
+
+
+def _worker(rank: int, stage: int, store: str, out: str) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)  # two processes share 2 cores
+    import deepspeed
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                                timeout=COLLECTIVE_TIMEOUT)
+        deepspeed.init_distributed(dist_backend="gloo")
+        results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario)
+                   for scenario in ("healthy", "gradient", "input", "streak")}
+        results["plain_monitor"] = _plain_monitor_refuses_an_engine(stage)
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    except BaseException:
+        (Path(out) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _plain_monitor_refuses_an_engine(stage: int) -> str:
+    import deepspeed
+
+    from nanscan import Monitor
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=_config(stage))
+    try:
+        Monitor(engine, process_group=False)
+    except TypeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
+def zero(request, tmp_path_factory):
+    stage = request.param
+    out = tmp_path_factory.mktemp(f"zero{stage}")
+    context = mp.start_processes(_worker, args=(stage, str(out / "store"), str(out)), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ZeRO-{stage} on {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    except Exception as exc:
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-rank*.txt")))
+        raise RuntimeError(f"ZeRO-{stage} workers failed: {exc}\n{errors}") from exc
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    return stage, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_a_healthy_bf16_run_raises_nothing_and_scans_gradients_on_every_rank(zero):
+    stage, _, ranks = zero
+    for rank, results in enumerate(ranks):
+        healthy = results["healthy"]
+        assert healthy["error"] is None, (stage, rank, healthy["error"])
+        assert len(healthy["scanned_grads"]) == STEPS
+        assert min(healthy["scanned_grads"]) > 0, f"ZeRO-{stage} rank {rank} scanned no gradient"
+
+
+def test_a_gradient_nan_on_rank_1_is_caught_at_its_step_on_every_rank(zero):
+    stage, out, ranks = zero
+    assert ranks[1]["gradient"]["planted"], f"rank 1 holds no element of {GRAD_PARAM} under ZeRO-{stage}"
+    expected = f"grad:{GRAD_PARAM}@shard1/{WORLD}"
+    for rank, results in enumerate(ranks):
+        error = results["gradient"]["error"]
+        assert error is not None, f"ZeRO-{stage} rank {rank} did not stop"
+        assert error["type"] == "DistributedNonFiniteError"
+        assert error["step"] == FAULT_STEP and error["category"] == "gradient"
+        assert error["tensors"] == [expected], error
+        assert error["first_bad_ranks"] == [1]
+        assert error["local_category"] == ("gradient" if rank == 1 else "other_rank")
+    bundle = load_bundle(Path(ranks[0]["gradient"]["error"]["bundle_path"]))
+    assert isinstance(bundle, BundleSet)
+    assert bundle.index["first_bad_ranks"] == [1] and bundle.index["category"] == "gradient"
+    assert bundle.manifest["category_tensors"] == [expected]
+    # the part holds what rank 1 held: its fp32 master fragment of the parameter, under the scanned name
+    model_state, optimizer_state = bundle.state()
+    assert optimizer_state["zero_stage"] == stage
+    master = optimizer_state["fragments"][f"{GRAD_PARAM}@shard1/{WORLD}.master"]
+    assert master.dtype == torch.float32 and master.numel() > 0 and bool(torch.isfinite(master).all())
+    weight = model_state[f"{GRAD_PARAM}@shard1/{WORLD}" if stage == 3 else GRAD_PARAM]
+    assert weight.numel() > 0
+    result = CliRunner().invoke(main, ["report", str(Path(ranks[0]["gradient"]["error"]["bundle_path"]))])
+    assert result.exit_code == 0, result.output
+    assert GRAD_PARAM in result.output
+
+
+def test_a_nan_in_rank_0s_batch_is_an_input_incident_of_rank_0(zero):
+    stage, _, ranks = zero
+    for rank, results in enumerate(ranks):
+        error = results["input"]["error"]
+        assert error is not None and error["step"] == FAULT_STEP, (stage, rank, error)
+        assert error["category"] == "input" and error["tensors"] == ["input:x"]
+        assert error["first_bad_ranks"] == [0]
+
+
+def test_a_streak_of_steps_deepspeed_skips_warns(zero):
+    """bf16 has no loss scale: the first NaN gradient is an incident (warned), and DeepSpeed's overflow check then
+    skips that step and every later one, which the skip streak warning says after max_skips=2 of them."""
+    _, _, ranks = zero
+    for rank, results in enumerate(ranks):
+        seen = [tuple(w) for w in results["streak"]["warnings"]]
+        assert (1, "NonFiniteWarning") in seen, (rank, seen)
+        assert [step for step, kind in seen if kind == "DeepSpeedSkipWarning"] == [3], (rank, seen)
+
+
+def test_a_plain_monitor_refuses_an_engine_and_names_the_adapter(zero):
+    _, _, ranks = zero
+    assert "DeepSpeedMonitor" in ranks[0]["plain_monitor"]
+
+
+def test_import_nanscan_does_not_import_deepspeed():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, nanscan, nanscan.monitor, nanscan.integrations\nprint('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         timeout=120).stdout
+    assert out.split()[-1] == "False"
