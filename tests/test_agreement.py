@@ -22,7 +22,7 @@ from nanscan import _layout as L
 from nanscan import backends
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-NUMBA_BLOCK = 2048  # nanscan.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
+NUMBA_BLOCK = 1920  # nanscan.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
 
 
 @pytest.fixture(params=[False, True], ids=["default-chunks", "tiny-chunks"])
