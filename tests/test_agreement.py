@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanscan
-from conftest import FLOAT8_DTYPES, SUMSQ_REL_TOL
+from conftest import FLOAT8_DTYPES, SUMSQ_REL_TOL, assert_records_match
 from nanscan import _layout as L
 from nanscan import backends
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-NUMBA_BLOCK = 2048  # nanscan.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
+NUMBA_BLOCK = 1920  # nanscan.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
 
 
 @pytest.fixture(params=[False, True], ids=["default-chunks", "tiny-chunks"])
@@ -354,6 +354,53 @@ def test_numba_records_are_bit_identical_for_any_thread_count(numba_backend):
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, many)
+
+
+NUMBA_GROUP = 960  # nanscan.backends.numba_cpu._GROUP_ELEMS: residue words count whole groups, the rest by tables
+
+
+def residue_window_blocks(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Blocks whose non-zero values span 1, 15, 16 and 17 binades (the residue words name a field only below 16),
+    starting at each residue of the field mod 16, with a third of them zeros (counted on residue 0, then taken
+    out); float16 blocks of subnormals and normals (widened, NOTE: [numba blocks]); and lengths around whole
+    groups, so that the elements past the last group go to the tables."""
+    gen = torch.Generator().manual_seed(12)
+    finfo = torch.finfo(dtype)
+    lowest, highest = int(np.log2(finfo.tiny)), int(np.log2(finfo.max))
+    tensors = {}
+    for span in (1, 15, 16, 17):
+        for start in range(lowest + 1, min(lowest + 1 + 16, highest - span), 5):
+            exps = torch.randint(0, span, (NUMBA_BLOCK,), generator=gen)
+            exps[:2] = torch.tensor([0, span - 1])  # the span is exact
+            # Significands in [1, 1.5): rounding to a short mantissa never carries into the next binade.
+            x = (1 + torch.rand(NUMBA_BLOCK, generator=gen, dtype=torch.float64) / 2) * 2.0 ** (exps + start)
+            x[::3] = 0.0
+            x[1::7] *= -1
+            tensors[f"span {span} from 2**{start}"] = x
+    gauss = torch.randn(3 * NUMBA_BLOCK, generator=gen, dtype=torch.float64)
+    if dtype == torch.float16:
+        tensors["subnormals and zeros"] = gauss * finfo.tiny / 4
+        tensors["subnormals and normals"] = gauss * finfo.tiny * 8
+        tensors["smallest subnormal and largest normal"] = torch.where(gauss > 0, finfo.max, finfo.tiny * 2.0 ** -10)
+    for length in (NUMBA_GROUP - 1, NUMBA_GROUP, NUMBA_GROUP + 1, NUMBA_BLOCK + NUMBA_GROUP + 7,
+                   2 * NUMBA_BLOCK + 1):
+        tensors[f"{length} elements"] = gauss[:length] * 0.02
+    return {name: x.to(dtype) for name, x in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numba_residue_windows(numba_backend, dtype):
+    from nanscan.backends.numba_cpu import NumbaBackend  # numba is optional: only this test needs the module
+
+    tensors = residue_window_blocks(dtype)
+    report = numba_backend.check(tensors)
+    if dtype != torch.float64:  # float64's lowest binades all clamp to one bin
+        stats = report["span 16 from 2**" + str(int(np.log2(torch.finfo(dtype).tiny)) + 1)]
+        assert int((stats.exp_hist > 0).sum()) == 16  # the span the table counted, field for field
+    for chunk in (NUMBA_GROUP + 1, NUMBA_BLOCK):  # chunks that end inside a group and on a block
+        got = nanscan.scan(tensors, backend=NumbaBackend(chunk_elems=chunk)).records
+        want = nanscan.scan(tensors, backend="reference").records
+        assert_records_match(got, want, list(tensors), label=f"numba, chunks of {chunk}")
 
 
 def test_numba_scans_from_several_threads_at_once(numba_backend):
