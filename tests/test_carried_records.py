@@ -36,8 +36,15 @@ def batches(count: int) -> list[torch.Tensor]:
     return [torch.randn(4, 8, generator=g) for _ in range(count)]
 
 
-def monitor(model, optimizer, tmp_path, **kwargs) -> Monitor:
-    return Monitor(model, optimizer, bundle_dir=tmp_path, post_update=True, mode="sync", backend="cpu", **kwargs)
+def trained(kind: str, tmp_path, **kwargs) -> tuple[nn.Module, torch.optim.Optimizer, Monitor, torch.Tensor]:
+    """A model, its optimizer and a post-update Monitor after three checked steps (the state exists, the plan is
+    steady, the last update's records are carried), and the next step's batch."""
+    model, optimizer = model_and_optimizer(kind)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, post_update=True, mode="sync", backend="cpu", **kwargs)
+    data = batches(4)
+    for x in data[:3]:
+        train_step(model, optimizer, mon, x)
+    return model, optimizer, mon, data[3]
 
 
 @pytest.mark.parametrize("kind", ["sgd", "foreach", "fused"])
@@ -83,28 +90,20 @@ def writes():
 
 @pytest.mark.parametrize("write", writes(), ids=lambda w: w.__name__)
 def test_a_write_between_the_update_and_the_check_is_seen(native, tmp_path, write):
-    model, optimizer = model_and_optimizer("fused")
-    mon = monitor(model, optimizer, tmp_path)
-    data = batches(4)
-    for x in data[:3]:
-        train_step(model, optimizer, mon, x)
+    model, optimizer, mon, x = trained("fused", tmp_path)
     write(model, optimizer)
-    report = train_step(model, optimizer, mon, data[3], update=False)
+    report = train_step(model, optimizer, mon, x, update=False)
     index = report.names.index("param:0.weight")
     assert np.array_equal(np.array(report.records[index]), fresh_record(model[0].weight))
 
 
 def test_optimizer_state_loaded_between_update_and_check_is_scanned_fresh(native, tmp_path):
-    model, optimizer = model_and_optimizer("foreach")
-    mon = monitor(model, optimizer, tmp_path)
-    data = batches(4)
-    for x in data[:3]:
-        train_step(model, optimizer, mon, x)
+    model, optimizer, mon, x = trained("foreach", tmp_path)
     state = optimizer.state_dict()
     for s in state["state"].values():
         s["exp_avg"] = s["exp_avg"] * 11.0
     optimizer.load_state_dict(state)
-    report = train_step(model, optimizer, mon, data[3], update=False)
+    report = train_step(model, optimizer, mon, x, update=False)
     exp_avg = optimizer.state[model[0].weight]["exp_avg"]
     index = report.names.index("optim:0.weight.exp_avg")
     assert np.array_equal(np.array(report.records[index]), fresh_record(exp_avg))
@@ -113,29 +112,21 @@ def test_optimizer_state_loaded_between_update_and_check_is_scanned_fresh(native
 def test_a_nan_written_through_data_is_a_parameter_incident_at_that_check(native, tmp_path):
     """`.data` writes move no version counter: the check finds the NaN through the loss and is then scanned whole,
     so the weight itself is named (category parameter), not only what it poisoned."""
-    model, optimizer = model_and_optimizer("foreach")
-    mon = monitor(model, optimizer, tmp_path, on_invalid="warn")
-    data = batches(4)
-    for x in data[:3]:
-        train_step(model, optimizer, mon, x)
+    model, optimizer, mon, x = trained("foreach", tmp_path, on_invalid="warn")
     model[0].weight.data[0, 0] = float("nan")
     with pytest.warns(Warning, match="category parameter"):
-        report = train_step(model, optimizer, mon, data[3], update=False)
+        report = train_step(model, optimizer, mon, x, update=False)
     assert mon.first_invalid_step == 3
     assert "param:0.weight" in report.nonfinite
 
 
 def test_a_second_check_without_an_update_scans_everything(native, tmp_path):
-    model, optimizer = model_and_optimizer("foreach")
-    mon = monitor(model, optimizer, tmp_path)
-    data = batches(4)
-    for x in data[:3]:
-        train_step(model, optimizer, mon, x)
-    train_step(model, optimizer, mon, data[3], update=False)
+    model, optimizer, mon, x = trained("foreach", tmp_path)
+    train_step(model, optimizer, mon, x, update=False)
     offered = mon._updates.records_offered
     with torch.no_grad():
         model[0].weight.data.mul_(2.0)  # through .data: only a scan can see it
-    report = train_step(model, optimizer, mon, data[3], update=False)
+    report = train_step(model, optimizer, mon, x, update=False)
     assert mon._updates.records_offered == offered
     index = report.names.index("param:0.weight")
     assert np.array_equal(np.array(report.records[index]), fresh_record(model[0].weight))

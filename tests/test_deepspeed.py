@@ -14,16 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import time
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from click.testing import CliRunner
+from spawn_ranks import spawn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its accelerator then
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'nanscan[deepspeed]')")
@@ -134,23 +132,13 @@ def _worker(rank: int, stage: int, store: str, out: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                                timeout=COLLECTIVE_TIMEOUT)
-        deepspeed.init_distributed(dist_backend="gloo")
-        results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario)
-                   for scenario in ("healthy", "gradient", "input", "streak")}
-        results["plain_monitor"] = _plain_monitor_refuses_an_engine(stage)
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
-    except BaseException:
-        (Path(out) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=COLLECTIVE_TIMEOUT)
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario)
+               for scenario in ("healthy", "gradient", "input", "streak")}
+    results["plain_monitor"] = _plain_monitor_refuses_an_engine(stage)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def _plain_monitor_refuses_an_engine(stage: int) -> str:
@@ -172,21 +160,7 @@ def _plain_monitor_refuses_an_engine(stage: int) -> str:
 def zero(request, tmp_path_factory):
     stage = request.param
     out = tmp_path_factory.mktemp(f"zero{stage}")
-    context = mp.start_processes(_worker, args=(stage, str(out / "store"), str(out)), nprocs=WORLD, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ZeRO-{stage} on {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
-    except Exception as exc:
-        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-rank*.txt")))
-        raise RuntimeError(f"ZeRO-{stage} workers failed: {exc}\n{errors}") from exc
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    spawn(_worker, stage, WORLD, out, timeout_s=SPAWN_TIMEOUT_S, label=f"ZeRO-{stage}")
     return stage, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

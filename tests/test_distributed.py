@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -21,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from spawn_ranks import spawn
 
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan.bundle import BundleError
@@ -213,50 +213,9 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _guarded(rank: int, worker, world: int, store: str, out: str) -> None:
-    """Run one rank's worker; whatever it raises is written to `error-rank<r>.txt` and the process group is always
-    destroyed. In 2 of 5 fresh-clone CI runs (numba backend) one rank died of SIGABRT ("terminate called without an
-    active exception": a native thread destroyed while still running), which hid everything else; such aborts come
-    from native teardown at interpreter exit, so a rank that finished its work leaves without finalization. The
-    results the tests check are in the files the worker wrote; an exception still fails the test with its
-    traceback."""
-    import os
-    import sys
-    import traceback
-
-    try:
-        worker(rank, world, store, out)
-    except BaseException:
-        (Path(out) / f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _spawn(worker, world: int, out: Path) -> list[dict]:
     """Run `worker` on `world` processes; every rank's results. Killed after SPAWN_TIMEOUT_S."""
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / "store"
-    context = mp.start_processes(_guarded, args=(worker, world, str(store), str(out)), nprocs=world, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{worker.__name__} on {world} processes did not finish in {SPAWN_TIMEOUT_S} s: "
-                                   "a rank is blocked")
-    except Exception as exc:
-        errors = "\n".join(p.read_text() for p in sorted(out.glob("error-rank*.txt")))
-        raise RuntimeError(f"{worker.__name__} failed: {exc}\n{errors}") from exc
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    spawn(worker, world, world, out, timeout_s=SPAWN_TIMEOUT_S, label=worker.__name__)
     name = "ddp" if worker is _ddp_worker else "fsdp"
     return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(world)]
 
