@@ -3,16 +3,19 @@ without the check, interleaved in one run, reported as median step times and one
 
     monitor_overhead = 4.6% of step (median over adjacent block pairs)
     spike_detection_overhead = 0.3% of a checked step (spikes="warn" vs spikes=None, adjacent blocks)
-    post_update_overhead = 3.6% of a checked step (post_update=True vs False, adjacent blocks)
-    post_update_step_cost = +2.67% of a plain step (the post-update scan inside optimizer.step(), medians)
-    post_update_net_cost = +2.83% of a plain step (check() + optimizer.step(), with vs without, medians)
+    post_update_overhead = 0.1% of a checked step (the default, dated updates, vs post_update=False, ...)
+    post_update_step_cost = +0.05% of a plain step (the hook's stamps inside optimizer.step(), medians)
+    post_update_net_cost = +0.1% of a plain step (check() + optimizer.step(), with vs without, medians)
+    post_update_scan_overhead = 3.6% of a checked step (post_update='scan' vs False, adjacent blocks)
+    post_update_scan_net_cost = +2.83% of a plain step (check() + optimizer.step(), with vs without, medians)
 
 More variants run in the same rotation, each its own Monitor on the same model with its own step counter, and are
 reported as ratio lines against the default Monitor's adjacent blocks: `nospikes` (spikes=None, so the second line
-above is the cost of spike detection, on by default), `noupdate` (post_update=False, where every other Monitor here
-has post_update=True: the third to fifth lines are the cost of the post-update check, nanscan.monitor_update NOTE:
-[post-update check], on by default for float16/bfloat16 parameters; the fourth is the difference of the median
-optimizer.step() times, which hold the whole of its scan, the fifth adds check()) and, with TensorBoard export (on
+above is the cost of spike detection, on by default), `noupdate` (post_update=False: the third to fifth lines are
+the cost of the default post-update check on this float32 model, dated updates, nanscan.monitor_update NOTE:
+[dated updates]; the fourth is the difference of the median optimizer.step() times, which hold the whole of its
+hook, the fifth adds check()), `scan` (post_update="scan", the default for float16/bfloat16 parameters, NOTE:
+[post-update check]: the last two lines) and, with TensorBoard export (on
 by default; --no-tensorboard leaves it out), the Monitor with `tensorboard=<tmp dir>` at log_every=100 and at log_every=1:
 
     tensorboard_overhead(log_every=100) = +0.4% of the Monitor's step (median over rounds)
@@ -57,7 +60,7 @@ from nanscan.monitor import Monitor
 
 MODES = ("plain", "check")
 # Variants compared with the default Monitor ("check"): the Monitor options each adds.
-SPIKE_MODES = {"nospikes": {"spikes": None}, "noupdate": {"post_update": False}}
+SPIKE_MODES = {"nospikes": {"spikes": None}, "noupdate": {"post_update": False}, "scan": {"post_update": "scan"}}
 TB_MODES = {"tb100": 100, "tb1": 1}  # the Monitor with TensorBoard export, by log_every
 
 
@@ -82,9 +85,9 @@ class Trainer:
         with D.seeded_rngs(config["seed"]):
             self.model = D.build_model(config)
         self.optimizer = D.build_optimizer(self.model, config)
-        # post_update=True: the demo's float32 model would leave it off by default ("auto")
+        # the defaults: post_update="auto" dates the float32 demo's updates (NOTE: [dated updates])
         self.monitor = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
-                               run_id="bench-overhead", on_invalid="raise", post_update=True, **monitor_kwargs)
+                               run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
         # variant -> the Monitor it checks with; the TensorBoard ones count their own steps (log_every applies)
         self.monitors = {"check": self.monitor}
         variants = dict(SPIKE_MODES)
@@ -93,7 +96,7 @@ class Trainer:
         for variant, options in variants.items():
             self.monitors[variant] = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
                                              run_id=f"bench-overhead-{variant}", on_invalid="raise",
-                                             **{"post_update": True, **options}, **monitor_kwargs)
+                                             **options, **monitor_kwargs)
         self.steps = dict.fromkeys(self.monitors, 0)
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
@@ -114,7 +117,7 @@ class Trainer:
             self.check_seconds[variant].append(time.perf_counter() - start)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
         start = time.perf_counter()
-        self.optimizer.step()  # with post_update (the default), the Monitor that checked scans after it
+        self.optimizer.step()  # the Monitor that checked stamps (the default) or scans ("scan") after it
         if variant:
             self.update_seconds[variant].append(time.perf_counter() - start)
         self.step += 1
@@ -136,9 +139,12 @@ def validate(trainer: Trainer, batch: dict) -> int:
     if not report.ok or not torch.isfinite(loss):
         raise SystemExit(f"validation failed: a healthy step reported non-finite values: {report.nonfinite}")
     watch = trainer.monitor._updates
-    if watch is None or watch.updates_checked != 1 or trainer.monitors["noupdate"]._updates is not None:
-        raise SystemExit("validation failed: the post-update check did not run once after the checked step (or ran "
-                         "with post_update=False)")
+    if watch is None or watch.updates_dated != 1 or trainer.monitors["noupdate"]._updates is not None:
+        raise SystemExit("validation failed: the default Monitor did not stamp the update after its checked step "
+                         "once (or the post_update=False one did)")
+    trainer.train_step(batch, checked="scan")
+    if trainer.monitors["scan"]._updates.updates_checked != 1:
+        raise SystemExit("validation failed: the post_update='scan' Monitor did not scan after its checked step")
     if "loss" not in names or not any(n.startswith("input:") for n in names):
         raise SystemExit(f"validation failed: the check did not scan the loss and the batch ({names[:5]}...)")
     return len(names)
@@ -207,14 +213,21 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
         # the default check (spikes="warn") against spikes=None, median over rounds
         "spike_detection_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["nospikes"]) - 1.0),
-        # the Monitor with post_update=True against post_update=False: steps, and optimizer.step() alone
+        # the default Monitor (post_update="auto": dated updates) against post_update=False: steps, and
+        # optimizer.step() alone (the hook's stamps)
         "post_update_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["noupdate"]) - 1.0),
         "post_update_step_cost_pct": 100.0 * (statistics.median(trainer.update_seconds["check"])
                                               - statistics.median(trainer.update_seconds["noupdate"])) / plain,
-        "median_update_ms": {v: statistics.median(trainer.update_seconds[v]) * 1e3 for v in ("check", "noupdate")},
+        "median_update_ms": {v: statistics.median(trainer.update_seconds[v]) * 1e3
+                             for v in ("check", "noupdate", "scan")},
         # check() + optimizer.step() with the post-update check against without it: what it adds in all
         "post_update_net_cost_pct": 100.0 * (_step_and_check(trainer, "check") - _step_and_check(trainer, "noupdate"))
                                     / plain,
+        # the same for post_update="scan" (a scan inside optimizer.step(), its records carried to the next check)
+        "post_update_scan_overhead_pct": 100.0 * (statistics.median(variant_ratios["scan"])
+                                                  / statistics.median(variant_ratios["noupdate"]) - 1.0),
+        "post_update_scan_net_cost_pct": 100.0 * (_step_and_check(trainer, "scan")
+                                                  - _step_and_check(trainer, "noupdate")) / plain,
         "median_check_ms": check_alone * 1e3,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
@@ -292,12 +305,17 @@ def main(argv=None) -> int:
     print(f"spike_detection_overhead = {result['spike_detection_overhead_pct']:.1f}% of a checked step "
           "(spikes='warn' vs spikes=None, adjacent blocks)")
     print(f"post_update_overhead = {result['post_update_overhead_pct']:.1f}% of a checked step "
-          "(post_update=True vs False, adjacent blocks)")
-    print(f"post_update_step_cost = {result['post_update_step_cost_pct']:+.2f}% of a plain step (the post-update "
-          f"scan inside optimizer.step(), medians: {result['median_update_ms']['check']:.3f} vs "
+          "(the default, dated updates, vs post_update=False, adjacent blocks)")
+    print(f"post_update_step_cost = {result['post_update_step_cost_pct']:+.2f}% of a plain step (the hook's "
+          f"stamps inside optimizer.step(), medians: {result['median_update_ms']['check']:.3f} vs "
           f"{result['median_update_ms']['noupdate']:.3f} ms)")
     print(f"post_update_net_cost = {result['post_update_net_cost_pct']:+.2f}% of a plain step (check() + "
-          "optimizer.step() with the post-update check vs without, medians)")
+          "optimizer.step() with dated updates vs without, medians)")
+    print(f"post_update_scan_overhead = {result['post_update_scan_overhead_pct']:.1f}% of a checked step "
+          "(post_update='scan' vs False, adjacent blocks)")
+    print(f"post_update_scan_net_cost = {result['post_update_scan_net_cost_pct']:+.2f}% of a plain step (check() + "
+          f"optimizer.step() with the scan vs without, medians; optimizer.step() "
+          f"{result['median_update_ms']['scan']:.3f} ms)")
     for every, pct in result["tensorboard_overhead_pct"].items():
         print(f"tensorboard_overhead(log_every={every}) = {pct:+.1f}% of the Monitor's step (median over rounds)")
     for every, pct in result["tensorboard_check_cost_pct"].items():

@@ -258,13 +258,16 @@ class Monitor(StepVerdicts):
         the host): use agreement="async" there, not mode="async".
     scaler: the torch.amp.GradScaler whose scaled gradients are checked (see the module docstring); max_skips and
         min_scale: when a streak of its overflow skips becomes an incident (nanscan.amp NOTE: [overflow skips]).
-    post_update: also scan the weights and optimizer state right after each optimizer.step() that follows a finite
-        check (an Optimizer step post-hook; nanscan.monitor_update NOTE: [post-update check]), so that an update
-        that writes non-finite values is an incident of that step (category "update", reason "optimizer_update"),
-        with the batch and, under snapshot="cpu", the state that update read. True, False, or "auto" (the
-        default): on while the optimizer holds float16 or bfloat16 parameters, where an update's settings most
-        often break (an eps that is 0 in float16); elsewhere it costs about half a check (README). Not with a
-        process group.
+    post_update: how an update that writes non-finite weights or optimizer state becomes an incident of the step
+        whose update wrote them (category "update", reason "optimizer_update"), with that step's batch and, under
+        snapshot="cpu", the state the update read (an Optimizer step post-hook; nanscan.monitor_update NOTE:
+        [post-update check]). "scan" (or True): the weights and state are scanned right after each optimizer.step()
+        that follows a finite check, and the incident is raised from it; about half a check on a small CPU model
+        (README). "date": the hook only stamps them (version counter, address, dtype; a few microseconds), and
+        the next check, which scans them anyway, dates non-finite ones that nothing else wrote since to the update
+        (NOTE: [dated updates]). "auto" (the default): "scan" while the optimizer holds float16 or bfloat16
+        parameters, where an update's settings most often break (an eps that is 0 in float16), "date" elsewhere.
+        False: neither; such an update is a "parameter" incident of the next step. Not with a process group.
     tensorboard: a log directory or a torch.utils.tensorboard.SummaryWriter (or a
         nanscan.integrations.tensorboard.TensorBoardExport, for the choice of tensors) to write each step's
         statistics to, live: loss, lr, gradient norm (NaN, never 0.0, where gradients are non-finite) and the count
@@ -402,11 +405,10 @@ class Monitor(StepVerdicts):
                                  "mode at 'auto' or 'sync'")
             self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
         # NOTE: [post-update check]: the ranks would have to agree on it, so not under a process group.
-        if post_update not in (True, False, "auto"):
-            raise ValueError(f"post_update={post_update!r}: use True, False or 'auto' (on for float16/bfloat16 "
-                             "parameters)")
-        self._updates = UpdateWatch(self, always=post_update is True) \
-            if post_update and self._agreement is None else None
+        if post_update not in (True, False, "auto", "scan", "date"):
+            raise ValueError(f"post_update={post_update!r}: use 'scan' (or True), 'date', 'auto' (scan float16/"
+                             "bfloat16 updates, date the others) or False")
+        self._updates = UpdateWatch(self, policy=post_update) if post_update and self._agreement is None else None
 
     # -- public state ---------------------------------------------------------------------------------------
     @property
@@ -545,11 +547,12 @@ class Monitor(StepVerdicts):
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
-        carried = None
+        carried = dated = None
         if self._updates is not None:  # NOTE: [post-update check]: only an update right after a finite check
             self._updates.forget()
             self._updates.attach(self.optimizer)
             carried = self._updates.carried_rows(self._plan)  # NOTE: [carried records]
+            dated = self._updates.take_dated()  # NOTE: [dated updates]
         if not started and self._snapshot is not None and not self._start_warned:
             self._start_warned = True  # at the first such check, while the run can still be fixed
             warn_user(f"nanscan: snapshot='cpu' but no step start was seen before the check of step {step}: no "
@@ -583,7 +586,8 @@ class Monitor(StepVerdicts):
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
         if self.mode == "async":
-            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling)
+            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling,
+                                     dated.seen() if dated is not None else None)
 
         kept_loss, kept_lr = _kept_scalar(loss, step_inputs), _kept_scalar(lr)
         if host is not None:
@@ -607,11 +611,34 @@ class Monitor(StepVerdicts):
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:
             self._finite_step()
-            if self._updates is not None and self._updates.wanted(self._plan.rebuilds):
+            if self._updates is not None:
                 start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
-                self._updates.expect(UpdateContext(step, batch, sample_ids, started, start))
+                if self._updates.expect(UpdateContext(step, batch, sample_ids, started, start), self._plan) == \
+                        "date" and started:
+                    self._keep_start_snapshot()  # read at the next check, after the next step's start
+            return report
+        if dated is not None and self._dated_incident(report, dated, step):
             return report
         return self._invalid(report, step, batch, sample_ids, started, slot=slot)
+
+    def _dated_incident(self, report: ScanReport, dated: Any, step: int) -> bool:
+        """Whether the non-finite check of `step` is the incident of the update before it (NOTE: [dated updates]),
+        which is then bundled and acted on."""
+        if self.first_invalid_step is not None:  # mode="async": an earlier step's verdict was the incident
+            return False
+        broken = dated.broken(report)
+        if broken:
+            self.update_incident(ScanReport(report.tensors, report.records, skipped=report.skipped,
+                                            backend=report.backend, step=dated.context.step, any_nonfinite=True,
+                                            scaling=report.scaling), dated.context, tensors=broken, seen_at=step)
+        return bool(broken)
+
+    def _keep_start_snapshot(self) -> None:
+        """Keep the step-start snapshot just taken past the next step's start (a verdict or a dated update read
+        at the next check needs it), by capturing the next one into the other buffer."""
+        if self._snapshot is not None:
+            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
+            self._snapshot, self._spare_snapshot = spare, self._snapshot
 
     def backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
@@ -639,7 +666,7 @@ class Monitor(StepVerdicts):
         return "async" if first is not None and first.device.type == "cuda" else "sync"
 
     def _check_async(self, inputs: list, skipped: list[str], step: int, batch: Any, loss: Any, sample_ids: Any,
-                     lr: Any, started: bool, scaling: Any) -> PendingReport:
+                     lr: Any, started: bool, scaling: Any, dated: Any) -> PendingReport:
         """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
         decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self.backend_for(inputs.devices))
@@ -656,13 +683,12 @@ class Monitor(StepVerdicts):
         report.spike, self._decided_spike = self._decided_spike, None
         start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
         self._pending = PendingStep(step, report, scan, slot, retained(batch), retained(sample_ids), started,
-                                     start)
-        if self._updates is not None and self._updates.wanted(self._plan.rebuilds):  # read with its verdict, later
-            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start))
-        if started and self._snapshot is not None:
-            # The pending step's snapshot must survive the next step's start: capture into the other buffer.
-            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
-            self._snapshot, self._spare_snapshot = spare, self._snapshot
+                                     start, dated)
+        if self._updates is not None:  # read with its verdict, later
+            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start),
+                                 self._plan)
+        if started:
+            self._keep_start_snapshot()  # the pending step's
         return report
 
     def _read_verdict(self, *, read_at: str) -> tuple[int | None, bool, bool]:
@@ -680,6 +706,8 @@ class Monitor(StepVerdicts):
             if self._updates is not None:  # its update's verdict, enqueued after the step's own
                 self._updates.read()
             return pending.step, True, False
+        if pending.dated is not None and self._dated_incident(pending.report.result(), pending.dated, pending.step):
+            return pending.step, False, False
         result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
                                pending.started, start=pending.start, read_at=read_at, slot=pending.slot)
         return pending.step, False, result.overflow_skip

@@ -39,6 +39,24 @@ used (its loss and gradients), and otherwise by that step's own post-update scan
 Its cost: a tensor's records at a check are the post-update ones, so a finite `.data` edit in between (WGAN's weight
 clipping) shows in the history one step late. Not in mode="async", where the records stay on the device until the
 next check has launched its scan.
+
+NOTE: [dated updates]
+A scan after every update costs about half a check on a small model (bench_overhead: +2.1-3.4% of a step), for an
+answer the next check gives anyway: it scans every weight and state tensor. What that check cannot tell by
+itself is who wrote a non-finite weight. post_update="date" (the default for float32 parameters) makes the hook
+stamp the tensors the update may have written (nanscan.plans.tensor_stamps of the check plan's parameters and
+state, or the optimizer's own tensors when the update created state the plan has not seen: Adam's first step),
+a few microseconds, and the next check, where it finds a non-finite parameter or state tensor whose stamp did not
+move since the hook, dates it to the update: the previous check saw it finite, and no in-place write, `.data`
+swap or dtype change happened after the update. The incident is the same as a scan's (UpdateContext: that
+step's batch, sample ids and step-start captures; the snapshot is kept in a second buffer past the next step's
+start, as in mode="async"), seen one check later: its gradients and statistics are the next step's, computed from
+the weights the update wrote (the bundle's state note says so), and the batch is held by reference (a loop that
+refills the batch tensors in place gives the bundle the refilled ones). In mode="async" the tensors are stamped
+at the next check's launch and compared when its verdict is read. What dating cannot see is what nothing can
+without a scan: an in-place write through `.data` between the update and the check (a finite-to-NaN
+`p.data.clamp_()` there is dated to the update), and a second optimizer.step() without a check before it
+(dating stops there: the hook drops the stamps).
 """
 
 from __future__ import annotations
@@ -180,15 +198,19 @@ class UpdateWatch:
     non-finite update (at once in mode="sync", from `read()` in mode="async"); a finite one's records are offered
     to the next check (`carried_rows`, NOTE: [carried records])."""
 
-    def __init__(self, monitor: Any, *, always: bool = True):
+    def __init__(self, monitor: Any, *, policy: bool | str = True):
         self._monitor = weakref.ref(monitor)
-        self.always = always  # False: post_update="auto", only while the optimizer holds low-precision parameters
+        self.policy = "scan" if policy is True else policy  # "scan", "date" or "auto" (NOTE: [dated updates])
         self._low_precision = False
         self._seen_rebuilds = -1
         self._inputs = UpdateInputs()
         self._optimizer: torch.optim.Optimizer | None = None
         self._handle = None
         self._expected: Any = None  # the context of the check whose update comes next
+        self._how = "scan"  # what the expected update gets: "scan" or "date"
+        self._plan: Any = None  # the check's plan (ModelScanPlan), whose stable tensors a dated update stamps
+        self._dated: DatedUpdate | None = None
+        self.updates_dated = 0
         self.pending: PendingUpdate | None = None
         self.updates_checked = 0
         self._carried: Carried | None = None
@@ -205,20 +227,30 @@ class UpdateWatch:
         if optimizer is not None:
             self._handle = optimizer.register_step_post_hook(self._after_step)
 
-    def expect(self, context: Any) -> None:
-        """The next update follows the finite check `context` describes (its step, batch, captures)."""
-        self._expected = context
+    def expect(self, context: Any, plan: Any) -> str:
+        """The next update follows the finite check `context` describes (its step, batch, captures); `plan` is
+        that check's scan plan. Returns what that update gets (how())."""
+        self._expected, self._plan = context, plan
+        self._how = self.how(plan.rebuilds)
+        return self._how
 
-    def wanted(self, plan_rebuilds: int) -> bool:
-        """Whether the next update is checked: always, or ("auto") while the optimizer holds a float16 or bfloat16
-        parameter, looked up again only when the Monitor's scan plan was rebuilt (model.half() rebuilds it)."""
-        if self.always:
-            return True
+    def how(self, plan_rebuilds: int) -> str:
+        """What the next update gets: a scan ("scan"), or stamps that the next check dates by ("date"). "auto"
+        scans while the optimizer holds a float16 or bfloat16 parameter, looked up again only when the Monitor's
+        scan plan was rebuilt (model.half() rebuilds it), and dates the others."""
+        if self.policy != "auto":
+            return self.policy
         if plan_rebuilds != self._seen_rebuilds:
             self._seen_rebuilds = plan_rebuilds
             groups = self._optimizer.param_groups if self._optimizer is not None else ()
             self._low_precision = any(p.dtype in LOW_PRECISION for group in groups for p in group["params"])
-        return self._low_precision
+        return "scan" if self._low_precision else "date"
+
+    def take_dated(self) -> "DatedUpdate | None":
+        """For the check that follows a dated update: what dates a non-finite weight or state to it (NOTE: [dated
+        updates]). Taken once."""
+        dated, self._dated = self._dated, None
+        return dated
 
     def forget(self) -> None:
         self._expected = None
@@ -254,12 +286,19 @@ class UpdateWatch:
             self._handle = None
         self._optimizer = None
         self._carried = None
+        self._dated = None
+        self._plan = None
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         monitor = self._monitor()
         context, self._expected = self._expected, None
+        plan, self._plan = self._plan, None
         self._carried = None  # this update wrote what an earlier scan read
+        self._dated = None  # ... and what an earlier update's stamps describe
         if monitor is None or context is None or monitor.first_invalid_step is not None:
+            return
+        if self._how == "date":
+            self._date(monitor, optimizer, context, plan)
             return
         inputs = self._inputs.inputs(monitor.model, optimizer)
         if not len(inputs):
@@ -275,6 +314,19 @@ class UpdateWatch:
         elif scan.on_host:
             self._carried = self._inputs.carried(scan.records())
 
+    def _date(self, monitor: Any, optimizer: torch.optim.Optimizer, context: Any, plan: Any) -> None:
+        """Stamp what the update wrote (NOTE: [dated updates]): the check plan's parameters and state, unless the
+        update created state the plan has not seen (Adam's first update), then the optimizer's own tensors."""
+        tensors = plan.stable_tensors() if hasattr(plan, "stable_names") else []
+        if tensors and len(optimizer.state) == plan.state_owners:
+            names = plan.stable_names()
+        else:
+            inputs = self._inputs.inputs(monitor.model, optimizer)
+            tensors, names = self._inputs.tensors, [i.name for i in inputs.identities]
+        if tensors:
+            self._dated = DatedUpdate(context, tensors, names, tensor_stamps(tensors))
+            self.updates_dated += 1
+
     def read(self) -> None:
         """mode="async": act on the last update's verdict, if one is pending."""
         pending, self.pending = self.pending, None
@@ -283,6 +335,31 @@ class UpdateWatch:
             return
         if pending.nonfinite():
             monitor.update_incident(pending.report(pending.context.step), pending.context)
+
+
+class DatedUpdate:
+    """An update that was stamped, not scanned (NOTE: [dated updates]): the finite check it followed (`context`),
+    the parameters and state tensors it may have written, their names and their stamps right after it."""
+
+    def __init__(self, context: Any, tensors: list[torch.Tensor], names: list[str], stamps: np.ndarray):
+        self.context = context
+        self._tensors = tensors
+        self._names = names
+        self._stamps = stamps
+        self._seen: np.ndarray | None = None
+
+    def seen(self) -> "DatedUpdate":
+        """Stamp the tensors now, at the check that follows the update: mode="async" reads that check's verdict
+        one step later, after the next update has moved the stamps again."""
+        self._seen = tensor_stamps(self._tensors)
+        return self
+
+    def broken(self, report: ScanReport) -> list[str]:
+        """The tensors of `report` (the next check's) that are non-finite and that nothing but this update wrote
+        since the finite check before it, parameters first; [] when there are none: the step is not the update's."""
+        now = self._seen if self._seen is not None else tensor_stamps(self._tensors)
+        unchanged = {name for name, same in zip(self._names, (now == self._stamps).all(axis=1)) if same}
+        return [name for name in broken_by_update(report) if name in unchanged]
 
 
 def broken_by_update(report: ScanReport) -> list[str]:

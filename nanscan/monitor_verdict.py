@@ -85,6 +85,7 @@ class PendingStep:
     sample_ids: Any
     started: bool
     start: StepStart
+    dated: Any = None  # the update before it, when dated by its verdict (nanscan.monitor_update.DatedUpdate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +133,14 @@ class StepVerdicts:
                            why=reason_title(reason, step).lstrip(", ") or None)
         return report
 
-    def update_incident(self, report: ScanReport, context: Any) -> None:
+    def update_incident(self, report: ScanReport, context: Any, *, tensors: list[str] | None = None,
+                        seen_at: int | None = None) -> None:
         """Bundle a non-finite optimizer update (nanscan.monitor_update NOTE: [post-update check]) as the incident
         of the step whose check it followed, and apply on_invalid (raising from inside optimizer.step() in
-        mode="sync"). `report`: the scan after the update; `context`: the check's UpdateContext."""
-        step, tensors = context.step, broken_by_update(report)
+        mode="sync"). `report`: the scan after the update, or (seen_at: that check's step) the next check's
+        scan, whose non-finite `tensors` only the update wrote (NOTE: [dated updates]); `context`: the
+        check's UpdateContext."""
+        step, tensors = context.step, broken_by_update(report) if tensors is None else tensors
         read_at = "next_check" if self.mode == "async" else None
         self.first_invalid_step = step
         try:
@@ -147,12 +151,17 @@ class StepVerdicts:
                     "snapshot='none': the weights and optimizer state are those the update wrote (non-finite), "
                     "not the ones it read; snapshot='cpu' keeps the pre-step state, from which replay reruns the "
                     "update"))
+            if seen_at is not None:
+                incident = dataclasses.replace(incident, state_note=(
+                    f"{incident.state_note}; " if incident.state_note else "") + (
+                    f"dated at the check of step {seen_at}: the gradients and statistics are that step's, computed "
+                    f"from the weights the update of step {step} wrote"))
             self.bundle_path = write_bundle(dataclasses.replace(incident, reason=OPTIMIZER_UPDATE), self.bundle_dir)
         except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
             self.bundle_error = exc
             log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                       type(exc).__name__, exc)
-        self._apply_policy(report, step, UPDATE, tensors, True, read_at=read_at, update=True)
+        self._apply_policy(report, step, UPDATE, tensors, True, read_at=read_at, update=True, seen_at=seen_at)
 
     # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
     def _finite_step(self) -> None:
@@ -252,15 +261,20 @@ class StepVerdicts:
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
-                 streak: str | None = None, update: bool = False, why: str | None = None) -> str:
+                 streak: str | None = None, update: bool = False, why: str | None = None,
+                 seen_at: int | None = None) -> str:
         why = f", {why}" if why else ""
         text = f"nanscan: non-finite values at step {step} (category {category}{why}: {shown_names(tensors)})"
         if update:
             text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
                     f"{shown_names(tensors)}), right after optimizer.step(); everything checked before it was finite")
+            if seen_at is not None:  # NOTE: [dated updates]
+                text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
+                        f"{shown_names(tensors)}), seen at the check of step {seen_at}: they were finite at step "
+                        f"{step}'s check and nothing else wrote them since")
         if streak:
             text += f"; GradScaler skipped every step since: {streak}"
-        if read_at == "next_check":
+        if read_at == "next_check" and seen_at is None:
             text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
                      "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
                      "before optimizer.step() to decide each step before its update)")
@@ -276,20 +290,20 @@ class StepVerdicts:
 
     def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
                       read_at: str | None = None, streak: str | None = None, update: bool = False,
-                      why: str | None = None) -> None:
+                      why: str | None = None, seen_at: int | None = None) -> None:
         """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
         update: the post-update check found it, nanscan.monitor_update; why: what the deciding tensors are, when
         they are not the non-finite ones)."""
         policy = self.on_invalid
         if policy == "raise":
-            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update, why),
+            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update, why, seen_at),
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
         if policy == "skip":
             self._drop_gradients()
         if policy in ("warn", "skip"):
             if first:
-                warn_user(self._message(step, category, tensors, read_at, streak, update, why))
+                warn_user(self._message(step, category, tensors, read_at, streak, update, why, seen_at))
             return
         policy(report, self.bundle_path)
 

@@ -269,6 +269,7 @@ class ModelScanPlan:
         self._extra_numels = self._extra_codes = self._extra_identities = None
         self._extra_devices: tuple[str, ...] = ()
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
+        self._state_owners = 0
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -326,6 +327,21 @@ class ModelScanPlan:
         check confirms are the same objects at the same addresses (NOTE: [model scan plan]); empty where the plan
         keeps nothing between steps."""
         return self._params + self._state_tensors if self._fast else []
+
+    def stable_names(self) -> list[str]:
+        """The scanned names of stable_tensors(), in its order (the parameters' and state tensors' rows of every
+        check's report, NOTE: [model scan plan]: in a plan that keeps its tensors, each is its own input)."""
+        if not self._fast:
+            return []
+        params, states = len(self._params), len(self._state_tensors)
+        return [i.name for i in self._identities[:params]] + \
+            [i.name for i in self._identities[len(self._identities) - states:]]
+
+    @property
+    def state_owners(self) -> int:
+        """How many parameters had optimizer state at the last rebuild (Adam creates its state at the first
+        update, which the plan sees at the next check)."""
+        return self._state_owners
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
         """(model state, optimizer state) for a bundle (NOTE: [tensor source]): their state_dict()s."""
@@ -473,6 +489,7 @@ class ModelScanPlan:
             self._extra_key = None
             groups = () if optimizer is None else optimizer.param_groups
             self._group_params = [(group["params"], len(group["params"])) for group in groups]
+            self._state_owners = 0 if optimizer is None else len(optimizer.state)
         else:  # nothing is kept: the next step prepares everything again
             self._child_dicts, self._children, self._param_dicts, self._raw_params = [], [], [], []
             self._params, self._state_values, self._state_tensors, self._templates = [], [], [], []

@@ -188,9 +188,12 @@ def test_preflight_flags_an_eps_that_is_zero_in_the_parameters_dtype():
 
 
 
-@pytest.mark.parametrize("post_update, caught", [("auto", (1, "parameter")), (True, (0, "update"))])
-def test_post_update_auto_checks_low_precision_updates_only(post_update, caught, tmp_path):
-    # float32 weights, a step so large it overflows: "auto" leaves float32 updates to the next check
+@pytest.mark.parametrize("post_update, caught, seen", [("auto", (0, "update"), "seen at the check of step 1"),
+                                                       (True, (0, "update"), "right after optimizer.step()"),
+                                                       (False, (1, "parameter"), "at step 1")])
+def test_post_update_auto_dates_float32_updates(post_update, caught, seen, tmp_path):
+    # float32 weights, a step so large it overflows: "auto" dates float32 updates at the next check, which scans
+    # them anyway (nanscan.monitor_update NOTE: [dated updates]); True scans right after the update
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e38)
     monitor = Monitor(model, optimizer, bundle_dir=tmp_path, spikes=None, post_update=post_update)
@@ -202,4 +205,5 @@ def test_post_update_auto_checks_low_precision_updates_only(post_update, caught,
             loss.backward()
             monitor.check(batch={"x": x}, loss=loss)
             optimizer.step()
-    assert (err.value.step, err.value.category) == caught
+    assert (err.value.step, err.value.category) == caught and seen in str(err.value)
+    assert (monitor._updates is None) == (post_update is False)
