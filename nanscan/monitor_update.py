@@ -64,7 +64,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -77,10 +77,10 @@ from nanscan.plans import tensor_stamps
 from nanscan.stats import ScanReport
 
 
-@dataclass(frozen=True)
-class UpdateContext:
+class UpdateContext(NamedTuple):
     """The finite check an update follows: what the incident of a non-finite update holds (its step, batch, sample
-    ids, and the step-start captures: RNG states, the snapshot with the state the update read)."""
+    ids, and the step-start captures: RNG states, the snapshot with the state the update read). A tuple: one is
+    made at every check, where a frozen dataclass's field-by-field construction costs several microseconds."""
 
     step: int
     batch: Any
@@ -317,7 +317,7 @@ class UpdateWatch:
     def _date(self, monitor: Any, optimizer: torch.optim.Optimizer, context: Any, plan: Any) -> None:
         """Stamp what the update wrote (NOTE: [dated updates]): the check plan's parameters and state, unless the
         update created state the plan has not seen (Adam's first update), then the optimizer's own tensors."""
-        tensors = plan.stable_tensors() if hasattr(plan, "stable_names") else []
+        tensors = plan.stable_tensors() if hasattr(plan, "stable_names") else []  # a TensorSource may have none
         if tensors and len(optimizer.state) == plan.state_owners:
             names = plan.stable_names()
         else:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -65,9 +65,9 @@ def retained(value: Any) -> Any:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
-class StepStart:
-    """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state)."""
+class StepStart(NamedTuple):
+    """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state); a
+    tuple, made at every check (UpdateContext's reason)."""
 
     rng: dict | None
     snapshot: CpuSnapshot | None

@@ -270,6 +270,7 @@ class ModelScanPlan:
         self._extra_devices: tuple[str, ...] = ()
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self._state_owners = 0
+        self._stable_names: list[str] | None = None
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -333,9 +334,11 @@ class ModelScanPlan:
         check's report, NOTE: [model scan plan]: in a plan that keeps its tensors, each is its own input)."""
         if not self._fast:
             return []
-        params, states = len(self._params), len(self._state_tensors)
-        return [i.name for i in self._identities[:params]] + \
-            [i.name for i in self._identities[len(self._identities) - states:]]
+        if self._stable_names is None:  # once per rebuild: a dated update asks after every optimizer.step()
+            params, states = len(self._params), len(self._state_tensors)
+            self._stable_names = [i.name for i in self._identities[:params]] + \
+                [i.name for i in self._identities[len(self._identities) - states:]]
+        return self._stable_names
 
     @property
     def state_owners(self) -> int:
@@ -420,6 +423,7 @@ class ModelScanPlan:
                  state_values: list) -> ScanInputs:
         """Prepare every tensor (the uncached path), and keep what the next steps' checks compare against."""
         self.rebuilds += 1
+        self._stable_names = None
         items: list[ScanInput] = []
         fast = True
 
