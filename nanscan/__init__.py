@@ -24,7 +24,7 @@ _HOMES = {
     "NonFiniteError": "nanscan.incident", "NonFiniteWarning": "nanscan.incident", "SpikeWarning": "nanscan.incident",
     "SnapshotWarning": "nanscan.incident", "GradientWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
     "UnsupportedTensorError": "nanscan.inputs",
-    "Monitor": "nanscan.monitor", "check": "nanscan.monitor", "first_invalid": "nanscan.monitor",
+    "Monitor": "nanscan.monitor", "check": "nanscan.default_monitor", "first_invalid": "nanscan.default_monitor",
     "scan": "nanscan.scan",
     "Spike": "nanscan.spikes", "SpikeRule": "nanscan.spikes",
     "PendingReport": "nanscan.stats", "ScanReport": "nanscan.stats", "TensorStats": "nanscan.stats",
@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.headroom import headroom
     from nanscan.incident import GradientWarning, NonFiniteError, NonFiniteWarning, SnapshotWarning
     from nanscan.inputs import UnsupportedTensorError
-    from nanscan.monitor import Monitor, check, first_invalid
+    from nanscan.default_monitor import check, first_invalid
+    from nanscan.monitor import Monitor
     from nanscan.scan import scan
     from nanscan.stats import PendingReport, ScanReport, TensorStats
 

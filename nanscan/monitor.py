@@ -621,25 +621,6 @@ class Monitor(StepVerdicts):
             return report
         return self._invalid(report, step, batch, sample_ids, started, slot=slot)
 
-    def _dated_incident(self, report: ScanReport, dated: Any, step: int) -> bool:
-        """Whether the non-finite check of `step` is the incident of the update before it (NOTE: [dated updates]),
-        which is then bundled and acted on."""
-        if self.first_invalid_step is not None:  # mode="async": an earlier step's verdict was the incident
-            return False
-        broken = dated.broken(report)
-        if broken:
-            self.update_incident(ScanReport(report.tensors, report.records, skipped=report.skipped,
-                                            backend=report.backend, step=dated.context.step, any_nonfinite=True,
-                                            scaling=report.scaling), dated.context, tensors=broken, seen_at=step)
-        return bool(broken)
-
-    def _keep_start_snapshot(self) -> None:
-        """Keep the step-start snapshot just taken past the next step's start (a verdict or a dated update read
-        at the next check needs it), by capturing the next one into the other buffer."""
-        if self._snapshot is not None:
-            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
-            self._snapshot, self._spare_snapshot = spare, self._snapshot
-
     def backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
         from device to Backend for a check that spans several (CUDA weights beside AdamW's CPU step counters). Each
@@ -711,45 +692,3 @@ class Monitor(StepVerdicts):
         result = self._invalid(pending.report.result(), pending.step, pending.batch, pending.sample_ids,
                                pending.started, start=pending.start, read_at=read_at, slot=pending.slot)
         return pending.step, False, result.overflow_skip
-
-# -- the default Monitor behind nanscan.check(model) ---------------------------------------------------------
-
-_default_monitors: "weakref.WeakKeyDictionary[torch.nn.Module, Monitor]" = weakref.WeakKeyDictionary()
-
-
-def default_monitor(model: torch.nn.Module, *, create: bool = True) -> Monitor | None:
-    """The Monitor that nanscan.check(model) uses: on_invalid="warn", bundles in $NANSCAN_BUNDLE_DIR (else
-    "nanscan-bundles"), history of 64 steps. It holds the model weakly, so it lives exactly as long as the model."""
-    monitor = _default_monitors.get(model)
-    if monitor is None and create:
-        monitor = Monitor(model, on_invalid="warn")
-        monitor._model = None  # weak only: the dictionary's value must not keep its key alive
-        _default_monitors[model] = monitor
-    return monitor
-
-
-def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
-          backend=None, scaler: Any = None) -> ScanReport:
-    """The every-step call: scan the model's parameters, gradients and (given an optimizer) its state, and the
-    parameters it trains outside the model.
-
-    Steps are counted per model when `step` is not given; the first step with a non-finite value is remembered
-    and returned by `first_invalid(model)`. Behind it is a default nanscan.Monitor per model (see
-    nanscan.monitor.default_monitor): the first non-finite step also writes an evidence bundle to
-    $NANSCAN_BUNDLE_DIR (default "nanscan-bundles") and issues a NonFiniteWarning; use a Monitor directly to
-    include the batch and loss, raise instead, or choose the bundle directory. On a GPU the default Monitor
-    checks asynchronously (no host sync): the verdict for a step arrives with the next call, still naming the
-    step, so `first_invalid(model)` is set one call later than on the CPU. `scaler`: the torch.amp.GradScaler of
-    a mixed-precision loop, whose overflow skips are then expected (see nanscan.monitor's module docstring).
-    """
-    monitor = default_monitor(model)
-    monitor.optimizer = optimizer
-    monitor.backend = backend
-    monitor.scaler = scaler
-    return monitor.check(step=step)
-
-
-def first_invalid(model: torch.nn.Module) -> int | None:
-    """The first step at which `check(model)` saw a NaN or infinity, or None."""
-    monitor = default_monitor(model, create=False)
-    return None if monitor is None else monitor.first_invalid_step

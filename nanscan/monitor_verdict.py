@@ -163,6 +163,25 @@ class StepVerdicts:
                       type(exc).__name__, exc)
         self._apply_policy(report, step, UPDATE, tensors, True, read_at=read_at, update=True, seen_at=seen_at)
 
+    def _dated_incident(self, report: ScanReport, dated: Any, step: int) -> bool:
+        """Whether the non-finite check of `step` is the incident of the update before it (NOTE: [dated updates]),
+        which is then bundled and acted on."""
+        if self.first_invalid_step is not None:  # mode="async": an earlier step's verdict was the incident
+            return False
+        broken = dated.broken(report)
+        if broken:
+            self.update_incident(ScanReport(report.tensors, report.records, skipped=report.skipped,
+                                            backend=report.backend, step=dated.context.step, any_nonfinite=True,
+                                            scaling=report.scaling), dated.context, tensors=broken, seen_at=step)
+        return bool(broken)
+
+    def _keep_start_snapshot(self) -> None:
+        """Keep the step-start snapshot just taken past the next step's start (a verdict or a dated update read
+        at the next check needs it), by capturing the next one into the other buffer."""
+        if self._snapshot is not None:
+            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
+            self._snapshot, self._spare_snapshot = spare, self._snapshot
+
     # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
     def _finite_step(self) -> None:
         if self._scaler is not None:

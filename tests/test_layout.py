@@ -18,7 +18,7 @@ LAYERS = {
               "preflight_options", "data", "testing", "bench_scan", "bench_cli", "bench_options", "export", "__main__"),
     # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
     # TensorBoard export, and which the trainer adapters drive
-    "runtime": ("monitor", "monitor_verdict", "monitor_update", "spikes", "distributed", "snapshot", "history", "amp",
+    "runtime": ("monitor", "default_monitor", "monitor_verdict", "monitor_update", "spikes", "distributed", "snapshot", "history", "amp",
                 "integrations"),
     "evidence": ("bundle", "provenance", "entry"),
     "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",

@@ -18,7 +18,8 @@ from torch import nn
 import nanscan
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan.incident import CATEGORIES, categorize
-from nanscan.monitor import default_monitor
+import nanscan.default_monitor as defaults
+from nanscan.default_monitor import default_monitor
 
 FAULT_STEP = 3
 
@@ -418,10 +419,10 @@ def test_default_monitor_does_not_keep_the_model_alive():
     model = nn.Linear(3, 2)
     nanscan.check(model)
     assert default_monitor(model, create=False) is not None
-    before = len(nanscan.monitor._default_monitors)
+    before = len(defaults._default_monitors)
     del model
     gc.collect()
-    assert len(nanscan.monitor._default_monitors) == before - 1
+    assert len(defaults._default_monitors) == before - 1
 
 
 def test_monitor_without_bundle_dir_uses_env(tmp_path):
