@@ -349,6 +349,8 @@ class Monitor(StepVerdicts):
         self._ring = HistoryRing(history)
         self._pending: PendingStep | None = None  # mode="async": the last checked step, verdict not yet read
         self._next_step = 0
+        self._micro_batch = 0  # the next micro-batch check's index within its step (NOTE: [micro-batch checks])
+        self._deciding_micro: int | None = None  # the micro-batch whose check is being decided
         self.first_invalid_step: int | None = None
         self.bundle_path: Path | None = None
         self.bundle_error: BaseException | None = None  # why the bundle could not be written, if it could not
@@ -531,7 +533,7 @@ class Monitor(StepVerdicts):
             self._snapshot.capture(model, self.optimizer)
 
     def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
-              step: int | None = None) -> ScanReport:
+              step: int | None = None, *, micro_batch: bool = False) -> ScanReport:
         """Scan this step's batch, loss, weights, gradients and optimizer state in one scan.
 
         batch: tensors in nested dicts/lists/tuples; floating ones are scanned as `input:<path>` (e.g.
@@ -539,6 +541,9 @@ class Monitor(StepVerdicts):
         loss: the loss tensor (or float), scanned as `loss`. sample_ids: ids of the batch's samples (stored).
         lr: the learning rate (default: the optimizer's first param group). step: an int that overrides the step
             counter.
+        micro_batch: True after the backward of each micro-batch but the last of an optimizer step (gradient
+            accumulation, DDP's no_sync(); nanscan.monitor_verdict NOTE: [micro-batch checks]): no step of its own,
+            decided at once, a non-finite one the step's incident at that micro-batch (and rank).
         Returns the ScanReport (in mode="async" a PendingReport, before the scan has finished); see the class
         docstring for what happens when it is not ok.
         """
@@ -547,6 +552,10 @@ class Monitor(StepVerdicts):
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
+        micro, self._micro_batch = self._micro_batch if micro_batch else None, \
+            self._micro_batch + 1 if micro_batch else 0
+        if micro is not None and self._pending is not None:  # decided at once: the step before it first
+            self._read_verdict(read_at="next_check")
         carried = dated = None
         if self._updates is not None:  # NOTE: [post-update check]: only an update right after a finite check
             self._updates.forget()
@@ -568,7 +577,7 @@ class Monitor(StepVerdicts):
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
         host = None  # the every-step path on the CPU: one native call, no StepScan (ModelScanPlan.scan_on_host)
-        if self.mode == "async":  # launched after the previous step's verdict is read (_check_async)
+        if self.mode == "async" and micro is None:  # launched after the previous step's verdict is read
             inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
         else:
             host = self._plan.scan_on_host(model, self.optimizer, extra=step_inputs, backend_for=self.backend_for,
@@ -576,7 +585,8 @@ class Monitor(StepVerdicts):
             if host is None:
                 inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
                 scan = launch(inputs, backend=self.backend_for(inputs.devices))
-        self._next_step = step + 1  # counted once its inputs are read: a check that could not scan is no step
+        # counted once its inputs are read: a check that could not scan is no step, nor is a micro-batch's
+        self._next_step = step if micro is not None else step + 1
         if self._plan.no_gradients and not self._grad_warned:
             self._grad_warned = True
             warn_user(f"nanscan: the check of step {step} saw no gradient although the model has parameters that "
@@ -585,6 +595,9 @@ class Monitor(StepVerdicts):
                       "optimizer step, after the last micro-batch's backward", GradientWarning)
         if lr is None and self.optimizer is not None and self.optimizer.param_groups:
             lr = self.optimizer.param_groups[0].get("lr")
+        if micro is not None:
+            return self._check_micro(host, None if host is not None else scan, skipped, step, batch, sample_ids,
+                                     started, scaling, dated, micro)
         if self.mode == "async":
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling,
                                      dated.seen() if dated is not None else None)

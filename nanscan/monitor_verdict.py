@@ -182,6 +182,44 @@ class StepVerdicts:
             spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
             self._snapshot, self._spare_snapshot = spare, self._snapshot
 
+    def _check_micro(self, host: tuple | None, scan: Any, skipped: tuple, step: int, batch: Any, sample_ids: Any,
+                     started: bool, scaling: Any, dated: Any, micro: int) -> ScanReport:
+        """Decide a micro-batch's check at once: no history, spike statistic, export or armed update; a GradScaler's
+        overflow is left to the step's own check, whose skip it is.
+
+        NOTE: [micro-batch checks]
+        Under gradient accumulation the step's own check, after the last micro-batch, sees gradients summed over
+        every micro-batch and, under DDP's no_sync(), already averaged over the ranks: the micro-batch and the
+        rank that went bad first are lost (every rank's gradients are non-finite, the last micro-batch's batch and
+        loss are finite). check(micro_batch=True) after each earlier micro-batch's backward scans the same inputs
+        (that micro-batch, its loss, the gradients so far, the weights and state) and decides at once, so a
+        non-finite one is the incident of the step being accumulated, at that micro-batch (its index in the
+        bundle's manifest and INCIDENT.md), with that micro-batch as the batch. Under a process group the ranks
+        agree on each micro-batch check as on a step's (every rank makes the same checks in lockstep), and
+        before the all-reduce each rank's gradients are its own, so the first bad rank is the one whose
+        micro-batch went bad. It is no step: the step counter, the history ring and the spike statistic (whose
+        gradient norms a partial sum would skew) see only the step's own check; a GradScaler overflow at a
+        micro-batch is left to that check, whose skip it is; and in mode="async" the pending step's verdict is
+        read first and the micro-batch's scan is waited for (a host sync per micro-batch: a diagnostic's cost)."""
+        if host is not None:
+            tensors, records, nonfinite, backend = host
+            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step,
+                                any_nonfinite=nonfinite, scaling=scaling)
+        else:
+            report = ScanReport(scan.tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
+                                scaling=scaling)
+        self._deciding_micro = micro
+        try:
+            if self._agreement is not None:
+                return self._agreement.decide(self, report, step, batch, sample_ids, started)
+            if report.ok or (self._scaler is not None and self._scaler.is_skip(report)):
+                return report
+            if dated is not None and self._dated_incident(report, dated, step):
+                return report
+            return self._invalid(report, step, batch, sample_ids, started)
+        finally:
+            self._deciding_micro = None
+
     # -- GradScaler overflow skips (nanscan.amp NOTE: [overflow skips]) ----------------------------------------
     def _finite_step(self) -> None:
         if self._scaler is not None:
@@ -276,14 +314,15 @@ class StepVerdicts:
             model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
             mixed_precision=mixed_precision_record(self._scaler, self._autocast),
-            spikes=[spike.to_dict() for spike in self.spikes],
+            spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
         )
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
                  streak: str | None = None, update: bool = False, why: str | None = None,
                  seen_at: int | None = None) -> str:
         why = f", {why}" if why else ""
-        text = f"nanscan: non-finite values at step {step} (category {category}{why}: {shown_names(tensors)})"
+        micro = f" at micro-batch {self._deciding_micro}" if self._deciding_micro is not None else ""
+        text = f"nanscan: non-finite values at step {step}{micro} (category {category}{why}: {shown_names(tensors)})"
         if update:
             text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
                     f"{shown_names(tensors)}), right after optimizer.step(); everything checked before it was finite")

@@ -170,6 +170,9 @@ class Incident:
     # of category "spike" is the early warning at the last of them: every value finite, and its
     # "first_invalid_step" is the spike's step (the run's first invalid step came later, if at all).
     spikes: Sequence[Mapping] = ()
+    # The micro-batch of `step` whose check found it, under gradient accumulation (nanscan.monitor NOTE:
+    # [micro-batch checks]); None for the step's own check.
+    micro_batch: int | None = None
 
 
 def json_float(value: float | None) -> float | str | None:

@@ -99,6 +99,9 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
         "",
         f"- run: `{manifest['run_id']}`",
         f"- category: **{manifest['category']}**",
+        *([f"- found at: micro-batch {manifest['micro_batch']} of step {manifest['first_invalid_step']} (gradient "
+           f"accumulation: the gradients are the sum over micro-batches 0 to {manifest['micro_batch']}, the batch "
+           "is that micro-batch)"] if manifest.get("micro_batch") is not None else []),
         f"- detected: {manifest.get('detected_at', 'n/a')}",
         f"- source: {_source_line(manifest.get('source') or {})}",
         f"- config sha256: `{manifest.get('config_sha256') or 'no config given'}`",
@@ -284,7 +287,7 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
         body.append(f"Last finite step in the history: {prev.step} (loss {_fmt(prev.loss, 'not recorded')}, "
                     f"{grad_norm_text(prev.grad_norm, 0)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
-              "nonfinite_count": len(nonfinite), "reason": inc.reason}
+              "nonfinite_count": len(nonfinite), "reason": inc.reason, "micro_batch": inc.micro_batch}
     return {"kind": "finding", "key": DETECT_FINDING,
             "title": f"First non-finite step: {inc.step} ({inc.category}{reason_title(inc.reason, inc.step)})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}

@@ -330,6 +330,12 @@ class Bundle:
         return int(self.manifest["first_invalid_step"])
 
     @property
+    def micro_batch(self) -> int | None:
+        """The micro-batch of the step whose check found it (gradient accumulation), or None."""
+        value = self.manifest.get("micro_batch")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    @property
     def category(self) -> str:
         return self.manifest["category"]
 
