@@ -27,7 +27,7 @@ import accelerate
 import torch
 
 from nanscan.integrations.rebuild import RECIPE_KEY, optimizer_recipe, pretrained_model, unavailable
-from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, call_before, check_on_invalid
 from nanscan.stats import ScanReport
 
 __all__ = ["AcceleratedMonitor", "monitor"]
@@ -53,11 +53,20 @@ class AcceleratedMonitor:
                  optimizer: torch.optim.Optimizer | None = None, **options: Any):
         check_on_invalid(options.get("on_invalid", "raise"))
         self.accelerator = accelerator
+        # Under accelerate's DeepSpeed plugin, prepare() gave the engine as the model: the session reads its ZeRO
+        # partitions (StepSession's engine)
+        engine = model if accelerator.distributed_type == accelerate.utils.DistributedType.DEEPSPEED else None
         model = accelerator.unwrap_model(model)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         recipe = {"model": pretrained_model(model), "optimizer": optimizer_recipe(inner, model),
                   "step": dict(MODEL_LOSS)}
-        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(accelerator), options=options)
+        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(accelerator), options=options,
+                                   engine=engine)
+        # Under DeepSpeed, accelerator.backward() runs engine.step() at the step's last micro-batch, which updates
+        # the weights and frees the gradient partitions before check() is called: the step is checked just before
+        # it, from the micro-batch and loss the model's hooks saw, and check() returns that report.
+        self._engine_report: ScanReport | None = None
+        self._undo = call_before(engine, "step", self._before_engine_step) if engine is not None else lambda: None
         self._output_loss: torch.Tensor | None = None
         self._call: dict | None = None
         self._checked = False
@@ -101,12 +110,24 @@ class AcceleratedMonitor:
             reason = self._model_loss_reason(batch, loss)
             if reason:
                 session.monitor.config[RECIPE_KEY]["step"] = unavailable(reason)
+        if self._engine_report is not None:  # this micro-batch's step was checked inside engine.step()
+            report, self._engine_report = self._engine_report, None
+            self._checked = True
+            return report
         session.add_micro_batch(batch)
         session.set_loss(loss)
         if not self.accelerator.sync_gradients:
             return None
         self._checked = True
         return session.check(divide_by=len(session.inputs))
+
+    def _before_engine_step(self) -> None:
+        """DeepSpeed: check the step that engine.step() is about to apply (its last micro-batch as the model was
+        called; a forward called with positional arguments leaves that micro-batch out of the batch)."""
+        session = self.session
+        session.add_micro_batch(self._call if self._call is not None else {})
+        session.set_loss(self._output_loss)
+        self._engine_report = session.check(divide_by=len(session.inputs))
 
     def numbers(self) -> dict[str, int]:
         return self.session.numbers()
@@ -119,6 +140,8 @@ class AcceleratedMonitor:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._undo()
+        self._undo = lambda: None
 
     def __enter__(self) -> "AcceleratedMonitor":
         return self

@@ -274,12 +274,14 @@ class DeepSpeedMonitor(Monitor):
         self._skip_warned = False
 
     def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
-              step: int | None = None):
-        self._watch_skips()
+              step: int | None = None, *, micro_batch: bool = False):
+        if not micro_batch:  # one engine.step() ran since the step's last check
+            self._watch_skips()
         if lr is None:
             lrs = self.engine.get_lr()
             lr = lrs[0] if lrs else None
-        return super().check(batch=batch, loss=loss, sample_ids=sample_ids, lr=lr, step=step)
+        return super().check(batch=batch, loss=loss, sample_ids=sample_ids, lr=lr, step=step,
+                             micro_batch=micro_batch)
 
     def _watch_skips(self) -> None:
         """Count the steps DeepSpeed skipped since the last check: a streak of max_skips warns once."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -91,6 +91,21 @@ def micro_batch_finding(micro_batches: list, losses: list, compute_dtype: str | 
     return title, "\n".join(lines), {"micro_batches": total, "first_bad": first, "rows": rows}
 
 
+def call_before(owner: Any, name: str, hook: Callable[[], Any]) -> Callable[[], None]:
+    """Make `owner.name(...)` call `hook()` first, then the method as it was, its arguments and result untouched;
+    returns what undoes it. For the moments a trainer gives no hook at: just before its gradient clipping, or
+    before a DeepSpeed engine's step(), which accelerate calls inside accelerator.backward() (and which frees the
+    gradient partitions)."""
+    method = getattr(owner, name)
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        hook()
+        return method(*args, **kwargs)
+
+    setattr(owner, name, hooked)
+    return lambda: owner.__dict__.pop(name, None)
+
+
 class StepSession:
     """A Monitor over one trainer's model and optimizer, fed a whole optimizer step at a time.
 
@@ -99,6 +114,10 @@ class StepSession:
     its samples' ids (a dataset index, a record id). replay_entry defaults to the integrations' own (zero-config
     replay from `recipe`, nanscan.integrations.rebuild); config, when given, is kept with the recipe added.
     scaler: the framework's GradScaler, passed to the Monitor only when there is one.
+    engine: the trainer's DeepSpeed engine when it runs under DeepSpeed (its plugin): the Monitor is then a
+    nanscan.integrations.deepspeed.DeepSpeedMonitor, which reads the engine's ZeRO partitions; on_invalid="stop"
+    warns and stops the trainer there, leaving the update to DeepSpeed (which does not read `.grad`, so it cannot
+    be skipped by nanscan), and "skip" is refused.
 
     Every checked step's sample ids are one per row of its micro-batches, in order: {"micro_batch": i, "row": r},
     with "id" the sample's id when sample_id_field finds one, so a replay's bisection names the micro-batch, the
@@ -106,7 +125,7 @@ class StepSession:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, recipe: dict,
-                 scaler: Any = None, options: dict):
+                 scaler: Any = None, options: dict, engine: Any = None):
         options = dict(options)
         self.sample_id_field = options.pop("sample_id_field", None)
         policy = options.pop("on_invalid", "raise")
@@ -116,7 +135,14 @@ class StepSession:
         if scaler is not None:
             options["scaler"] = scaler
         self.policy = policy
-        self.monitor = Monitor(model, optimizer, on_invalid="skip" if policy == "stop" else policy, **options)
+        self._drops_update = engine is None  # whether on_invalid "skip"/"stop" makes the update change nothing
+        if engine is not None:
+            # imported only here: deepspeed is an optional extra, and importing it costs seconds
+            from nanscan.integrations.deepspeed import DeepSpeedMonitor  # noqa: PLC0415
+
+            self.monitor = DeepSpeedMonitor(engine, on_invalid="warn" if policy == "stop" else policy, **options)
+        else:
+            self.monitor = Monitor(model, optimizer, on_invalid="skip" if policy == "stop" else policy, **options)
         self.stop_requested = False
         self.skipped_steps = 0
         self.nonfinite_tensors = 0  # in the last step checked (0 when it was finite)
@@ -189,13 +215,14 @@ class StepSession:
             self.nonfinite_tensors = 0
             return report
         self.nonfinite_tensors = self._count(report)
-        if self.policy in ("skip", "stop"):
+        if self.policy in ("skip", "stop") and self._drops_update:
             self.skipped_steps += 1
             self._skipped_now = True
         if self.policy == "stop" and not self.stop_requested:
             self.stop_requested = True
-            log.warning("nanscan: non-finite values at step %s; the update was skipped and training stops "
-                        "(on_invalid='stop'); evidence in %s", getattr(report, "decided_step", None) or step,
+            log.warning("nanscan: non-finite values at step %s; %s and training stops (on_invalid='stop'); "
+                        "evidence in %s", getattr(report, "decided_step", None) or step,
+                        "the update was skipped" if self._drops_update else "the update is DeepSpeed's to skip",
                         self.monitor.bundle_path)
         return report
 

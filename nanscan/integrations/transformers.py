@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from nanscan.integrations.rebuild import optimizer_recipe, pretrained_model, trainer_divisor, unavailable
-from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, call_before, check_on_invalid
 
 __all__ = ["NanscanCallback"]
 
@@ -99,8 +99,11 @@ class NanscanCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         trainer = calling_trainer()
+        engine = None
         if trainer is not None:
             model, optimizer = trainer.model, trainer.optimizer
+            if getattr(trainer, "is_deepspeed_enabled", False):  # the Trainer's DeepSpeed plugin: the engine
+                engine = trainer.model_wrapped
             callbacks = trainer.callback_handler.callbacks
             if self in callbacks:  # first, so that the reporters' on_log (TensorBoard, W&B, ...) see its numbers
                 callbacks.insert(0, callbacks.pop(callbacks.index(self)))
@@ -108,29 +111,25 @@ class NanscanCallback(TrainerCallback):
         step = step_recipe(trainer)
         recipe = {"model": model_recipe(model), "optimizer": optimizer_recipe(inner, model), "step": step}
         self._remove_hooks()
-        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=self.options)
+        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=self.options,
+                                   engine=engine)
         self._optimizer = optimizer
         self._scaled_for_ga = step.get("loss_scaled_for_ga")
         self._forward_params = [name for name, p in inspect.signature(model.forward).parameters.items()
                                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_output)]
-        self._wrap_clipping(getattr(trainer, "accelerator", None))
+        # Checked before the Trainer clips its gradients (see the module docstring), or under DeepSpeed before the
+        # engine's step(), which accelerate runs inside accelerator.backward(): by on_pre_optimizer_step the
+        # update is done and the gradient partitions are freed. Undone by _remove_hooks.
+        accelerator = getattr(trainer, "accelerator", None)
+        owner, name = (engine, "step") if engine is not None else (accelerator, "clip_grad_norm_")
+        if getattr(owner, name, None) is not None:
+            self._unwrap = call_before(owner, name, self._check_if_collecting)
 
-    def _wrap_clipping(self, accelerator: Any) -> None:
-        """Check the step before the Trainer clips its gradients (see the module docstring); the clip itself and
-        its result are untouched. Undone by _remove_hooks."""
-        clip = getattr(accelerator, "clip_grad_norm_", None)
-        if clip is None:
-            return
-
-        def check_then_clip(*args: Any, **kwargs: Any) -> Any:
-            if self._collecting:
-                self._check_step()
-            return clip(*args, **kwargs)
-
-        accelerator.clip_grad_norm_ = check_then_clip
-        self._unwrap = lambda: accelerator.__dict__.pop("clip_grad_norm_", None)
+    def _check_if_collecting(self) -> None:
+        if self._collecting:
+            self._check_step()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._collecting = True
