@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import real_failures as R
+from test_carried_records import train_step as step  # one checked step, then its update
 from nanscan.bundle import load_bundle
 from nanscan.monitor import Monitor, NonFiniteError
 from nanscan.replay import replay
@@ -23,16 +24,6 @@ def model_and_optimizer(kind: str = "sgd") -> tuple[nn.Module, torch.optim.Optim
     if kind == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=1e-2)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
-
-
-def step(model, optimizer, monitor, x, *, update: bool = True):
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    report = monitor.check(batch={"x": x}, loss=loss)
-    if update:
-        optimizer.step()
-    return report
 
 
 def x_at(i: int) -> torch.Tensor:
