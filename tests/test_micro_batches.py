@@ -5,6 +5,7 @@ healthy accumulation raises no alarm, and under DDP's no_sync() the rank whose m
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -166,5 +167,69 @@ def test_under_no_sync_the_rank_whose_micro_batch_went_bad_is_named(tmp_path):
         # without micro-batch checks the step's own check sees every rank's averaged NaN
         lost = results["False"]
         assert lost is not None and lost["step"] == 2 and lost["bad_ranks"] == [0, 1]
+    part = load_bundle(Path(ranks[1]["True"]["bundle"]) / "rank-1")
+    assert (part.step, part.micro_batch) == (2, 0)
+
+
+# -- the HF Trainer under DDP, gradient accumulation, 2 processes ------------------------------------------------
+
+HF_STEPS, HF_FAULT = 3, 1  # rank 1's first micro-batch of update 1 (the Trainer's step 2) gets a NaN gradient
+
+
+def _hf_worker(rank: int, world: int, store: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29537")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=90))
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanscan.integrations.transformers import NanscanCallback
+
+    results = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for micro in (True, False):
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+            backwards = [0]
+
+            def plant(grad, backwards=backwards):
+                backwards[0] += 1
+                if rank == 1 and backwards[0] == 2 * HF_FAULT + 1:  # micro-batch 0 of update HF_FAULT
+                    grad = grad.clone()
+                    grad.view(-1)[3] = float("nan")
+                return grad
+
+            model.transformer.h[0].mlp.c_fc.weight.register_hook(plant)
+            g = torch.Generator().manual_seed(rank)
+            data = [{"input_ids": torch.randint(0, 64, (16,), generator=g),
+                     "labels": torch.randint(0, 64, (16,), generator=g)}
+                    for _ in range(8 * HF_STEPS)]  # 2 ranks x 2 micro-batches of 2 per update: no short epoch
+            callback = NanscanCallback(micro_batches=micro, bundle_dir=Path(out) / f"bundles-{micro}", run_id="hf")
+            args = TrainingArguments(output_dir=str(Path(out) / f"o{rank}"), use_cpu=True, max_steps=HF_STEPS,
+                                     per_device_train_batch_size=2, gradient_accumulation_steps=2, report_to=[],
+                                     save_strategy="no", disable_tqdm=True, ddp_backend="gloo")
+            trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+            try:
+                trainer.train()
+                results[str(micro)] = None
+            except NonFiniteError as err:
+                results[str(micro)] = {"step": err.step, "first_bad_ranks": getattr(err, "first_bad_ranks", None),
+                                       "bad_ranks": getattr(err, "bad_ranks", None), "bundle": str(err.bundle_path)}
+            dist.barrier()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_the_hf_trainer_checks_each_micro_batch_under_no_sync(tmp_path):
+    pytest.importorskip("transformers")
+    spawn(_hf_worker, 2, 2, tmp_path, timeout_s=240, label="HF Trainer micro-batch checks")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for results in ranks:
+        found, lost = results["True"], results["False"]
+        assert found is not None and (found["step"], found["first_bad_ranks"], found["bad_ranks"]) == (2, [1], [1])
+        assert lost is not None and lost["step"] == 2 and lost["bad_ranks"] == [0, 1]  # averaged: both bad
     part = load_bundle(Path(ranks[1]["True"]["bundle"]) / "rank-1")
     assert (part.step, part.micro_batch) == (2, 0)

@@ -167,10 +167,11 @@ class StepSession:
         self._ids.append(ids)
         self._losses.append(None)
 
-    def _sample_ids(self, micro: list, ids: list) -> list | None:
-        """The step's sample ids (see the class docstring); None when a micro-batch has no sample dimension."""
+    def _sample_ids(self, micro: list, ids: list, first: int = 0) -> list | None:
+        """The step's sample ids (see the class docstring), its micro-batches numbered from `first`; None when a
+        micro-batch has no sample dimension."""
         out = []
-        for index, (inputs, given) in enumerate(zip(micro, ids)):
+        for index, (inputs, given) in enumerate(zip(micro, ids), start=first):
             rows = batch_size(inputs)
             if rows is None:
                 return None
@@ -225,6 +226,26 @@ class StepSession:
                         "the update was skipped" if self._drops_update else "the update is DeepSpeed's to skip",
                         self.monitor.bundle_path)
         return report
+
+    def check_micro_batch(self, *, step: int | None = None) -> ScanReport:
+        """Check the latest micro-batch on its own, after its backward and before the step's last one
+        (Monitor.check(micro_batch=True), nanscan.monitor_verdict NOTE: [micro-batch checks]): its inputs and loss,
+        the gradients accumulated so far; under DDP's no_sync() still this rank's own. The step's check still gets
+        every micro-batch."""
+        index = len(self._inputs) - 1
+        if index < 0:
+            raise RuntimeError("check_micro_batch: no micro-batch was added since the step's check")
+        first_before = self.monitor.first_invalid_step
+        if step is None:
+            step = self.monitor.step
+        self._kept[step] = (list(self._inputs), list(self._losses))
+        try:
+            return self.monitor.check(batch={MICRO_BATCHES: self._inputs[index:]}, loss=self._losses[index],
+                                      step=step, sample_ids=self._sample_ids(self._inputs[index:],
+                                                                             self._ids[index:], first=index),
+                                      micro_batch=True)
+        finally:
+            self._record_micro_batches(first_before)
 
     def after_update(self, *, skipped: bool) -> None:
         """The framework skipped (or applied) the step's update: a GradScaler's overflow skip is counted here."""

@@ -78,12 +78,21 @@ class NanscanCallback(TrainerCallback):
     on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop" or a callable;
     sample_id_field: a column of the batch that holds each sample's id (a dataset index, a record id), recorded
     for bisection and taken out of the model's inputs (TrainingArguments(remove_unused_columns=False) keeps it).
+    micro_batches: under gradient accumulation, also check each micro-batch but the last after its backward
+    (on_substep_end; under DDP inside no_sync()), so that the micro-batch and the rank that went bad first are
+    named (nanscan.monitor_verdict NOTE: [micro-batch checks]); with on_invalid "raise" or "warn". Not under
+    DeepSpeed, whose partitions are filled at the step's last micro-batch only.
     `monitor` and `session` are the current train() call's, from on_train_begin on.
     """
 
-    def __init__(self, **monitor_options: Any):
-        check_on_invalid(monitor_options.get("on_invalid", "raise"))
+    def __init__(self, *, micro_batches: bool = False, **monitor_options: Any):
+        policy = monitor_options.get("on_invalid", "raise")
+        check_on_invalid(policy)
+        if micro_batches and policy in ("skip", "stop"):
+            raise ValueError(f"micro_batches=True with on_invalid={policy!r}: a micro-batch's check cannot skip the "
+                             "rest of its step's accumulation; use 'raise' or 'warn'")
         self.options = monitor_options
+        self.micro_batches = micro_batches
         self.session: StepSession | None = None
         self._optimizer: Any = None
         self._scaled_for_ga: bool | None = None
@@ -92,6 +101,7 @@ class NanscanCallback(TrainerCallback):
         self._unwrap: Any = lambda: None  # undoes _wrap_clipping
         self._state: Any = None  # the TrainerState of the step being collected
         self._collecting = False
+        self._under_deepspeed = False
 
     @property
     def monitor(self):
@@ -113,6 +123,7 @@ class NanscanCallback(TrainerCallback):
         self._remove_hooks()
         self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=self.options,
                                    engine=engine)
+        self._under_deepspeed = engine is not None
         self._optimizer = optimizer
         self._scaled_for_ga = step.get("loss_scaled_for_ga")
         self._forward_params = [name for name, p in inspect.signature(model.forward).parameters.items()
@@ -154,6 +165,17 @@ class NanscanCallback(TrainerCallback):
     def _on_output(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._collecting and module.training:
             self.session.set_loss(output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        """micro_batches=True: a micro-batch that is not its step's last was just backpropagated (under DDP inside
+        no_sync()): check it on its own (StepSession.check_micro_batch)."""
+        if self.micro_batches and self._collecting and not self._under_deepspeed:
+            try:
+                self.session.check_micro_batch(step=self._state.global_step + 1)
+            except BaseException as exc:
+                self._remove_hooks()
+                self.session.abandon(exc)
+                raise
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._collecting:  # no clip was called this step
