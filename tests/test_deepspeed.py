@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1, 2 and 3 on CPU (gloo, DS_ACCELERATOR=cpu, 2 ranks, bf16): a NaN planted in one gradient
+"""DeepSpeed ZeRO-1, 2 and 3, and ZeRO-Offload at stages 2 and 3, on CPU (gloo, DS_ACCELERATOR=cpu, 2 ranks, bf16): a NaN planted in one gradient
 element that only rank 1 holds is caught at that step as `gradient`, naming the parameter and rank 1's partition, on
 every rank, with a bundle set that loads and reports; a NaN in rank 0's batch is `input` on rank 0; a healthy run
 raises nothing. Against the real library: the planted NaN goes into DeepSpeed's own gradient partition.
@@ -47,13 +47,17 @@ def _model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, offload: bool = False) -> dict:
     # Small buckets and no parameter persistence, so that ZeRO-3 partitions every parameter of this small model.
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-            "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
-                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 64,
-                                  "stage3_max_live_parameters": 1000}}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64,
+                                    "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 64,
+                                    "stage3_max_live_parameters": 1000}}
+    if offload:  # ZeRO-Offload: gradients and optimizer state on the CPU, stepped by the torch optimizer given
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
 
 def _batch(rank: int, step: int, nan_input: bool) -> dict:
@@ -85,27 +89,56 @@ def _plant_gradient_nan(engine, name: str) -> bool:
     return True
 
 
-def _run(stage: int, rank: int, bundle_dir: Path, scenario: str) -> dict:
+class _HookedNaN:
+    """Offload: a NaN put into rank 1's own gradient of `name` by a tensor hook, before DeepSpeed reduces it, at an
+    element of the partition rank 1 holds (its fragment under ZeRO-1/2, its slice of the flattened parameter
+    under ZeRO-3), so that after the reduction the NaN is in rank 1's partition only; `armed` for one backward."""
+
+    def __init__(self, engine, name: str, rank: int):
+        p = dict(engine.module.named_parameters())[name]
+        mapping = getattr(p, "_hp_mapping", None)
+        self.at = p.partition_numel() * rank if hasattr(p, "ds_id") else \
+            (mapping.lp_fragment_address.start if mapping is not None else None)
+        self.armed = self.planted = False
+        p.register_hook(self)
+
+    def __call__(self, grad):
+        if not self.armed or self.at is None or self.at >= grad.numel():
+            return grad
+        self.armed, self.planted = False, True
+        grad = grad.clone()
+        grad.view(-1)[self.at] = float("nan")
+        return grad
+
+
+def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool = False) -> dict:
     """One scenario on a fresh engine: train STEPS steps under a DeepSpeedMonitor (on_invalid="raise"; for
     "streak", on_invalid="warn" and a NaN gradient at every step from step 1, which DeepSpeed's bf16 overflow check
-    skips every time)."""
+    skips every time). offload: ZeRO-Offload, whose gradients are planted through a hook (_HookedNaN), since
+    DeepSpeed copies its partitions into the CPU masters' gradients only inside engine.step()."""
     import deepspeed
 
     from nanscan.integrations.deepspeed import DeepSpeedMonitor
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage, offload))
     streak = scenario == "streak"
     mon = DeepSpeedMonitor(engine, bundle_dir=bundle_dir, run_id=f"zero{stage}-{scenario}",
                            on_invalid="warn" if streak else "raise", max_skips=2)
     record = {"error": None, "scanned_grads": [], "planted": False, "optimizer": type(engine.optimizer).__name__,
               "warnings": []}
+    hooked = _HookedNaN(engine, GRAD_PARAM, rank) if offload and rank == 1 else None
     for step in range(STEPS):
         batch = _batch(rank, step, scenario == "input")
+        plant = rank == 1 and (scenario == "gradient" and step == FAULT_STEP or streak and step >= 1)
+        if hooked is not None:
+            hooked.armed = plant
         loss = torch.nn.functional.mse_loss(engine(batch["x"]).float(), batch["y"])
         engine.backward(loss)
-        if rank == 1 and (scenario == "gradient" and step == FAULT_STEP or streak and step >= 1):
+        if hooked is not None:
+            record["planted"] = record["planted"] or hooked.planted
+        elif plant:
             record["planted"] = _plant_gradient_nan(engine, GRAD_PARAM)
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -126,7 +159,7 @@ def _run(stage: int, rank: int, bundle_dir: Path, scenario: str) -> dict:
     return record
 
 
-def _worker(rank: int, stage: int, store: str, out: str) -> None:
+def _worker(rank: int, variant: tuple, store: str, out: str) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)  # two processes share 2 cores
     import deepspeed
@@ -135,7 +168,8 @@ def _worker(rank: int, stage: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=COLLECTIVE_TIMEOUT)
     deepspeed.init_distributed(dist_backend="gloo")
-    results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario)
+    stage, offload = variant
+    results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario, offload)
                for scenario in ("healthy", "gradient", "input", "streak")}
     results["plain_monitor"] = _plain_monitor_refuses_an_engine(stage)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
@@ -156,11 +190,12 @@ def _plain_monitor_refuses_an_engine(stage: int) -> str:
     return ""
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (3, False), (2, True), (3, True)],
+                ids=lambda v: f"zero{v[0]}" + ("-offload" if v[1] else ""))
 def zero(request, tmp_path_factory):
-    stage = request.param
+    stage, offload = request.param
     out = tmp_path_factory.mktemp(f"zero{stage}")
-    spawn(_worker, stage, WORLD, out, timeout_s=SPAWN_TIMEOUT_S, label=f"ZeRO-{stage}")
+    spawn(_worker, request.param, WORLD, out, timeout_s=SPAWN_TIMEOUT_S, label=f"ZeRO-{stage} offload={offload}")
     return stage, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

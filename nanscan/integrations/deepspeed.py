@@ -19,7 +19,8 @@ before engine.step(), which frees them:
     as get_full_hp_grad does). The low-precision weights are whole on every rank.
   - ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): `grad_position[param id]` is (sub-group, offset, count) of the
     parameter's partition in the sub-group's flat buffers: the fp32 masters `fp32_partitioned_groups_flat[g]`, the
-    gradients `averaged_gradients[g][i]` (views of `grad_partitions_flat_buffer`), the inner optimizer's state
+    gradients `averaged_gradients[g][i]` (views of `grad_partitions_flat_buffer`; under offload_optimizer, where
+    averaged_gradients stays empty, that buffer read in its own layout), the inner optimizer's state
     keyed by the flat master; the low-precision weights are `param.ds_tensor`. A partition is `partition_numel()`
     elements; rank r holds the parameter's flattened elements [r * n, (r + 1) * n), the last rank's tail being
     padding, which is not scanned.
@@ -130,6 +131,7 @@ def _zero3_tensors(optimizer: DeepSpeedZeroOptimizer_Stage3,
     suffix = _shard(rank, world)
     inner = optimizer.optimizer
     grads = optimizer.averaged_gradients
+    offloaded = _offloaded_grad_partitions(optimizer)
     for g, params in enumerate(optimizer.fp16_groups):
         master_flat = optimizer.fp32_partitioned_groups_flat[g]
         state = _flat_state(inner, master_flat)
@@ -144,7 +146,9 @@ def _zero3_tensors(optimizer: DeepSpeedZeroOptimizer_Stage3,
                 continue
             local = _flat(p.ds_tensor).narrow(0, 0, held)
             yield "parameter", name + suffix, local
-            if p.requires_grad and group_grads is not None and i < len(group_grads):
+            if p.requires_grad and offloaded is not None:
+                yield "gradient", name + suffix, offloaded[id(p)].narrow(0, 0, held)
+            elif p.requires_grad and group_grads is not None and i < len(group_grads):
                 yield "gradient", name + suffix, _flat(group_grads[i]).narrow(0, 0, held)
             _, offset, _ = optimizer.grad_position[optimizer.get_param_id(p)]
             master = master_flat.detach().narrow(0, offset, held)
@@ -152,6 +156,22 @@ def _zero3_tensors(optimizer: DeepSpeedZeroOptimizer_Stage3,
                 yield "optimizer_state", f"{name}{suffix}.{MASTER}", master
             for key, value in state:
                 yield "optimizer_state", f"{name}{suffix}.{key}", value.detach().narrow(0, offset, held)
+
+
+def _offloaded_grad_partitions(optimizer: DeepSpeedZeroOptimizer_Stage3) -> dict[int, torch.Tensor] | None:
+    """ZeRO-3 with offload_optimizer: each parameter's gradient partition (by id(param)), or None without offload.
+    There averaged_gradients stays empty: the partitions are reduced into grad_partitions_flat_buffer, in the order
+    of the parameters of fp16_groups, partition_numel() elements each (how DeepSpeed lays it out), and copied to
+    the fp32 masters' `.grad` only inside engine.step(), after the check."""
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if not getattr(optimizer, "offload_optimizer", False) or flat is None:
+        return None
+    views, offset = {}, 0
+    for params in optimizer.fp16_groups:
+        for p in params:
+            views[id(p)] = flat.narrow(0, offset, p.partition_numel())
+            offset += p.partition_numel()
+    return views
 
 
 def zero_tensors(engine: Any) -> list[tuple[str, str, torch.Tensor]]:
