@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1, 2 and 3, and ZeRO-Offload at stages 2 and 3, on CPU (gloo, DS_ACCELERATOR=cpu, 2 ranks, bf16): a NaN planted in one gradient
-element that only rank 1 holds is caught at that step as `gradient`, naming the parameter and rank 1's partition, on
+"""DeepSpeed ZeRO-1, 2 and 3, and ZeRO-Offload at stages 2 and 3, on CPU (gloo, DS_ACCELERATOR=cpu, 2 ranks, bf16):
+a NaN planted in one gradient element that only rank 1 holds is caught at that step as `gradient`, naming the parameter and rank 1's partition, on
 every rank, with a bundle set that loads and reports; a NaN in rank 0's batch is `input` on rank 0; a healthy run
 raises nothing. Against the real library: the planted NaN goes into DeepSpeed's own gradient partition.
 
