@@ -23,6 +23,7 @@ from torch import nn
 import nanscan
 from nanscan.ablate import ablate, record_ablation
 from nanscan.bundle import BundleError, load_bundle
+from nanscan.default_monitor import default_monitor
 from nanscan.cli import main
 from nanscan.entry import EntryError, EntryWarning, entry_search_dirs, locate_entry
 from nanscan.replay import replay
@@ -201,7 +202,7 @@ def test_the_one_liner_bundle_words_what_it_did_not_see(tmp_path, monkeypatch):
             warnings.simplefilter("ignore")
             nanscan.check(model, optimizer)
         optimizer.step()
-    path = nanscan.monitor.default_monitor(model).bundle_path
+    path = default_monitor(model).bundle_path
     text = load_bundle(path).incident_text()
     assert "The loss was finite but a gradient was not" not in text
     assert "no loss was checked" in text and "No batch was checked" in text
