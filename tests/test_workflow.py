@@ -23,8 +23,8 @@ from torch import nn
 import nanscan
 from nanscan.ablate import ablate, record_ablation
 from nanscan.bundle import BundleError, load_bundle
-from nanscan.default_monitor import default_monitor
 from nanscan.cli import main
+from nanscan.default_monitor import default_monitor
 from nanscan.entry import EntryError, EntryWarning, entry_search_dirs, locate_entry
 from nanscan.replay import replay
 from nanscan.replay.export import export_regression
