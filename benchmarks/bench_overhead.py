@@ -101,6 +101,20 @@ class Trainer:
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
         self.update_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
+        # The default check's scan inside it (the plan's confirmation and the native scan, one call on the CPU),
+        # timed where it runs: what remains of check() is the work around the scan.
+        self.scan_seconds: list[float] = []
+        plan = self.monitor._plan
+        scan_on_host = plan.scan_on_host
+
+        def timed_scan(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return scan_on_host(*args, **kwargs)
+            finally:
+                self.scan_seconds.append(time.perf_counter() - start)
+
+        plan.scan_on_host = timed_scan
 
     def train_step(self, batch: dict, checked: bool | str):
         """One step; checked: False (plain), True (the default Monitor) or a variant (SPIKE_MODES, TB_MODES)."""
@@ -151,10 +165,10 @@ def validate(trainer: Trainer, batch: dict) -> int:
 
 
 def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile: int, width: int = 1,
-        tensorboard: bool = True) -> dict:
+        tensorboard: bool = True, d_model: int | None = None) -> dict:
     load_before = os.getloadavg()[0]  # other processes on a shared machine inflate both variants' times
     config = dict(D.DEFAULT_CONFIG)
-    config["d_model"] *= width  # --width: the same model, wider (the scan grows with parameters, the step faster)
+    config["d_model"] = (d_model or config["d_model"]) * width  # --d-model, --width: the same model, resized
     batches = healthy_batches(config, 64)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
         trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp), tensorboard=tensorboard)
@@ -163,7 +177,7 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         for i in range(warmup):
             mode = modes[i % len(modes)]
             trainer.train_step(batches[i % len(batches)], checked=mode != "plain" and mode)
-        for seconds in [*trainer.check_seconds.values(), *trainer.update_seconds.values()]:
+        for seconds in [*trainer.check_seconds.values(), *trainer.update_seconds.values(), trainer.scan_seconds]:
             seconds.clear()
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
@@ -229,6 +243,10 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "post_update_scan_net_cost_pct": 100.0 * (_step_and_check(trainer, "scan")
                                                   - _step_and_check(trainer, "noupdate")) / plain,
         "median_check_ms": check_alone * 1e3,
+        # the default check split: its scan (in place, see Trainer) and the rest, as shares of a plain step
+        "median_scan_in_check_ms": statistics.median(trainer.scan_seconds) * 1e3,
+        "scan_share_pct": 100.0 * statistics.median(trainer.scan_seconds) / plain,
+        "around_scan_share_pct": 100.0 * (check_alone - statistics.median(trainer.scan_seconds)) / plain,
         "monitor_overhead_pct": 100.0 * (statistics.median(pair_ratios) - 1.0),  # adjacent block pairs
         "pooled_overhead_pct": 100.0 * (checked - plain) / plain,
         "check_share_pct": 100.0 * check_alone / plain,
@@ -276,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--history", type=int, default=64, help="Monitor history length (default 64)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N checks with cProfile and print where the time goes")
+    parser.add_argument("--d-model", type=int, default=None,
+                        help="the demo transformer's width (default the demo's 64: 135k parameters; 44: 72k)")
     parser.add_argument("--width", type=int, default=1,
                         help="multiply the demo model's d_model by this (default 1: the demo model itself)")
     parser.add_argument("--threads", type=int, default=1,
@@ -288,7 +308,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     result = run(args.reps, args.block, args.warmup, args.snapshot, args.history, args.profile, args.width,
-                 tensorboard=not args.no_tensorboard)
+                 tensorboard=not args.no_tensorboard, d_model=args.d_model)
     p10, p90 = result["p10_step_ms"], result["p90_step_ms"]
     print(f"demo model: {result['parameters']:,} parameters, {result['tensors_scanned_per_check']} tensors scanned "
           f"per check, backend {result['backend']}, {result['torch_threads']} torch threads")
@@ -299,6 +319,8 @@ def main(argv=None) -> int:
     for mode in result["median_step_ms_all"]:
         print(f"{mode:<10}{result['median_step_ms_all'][mode]:>12.3f}{p10[mode]:>10.3f}{p90[mode]:>10.3f}")
     print(f"check alone: median {result['median_check_ms']:.3f} ms = {result['check_share_pct']:.1f}% of a plain step")
+    print(f"check_share = {result['check_share_pct']:.2f}% of a plain step: scan {result['scan_share_pct']:.2f}% "
+          f"({result['median_scan_in_check_ms']:.3f} ms), around the scan {result['around_scan_share_pct']:.2f}%")
     print(f"pooled medians: checked/plain = {result['pooled_overhead_pct']:+.1f}% (sensitive to load drift)")
     print(f"check alone without spike detection: median {result['median_check_nospikes_ms']:.3f} ms")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step (median over adjacent block pairs)")
