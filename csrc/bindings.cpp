@@ -350,7 +350,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("num_threads") = 0, py::arg("carried") = py::none(),
            "check() and, when nothing changed, the scan of the inputs it found into records: None (changed, nothing "
            "scanned) or the number of tensors holding a NaN or an infinity. carried: (stable indices, stamps, "
-           "records) standing in for tensors whose stamps did not move.");
+           "records) standing in for tensors whose stamps did not move, or a list of such parts; a part ending in "
+           "True is standing: refreshed in place with what this call scanned.");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

@@ -80,10 +80,13 @@ class PlanCheck:
         records: npt.NDArray[np.int64],
         chunk_elems: int,
         num_threads: int = 0,
-        carried: tuple[npt.ArrayLike, npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None,
+        carried: tuple | list[tuple] | None = None,
     ) -> int | None:
         """check() and, when nothing changed, the scan into records: None, or how many tensors hold NaN/inf.
-        carried: (stable indices, stamps, records) standing in for tensors whose stamps did not move."""
+        carried: (stable indices, stamps, records) standing in for tensors whose stamps did not move, or a list of
+        such parts (a later one's row wins); a part (stable indices, stamps, records, True) is standing: its
+        arrays are refreshed in place with the stamps and records of what this call scanned (NOTE: [frozen
+        records] in nanscan/plans.py)."""
 
 # Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
 

@@ -214,6 +214,34 @@ def _uses_module_walk(module: torch.nn.Module) -> bool:
     return (cls.named_parameters, cls._named_members, cls.named_modules) == _MODULE_WALK
 
 
+# NOTE: [frozen records]
+# A frozen parameter (requires_grad=False, and no gradient at the plan's rebuild) is most of a fine-tuned model (PEFT
+# LoRA on a GPT-2: 96.6% of the elements a check read), and nothing in a training step writes it: autograd gives it
+# no gradient, and an optimizer skips a parameter that has none. So the plan keeps its frozen parameters' records
+# from the first native check after each rebuild, with their stamps (tensor_stamps: version counter, data pointer,
+# dtype), as a standing part of the records the next checks carry (nanscan.monitor_update NOTE: [carried records]),
+# joined with the post-update records the Monitor hands in (those are newer and win). nanscan._C.PlanCheck compares
+# the stamps in C++ inside the check, as for those: a frozen tensor whose stamp moved (an edit under no_grad,
+# copy_, load_state_dict, a `.data` swap, model.half()) is read again at that check, and its new stamp and record
+# are written into the standing part in place, so it stands in again from the next check on; a step with any
+# non-finite tensor is scanned whole, and refreshes the whole part. Every check's report, the history, the live
+# export and the bundle still hold every frozen tensor's record. What keeps it sound, and where it stops:
+#   - the per-step check confirms that each parameter without a gradient at the rebuild still has none: a parameter
+#     unfrozen between steps gets one at its next backward, which rebuilds the plan before any update can write it;
+#     one frozen between steps is carried once its gradient is gone (zero_grad(set_to_none=True) rebuilds), and read
+#     every step until then: with a gradient left in place (set_to_none=False) an optimizer still updates it.
+#     (A check after zero_grad sees no gradient at all and warns, GradientWarning.)
+#   - an in-place write through `.data` (`p.data[0] = nan`, `p.data.clamp_()`) moves no version counter: the one
+#     write the stamps miss. A non-finite value written that way into a weight the forward reads makes the loss and
+#     gradients non-finite at that step, which is then scanned whole, the weight itself named (category parameter);
+#     a finite one, or one in a weight nothing reads, shows when the standing part is next left out: every
+#     FROZEN_RESCAN_CHECKS checks every frozen tensor is read again. 64 is the Monitor's default history, so its
+#     window (and a bundle's) always holds a check that read every frozen tensor, at 1/64 of the frozen scan's cost.
+#   - only the one-call path on the CPU carries (scan_on_host, the native backend): the numba backend, the Python
+#     check, mode="async" and GPU scans read every frozen tensor at every check, as before.
+FROZEN_RESCAN_CHECKS = 64
+
+
 class ModelScanPlan:
     """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs of a model (and its optimizer), step after step.
 
@@ -271,6 +299,12 @@ class ModelScanPlan:
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self._state_owners = 0
         self._stable_names: list[str] | None = None
+        # NOTE: [frozen records]: the frozen parameters (stable indices, tensors) and their standing carried part
+        self._frozen_rows = np.empty(0, dtype=np.int64)
+        self._frozen: list[torch.Tensor] = []
+        self._frozen_part: tuple | None = None
+        self._frozen_checks = 0  # checks the standing part has stood in since the frozen tensors were last read
+        self.frozen_rescans = 0  # how often every frozen tensor was read again (a rebuild's first check, a period)
         self.rebuilds = 0
 
     def inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -311,7 +345,8 @@ class ModelScanPlan:
 
         carried: (indices into stable_tensors(), their tensor_stamps, their records) from a scan since (nanscan.
         monitor_update NOTE: [carried records]): the tensors whose stamps did not move are not read again, their
-        records are copied in; a step with a non-finite tensor is scanned whole."""
+        records are copied in; a step with a non-finite tensor is scanned whole. The plan's own frozen parameters'
+        records join them (NOTE: [frozen records])."""
         if self._native is None or not self._unchanged_structure(model, optimizer):
             return None
         numels, codes, identities, devices = self._joined(extra)
@@ -320,8 +355,28 @@ class ModelScanPlan:
         if scan_planned is None:
             return None
         state = None if optimizer is None else optimizer.state
+        standing = self._frozen_part if self._frozen_checks < FROZEN_RESCAN_CHECKS else None
+        if standing is not None:  # the post-update records are newer: later in the list, they win
+            carried = standing if carried is None else [standing, carried]
         scanned = scan_planned(self._native, state, extra.ptrs, numels, codes, carried)
-        return None if scanned is None else (identities, *scanned, backend.name)
+        if scanned is None:
+            return None
+        if standing is not None:
+            self._frozen_checks += 1
+        elif self._frozen:
+            self._keep_frozen(scanned[0], len(extra))
+        return identities, *scanned, backend.name
+
+    def _keep_frozen(self, records: np.ndarray, num_extra: int) -> None:
+        """The frozen parameters' records of a check that read them all, with their stamps now, as the standing part
+        of the next checks (NOTE: [frozen records]); nothing where the stamps cannot be read natively."""
+        self._frozen_checks = 0
+        self.frozen_rescans += 1
+        stamps = tensor_stamps(self._frozen)
+        if self._tensor_access is None or (stamps[:, 2] < 0).any():
+            self._frozen_part = None  # stamped in Python: they would never match the native reads
+            return
+        self._frozen_part = (self._frozen_rows, stamps, records[self._frozen_rows + num_extra], True)
 
     def stable_tensors(self) -> list[torch.Tensor]:
         """The parameters, then the optimizer-state tensors, that the last rebuild found and every passing per-step
@@ -424,6 +479,7 @@ class ModelScanPlan:
         """Prepare every tensor (the uncached path), and keep what the next steps' checks compare against."""
         self.rebuilds += 1
         self._stable_names = None
+        self._frozen_rows, self._frozen, self._frozen_part = np.empty(0, dtype=np.int64), [], None
         items: list[ScanInput] = []
         fast = True
 
@@ -478,6 +534,10 @@ class ModelScanPlan:
             self._grad_contiguous = [item.layout == CONTIGUOUS for item in grad_items]
             self._permuted_grads = [i for i, contiguous in enumerate(self._grad_contiguous) if not contiguous]
             self._state_values, self._state_tensors = state_values, state_tensors
+            # NOTE: [frozen records]: no gradient (the per-step check confirms it stays absent) and none to come
+            frozen = [j for j, p in enumerate(params) if not p.requires_grad and grads[j] is None]
+            self._frozen_rows = np.array(frozen, dtype=np.int64)
+            self._frozen = [params[j] for j in frozen]
             stable = params + state_tensors
             self._stable_ptrs = np.array(list(map(_data_ptr, stable)), dtype=np.int64)
             self._stable_dtypes = [t.dtype for t in stable]

@@ -157,8 +157,10 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
     throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
                           std::to_string(n) + ")");
   std::vector<ScanTask> tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
-  py::object kept_records;  // holds the carried records while they are copied
-  const std::vector<Reuse> reused = carried_rows(carried, py::len(extra_ptrs), kept_records);
+  py::list holders;  // holds the carried arrays while their rows are read and written
+  std::vector<Reuse> reused;
+  std::vector<Standing> standing;
+  carried_rows(carried, py::len(extra_ptrs), holders, reused, standing);
   for (const Reuse& r : reused) tasks[r.row].numel = 0;  // not read: its record is copied in below
   std::vector<int64_t> address(n);
   py::list grads;  // only held while the scan reads them
@@ -174,33 +176,65 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
   });
   if (!unchanged) return py::none();  // nothing was scanned
   int64_t nonfinite = count_nonfinite(out, n);
-  if (reused.empty()) return py::int_(nonfinite);
-  if (nonfinite > 0) {  // a non-finite step's verdict never rests on a carried record: scan it whole
+  const bool whole = nonfinite > 0 && !reused.empty();
+  if (whole) {  // a non-finite step's verdict never rests on a carried record: scan it whole
     tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
     for (py::ssize_t i = 0; i < n; ++i) set_data(tasks[i], address[i], i, "PlanCheck.check_and_scan");
     scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, Prologue());
-    return py::int_(count_nonfinite(out, n));
+    nonfinite = count_nonfinite(out, n);
+  } else {
+    for (const Reuse& r : reused)
+      std::memcpy(out + r.row * record::kWidth, r.record, sizeof(int64_t) * record::kWidth);
   }
-  for (const Reuse& r : reused)
-    std::memcpy(out + r.row * record::kWidth, r.record, sizeof(int64_t) * record::kWidth);
+  // NOTE: [frozen records] in nanscan/plans.py: what was scanned now stands in next time
+  for (const Standing& s : standing) {
+    if (!s.readable || !(s.moved || whole)) continue;  // nothing reused: every row was scanned now
+    std::memcpy(s.stamp, s.now, sizeof(s.now));
+    std::memcpy(s.record, out + s.row * record::kWidth, sizeof(int64_t) * record::kWidth);
+  }
   return py::int_(nonfinite);
 }
 
-std::vector<PlanCheck::Reuse> PlanCheck::carried_rows(const py::object& carried, py::ssize_t num_extra,
-                                                      py::object& holder) const {
-  std::vector<Reuse> reused;
-  if (carried.is_none() || access_ == nullptr) return reused;
-  const auto parts = carried.cast<py::tuple>();
-  if (parts.size() != 3) throw py::value_error("PlanCheck.check_and_scan: carried is (stable, stamps, records)");
+void PlanCheck::carried_rows(const py::object& carried, py::ssize_t num_extra, py::list& holders,
+                             std::vector<Reuse>& reused, std::vector<Standing>& standing) const {
+  if (carried.is_none() || access_ == nullptr) return;
+  if (PyList_Check(carried.ptr())) {
+    for (py::handle part : carried.cast<py::list>()) carried_part(part, num_extra, holders, reused, standing);
+    return;
+  }
+  carried_part(carried, num_extra, holders, reused, standing);
+}
+
+void PlanCheck::carried_part(const py::handle& part, py::ssize_t num_extra, py::list& holders,
+                             std::vector<Reuse>& reused, std::vector<Standing>& standing) const {
+  const auto parts = part.cast<py::tuple>();
+  const bool is_standing = parts.size() == 4 && parts[3].ptr() == Py_True;
+  if (parts.size() != 3 && !is_standing)
+    throw py::value_error("PlanCheck.check_and_scan: a carried part is (stable, stamps, records) or (stable, "
+                          "stamps, records, True)");
   const auto stable = parts[0].cast<CArray<int64_t>>();
-  const auto stamps = parts[1].cast<CArray<int64_t>>();
-  const auto kept = parts[2].cast<py::array_t<int64_t, py::array::c_style | py::array::forcecast>>();
-  holder = kept;
+  using Exact = py::array_t<int64_t, py::array::c_style>;
+  // A standing part's arrays are written: they must be the caller's own arrays, never converted copies.
+  Exact stamps, kept;
+  if (is_standing) {
+    stamps = Exact::ensure(parts[1]);
+    kept = Exact::ensure(parts[2]);
+    if (!stamps || !kept || stamps.ptr() != parts[1].ptr() || kept.ptr() != parts[2].ptr() || !stamps.writeable() ||
+        !kept.writeable())
+      throw py::value_error("PlanCheck.check_and_scan: a standing part's stamps and records are writable "
+                            "C-ordered int64 arrays");
+  } else {
+    stamps = parts[1].cast<CArray<int64_t>>();
+    kept = parts[2].cast<CArray<int64_t>>();
+  }
+  holders.append(stable);
+  holders.append(stamps);
+  holders.append(kept);
   const py::ssize_t k = stable.size();
   if (stamps.ndim() != 2 || stamps.shape(0) != k || stamps.shape(1) != 3 || kept.ndim() != 2 ||
       kept.shape(0) != k || kept.shape(1) != record::kWidth)
     throw py::value_error("PlanCheck.check_and_scan: carried needs one stamp (3) and one record per tensor");
-  reused.reserve(k);
+  reused.reserve(reused.size() + k);
   for (py::ssize_t i = 0; i < k; ++i) {
     const int64_t j = stable.data()[i];
     if (j < 0 || j >= num_params_ + num_state_)
@@ -209,11 +243,16 @@ std::vector<PlanCheck::Reuse> PlanCheck::carried_rows(const py::object& carried,
                                        : PyList_GET_ITEM(state_tensors_.ptr(), j - num_params_);
     int64_t now[3];
     const int64_t* then = stamps.data() + 3 * i;
-    if (access_->stamp(tensor, now) != 1 || now[0] != then[0] || now[1] != then[1] || now[2] != then[2]) continue;
+    const bool readable = access_->stamp(tensor, now) == 1;
+    const bool same = readable && now[0] == then[0] && now[1] == then[1] && now[2] == then[2];
     const int64_t row = num_extra + (j < num_params_ ? j : num_grads_ + j);
-    reused.push_back({row, kept.data() + record::kWidth * i});
+    if (is_standing) {
+      Standing s{row, stamps.mutable_data() + 3 * i, kept.mutable_data() + record::kWidth * i,
+                 {now[0], now[1], now[2]}, !same, readable};
+      standing.push_back(s);
+    }
+    if (same) reused.push_back({row, kept.data() + record::kWidth * i});
   }
-  return reused;
 }
 
 bool PlanCheck::run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out,

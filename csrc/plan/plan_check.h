@@ -42,6 +42,11 @@ std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64
 // scan's parallel region (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and returns None or the number of
 // tensors that hold a NaN or an infinity; records `carried` from a scan since (nanscan.monitor_update NOTE:
 // [carried records]) stand in for the tensors whose stamps did not move, unless the step is non-finite.
+// `carried` is None, one part (stable indices, stamps, records) or a list of parts, a later part's row winning
+// over an earlier one's for the same tensor; a part given as (stable indices, stamps, records, True) is a
+// standing one (nanscan.plans NOTE: [frozen records]): its own arrays are refreshed in place with the stamps and
+// records of the tensors this call scanned (those whose stamps moved, or all of them when the step was scanned
+// whole), so it stands in again at the next call.
 class PlanCheck {
  public:
   PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
@@ -64,9 +69,25 @@ class PlanCheck {
     const int64_t* record;
   };
 
-  // The rows of `carried` = (stable indices, their (version, data pointer, dtype) stamps, their records) whose
-  // tensors still have those stamps; none without nanscan._torch_access's reads. `holder` keeps the records alive.
-  std::vector<Reuse> carried_rows(const py::object& carried, py::ssize_t num_extra, py::object& holder) const;
+  // A standing part's row (see check_and_scan): the table row, where its stamp and record are kept, the stamp
+  // read before the scan, and whether that stamp moved (the tensor is scanned) or could not be read (kept as is).
+  struct Standing {
+    int64_t row;
+    int64_t* stamp;
+    int64_t* record;
+    int64_t now[3];
+    bool moved, readable;
+  };
+
+  // The rows of `carried` (its parts, each (stable indices, their (version, data pointer, dtype) stamps, their
+  // records)) whose tensors still have those stamps, and the rows of its standing parts; none without
+  // nanscan._torch_access's reads. `holders` keeps the arrays alive while their pointers are used.
+  void carried_rows(const py::object& carried, py::ssize_t num_extra, py::list& holders, std::vector<Reuse>& reused,
+                    std::vector<Standing>& standing) const;
+
+  // One part of carried_rows.
+  void carried_part(const py::handle& part, py::ssize_t num_extra, py::list& holders, std::vector<Reuse>& reused,
+                    std::vector<Standing>& standing) const;
 
   py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
 
