@@ -281,6 +281,11 @@ class Monitor(StepVerdicts):
 
     source: where the model's tensors are, when not in its parameters and a torch optimizer (nanscan.plans NOTE:
         [tensor source]): a framework adapter's (nanscan.integrations.deepspeed); default: the module's own.
+    frozen_weights: how a bundle holds the frozen parameters (requires_grad=False, a LoRA's base): "digest" (the
+        default) by name, dtype, shape and sha256 only, replay taking them from the model its entry builds after
+        checking them (nanscan.bundle.frozen NOTE: [frozen references]); "copy": their bytes too. A frozen weight
+        that is non-finite is always copied. Checks read frozen weights only when they change (nanscan.plans
+        NOTE: [frozen records]).
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -295,7 +300,8 @@ class Monitor(StepVerdicts):
                  replay_entry: str | None = None, snapshot: str = "none", backend=None, process_group: Any = None,
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
-                 log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None):
+                 log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None,
+                 frozen_weights: str = "digest"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
@@ -317,6 +323,9 @@ class Monitor(StepVerdicts):
                              "'async' (the verdict arrives one step later)")
         if snapshot not in SNAPSHOTS:
             raise ValueError(f"snapshot={snapshot!r}: use 'none' or 'cpu'")
+        if frozen_weights not in ("digest", "copy"):
+            raise ValueError(f"frozen_weights={frozen_weights!r}: use 'digest' (a bundle names each frozen weight "
+                             "with its sha256; replay takes it from the entry's model) or 'copy' (a bundle holds it)")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use 'sync' (check waits for the scan), 'async' (the verdict is read at "
                              "the next check) or 'auto' (async when the model is on a GPU)")
@@ -342,6 +351,7 @@ class Monitor(StepVerdicts):
         self.on_invalid = on_invalid
         self.replay_entry = replay_entry
         self.snapshot = snapshot
+        self.frozen_weights = frozen_weights
         self.backend = backend
         self.mode = mode
         self.source = capture_source()  # at start-up: the code that runs is the code that was imported

@@ -315,7 +315,13 @@ class StepVerdicts:
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
             mixed_precision=mixed_precision_record(self._scaler, self._autocast),
             spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
+            frozen=self._frozen_keys(model),
         )
+
+    def _frozen_keys(self, model: torch.nn.Module) -> list[str]:
+        """What the bundle holds of the model's frozen weights by reference (Monitor(frozen_weights=...))."""
+        keys = getattr(self._plan, "frozen_keys", None)  # NOTE: [tensor source]: optional
+        return keys(model) if keys is not None and self.frozen_weights == "digest" else []
 
     def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
                  streak: str | None = None, update: bool = False, why: str | None = None,

@@ -171,6 +171,8 @@ class TensorSource(Protocol):
       - `stable_tensors()`: the tensors a passing per-step check confirms unchanged since the last rebuild (a
         source that confirms none gives []);
       - `state(model, optimizer)`: (model state, optimizer state) as a bundle stores them: trees of tensors;
+        optionally `frozen_keys(model)`: the keys of that model state a bundle may hold by reference
+        (nanscan.bundle.frozen NOTE: [frozen references]); a source without it has every tensor copied;
       - `rebuilds` (how often it prepared everything again) and `no_gradients` (it found no gradient where
         parameters train: the check is in the wrong place).
     """
@@ -404,6 +406,12 @@ class ModelScanPlan:
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
         """(model state, optimizer state) for a bundle (NOTE: [tensor source]): their state_dict()s."""
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+    def frozen_keys(self, model: torch.nn.Module) -> list[str]:
+        """The keys of state()'s model state that are frozen parameters (requires_grad=False), which a bundle holds
+        by reference (nanscan.bundle.frozen NOTE: [frozen references]); every name of a shared one."""
+        return [key for key, value in model.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.nn.Parameter) and not value.requires_grad]
 
     def _unchanged_structure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         """The cheap part of the check, in Python: the last rebuild allows the fast path, the root's children

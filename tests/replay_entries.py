@@ -129,6 +129,40 @@ def sqrt_backward(config: dict) -> ReplaySpec:
     return ReplaySpec(SqrtModel(), _sgd(config), sqrt_step, _healthy(sqrt_batch, config))
 
 
+# -- a frozen base under a trainable model: its weights held by digest in the bundle ---------------------------
+
+class FrozenBase(nn.Module):
+    """A frozen linear base (its weights from `base_seed`, as a fine-tuning run loads a pretrained base) under a
+    trainable SqrtModel; without a bias, an all-zero row stays zero through it, so sqrt_batch's fault still fires."""
+
+    def __init__(self, base_seed: int):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(base_seed)
+            self.base = nn.Linear(4, 4, bias=False)
+        self.base.requires_grad_(False)
+        self.top = SqrtModel()
+
+    def forward(self, x):
+        return self.top(self.base(x))
+
+
+@replay_entry
+def frozen_base(config: dict) -> ReplaySpec:
+    config = _config(config, base_seed=7)
+    torch.manual_seed(config["seed"])
+    model = FrozenBase(config["base_seed"])
+    return ReplaySpec(model, lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
+                                                       lr=config["lr"], momentum=0.9),
+                      sqrt_step, _healthy(sqrt_batch, config))
+
+
+@replay_entry
+def frozen_base_elsewhere(config: dict) -> ReplaySpec:
+    """frozen_base whose base comes from another seed: another checkpoint than the run's."""
+    return frozen_base({**config, "base_seed": config.get("base_seed", 7) + 1})
+
+
 # -- float16 overflow in a matmul ------------------------------------------------------------------------------
 
 class HalfModel(nn.Module):
@@ -357,7 +391,8 @@ def rng_draws(config: dict) -> ReplaySpec:
 
 BATCHES = {"masked_attention": attention_batch, "sqrt_backward": sqrt_batch, "fp16_overflow": half_batch,
            "transient": sqrt_batch, "poisoned_sample": poison_batch, "inline_sqrt": sqrt_batch,
-           "micro_batched": poison_batch, "batch_statistics": batch_sum_batch, "no_learning_rate": poison_batch}
+           "micro_batched": poison_batch, "batch_statistics": batch_sum_batch, "no_learning_rate": poison_batch,
+           "frozen_base": sqrt_batch}
 
 
 def sample_ids(step: int, size: int) -> list[str]:
@@ -365,16 +400,16 @@ def sample_ids(step: int, size: int) -> list[str]:
 
 
 def train(name: str, bundle_dir: Path, *, config: dict | None = None, steps: int = 8, snapshot: str = "cpu",
-          run_id: str | None = None, entry: bool = True) -> Path:
-    """Train entry `name` under a Monitor (check after backward, before the update) until it raises; return the
-    bundle's path. Fails the test if nothing went non-finite."""
+          run_id: str | None = None, entry: bool = True, **monitor_options) -> Path:
+    """Train entry `name` under a Monitor (check after backward, before the update; `monitor_options` given to it)
+    until it raises; return the bundle's path. Fails the test if nothing went non-finite."""
     config = dict(config or {})
     spec = build_spec(f"{MODULE}:{name}", config)
     full = _config(config)
     optimizer = spec.make_optimizer()
     make_batch = BATCHES[name]
     monitor = Monitor(spec.model, optimizer, bundle_dir=bundle_dir, config=config, run_id=run_id or name,
-                      replay_entry=f"{MODULE}:{name}" if entry else None, snapshot=snapshot)
+                      replay_entry=f"{MODULE}:{name}" if entry else None, snapshot=snapshot, **monitor_options)
     with monitor:
         for step in range(steps):
             batch = make_batch(full, step)

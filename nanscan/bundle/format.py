@@ -12,7 +12,9 @@ Layout (schema "nanscan.bundle/1"):
                        check where the manifest's rng.captured_at_by_source says so
   history.safetensors  stats records of the last steps; history.json names their tensors, loss, lr, grad norm
                        (sparse histograms: NOTE: [sparse history records] in nanscan.bundle.history)
-  state.safetensors    model and optimizer state; state.json holds the optimizer's non-tensor structure
+  state.safetensors    model and optimizer state; state.json holds the optimizer's non-tensor structure; frozen
+                       parameters by reference only, their dtype, shape and sha256 under the manifest's
+                       state.frozen (NOTE: [frozen references] in nanscan.bundle.frozen)
   source.diff          uncommitted changes (`git diff HEAD`), when the work tree was dirty and the diff is small
   logs/                the last lines of each log file
   ledger.jsonl         one JSON record per automatic finding and reviewer note
@@ -173,6 +175,9 @@ class Incident:
     # The micro-batch of `step` whose check found it, under gradient accumulation (nanscan.monitor NOTE:
     # [micro-batch checks]); None for the step's own check.
     micro_batch: int | None = None
+    # The model-state keys of frozen parameters (requires_grad=False), which the bundle holds by reference: dtype,
+    # shape and sha256, not bytes (nanscan.bundle.frozen NOTE: [frozen references]); empty: every tensor is copied.
+    frozen: Sequence[str] = ()
 
 
 def json_float(value: float | None) -> float | str | None:

@@ -30,6 +30,7 @@ from nanscan._atomic import TEMP_PREFIX, atomic_write_bytes, fsync_dir, is_temp_
 from nanscan.bundle.format import (HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, MANIFEST, PENDING_PREFIX, REQUIRED_KEYS,
                                    RNG_METADATA_KEY, SCHEMA, STATE_STRUCTURE, STEP_DIR, BundleError, HistoryEntry,
                                    is_int, plain_json, read_json, refuse_link)
+from nanscan.bundle.frozen import reference_errors
 from nanscan.bundle.history import history_from_payload
 from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
 from nanscan.bundle.tree import decode_tree, load_tensors, reading_tensors
@@ -153,6 +154,7 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
         errors += [f"{part}.{key} (a file name or null)" for part, key in (
             ("batch", "file"), ("rng", "file"), ("history", "file"), ("history", "index"), ("state", "file"),
             ("state", "structure"), ("source", "diff_file")) if not optional(manifest[part].get(key), str)]
+        errors += reference_errors(manifest["state"].get("frozen"))
     rows = manifest["nonfinite_tensors"]
     if not isinstance(rows, list) or not all(
             isinstance(r, dict) and isinstance(r.get("name"), str)
@@ -409,9 +411,15 @@ class Bundle:
     def sample_ids(self) -> Any:
         return self.manifest["batch"].get("sample_ids")
 
+    def frozen_references(self) -> dict[str, dict]:
+        """The frozen tensors this bundle holds by reference only ({state key: {dtype, shape, sha256}}), which
+        state() leaves out: a replay takes them from the model its entry builds, checked against these
+        (nanscan.bundle.frozen NOTE: [frozen references]). Empty when every tensor is stored."""
+        return dict(self.manifest["state"].get("frozen") or {})
+
     def state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """(model state_dict, optimizer state_dict or None), ready for load_state_dict. See manifest['state']
-        for whether it is the pre-step snapshot."""
+        """(model state_dict, optimizer state_dict or None), ready for load_state_dict, but for the frozen tensors
+        held by reference (frozen_references()). See manifest['state'] for whether it is the pre-step snapshot."""
         info = self.manifest["state"]
         if not info.get("file"):
             raise BundleError(f"{self.path} holds no model state ({info.get('note')}); "

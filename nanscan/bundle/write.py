@@ -27,6 +27,7 @@ from nanscan._atomic import atomic_directory, json_bytes, sha256_file
 from nanscan.bundle.format import (DETECT_FINDING, BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOG_TAIL_BYTES, LOG_TAIL_LINES,
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
                                    BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
+from nanscan.bundle.frozen import split_frozen
 from nanscan.bundle.history import history_payload
 from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding, unsaved_lines, ledger_bytes, mixed_precision_finding, render_incident,
                                         spike_finding, step_entry)
@@ -310,14 +311,20 @@ def _write_state(files: BundleFiles, inc: Incident) -> dict:
     if inc.model_state is None:
         return {"file": None, "structure": None, "pre_step": False, "optimizer": False,
                 "note": inc.state_note or "no model state was recorded"}
+    model_state, frozen = dict(inc.model_state), {}
+    if inc.frozen and inc.distributed is None:  # NOTE: [frozen references]: a rank's shards are kept whole
+        model_state, frozen = split_frozen(model_state, inc.frozen)
     encoder = TreeEncoder("/")
-    structure = {"model": encoder.encode(dict(inc.model_state), ("model",)),
+    structure = {"model": encoder.encode(model_state, ("model",)),
                  "optimizer": (encoder.encode(inc.optimizer_state, ("optimizer",))
                                if inc.optimizer_state is not None else None)}
     files.write_tensors(STATE, encoder.tensors)
     files.write_bytes(STATE_STRUCTURE, json_bytes(structure))
-    return {"file": STATE, "structure": STATE_STRUCTURE, "pre_step": inc.state_pre_step,
-            "optimizer": inc.optimizer_state is not None, "note": inc.state_note}
+    written = {"file": STATE, "structure": STATE_STRUCTURE, "pre_step": inc.state_pre_step,
+               "optimizer": inc.optimizer_state is not None, "note": inc.state_note}
+    if frozen:
+        written["frozen"] = frozen
+    return written
 
 
 def _write_logs(files: BundleFiles, logs: Sequence[dict]) -> list[dict]:

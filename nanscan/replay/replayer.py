@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nanscan.bundle import Bundle, load_bundle
+from nanscan.bundle.frozen import compare, shown
 from nanscan.bundle.rank_set import require_full_state
 from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, entry_search_dirs, locate_entry
 from nanscan.integrations.rebuild import MICRO_BATCHES
@@ -67,6 +68,8 @@ class Replayer:
             self.model_state, self.optimizer_state, self.pre_step = None, None, False
             self.notes.append("state: the bundle holds no model state; the step runs on the freshly built model "
                               "from the replay entry, which may not be the weights that failed")
+        # NOTE: [frozen references]: taken from the first model the entry builds, once they check out
+        self.frozen = self.bundle.frozen_references() if self.model_state is not None else {}
         if info.get("file") and self.optimizer_state is None:
             self.notes.append("optimizer: the bundle holds no optimizer state; the step uses a fresh optimizer")
         self.rng = self.bundle.rng_state()
@@ -128,6 +131,8 @@ class Replayer:
         """A fresh (spec, optimizer, batch) with the bundle's state loaded and `options` applied; RNGs restored."""
         spec = self.build()
         model = spec.model
+        if self.frozen:  # before a precision change: the references are of the weights as the entry loads them
+            self._take_frozen(model)
         if options.precision is not None:
             for t in [*model.parameters(), *model.buffers()]:
                 if t.dtype in HALF_DTYPES:
@@ -164,6 +169,30 @@ class Replayer:
         step_batch = prepare_batch(step_batch, model_device(model), options)
         self._restore_rng()
         return spec, optimizer, step_batch
+
+    def _take_frozen(self, model: torch.nn.Module) -> None:
+        """Check the frozen tensors the bundle holds by reference against those of the model the entry built, and
+        complete the bundle's state with them (nanscan.bundle.frozen NOTE: [frozen references]); later runs load
+        them from that state."""
+        state = model.state_dict()
+        differ, unchecked = compare(self.frozen, state)
+        where, copy_hint = self.bundle.path, ("record them in the bundle with nanscan.Monitor(..., "
+                                              "frozen_weights='copy')")
+        if unchecked:
+            raise ReplayError(f"{where} holds {len(self.frozen)} frozen tensor(s) by sha256 only, and the model built "
+                              f"by {self.entry!r} cannot be checked against {len(unchecked)} of them "
+                              f"({shown(unchecked)}): it lacks them or holds them on the meta device; build the "
+                              f"model as the run did (its base weights loaded), or {copy_hint}")
+        if differ:
+            raise ReplayError(f"the frozen tensor(s) {shown(differ)} of the model built by {self.entry!r} differ from "
+                              f"the run's (sha256, dtype or shape recorded in {where / 'manifest.json'}): the entry "
+                              "loads other base weights than the run did (another checkpoint, revision or seed), or "
+                              "the run changed them in place; a replay on them would answer for another model; "
+                              f"load the run's base weights in the entry, or {copy_hint}")
+        self.model_state = {**self.model_state, **{key: state[key].detach().clone() for key in self.frozen}}
+        self.notes.append(f"frozen: {len(self.frozen)} frozen tensor(s) the bundle holds by sha256 were taken from "
+                          f"the model built by {self.entry!r}, each matching its digest")
+        self.frozen = {}
 
     def run(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None, batch: Any = None,
             localize: bool = False, trace_ops: bool = False) -> StepOutcome:
