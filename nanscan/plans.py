@@ -237,8 +237,9 @@ def _uses_module_walk(module: torch.nn.Module) -> bool:
 #     write the stamps miss. A non-finite value written that way into a weight the forward reads makes the loss and
 #     gradients non-finite at that step, which is then scanned whole, the weight itself named (category parameter);
 #     a finite one, or one in a weight nothing reads, shows when the standing part is next left out: every
-#     FROZEN_RESCAN_CHECKS checks every frozen tensor is read again. 64 is the Monitor's default history, so its
-#     window (and a bundle's) always holds a check that read every frozen tensor, at 1/64 of the frozen scan's cost.
+#     FROZEN_RESCAN_CHECKS checks (ModelScanPlan(frozen_period=...)) every frozen tensor is read again. 64 is the
+#     Monitor's default history, so its window (and a bundle's) always holds a check that read every frozen
+#     tensor, at 1/64 of the frozen scan's cost.
 #   - only the one-call path on the CPU carries (scan_on_host, the native backend): the numba backend, the Python
 #     check, mode="async" and GPU scans read every frozen tensor at every check, as before.
 FROZEN_RESCAN_CHECKS = 64
@@ -267,8 +268,14 @@ class ModelScanPlan:
     optimizer state.
     """
 
-    def __init__(self, shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = whole_tensor):
+    def __init__(self, shard: Callable[[torch.Tensor], tuple[torch.Tensor, str]] = whole_tensor, *,
+                 frozen_period: int = FROZEN_RESCAN_CHECKS):
+        """frozen_period: how many checks the frozen parameters' records may stand in before every one is read
+        again (NOTE: [frozen records]); 0 reads them at every check."""
+        if not isinstance(frozen_period, int) or frozen_period < 0:
+            raise ValueError(f"frozen_period={frozen_period!r}: give a number of checks, 0 or more")
         self._shard = shard
+        self.frozen_period = frozen_period
         self._fast = False  # whether the last rebuild allows the per-step checks above
         # The module tree as dictionaries (each module's _modules), not modules: holding the root module would keep
         # a model alive that only the default Monitor's weak dictionary refers to.
@@ -357,7 +364,7 @@ class ModelScanPlan:
         if scan_planned is None:
             return None
         state = None if optimizer is None else optimizer.state
-        standing = self._frozen_part if self._frozen_checks < FROZEN_RESCAN_CHECKS else None
+        standing = self._frozen_part if self._frozen_checks < self.frozen_period else None
         if standing is not None:  # the post-update records are newer: later in the list, they win
             carried = standing if carried is None else [standing, carried]
         scanned = scan_planned(self._native, state, extra.ptrs, numels, codes, carried)
@@ -365,7 +372,7 @@ class ModelScanPlan:
             return None
         if standing is not None:
             self._frozen_checks += 1
-        elif self._frozen:
+        elif self._frozen and self.frozen_period:
             self._keep_frozen(scanned[0], len(extra))
         return identities, *scanned, backend.name
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from nanscan import plans
 from nanscan.monitor import Monitor
 from nanscan.plans import BatchPlan, ModelScanPlan
 from nanscan.scan import scan
@@ -127,12 +126,11 @@ def test_a_frozen_weight_written_between_checks_is_read_again(native, tmp_path, 
     assert np.array_equal(np.array(report.records), expected)
 
 
-def test_a_finite_data_write_is_seen_at_the_period(native, tmp_path, monkeypatch):
+def test_a_finite_data_write_is_seen_at_the_period(native, tmp_path):
     """The blind spot, as NOTE: [frozen records] states it: a `.data` write moves no stamp, so until the frozen
     tensors are read again the weight's record is the one from before the write."""
-    monkeypatch.setattr(plans, "FROZEN_RESCAN_CHECKS", 3)
     model, optimizer = lora_model()
-    mon = monitor(model, optimizer, tmp_path)
+    mon = monitor(model, optimizer, tmp_path, source=ModelScanPlan(frozen_period=3))
     data = batches(8)
     for x in data[:3]:  # the rebuild, Adam's state (a rebuild), and the first check that reads the frozen weights
         step(model, optimizer, mon, x, fresh=False)
@@ -159,11 +157,11 @@ def test_a_nan_written_through_data_into_a_frozen_weight_is_named_at_that_check(
     assert "loss" in report.nonfinite
 
 
-def test_a_nan_in_a_frozen_weight_no_forward_reads_is_caught_at_the_period(native, tmp_path, monkeypatch):
-    monkeypatch.setattr(plans, "FROZEN_RESCAN_CHECKS", 3)
+def test_a_nan_in_a_frozen_weight_no_forward_reads_is_caught_at_the_period(native, tmp_path):
     model, optimizer = lora_model()
     model[0].add_module("unused", nn.Linear(4, 4).requires_grad_(False))  # in the model, never in its forward
-    mon = monitor(model, optimizer, tmp_path, on_invalid="warn", post_update=False)
+    mon = monitor(model, optimizer, tmp_path, on_invalid="warn", post_update=False,
+                  source=ModelScanPlan(frozen_period=3))
     data = batches(8)
     for x in data[:3]:
         step(model, optimizer, mon, x, fresh=False)
@@ -247,3 +245,17 @@ def test_a_frozen_parameter_with_a_stale_gradient_is_read_every_step(native, tmp
         before = adapter.detach().clone()
         optimizer.step()
         assert not torch.equal(adapter, before)  # the update wrote it
+
+
+def test_frozen_period_zero_reads_every_frozen_tensor_at_every_check(native, tmp_path):
+    model, optimizer = lora_model()
+    mon = monitor(model, optimizer, tmp_path, source=ModelScanPlan(frozen_period=0))
+    data = batches(5)
+    for x in data[:3]:
+        step(model, optimizer, mon, x, fresh=False)
+    model[0].base.weight.data.mul_(4.0)  # a .data write: only a read sees it
+    report, (_, expected) = step(model, optimizer, mon, data[3])
+    assert np.array_equal(np.array(report.records), expected)
+    assert mon._plan._frozen_part is None
+    with pytest.raises(ValueError, match="frozen_period=-1"):
+        ModelScanPlan(frozen_period=-1)
