@@ -32,6 +32,8 @@ def test_a_bundle_holds_frozen_weights_by_digest(tmp_path):
     assert copied.frozen_references() == {}
     assert torch.equal(copied.state()[0]["base.weight"], spec.model.base.weight)
     assert (path / STATE).stat().st_size < (copied.path / STATE).stat().st_size
+    assert "1 frozen weight(s) by sha256 only" in bundle.incident_text()
+    assert "frozen weight" not in copied.incident_text()
 
 
 def test_replay_takes_frozen_weights_from_the_entry_after_checking_them(tmp_path):

@@ -93,6 +93,9 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     else:
         note = f" ({state['note']})" if state.get("note") else ""
         state_line = f"model and optimizer state at the failing step{note}"
+    if state.get("file") and isinstance(state.get("frozen"), dict) and state["frozen"]:  # NOTE: [frozen references]
+        state_line += (f"; {len(state['frozen'])} frozen weight(s) by sha256 only, which replay takes from its "
+                       "entry's model")
     lines = [
         (f"# Spike at step {manifest['first_invalid_step']}: an early warning, every value finite"
          if manifest["category"] == SPIKE else f"# Incident: non-finite values at step {manifest['first_invalid_step']}"),
