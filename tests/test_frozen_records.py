@@ -102,10 +102,10 @@ def frozen_writes():
     def data_swap(model):
         model[0].base.weight.data = model[0].base.weight.data * 5.0
 
-    def half_then_back(model):  # a dtype change and back: the address moves, the version may not
+    def dtype_round_trip(model):  # a dtype change and back: the address moves, the version may not
         model[0].base.weight.data = model[0].base.weight.data.double().float() * 2.0
 
-    return [no_grad_edit, copied, loaded_state, data_swap, half_then_back]
+    return [no_grad_edit, copied, loaded_state, data_swap, dtype_round_trip]
 
 
 @pytest.mark.parametrize("write", frozen_writes(), ids=lambda w: w.__name__)
@@ -124,6 +124,23 @@ def test_a_frozen_weight_written_between_checks_is_read_again(native, tmp_path, 
     # and the new record stands in from then on: the next check still agrees with a fresh scan
     report, (_, expected) = step(model, optimizer, mon, data[0])
     assert np.array_equal(np.array(report.records), expected)
+
+
+def test_a_frozen_weight_read_again_stands_in_from_the_next_check(native, tmp_path):
+    """The read after a stamp moved refreshes the standing part in place (nanscan._C.PlanCheck): the check after
+    it carries the new record, which a `.data` write (moving no stamp) in between makes visible."""
+    model, optimizer = lora_model()
+    mon = monitor(model, optimizer, tmp_path)
+    data = batches(6)
+    for x in data[:4]:
+        step(model, optimizer, mon, x, fresh=False)
+    with torch.no_grad():
+        model[0].base.weight.mul_(3.0)
+    edited = fresh_record(model[0].base.weight)
+    assert np.array_equal(record(step(model, optimizer, mon, data[4], fresh=False)[0], FROZEN), edited)
+    model[0].base.weight.data.mul_(2.0)
+    assert np.array_equal(record(step(model, optimizer, mon, data[5], fresh=False)[0], FROZEN), edited)
+    assert mon._plan.frozen_rescans == 1  # carried since the first read: the edit was one row read again
 
 
 def test_a_finite_data_write_is_seen_at_the_period(native, tmp_path):
