@@ -16,7 +16,9 @@ from nanscan.bundle.format import MANIFEST, STATE
 from nanscan.bundle.frozen import tensor_sha256
 from nanscan.monitor import Monitor, NonFiniteError
 from nanscan.replay import Replayer
+from nanscan.replay.export import export_regression
 from nanscan.replay.step import ReplayError
+from nanscan.testing import load_regression_case
 
 
 def test_a_bundle_holds_frozen_weights_by_digest(tmp_path):
@@ -43,6 +45,12 @@ def test_replay_takes_frozen_weights_from_the_entry_after_checking_them(tmp_path
     assert any(note.startswith("frozen: 1 frozen tensor(s)") for note in replayer.notes)
     assert torch.equal(replayer.model_state["base.weight"], E.frozen_base({}).model.base.weight)
     assert not replayer.run().finite  # a second run loads them from the completed state
+
+
+def test_an_exported_regression_case_holds_the_checked_frozen_weights(tmp_path):
+    result = export_regression(E.train("frozen_base", tmp_path / "b"), tmp_path / "case", with_state=True)
+    case = load_regression_case(result.case_dir)
+    assert torch.equal(case.model_state["base.weight"], E.frozen_base({}).model.base.weight)
 
 
 def test_replay_says_which_frozen_weights_differ(tmp_path):
