@@ -44,8 +44,9 @@ NOTE: [dated updates]
 A scan after every update costs about half a check on a small model (bench_overhead: +2.1-3.4% of a step), for an
 answer the next check gives anyway: it scans every weight and state tensor. What that check cannot tell by
 itself is who wrote a non-finite weight. post_update="date" (the default for float32 parameters) makes the hook
-stamp the tensors the update may have written (nanscan.plans.tensor_stamps of the check plan's parameters and
-state, or the optimizer's own tensors when the update created state the plan has not seen: Adam's first step),
+stamp the tensors the update may have written (nanscan.plans.tensor_stamps of the check plan's parameters with a
+gradient and its state, ModelScanPlan.update_targets: never a frozen weight; or the optimizer's own tensors when
+the update created state the plan has not seen: Adam's first step),
 a few microseconds, and the next check, where it finds a non-finite parameter or state tensor whose stamp did not
 move since the hook, dates it to the update: the previous check saw it finite, and no in-place write, `.data`
 swap or dtype change happened after the update. The incident is the same as a scan's (UpdateContext: that
@@ -315,12 +316,12 @@ class UpdateWatch:
             self._carried = self._inputs.carried(scan.records())
 
     def _date(self, monitor: Any, optimizer: torch.optim.Optimizer, context: Any, plan: Any) -> None:
-        """Stamp what the update wrote (NOTE: [dated updates]): the check plan's parameters and state, unless the
-        update created state the plan has not seen (Adam's first update), then the optimizer's own tensors."""
-        tensors = plan.stable_tensors() if hasattr(plan, "stable_names") else []  # a TensorSource may have none
-        if tensors and len(optimizer.state) == plan.state_owners:
-            names = plan.stable_names()
-        else:
+        """Stamp what the update wrote (NOTE: [dated updates]): the check plan's parameters that have a gradient and
+        its state tensors, unless the update created state the plan has not seen (Adam's first update), then the
+        optimizer's own tensors."""
+        # a TensorSource may keep none
+        tensors, names = plan.update_targets() if hasattr(plan, "update_targets") else ([], [])
+        if not tensors or len(optimizer.state) != plan.state_owners:
             inputs = self._inputs.inputs(monitor.model, optimizer)
             tensors, names = self._inputs.tensors, [i.name for i in inputs.identities]
         if tensors:

@@ -307,7 +307,7 @@ class ModelScanPlan:
         self._extra_devices: tuple[str, ...] = ()
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self._state_owners = 0
-        self._stable_names: list[str] | None = None
+        self._update_targets: tuple[list[torch.Tensor], list[str]] | None = None
         # NOTE: [frozen records]: the frozen parameters (stable indices, tensors) and their standing carried part
         self._frozen_rows = np.empty(0, dtype=np.int64)
         self._frozen: list[torch.Tensor] = []
@@ -393,16 +393,20 @@ class ModelScanPlan:
         keeps nothing between steps."""
         return self._params + self._state_tensors if self._fast else []
 
-    def stable_names(self) -> list[str]:
-        """The scanned names of stable_tensors(), in its order (the parameters' and state tensors' rows of every
-        check's report, NOTE: [model scan plan]: in a plan that keeps its tensors, each is its own input)."""
+    def update_targets(self) -> tuple[list[torch.Tensor], list[str]]:
+        """The stable tensors an optimizer update can write, and their scanned names: the parameters that have a
+        gradient (the rebuild's, which every passing per-step check confirms) and the state tensors. A frozen
+        weight, which no update writes, is not one of them (nanscan.monitor_update NOTE: [dated updates]). Kept
+        per rebuild: a dated update asks after every optimizer.step(); ([], []) where the plan keeps nothing."""
         if not self._fast:
-            return []
-        if self._stable_names is None:  # once per rebuild: a dated update asks after every optimizer.step()
-            params, states = len(self._params), len(self._state_tensors)
-            self._stable_names = [i.name for i in self._identities[:params]] + \
+            return [], []
+        if self._update_targets is None:
+            states = len(self._state_tensors)
+            written = [i for i, absent in enumerate(self._grad_absent) if not absent]
+            names = [self._identities[i].name for i in written] + \
                 [i.name for i in self._identities[len(self._identities) - states:]]
-        return self._stable_names
+            self._update_targets = ([self._params[i] for i in written] + list(self._state_tensors), names)
+        return self._update_targets
 
     @property
     def state_owners(self) -> int:
@@ -493,7 +497,7 @@ class ModelScanPlan:
                  state_values: list) -> ScanInputs:
         """Prepare every tensor (the uncached path), and keep what the next steps' checks compare against."""
         self.rebuilds += 1
-        self._stable_names = None
+        self._update_targets = None
         self._frozen_rows, self._frozen, self._frozen_part = np.empty(0, dtype=np.int64), [], None
         items: list[ScanInput] = []
         fast = True

@@ -4,7 +4,6 @@ never for a write that came after the update."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -157,14 +156,30 @@ def test_healthy_runs_date_nothing(tmp_path):
 
 
 def test_stamps_are_taken_only_for_what_the_update_could_write(tmp_path):
-    # the plan's stable tensors: every parameter, then every state tensor, in the check's row names
+    # the plan's parameters that have a gradient, then every state tensor, in the check's row names: a frozen
+    # weight is not among them
     model, optimizer = model_and_optimizer("foreach")
+    model[2].bias.requires_grad_(False)
     monitor = Monitor(model, optimizer, bundle_dir=tmp_path, spikes=None, mode="sync", post_update="date")
     for i in range(3):
         step(model, optimizer, monitor, x_at(i))
-    plan = monitor._plan
-    names = plan.stable_names()
-    assert names[:4] == [f"param:{n}" for n, _ in model.named_parameters()]
-    assert len(names) == len(plan.stable_tensors()) == 4 + 4 * 3  # step, exp_avg, exp_avg_sq per parameter
-    assert all(n.startswith("optim:") for n in names[4:])
-    assert np.all(np.array([t.data_ptr() for t in plan.stable_tensors()]) != 0)
+    tensors, names = monitor._plan.update_targets()
+    trained = [f"param:{n}" for n, p in model.named_parameters() if p.requires_grad]
+    assert names[:3] == trained and "param:2.bias" not in names
+    assert len(names) == len(tensors) == 3 + 3 * 3  # step, exp_avg, exp_avg_sq per trained parameter
+    assert all(n.startswith("optim:") for n in names[3:])
+    assert all(t is p for t, p in zip(tensors, [p for p in model.parameters() if p.requires_grad]))
+
+
+def test_a_nan_written_into_a_frozen_weight_is_not_dated_to_the_update(tmp_path):
+    # no update writes a frozen weight: a `.data` write there (which moves no stamp) is that step's own incident
+    model, optimizer = model_and_optimizer()
+    model[0].bias.requires_grad_(False)
+    monitor = Monitor(model, optimizer, bundle_dir=tmp_path, spikes=None, mode="sync", post_update="date")
+    with pytest.raises(NonFiniteError) as err:
+        for i in range(6):
+            step(model, optimizer, monitor, x_at(i))
+            if i == 2:
+                model[0].bias.data[0] = float("nan")
+    assert (err.value.step, err.value.category) == (3, "parameter")
+    assert "optimizer update" not in str(err.value)
