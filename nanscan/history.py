@@ -36,6 +36,30 @@ DEVICE_BINS_PER_ROW = 64
 STATUS_TOTAL, STATUS_FITS = 0, 1  # slots of a device compaction's status (compact.h: kStatusTotal, kStatusFits)
 
 
+def read_scalar(value: Any) -> float | None:
+    """A kept loss or learning rate (kept_scalar) as a float, or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach()) if value.numel() == 1 else None
+    return float(value)
+
+
+def kept_scalar(value: Any, step_inputs: Any = None) -> Any:
+    """A loss or learning rate as the history keeps it: a float, or for a GPU scalar a device copy (reading it
+    would wait for the GPU; read_scalar reads it when the history is read). `step_inputs`: the check's inputs (a
+    nanscan.plans.StepInputs), whose loss is read from host memory for a one-element CPU tensor
+    (StepInputs.loss_value), not through .item()."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_cpu:
+            return value.detach().reshape(()).clone() if value.numel() == 1 else None
+        if step_inputs is not None:
+            read = step_inputs.loss_value()
+            if read is not None:
+                return read
+    return read_scalar(value)
+
+
 class RingEntry(NamedTuple):
     """What the ring keeps about one step besides its records. `loss` and `lr` are floats, None, or 0-dim tensor
     copies on the GPU, read only when the history is read. `scaling`: the GradScaler's scale at the check (None

@@ -74,12 +74,12 @@ from nanscan.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_
 from nanscan.bundle import HistoryEntry, check_run_id
 from nanscan.dispatch import launch, select_for_part
 from nanscan.entry import EntryWarning, entry_problem
-from nanscan.history import HistoryRing
+from nanscan.history import HistoryRing, kept_scalar, read_scalar
 from nanscan.incident import GradientWarning, NonFiniteError, SnapshotWarning, warn_user
 from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
-from nanscan.plans import BatchPlan, ModelScanPlan, StepInputs, TensorSource
+from nanscan.plans import BatchPlan, ModelScanPlan, TensorSource
 from nanscan.provenance import RNG_SOURCES, capture_rng, capture_source, normalize_config
 from nanscan.snapshot import CpuSnapshot
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
@@ -146,28 +146,6 @@ def _step_number(step: Any) -> int:
         return operator.index(step)
     except TypeError:
         raise TypeError(f"step={step!r}: pass the step number as an int") from None
-
-
-def _scalar(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return float(value.detach()) if value.numel() == 1 else None
-    return float(value)
-
-
-def _kept_scalar(value: Any, step_inputs: StepInputs | None = None) -> Any:
-    """A loss or learning rate as the history keeps it: a float, or for a GPU scalar a device copy (reading it
-    would wait for the GPU; _scalar reads it when the history is read). `step_inputs`: the check's inputs, whose
-    loss is read from host memory for a one-element CPU tensor (StepInputs.loss_value), not through .item()."""
-    if isinstance(value, torch.Tensor):
-        if not value.is_cpu:
-            return value.detach().reshape(()).clone() if value.numel() == 1 else None
-        if step_inputs is not None:
-            read = step_inputs.loss_value()
-            if read is not None:
-                return read
-    return _scalar(value)
 
 
 class _StepStartHook:
@@ -458,7 +436,7 @@ class Monitor(StepVerdicts):
 
     def _history_entries(self) -> list[HistoryEntry]:
         # grad_norm comes from the records once they are on the host, never on the every-step path.
-        return [HistoryEntry(entry.step, _scalar(entry.loss), _scalar(entry.lr), grad_norm(report), report)
+        return [HistoryEntry(entry.step, read_scalar(entry.loss), read_scalar(entry.lr), grad_norm(report), report)
                 for entry, report in self._ring.entries()]
 
     def flush(self):
@@ -612,7 +590,7 @@ class Monitor(StepVerdicts):
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling,
                                      dated.seen() if dated is not None else None)
 
-        kept_loss, kept_lr = _kept_scalar(loss, step_inputs), _kept_scalar(lr)
+        kept_loss, kept_lr = kept_scalar(loss, step_inputs), kept_scalar(lr)
         if host is not None:
             tensors, records, nonfinite, backend = host
             report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite,
@@ -675,7 +653,7 @@ class Monitor(StepVerdicts):
         decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
         scan = launch(inputs, backend=self.backend_for(inputs.devices))
         tensors = inputs.identities
-        kept_loss, kept_lr = _kept_scalar(loss), _kept_scalar(lr)
+        kept_loss, kept_lr = kept_scalar(loss), kept_scalar(lr)
         if self._export is not None:  # its copies are enqueued before the flag's: back once the verdict is
             self._export.record(step, scan, tensors, loss=kept_loss, lr=kept_lr)
         slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, verdict=True,
