@@ -134,3 +134,41 @@ def test_records_do_not_depend_on_threads(dtype):
             for n in (1, 2, 5)]
     for records in runs[1:]:
         assert np.array_equal(records, runs[0])
+
+
+NUMBA_GROUP, NUMBA_BYTE_BLOCK = 960, 3840  # nanscan.backends.numba_blocks.GROUP_ELEMS, numba_bytes._BYTE_BLOCK
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [None, NUMBA_GROUP + 1, NUMBA_BYTE_BLOCK + 7])
+def test_numba_byte_blocks(numba_backend, dtype, chunk):
+    """The numba byte blocks (NOTE: [numba bytes]): lengths around a residue group and a block, so that blocks end
+    inside a group (the rest counted field by field) and fall below one (counted per pattern); blocks of zeros with
+    and without subnormals of every leading bit; and every non-finite pattern, and 0x80, planted in a block that is
+    otherwise fast."""
+    rng = np.random.default_rng(38)
+    finite = finite_patterns(dtype)
+    subnormals = np.array([b | s for b in range(1, 1 << L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].mant_bits)
+                           for s in (0, 0x80)], np.uint8)
+    buffer = background(dtype, 4 * NUMBA_BYTE_BLOCK, rng)
+    buffer[rng.integers(0, buffer.size, 48)] = rng.choice(subnormals, 48)
+    whole = BitTables.tensor(buffer, dtype)
+    tensors = {}
+    for length in (NUMBA_GROUP - 1, NUMBA_GROUP, NUMBA_GROUP + 1, 2 * NUMBA_GROUP + 5, NUMBA_BYTE_BLOCK - 1,
+                   NUMBA_BYTE_BLOCK, NUMBA_BYTE_BLOCK + 1, NUMBA_BYTE_BLOCK + NUMBA_GROUP + 3, 3 * NUMBA_BYTE_BLOCK):
+        offset = int(rng.integers(0, whole.numel() - length))
+        tensors[f"{length} at {offset}"] = whole[offset:offset + length]
+    zeros = np.zeros(NUMBA_BYTE_BLOCK, np.uint8)
+    zeros[1::2] = 0x80 if 0x80 in set(finite.tolist()) else 0
+    tensors["zeros"] = BitTables.tensor(zeros, dtype)
+    small = zeros.copy()
+    small[rng.choice(small.size, 64, replace=False)] = rng.choice(subnormals, 64)
+    tensors["zeros and subnormals"] = BitTables.tensor(small, dtype)
+    tensors["largest and smallest"] = BitTables.tensor(np.where(rng.random(2 * NUMBA_BYTE_BLOCK) < 0.5,
+                                                                finite[finite < 0x80].max(), 1).astype(np.uint8), dtype)
+    for bits in [b for b in range(256) if b not in set(finite.tolist())] + [0x80]:
+        t = background(dtype, NUMBA_BYTE_BLOCK + NUMBA_GROUP, rng)
+        t[rng.integers(0, t.size)] = bits
+        tensors[f"pattern {bits:#04x}"] = BitTables.tensor(t, dtype)
+    report = scan_both(tensors, backend_for("numba", chunk), f"numba, chunks of {chunk}")
+    assert report["zeros and subnormals"].subnormal == 64

@@ -14,25 +14,24 @@ blocks with subnormals stay fast too: each value is widened to the float32 of th
 float32 fields are counted, which bin a subnormal by its leading bit as classify.h does.) Counting, not memory,
 bounds the speed: a table increment per element waits on the previous one's store whenever fields repeat, as they
 do in real data. So the fields are counted in registers, as the C++ kernel does (NOTE: [window counters]):
-  - residues: each element adds 1 << 4 * (field mod 16) to one of _LANES 64-bit words, a word taking one element of
-    each of _GROUP_ROWS rows of a group (a 4-bit counter holds 15); the row loop has a constant trip count, so LLVM
+  - residues: each element adds 1 << 4 * (field mod 16) to one of LANES 64-bit words, a word taking one element of
+    each of GROUP_ROWS rows of a group (a 4-bit counter holds 15); the row loop has a constant trip count, so LLVM
     unrolls it and vectorises the lane loop with the words in registers. At the end of a group the nibbles are spread
     into four words of 16-bit counters. When the block's non-zero fields span fewer than 16 fields, residue r names
     one field; zeros sat on residue 0 and are taken out again from their known number.
-  - fields: for a block spanning 16 fields or more, and for the elements past a chunk's last whole group, each
+  - a wide window: a block spanning 16 to 31 fields is counted relative to its lowest field, d = field - field_lo,
+    in a second set of words fed only the elements with d >= 16 (count_residues_wide), so 32 fields are told apart.
+  - fields: for a block spanning 32 fields or more, and for the elements past a chunk's last whole group, each
     element's exponent field is counted, into _NUM_TABLES tables filled in turn so that runs of equal exponents do
     not wait on each other's stores.
-Both are added into the tables, folded into bins once per chunk. Their int32 counters hold any chunk below 2**31
+All are added into the tables, folded into bins once per chunk. Their int32 counters hold any chunk below 2**31
 elements. (Measured on one hot block of Gaussian float32, per element: bounds 0.08 ns, squares 0.07 ns, residues 0.11
 ns; the pair table this replaced, 0.35 ns.)
-The one-byte formats (float8) take none of this: a chunk is counted per bit pattern and the counts are folded through
-the format's table of 256 patterns (nanscan/backends/byte_formats.py), in pattern order, as the C++ kernel does
-without AVX-512 (NOTE: [byte formats] in csrc/cpu/scan_cpu.cpp), so the two give the same records. (With AVX-512 the
-C++ kernel sums the squares as exact integers, rounded once, NOTE: [byte vectors]: the same sum wherever the pattern
-order's is exact, as for float8_e4m3fn chunks below 2**17 elements, else one within rounding of it.)
+The one-byte formats (float8) are counted in blocks of their own (nanscan/backends/numba_bytes.py, NOTE: [numba
+bytes]).
 
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
-nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_cpu*.nbi/.nbc).
+nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_*.nbi/.nbc).
 """
 
 from __future__ import annotations
@@ -45,24 +44,20 @@ from typing import Sequence
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
+from numba.extending import overload
 
 from nanscan import _layout as L
-from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE, byte_table
+from nanscan.backends.byte_formats import byte_table
+from nanscan.backends.numba_bytes import byte_traits, scan_byte_chunks
+from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, count_residues,
+                                          count_residues_wide, float32_bits, float32_of_bits, narrow,
+                                          pointer_at, prefetch_lines, wide_counts)
 from nanscan.inputs import ScanInput, as_scan_inputs
 
-# Residue counting (NOTE: [numba blocks]): _LANES independent 64-bit words of sixteen 4-bit counters, each word fed
-# _GROUP_ROWS elements (a 4-bit counter holds 15) before its nibbles are spread into 16-bit counters.
-_LANES = 64
-_GROUP_ROWS = 15
-_GROUP_ELEMS = _LANES * _GROUP_ROWS
-_RESIDUES = 16
 # A whole number of groups; 1920 float32 are 7.5 KiB, so a block stays in L1 between the passes over it.
-_BLOCK_ELEMS = 2 * _GROUP_ELEMS
+_BLOCK_ELEMS = 2 * GROUP_ELEMS
 _NUM_TABLES = 4
-_CACHE_LINE = 64
 # 16-bit formats are counted, and summed, as the float32 values of the same magnitude (_widen): 8 exponent bits.
 _WIDE_EXP_BITS, _WIDE_MANT_BITS = 8, 23
 
@@ -116,52 +111,6 @@ _FORMATS = {
 
 # -- numba building blocks ---------------------------------------------------------------------------------------
 
-@intrinsic
-def _pointer_at(typingctx, address, like):
-    """A typed pointer to `address` (an int64), of the element type of the array `like`."""
-    pointer_type = types.CPointer(like.dtype)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(pointer_type))
-
-    return pointer_type(types.int64, like), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, address):
-    """Start loading the cache line at `address` (an int64) into every cache level; a hint that never faults."""
-
-    def codegen(context, builder, signature, args):
-        pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32])
-        prefetch = builder.module.declare_intrinsic("llvm.prefetch", [pointer], fnty)
-        # read (0), keep in all cache levels (locality 3), data cache (1)
-        builder.call(prefetch, [builder.inttoptr(args[0], pointer), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.none(types.int64), codegen
-
-
-@njit(cache=True)
-def _prefetch_lines(address, begin, end):
-    """Prefetch the cache lines of bytes [begin, end) after `address`; a prefetch never faults, so the last line may
-    reach past the data."""
-    for byte in range(begin, end, _CACHE_LINE):
-        _prefetch(address + byte)
-
-
-def _narrow(value, like):
-    """`value` converted to the element type of the array `like` (jitted code only)."""
-
-
-@overload(_narrow)
-def _narrow_impl(value, like):
-    # Numba widens integer arithmetic to 64 bits; converting back keeps 16- and 32-bit data in narrow vector lanes.
-    target = like.dtype
-    return lambda value, like: target(value)
-
-
 def _block_sumsq(block):
     """Sum of squares of a block of zeros and finite values, float32 or float64 bits, in float64 (jitted code
     only)."""
@@ -183,26 +132,6 @@ def _block_sumsq_impl(block):
     return view_then_sum
 
 
-@intrinsic
-def _float32_bits(typingctx, value):
-    """The bit pattern of a float32, as a uint32."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _float32_of_bits(typingctx, bits):
-    """The float32 whose bit pattern is the uint32 `bits`."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
 def _widened_sumsq(block, widened, shift, offset, exact_small):
     """Sum of squares of a 16-bit block of zeros and finite values, each taken as the float32 of the same magnitude
     (_widen_one); with `exact_small` the float32 bits are also stored in `widened` for counting (jitted code
@@ -221,12 +150,12 @@ def _widened_sumsq_impl(block, widened, shift, offset, exact_small):
             for i in range(n):
                 w = _widen_one(block[i] & np.uint16(0x7FFF), shift, offset, True)
                 widened[i] = w
-                v = np.float64(_float32_of_bits(w))
+                v = np.float64(float32_of_bits(w))
                 s += v * v
         else:
             for i in range(n):
                 w = _widen_one(block[i] & np.uint16(0x7FFF), shift, offset, False)
-                v = np.float64(_float32_of_bits(w))
+                v = np.float64(float32_of_bits(w))
                 s += v * v
         return s
     return widen_and_sum
@@ -240,7 +169,7 @@ def _widen_one(a, shift, offset, exact_small):
     a32 = np.uint32(a)
     normal = (a32 << shift) + offset
     if exact_small:
-        small = _float32_bits(np.float32(a32) * np.float32(2.0 ** -24))
+        small = float32_bits(np.float32(a32) * np.float32(2.0 ** -24))
         return normal if a32 >= np.uint32(0x400) else small
     return normal if a32 != 0 else np.uint32(0)
 
@@ -305,37 +234,15 @@ def _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin):
 @njit(cache=True)
 def _block_bounds(block, abs_mask):
     """Number of zeros, smallest non-zero |x| bits (abs_mask when none) and largest |x| bits of a block."""
-    zeros = _narrow(0, block)  # in the block's own width, like everything here (blocks are far below 2**16)
+    zeros = narrow(0, block)  # in the block's own width, like everything here (blocks are far below 2**16)
     lo_nonzero = abs_mask
-    hi = _narrow(0, block)
+    hi = narrow(0, block)
     for i in range(block.size):
-        a = _narrow(block[i] & abs_mask, block)
-        zeros = _narrow(zeros + _narrow(a == 0, block), block)
+        a = narrow(block[i] & abs_mask, block)
+        zeros = narrow(zeros + narrow(a == 0, block), block)
         lo_nonzero = min(lo_nonzero, a if a != 0 else abs_mask)
         hi = max(hi, a)
     return zeros, lo_nonzero, hi  # converting zeros to int64 here would widen the whole loop to 64-bit lanes
-
-
-@njit(cache=True)
-def _count_residues(block, mant_bits):
-    """Counts of the exponent field mod 16 over the block's whole groups (NOTE: [numba blocks]), as four words of
-    16-bit counters: word k, slot q counts residue 4 * q + k."""
-    shift = np.uint64(mant_bits - 2)  # puts 4 * (field mod 16) at bits 2..5
-    nibbles = np.uint64(0x000F000F000F000F)
-    w0 = w1 = w2 = w3 = np.uint64(0)
-    for g in range(block.size // _GROUP_ELEMS):
-        group = block[g * _GROUP_ELEMS:(g + 1) * _GROUP_ELEMS]
-        for lane in range(_LANES):
-            # The row loop has a constant trip count: LLVM unrolls it, and the lane loop is vectorised with the
-            # words in registers.
-            word = np.uint64(0)
-            for row in range(_GROUP_ROWS):
-                word += np.uint64(1) << ((np.uint64(group[row * _LANES + lane]) >> shift) & np.uint64(0x3C))
-            w0 += word & nibbles
-            w1 += (word >> np.uint64(4)) & nibbles
-            w2 += (word >> np.uint64(8)) & nibbles
-            w3 += (word >> np.uint64(12)) & nibbles
-    return w0, w1, w2, w3
 
 
 @njit(cache=True)
@@ -349,7 +256,7 @@ def _fold_residues(words, field_lo, zeros, field_table):
             c = np.int64((w >> np.uint64(16 * q)) & np.uint64(0xFFFF))
             if r == 0:
                 c -= zeros
-            field_table[field_lo + ((r - field_lo) & (_RESIDUES - 1))] += c
+            field_table[field_lo + ((r - field_lo) & (RESIDUES - 1))] += c
 
 
 @njit(cache=True)
@@ -363,17 +270,17 @@ def _count_zeros(block, abs_mask):
 @njit(cache=True)
 def _count_below(block, abs_mask, min_normal):
     """Number of elements whose |x| bits lie below the smallest normal: zeros and subnormals."""
-    k = _narrow(0, block)
+    k = narrow(0, block)
     for i in range(block.size):
-        k = _narrow(k + _narrow((block[i] & abs_mask) < min_normal, block), block)
+        k = narrow(k + narrow((block[i] & abs_mask) < min_normal, block), block)
     return k
 
 
 @njit(cache=True)
 def _count_fields(block, mant_bits, exp_bits, field_tables):
     """Count each element's exponent field into _NUM_TABLES interleaved tables of 2**exp_bits entries."""
-    shift = _narrow(mant_bits, block)
-    field_mask = _narrow((1 << exp_bits) - 1, block)
+    shift = narrow(mant_bits, block)
+    field_mask = narrow((1 << exp_bits) - 1, block)
     stride = 1 << exp_bits
     n = block.size
     m = n - n % 4
@@ -404,16 +311,25 @@ def _fold_fields(field_tables, exp_bits, counts):
 def _count_block(values, zeros, field_lo, field_hi, mant_bits, exp_bits, field_tables):
     """Counts the exponent fields of a block of zeros and normal values (float32 or float64 bits), `zeros` of them
     zeros, whose non-zero fields span [field_lo, field_hi] (NOTE: [numba blocks])."""
-    if field_hi - field_lo >= _RESIDUES:
+    if field_hi - field_lo >= 2 * RESIDUES:
         _count_fields(values, mant_bits, exp_bits, field_tables)
         return
-    grouped = values.size - values.size % _GROUP_ELEMS
+    grouped = values.size - values.size % GROUP_ELEMS
     tail = values[grouped:]
     if tail.size:  # only the last block of a chunk; its zeros land in field 0 of the tables, never read
         _count_fields(tail, mant_bits, exp_bits, field_tables)
-        zeros -= _count_zeros(tail, _narrow((1 << (exp_bits + mant_bits)) - 1, values))
-    if grouped:
-        _fold_residues(_count_residues(values[:grouped], mant_bits), field_lo, zeros, field_tables)
+        zeros -= _count_zeros(tail, narrow((1 << (exp_bits + mant_bits)) - 1, values))
+    if not grouped:
+        return
+    if field_hi - field_lo < RESIDUES:
+        _fold_residues(count_residues(values[:grouped], mant_bits), field_lo, zeros, field_tables)
+        return
+    # A window of 32 fields: d = field - field_lo, zeros at d = -field_lo mod 32.
+    wide = wide_counts(count_residues_wide(values[:grouped], mant_bits, field_lo))
+    wide[(-field_lo) & (2 * RESIDUES - 1)] -= zeros
+    for d in range(2 * RESIDUES):
+        if wide[d]:
+            field_tables[field_lo + d] += wide[d]
 
 
 def _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small, exp_bits, mant_bits,
@@ -430,7 +346,7 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
         def widen_then_count(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small,
                              exp_bits, mant_bits, counts, field_tables):
             if lo_nonzero < min_normal:
-                counts[_REC_SUBNORMAL] += np.int64(_count_below(block, _narrow(0x7FFF, block), min_normal)) - zeros
+                counts[_REC_SUBNORMAL] += np.int64(_count_below(block, narrow(0x7FFF, block), min_normal)) - zeros
             s = _widened_sumsq(block, widened, shift, offset, exact_small)
             if exact_small:
                 # Counted as float32: a subnormal's bin is its widened value's exponent field.
@@ -440,7 +356,7 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
                              field_tables)
             else:
                 # Normal values only: the raw exponent field is the widened one (bfloat16 shares float32's).
-                field_shift = _narrow(mant_bits, block)
+                field_shift = narrow(mant_bits, block)
                 _count_block(block, zeros, np.int64(lo_nonzero >> field_shift), np.int64(hi >> field_shift),
                              mant_bits, exp_bits, field_tables)
             return s
@@ -448,7 +364,7 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
 
     def count(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small, exp_bits, mant_bits,
               counts, field_tables):
-        field_shift = _narrow(mant_bits, block)
+        field_shift = narrow(mant_bits, block)
         _count_block(block, zeros, np.int64(lo_nonzero >> field_shift), np.int64(hi >> field_shift), mant_bits,
                      exp_bits, field_tables)
         return _block_sumsq(block)
@@ -466,7 +382,7 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
     exact_small = bits_like.itemsize == 2 and exp_bits == 5
     count_exp_bits = _WIDE_EXP_BITS if bits_like.itemsize == 2 else exp_bits
     for c in prange(addresses.size):
-        data = numba.carray(_pointer_at(addresses[c], bits_like), numels[c])
+        data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
         counts = partial_counts[c]
         absmax = np.int64(0)
         absmin = np.int64(_ABSMIN_NONE)
@@ -482,76 +398,28 @@ def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale
             # core's few slots for outstanding misses).
             ahead = addresses[c] + min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
             ahead_size = addresses[c] + min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize - ahead
-            quarter = -(-ahead_size // (4 * _CACHE_LINE)) * _CACHE_LINE
-            _prefetch_lines(ahead, 0, quarter)
+            quarter = -(-ahead_size // (4 * CACHE_LINE)) * CACHE_LINE
+            prefetch_lines(ahead, 0, quarter)
             if use_tables:
                 block_zeros, lo_nonzero, hi = _block_bounds(block, abs_mask)
                 zeros = np.int64(block_zeros)
-                _prefetch_lines(ahead, quarter, 2 * quarter)
+                prefetch_lines(ahead, quarter, 2 * quarter)
                 if hi < inf_bits and (lo_nonzero >= min_normal or exact_small):
                     counts[_REC_ZERO] += zeros
                     if zeros == block.size:
-                        _prefetch_lines(ahead, 2 * quarter, ahead_size)
+                        prefetch_lines(ahead, 2 * quarter, ahead_size)
                         continue
                     absmax = max(absmax, np.int64(hi))
                     absmin = min(absmin, np.int64(lo_nonzero))
                     s += _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small,
                                      exp_bits, mant_bits, counts, field_tables)
-                    _prefetch_lines(ahead, 3 * quarter, ahead_size)
+                    prefetch_lines(ahead, 3 * quarter, ahead_size)
                     continue
-            _prefetch_lines(ahead, quarter, ahead_size)
+            prefetch_lines(ahead, quarter, ahead_size)
             absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
             s += block_sumsq
         if use_tables:
             _fold_fields(field_tables, count_exp_bits, counts)
-        counts[_REC_ABSMAX] = absmax
-        counts[_REC_ABSMIN] = absmin
-        partial_sumsq[c] = s
-
-
-_NORMAL, _ZERO, _SUBNORMAL, _POSINF, _NEGINF, _NAN = L.NORMAL, L.ZERO, L.SUBNORMAL, L.POSINF, L.NEGINF, L.NAN
-_BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
-
-
-@njit(parallel=True, cache=True)
-def _scan_byte_chunks(addresses, numels, table, partial_counts, partial_sumsq):
-    """One partial record per chunk of a one-byte format: counts per bit pattern, folded through `table`
-    (byte_formats.byte_table) in pattern order."""
-    bits_like = np.empty(0, np.uint8)
-    for c in prange(addresses.size):
-        data = numba.carray(_pointer_at(addresses[c], bits_like), numels[c])
-        pattern_counts = np.zeros((_BYTE_TABLES, 256), np.int64)
-        n = data.size
-        m = n - n % _BYTE_TABLES
-        for i in range(0, m, _BYTE_TABLES):
-            for t in range(_BYTE_TABLES):
-                pattern_counts[t, data[i + t]] += 1
-        for i in range(m, n):
-            pattern_counts[0, data[i]] += 1
-        counts = partial_counts[c]
-        absmax = np.int64(0)
-        absmin = np.int64(_ABSMIN_NONE)
-        s = 0.0
-        for b in range(256):
-            k = pattern_counts[:, b].sum()
-            if k == 0:
-                continue
-            cls = np.int64(table[TABLE_CLASS, b])
-            if cls == _NAN:
-                counts[_REC_NAN] += k
-            elif cls == _POSINF:
-                counts[_REC_POSINF] += k
-            elif cls == _NEGINF:
-                counts[_REC_NEGINF] += k
-            elif cls == _ZERO:
-                counts[_REC_ZERO] += k
-            else:
-                if cls == _SUBNORMAL:
-                    counts[_REC_SUBNORMAL] += k
-                counts[_REC_HIST + np.int64(table[TABLE_BIN, b])] += k
-                absmax = max(absmax, np.int64(b & 0x7F))
-                absmin = min(absmin, np.int64(b & 0x7F))
-                s += np.float64(k) * table[TABLE_SQUARE, b]
         counts[_REC_ABSMAX] = absmax
         counts[_REC_ABSMIN] = absmin
         partial_sumsq[c] = s
@@ -618,7 +486,9 @@ class NumbaBackend:
         partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
         with self._launch_lock:
             if L.FORMATS[code].bytes == 1:
-                _scan_byte_chunks(addresses, chunk_numels, byte_table(code), partial_counts, partial_sumsq)
+                table = byte_table(code)
+                scan_byte_chunks(addresses, chunk_numels, table, byte_traits(code, table), partial_counts,
+                                 partial_sumsq)
             else:
                 fmt = _FORMATS[code]
                 _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,

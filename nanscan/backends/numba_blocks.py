@@ -1,0 +1,153 @@
+"""Building blocks of the numba kernels (nanscan/backends/numba_cpu.py, numba_bytes.py): typed pointers, prefetch
+hints, narrow integer arithmetic, float32 bit casts and the residue counters of NOTE: [numba blocks]."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+# Residue counting (NOTE: [numba blocks]): LANES independent 64-bit words of sixteen 4-bit counters, each word fed
+# GROUP_ROWS elements (a 4-bit counter holds 15) before its nibbles are spread into 16-bit counters.
+LANES = 64
+GROUP_ROWS = 15
+GROUP_ELEMS = LANES * GROUP_ROWS
+RESIDUES = 16
+CACHE_LINE = 64
+
+
+@intrinsic
+def pointer_at(typingctx, address, like):
+    """A typed pointer to `address` (an int64), of the element type of the array `like`."""
+    pointer_type = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer_type))
+
+    return pointer_type(types.int64, like), codegen
+
+
+@intrinsic
+def prefetch(typingctx, address):
+    """Start loading the cache line at `address` (an int64) into every cache level; a hint that never faults."""
+
+    def codegen(context, builder, signature, args):
+        pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32])
+        prefetch = builder.module.declare_intrinsic("llvm.prefetch", [pointer], fnty)
+        # read (0), keep in all cache levels (locality 3), data cache (1)
+        builder.call(prefetch, [builder.inttoptr(args[0], pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
+
+
+@njit(cache=True)
+def prefetch_lines(address, begin, end):
+    """Prefetch the cache lines of bytes [begin, end) after `address`; a prefetch never faults, so the last line may
+    reach past the data."""
+    for byte in range(begin, end, CACHE_LINE):
+        prefetch(address + byte)
+
+
+def narrow(value, like):
+    """`value` converted to the element type of the array `like` (jitted code only)."""
+
+
+@overload(narrow)
+def _narrow_impl(value, like):
+    # Numba widens integer arithmetic to 64 bits; converting back keeps 16- and 32-bit data in narrow vector lanes.
+    target = like.dtype
+    return lambda value, like: target(value)
+
+
+@intrinsic
+def float32_bits(typingctx, value):
+    """The bit pattern of a float32, as a uint32."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def float32_of_bits(typingctx, bits):
+    """The float32 whose bit pattern is the uint32 `bits`."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(cache=True)
+def count_residues(block, mant_bits):
+    """Counts of the exponent field mod 16 over the block's whole groups (NOTE: [numba blocks]), as four words of
+    16-bit counters: word k, slot q counts residue 4 * q + k."""
+    shift = np.uint64(mant_bits - 2)  # puts 4 * (field mod 16) at bits 2..5
+    nibbles = np.uint64(0x000F000F000F000F)
+    w0 = w1 = w2 = w3 = np.uint64(0)
+    for g in range(block.size // GROUP_ELEMS):
+        group = block[g * GROUP_ELEMS:(g + 1) * GROUP_ELEMS]
+        for lane in range(LANES):
+            # The row loop has a constant trip count: LLVM unrolls it, and the lane loop is vectorised with the
+            # words in registers.
+            word = np.uint64(0)
+            for row in range(GROUP_ROWS):
+                word += np.uint64(1) << ((np.uint64(group[row * LANES + lane]) >> shift) & np.uint64(0x3C))
+            w0 += word & nibbles
+            w1 += (word >> np.uint64(4)) & nibbles
+            w2 += (word >> np.uint64(8)) & nibbles
+            w3 += (word >> np.uint64(12)) & nibbles
+    return w0, w1, w2, w3
+
+
+
+
+@njit(cache=True)
+def count_residues_wide(block, mant_bits, field_lo):
+    """Counts of d = (field - field_lo) mod 32 over the block's whole groups (NOTE: [numba blocks]), as eight words of
+    16-bit counters: words 0..3 count d mod 16 over every element, as count_residues does, and words 4..7 count it
+    over the elements with d >= 16 alone, so a window of 32 fields is told apart (fold_residues_wide)."""
+    shift = np.uint64(mant_bits)
+    base = np.uint64(field_lo)
+    nibbles = np.uint64(0x000F000F000F000F)
+    w0 = w1 = w2 = w3 = h0 = h1 = h2 = h3 = np.uint64(0)
+    for g in range(block.size // GROUP_ELEMS):
+        group = block[g * GROUP_ELEMS:(g + 1) * GROUP_ELEMS]
+        for lane in range(LANES):
+            word = np.uint64(0)
+            high = np.uint64(0)
+            for row in range(GROUP_ROWS):
+                # The sign bit lands on a multiple of 32 above the field, so it never changes d mod 32.
+                d = (np.uint64(group[row * LANES + lane]) >> shift) - base
+                one = np.uint64(1) << ((d << np.uint64(2)) & np.uint64(0x3C))
+                word += one
+                high += one & (np.uint64(0) - ((d >> np.uint64(4)) & np.uint64(1)))
+            w0 += word & nibbles
+            w1 += (word >> np.uint64(4)) & nibbles
+            w2 += (word >> np.uint64(8)) & nibbles
+            w3 += (word >> np.uint64(12)) & nibbles
+            h0 += high & nibbles
+            h1 += (high >> np.uint64(4)) & nibbles
+            h2 += (high >> np.uint64(8)) & nibbles
+            h3 += (high >> np.uint64(12)) & nibbles
+    return w0, w1, w2, w3, h0, h1, h2, h3
+
+
+@njit(cache=True)
+def wide_counts(words):
+    """The 32 counts of d = 0..31 from count_residues_wide's words (word k, slot q: d mod 16 = 4 * q + k)."""
+    out = np.empty(2 * RESIDUES, np.int64)
+    for k in range(4):
+        for q in range(4):
+            r = 4 * q + k
+            every = np.int64((words[k] >> np.uint64(16 * q)) & np.uint64(0xFFFF))
+            high = np.int64((words[4 + k] >> np.uint64(16 * q)) & np.uint64(0xFFFF))
+            out[r] = every - high
+            out[r + RESIDUES] = high
+    return out

@@ -1,0 +1,218 @@
+"""The numba backend's scan of the one-byte (float8) formats, in blocks counted in registers (NOTE: [numba bytes]).
+
+NOTE: [numba bytes]
+Counting each byte into a table of 256 patterns waits on a load and a store per byte (0.15-0.2 of the read limit).
+So a chunk is read in blocks of _BYTE_BLOCK bytes, each with vectorised passes of narrow integer arithmetic:
+  - bounds: the number of zeros (|x| bits 0), of 0x80 bytes, and the smallest non-zero and largest |x| bits. A block
+    whose largest |x| bits reach the format's first inf or NaN pattern, or (fnuz formats, whose NaN is 0x80) that holds
+    a 0x80, is counted per pattern instead, as is any block shorter than one residue group.
+  - fields: every other element is zero, subnormal or normal, and a normal value's bin depends on its exponent field
+    alone. The fields are counted in residue words (NOTE: [numba blocks]): 4-bit fields (e4m3) name one residue each,
+    5-bit ones (e5m2) take the two-word window of 32 from field 0 (count_residues_wide). The elements past a chunk's
+    last whole group are counted field by field. Field 0 (zeros and subnormals) is never read from these counts.
+  - subnormals: only in a block whose smallest non-zero |x| bits lie below the smallest normal: the elements below
+    2**j for j = 1 .. mant_bits, counted in 16-bit lanes, split them by their leading mantissa bit, as classify.h bins
+    them; the zeros are the elements below 2**0.
+  - squares: each |x| becomes the float32 of the same value, exactly (a normal by moving its bits, a subnormal as
+    float32(bits) * 2**(1 - bias - mant_bits)), squared exactly in float64 and summed (reassociated, so vectorised;
+    deterministic, as in _block_sumsq of numba_cpu.py).
+Every count is exact by construction; bins, classes and the patterns' values come from the format's table
+(byte_formats.byte_table), which the per-pattern blocks are folded through in pattern order. A block is far below
+2**16 elements, so its 16-bit counters never wrap.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from nanscan import _layout as L
+from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
+from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, count_residues, count_residues_wide,
+                                          float32_of_bits, pointer_at, prefetch_lines, wide_counts)
+
+_BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
+_BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
+
+_REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
+_REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
+_REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
+_ABSMIN_NONE = L.ABSMIN_NONE
+_NORMAL, _ZERO, _SUBNORMAL, _POSINF, _NEGINF, _NAN = L.NORMAL, L.ZERO, L.SUBNORMAL, L.POSINF, L.NEGINF, L.NAN
+
+
+def byte_traits(code: int, table: np.ndarray) -> np.ndarray:
+    """[exp_bits, mant_bits, bias, first |x| bits that are inf or NaN (128: none), whether 0x80 is NaN] of a
+    one-byte format, read from its traits and its pattern table."""
+    f = L.FORMATS[code]
+    special = [b for b in range(128) if table[TABLE_CLASS, b] in (_NAN, _POSINF, _NEGINF)]
+    return np.array([f.exp_bits, f.mant_bits, f.bias, min(special, default=128),
+                     int(table[TABLE_CLASS, 0x80] == _NAN)], dtype=np.int64)
+
+
+@njit(cache=True)
+def _byte_bounds(block):
+    """Zeros, 0x80 bytes, smallest |x| bits minus one (wrapping: 0xff when all are zero) and largest |x| bits."""
+    zeros = np.uint16(0)
+    sign_only = np.uint16(0)
+    lo = np.uint8(0xFF)
+    hi = np.uint8(0)
+    for i in range(block.size):
+        b = block[i]
+        a = np.uint8(b & np.uint8(0x7F))
+        zeros = np.uint16(zeros + np.uint16(a == np.uint8(0)))
+        sign_only = np.uint16(sign_only + np.uint16(b == np.uint8(0x80)))
+        lo = min(lo, np.uint8(a - np.uint8(1)))
+        hi = max(hi, a)
+    return np.int64(zeros), np.int64(sign_only), np.int64(lo), np.int64(hi)
+
+
+@njit(cache=True)
+def _count_below(block, bound):
+    """Number of elements whose |x| bits lie below `bound` (at most 0x80), in 16-bit lanes."""
+    k = np.uint16(0)
+    t = np.uint8(bound - 1)
+    for i in range(block.size):
+        k = np.uint16(k + np.uint16(np.uint8(block[i] & np.uint8(0x7F)) <= t))
+    return np.int64(k)
+
+
+def _byte_sumsq(block, mant_bits, bias):
+    """Sum of squares of a block of zeros and finite values of a one-byte format (jitted code only)."""
+
+
+@overload(_byte_sumsq, jit_options={"fastmath": {"reassoc", "contract"}})
+def _byte_sumsq_impl(block, mant_bits, bias):
+    # Reassociation lets the sum vectorise; the same compiled loop always adds in the same order. Only finite values
+    # reach it, and no subnormal float32 is ever made, so a flush-to-zero mode cannot change it.
+    def widen_and_sum(block, mant_bits, bias):
+        shift = np.uint32(23 - mant_bits)
+        offset = np.uint32((127 - bias) << 23)
+        min_normal = np.uint32(1 << mant_bits)
+        small_scale = np.float32(2.0 ** (1 - bias - mant_bits))
+        s = 0.0
+        for i in range(block.size):
+            a = np.uint32(block[i] & np.uint8(0x7F))
+            normal = float32_of_bits((a << shift) + offset)
+            small = np.float32(a) * small_scale
+            v = np.float64(normal if a >= min_normal else small)
+            s += v * v
+        return s
+    return widen_and_sum
+
+
+@njit(cache=True)
+def _count_patterns(block, patterns):
+    """Counts each byte into _BYTE_TABLES interleaved pattern tables (runs of one pattern do not wait on each other's
+    stores)."""
+    n = block.size
+    m = n - n % _BYTE_TABLES
+    for i in range(0, m, _BYTE_TABLES):
+        for t in range(_BYTE_TABLES):
+            patterns[t, block[i + t]] += 1
+    for i in range(m, n):
+        patterns[0, block[i]] += 1
+
+
+@njit(cache=True)
+def _fast_byte_block(block, zeros, lo, traits, table, counts, fields):
+    """Counts the fields (into `fields`) and the subnormals of a block of zeros and finite values whose smallest
+    non-zero |x| bits are `lo`, `zeros` of them zeros; returns the block's sum of squares (NOTE: [numba bytes])."""
+    exp_bits, mant_bits, bias = traits[0], traits[1], traits[2]
+    if lo < (1 << mant_bits):
+        below = zeros
+        for j in range(mant_bits):
+            upto = _count_below(block, 2 << j)
+            counts[_REC_HIST + np.int64(table[TABLE_BIN, 1 << j])] += upto - below
+            below = upto
+        counts[_REC_SUBNORMAL] += below - zeros
+    grouped = block.size - block.size % GROUP_ELEMS
+    if grouped:
+        if exp_bits <= 4:
+            words = count_residues(block[:grouped], mant_bits)
+            for k in range(4):
+                for q in range(4):
+                    fields[4 * q + k] += np.int64((words[k] >> np.uint64(16 * q)) & np.uint64(0xFFFF))
+        else:
+            fields[:2 * RESIDUES] += wide_counts(count_residues_wide(block[:grouped], mant_bits, 0))
+    field_mask = (1 << exp_bits) - 1
+    for i in range(grouped, block.size):
+        fields[(np.int64(block[i]) >> mant_bits) & field_mask] += 1
+    return _byte_sumsq(block, mant_bits, bias)
+
+
+@njit(cache=True)
+def _fold_patterns(patterns, table, counts, absmax, absmin):
+    """Adds the pattern counts to the record through the format's table, in pattern order; returns the updated
+    extremes and the patterns' sum of squares."""
+    s = 0.0
+    for b in range(256):
+        k = np.int64(0)
+        for t in range(_BYTE_TABLES):
+            k += patterns[t, b]
+        if k == 0:
+            continue
+        cls = np.int64(table[TABLE_CLASS, b])
+        if cls == _NAN:
+            counts[_REC_NAN] += k
+        elif cls == _POSINF:
+            counts[_REC_POSINF] += k
+        elif cls == _NEGINF:
+            counts[_REC_NEGINF] += k
+        elif cls == _ZERO:
+            counts[_REC_ZERO] += k
+        else:
+            if cls == _SUBNORMAL:
+                counts[_REC_SUBNORMAL] += k
+            counts[_REC_HIST + np.int64(table[TABLE_BIN, b])] += k
+            absmax = max(absmax, np.int64(b & 0x7F))
+            absmin = min(absmin, np.int64(b & 0x7F))
+            s += np.float64(k) * table[TABLE_SQUARE, b]
+    return absmax, absmin, s
+
+
+@njit(parallel=True, cache=True)
+def scan_byte_chunks(addresses, numels, table, traits, partial_counts, partial_sumsq):
+    """One partial record per chunk of a one-byte format (NOTE: [chunking], NOTE: [numba bytes]); chunks are scanned
+    in parallel. `table` is byte_formats.byte_table of the format, `traits` its byte_traits."""
+    bits_like = np.empty(0, np.uint8)
+    mant_bits = traits[1]
+    special_lo, sign_only_nan = traits[3], traits[4]
+    for c in prange(addresses.size):
+        data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
+        counts = partial_counts[c]
+        patterns = np.zeros((_BYTE_TABLES, 256), np.int32)  # a chunk is below 2**31 elements
+        fields = np.zeros(2 * RESIDUES, np.int64)
+        absmax = np.int64(0)
+        absmin = np.int64(_ABSMIN_NONE)
+        s = 0.0
+        for begin in range(0, data.size, _BYTE_BLOCK):
+            block = data[begin:begin + _BYTE_BLOCK]
+            # As in numba_cpu's _scan_chunks: the next block is asked for in halves, before each pass.
+            ahead = addresses[c] + min(begin + _BYTE_BLOCK, data.size)
+            ahead_size = addresses[c] + min(begin + 2 * _BYTE_BLOCK, data.size) - ahead
+            half = -(-ahead_size // (2 * CACHE_LINE)) * CACHE_LINE
+            prefetch_lines(ahead, 0, half)
+            if block.size >= GROUP_ELEMS:
+                zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
+                if hi < special_lo and (sign_only == 0 or sign_only_nan == 0):
+                    prefetch_lines(ahead, half, ahead_size)
+                    counts[_REC_ZERO] += zeros
+                    if zeros == block.size:
+                        continue
+                    absmax = max(absmax, hi)
+                    absmin = min(absmin, lo_minus_one + 1)
+                    s += _fast_byte_block(block, zeros, lo_minus_one + 1, traits, table, counts, fields)
+                    continue
+            prefetch_lines(ahead, half, ahead_size)
+            _count_patterns(block, patterns)
+        # Field 0 holds the zeros and subnormals, counted above; the others are normal values.
+        for f in range(1, fields.size):
+            if fields[f]:
+                counts[_REC_HIST + np.int64(table[TABLE_BIN, f << mant_bits])] += fields[f]
+        absmax, absmin, pattern_sumsq = _fold_patterns(patterns, table, counts, absmax, absmin)
+        counts[_REC_ABSMAX] = absmax
+        counts[_REC_ABSMIN] = absmin
+        partial_sumsq[c] = s + pattern_sumsq
