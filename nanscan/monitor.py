@@ -85,7 +85,7 @@ from nanscan.snapshot import CpuSnapshot
 from nanscan.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.spikes import Spike, SpikeRule, SpikeWatch
 from nanscan.monitor_update import UpdateContext, UpdateWatch
-from nanscan.monitor_verdict import PendingStep, StepStart, StepVerdicts, retained
+from nanscan.monitor_verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
 from nanscan.stats import PendingReport, ScanReport, gradient_rows
 
 log = logging.getLogger("nanscan")
@@ -540,8 +540,8 @@ class Monitor(StepVerdicts):
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
-        micro, self._micro_batch = self._micro_batch if micro_batch else None, \
-            self._micro_batch + 1 if micro_batch else 0
+        micro = self._micro_batch if micro_batch else None  # this check's index within its step, or None
+        self._micro_batch = self._micro_batch + 1 if micro_batch else 0
         if micro is not None and self._pending is not None:  # decided at once: the step before it first
             self._read_verdict(read_at="next_check")
         carried = dated = None
@@ -591,18 +591,12 @@ class Monitor(StepVerdicts):
                                      dated.seen() if dated is not None else None)
 
         kept_loss, kept_lr = kept_scalar(loss, step_inputs), kept_scalar(lr)
+        report = scanned_report(host, None if host is not None else scan, skipped, step, scaling)
+        tensors = report.tensors
         if host is not None:
-            tensors, records, nonfinite, backend = host
-            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite,
-                                scaling=scaling)
-            slot = self._ring.append_host(step, tensors, records, skipped, backend, loss=kept_loss, lr=kept_lr,
-                                          scaling=scaling)
+            slot = self._ring.append_host(step, tensors, report.records, skipped, report.backend, loss=kept_loss,
+                                          lr=kept_lr, scaling=scaling)
         else:
-            tensors = scan.tensors
-            on_host = scan.on_host
-            report = ScanReport(tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
-                                found_inf=None if on_host else scan.found_inf,
-                                any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
             slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
         if self._export is not None:  # written before the verdict acts: a raising incident is in the log too
             self._export.record(step, report.records, tensors, loss=kept_loss, lr=kept_lr)

@@ -42,6 +42,19 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def scanned_report(host: tuple | None, scan: Any, skipped: Any, step: int, scaling: Any) -> ScanReport:
+    """A sync check's ScanReport: from the one-call host scan's (tensors, records, nonfinite, backend), else from
+    the launched StepScan (its flag on the device for a device scan)."""
+    if host is not None:
+        tensors, records, nonfinite, backend = host
+        return ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite,
+                          scaling=scaling)
+    on_host = scan.on_host
+    return ScanReport(scan.tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
+                      found_inf=None if on_host else scan.found_inf,
+                      any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
+
+
 def retained(value: Any) -> Any:
     """A batch (or sample ids) as kept until the verdict of its step arrives one step later: CPU tensors and numpy
     arrays are copied (cheap, and the loop may refill its buffers in place), GPU tensors are kept by reference,
@@ -201,13 +214,7 @@ class StepVerdicts:
         gradient norms a partial sum would skew) see only the step's own check; a GradScaler overflow at a
         micro-batch is left to that check, whose skip it is; and in mode="async" the pending step's verdict is
         read first and the micro-batch's scan is waited for (a host sync per micro-batch: a diagnostic's cost)."""
-        if host is not None:
-            tensors, records, nonfinite, backend = host
-            report = ScanReport(tensors, records, skipped=skipped, backend=backend, step=step,
-                                any_nonfinite=nonfinite, scaling=scaling)
-        else:
-            report = ScanReport(scan.tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
-                                scaling=scaling)
+        report = scanned_report(host, scan, skipped, step, scaling)
         self._deciding_micro = micro
         try:
             if self._agreement is not None:

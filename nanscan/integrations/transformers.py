@@ -170,12 +170,7 @@ class NanscanCallback(TrainerCallback):
         """micro_batches=True: a micro-batch that is not its step's last was just backpropagated (under DDP inside
         no_sync()): check it on its own (StepSession.check_micro_batch)."""
         if self.micro_batches and self._collecting and not self._under_deepspeed:
-            try:
-                self.session.check_micro_batch(step=self._state.global_step + 1)
-            except BaseException as exc:
-                self._remove_hooks()
-                self.session.abandon(exc)
-                raise
+            self._checked(lambda: self.session.check_micro_batch(step=self._state.global_step + 1))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._collecting:  # no clip was called this step
@@ -187,12 +182,17 @@ class NanscanCallback(TrainerCallback):
     def _check_step(self) -> None:
         self._collecting = False
         session = self.session
+        self._checked(lambda: session.check(step=self._state.global_step + 1,
+                                            divide_by=trainer_divisor(session.inputs, self._scaled_for_ga)))
+
+    def _checked(self, check: Any) -> None:
+        """Run one of the session's checks; if it raises, train() ends here: the model and the accelerator are
+        left as they were given and the session is closed as the loop's exception leaves."""
         try:
-            session.check(step=self._state.global_step + 1,
-                          divide_by=trainer_divisor(session.inputs, self._scaled_for_ga))
+            check()
         except BaseException as exc:
-            self._remove_hooks()  # train() ends here: leave the model and the accelerator as they were given
-            session.abandon(exc)
+            self._remove_hooks()
+            self.session.abandon(exc)
             raise
 
     def on_optimizer_step(self, args, state, control, **kwargs):
