@@ -80,21 +80,7 @@ py::tuple classify_bits_py(CArray<uint64_t> bits, int32_t dtype) {
 py::tuple compact_records_py(py::array_t<int64_t, py::array::c_style> records) {
   if (records.ndim() != 2 || records.shape(1) != record::kWidth)
     throw py::value_error("compact_records: records must have shape (n, " + std::to_string(record::kWidth) + ")");
-  const py::ssize_t rows = records.shape(0);
-  py::array_t<int64_t> scalars({rows, static_cast<py::ssize_t>(record::kHist)});
-  py::array_t<int16_t> ranges({rows, static_cast<py::ssize_t>(2)});
-  uint64_t largest = 0;
-  const int64_t total = compact::compact_ranges(records.data(), rows, scalars.mutable_data(), ranges.mutable_data(),
-                                                &largest);
-  auto fill = [&](auto zero) -> py::array {
-    using Count = decltype(zero);
-    py::array_t<Count> counts(static_cast<py::ssize_t>(total));
-    compact::compact_counts<Count>(records.data(), rows, ranges.data(), counts.mutable_data());
-    return counts;
-  };
-  py::array counts = largest <= UINT8_MAX ? fill(uint8_t{}) : largest <= UINT16_MAX ? fill(uint16_t{})
-                     : largest <= UINT32_MAX ? fill(uint32_t{}) : fill(uint64_t{});
-  return py::make_tuple(scalars, ranges, counts);
+  return plan::compact_arrays(records.data(), records.shape(0));
 }
 
 // compact::compact_fixed over host addresses (CPU tensors' data_ptr()): the CUDA compaction's contract on the CPU.
@@ -351,7 +337,13 @@ PYBIND11_MODULE(_C, m) {
            "check() and, when nothing changed, the scan of the inputs it found into records: None (changed, nothing "
            "scanned) or the number of tensors holding a NaN or an infinity. carried: (stable indices, stamps, "
            "records) standing in for tensors whose stamps did not move, or a list of such parts; a part ending in "
-           "True is standing: refreshed in place with what this call scanned.");
+           "True is standing: refreshed in place with what this call scanned.")
+      .def("check_scan_summary", &plan::PlanCheck::check_scan_summary, py::arg("optimizer_state"),
+           py::arg("extra_ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("records"), py::arg("chunk_elems"),
+           py::arg("num_threads") = 0, py::arg("carried") = py::none(), py::arg("loss_row") = -1,
+           "check_and_scan() that also returns the step's summary (NOTE: [step summary]): None, or (non-finite "
+           "tensors, compact scalars, ranges, counts, the gradients' sum of squares, the loss row's sum of squares "
+           "and value, or None).");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

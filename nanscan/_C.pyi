@@ -88,6 +88,24 @@ class PlanCheck:
         arrays are refreshed in place with the stamps and records of what this call scanned (NOTE: [frozen
         records] in nanscan/plans.py)."""
 
+    def check_scan_summary(
+        self,
+        optimizer_state: dict[Any, dict[str, Any]] | None,
+        extra_ptrs: list[int],
+        numels: npt.ArrayLike,
+        dtypes: npt.ArrayLike,
+        records: npt.NDArray[np.int64],
+        chunk_elems: int,
+        num_threads: int = 0,
+        carried: tuple | list[tuple] | None = None,
+        loss_row: int = -1,
+    ) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int16], npt.NDArray[Any], float, float | None,
+               float | None] | None:
+        """check_and_scan() that also returns the step's summary (NOTE: [step summary] in plan_check.cpp): None,
+        or (tensors holding NaN/inf, compact scalars, ranges and counts as compact_records gives them, the
+        gradient rows' sum of squares added in row order, the sum of squares of the extra input `loss_row` and its
+        value when it has one element of float32/float64/bfloat16/float16; None where there is none)."""
+
 # Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
 
 def scan_cuda(

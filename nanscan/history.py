@@ -50,6 +50,8 @@ def kept_scalar(value: Any, step_inputs: Any = None) -> Any:
     would wait for the GPU; read_scalar reads it when the history is read). `step_inputs`: the check's inputs (a
     nanscan.plans.StepInputs), whose loss is read from host memory for a one-element CPU tensor
     (StepInputs.loss_value), not through .item()."""
+    if value is None or type(value) is float:  # the every-step learning rate
+        return value
     if isinstance(value, torch.Tensor):
         if not value.is_cpu:
             return value.detach().reshape(()).clone() if value.numel() == 1 else None
@@ -266,11 +268,13 @@ class HistoryRing:
 
     def append_host(self, step: int, tensors: tuple[ScannedTensor, ...], records: np.ndarray,
                     skipped: tuple[str, ...], backend: str, *, loss: Any = None, lr: Any = None,
-                    scaling: Scaling | None = None) -> int:
-        """append() for a step whose records one host scan returned (ModelScanPlan.scan_on_host): no StepScan."""
+                    scaling: Scaling | None = None, compacted: compact.CompactRecords | None = None) -> int:
+        """append() for a step whose records one host scan returned (ModelScanPlan.scan_on_host): no StepScan.
+        `compacted`: the records already compacted, by the scan's call (NOTE: [step summary] in
+        csrc/plan/plan_check.cpp); else they are compacted here."""
         records.setflags(write=False)  # the step's report and the live export share them (NOTE: [shared records])
         return self._keep(RingEntry(step, tensors, skipped, backend, loss, lr, scaling),
-                          [(None, compact.encode(records))])
+                          [(None, compacted if compacted is not None else compact.encode(records))])
 
     def _keep(self, entry: RingEntry, parts: list[KeptPart]) -> int:
         """Store a step in the next slot (the oldest step's) and return the slot."""

@@ -590,18 +590,22 @@ class Monitor(StepVerdicts):
             return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling,
                                      dated.seen() if dated is not None else None)
 
-        kept_loss, kept_lr = kept_scalar(loss, step_inputs), kept_scalar(lr)
+        summary = host.summary if host is not None else None  # NOTE: [step summary] in csrc/plan/plan_check.cpp
+        kept_loss = summary.loss_value if summary is not None and summary.loss_value is not None else \
+            kept_scalar(loss, step_inputs)
+        kept_lr = kept_scalar(lr)
         report = scanned_report(host, None if host is not None else scan, skipped, step, scaling)
         tensors = report.tensors
         if host is not None:
             slot = self._ring.append_host(step, tensors, report.records, skipped, report.backend, loss=kept_loss,
-                                          lr=kept_lr, scaling=scaling)
+                                          lr=kept_lr, scaling=scaling,
+                                          compacted=summary.compact if summary is not None else None)
         else:
             slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
         if self._export is not None:  # written before the verdict acts: a raising incident is in the log too
             self._export.record(step, report.records, tensors, loss=kept_loss, lr=kept_lr)
         if self._spike_watch is not None and self._agreement is None and report.ok:  # NOTE: [spike statistic]
-            report = self._spike_at_check(report, step, batch, sample_ids, started)
+            report = self._spike_at_check(report, step, batch, sample_ids, started, summary)
         if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
             return self._agreement.decide(self, report, step, batch, sample_ids, started)
         if report.ok:

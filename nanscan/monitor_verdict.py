@@ -42,13 +42,12 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def scanned_report(host: tuple | None, scan: Any, skipped: Any, step: int, scaling: Any) -> ScanReport:
-    """A sync check's ScanReport: from the one-call host scan's (tensors, records, nonfinite, backend), else from
-    the launched StepScan (its flag on the device for a device scan)."""
+def scanned_report(host: Any, scan: Any, skipped: Any, step: int, scaling: Any) -> ScanReport:
+    """A sync check's ScanReport: from the one-call host scan (a nanscan.pending.HostScan), else from the launched
+    StepScan (its flag on the device for a device scan)."""
     if host is not None:
-        tensors, records, nonfinite, backend = host
-        return ScanReport(tensors, records, skipped=skipped, backend=backend, step=step, any_nonfinite=nonfinite,
-                          scaling=scaling)
+        return ScanReport(host.tensors, host.records, skipped=skipped, backend=host.backend, step=step,
+                          any_nonfinite=host.nonfinite, scaling=scaling)
     on_host = scan.on_host
     return ScanReport(scan.tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
                       found_inf=None if on_host else scan.found_inf,
@@ -195,7 +194,7 @@ class StepVerdicts:
             spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
             self._snapshot, self._spare_snapshot = spare, self._snapshot
 
-    def _check_micro(self, host: tuple | None, scan: Any, skipped: tuple, step: int, batch: Any, sample_ids: Any,
+    def _check_micro(self, host: Any, scan: Any, skipped: tuple, step: int, batch: Any, sample_ids: Any,
                      started: bool, scaling: Any, dated: Any, micro: int) -> ScanReport:
         """Decide a micro-batch's check at once: no history, spike statistic, export or armed update; a GradScaler's
         overflow is left to the step's own check, whose skip it is.
@@ -390,9 +389,10 @@ class StepVerdicts:
 
     # -- spikes (nanscan.spikes NOTE: [spike statistic]) ------------------------------------------------------
     def _spike_at_check(self, report: ScanReport, step: int, batch: Any, sample_ids: Any,
-                        started: bool) -> ScanReport:
-        """Judge a finite sync step; at a spike, act on it and return the report carrying it."""
-        spike = self._spike_watch.observe_host(step, report)
+                        started: bool, summary: Any = None) -> ScanReport:
+        """Judge a finite sync step; at a spike, act on it and return the report carrying it. `summary`: the host
+        scan's StepSummary, whose sums the statistic takes instead of reading the records again."""
+        spike = self._spike_watch.observe_host(step, report, summary)
         if spike is None:
             return report
         if self.on_spike == "skip":

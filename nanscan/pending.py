@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from nanscan import _layout as L
+from nanscan.compact import CompactRecords
 from nanscan.stats import PendingScan, ScannedTensor
 
 
@@ -195,6 +196,28 @@ class HostCopy:
         """The scalars given, GPU tensors among them as host tensors (waits for the copies)."""
         self._wait()
         return list(self._scalars)
+
+
+class StepSummary(NamedTuple):
+    """What a check reads of a host scan's records every step, taken by the call that scanned them (NOTE: [step
+    summary] in csrc/plan/plan_check.cpp): their compact form, the gradient rows' sum of squares (added in row
+    order), the loss row's (None without a loss) and a one-element loss's value (None where it was not read)."""
+
+    compact: CompactRecords
+    grad_sumsq: float
+    loss_sumsq: float | None
+    loss_value: float | None
+
+
+class HostScan(NamedTuple):
+    """A check's inputs scanned in one host call (nanscan.plans.ModelScanPlan.scan_on_host): no StepScan. `summary`
+    is None where the backend gives none."""
+
+    tensors: tuple[ScannedTensor, ...]
+    records: np.ndarray
+    nonfinite: bool
+    backend: str
+    summary: StepSummary | None = None
 
 
 def completed_scan(tensors: tuple[ScannedTensor, ...], records: np.ndarray, nonfinite: bool | None,

@@ -19,7 +19,7 @@ from nanscan.dispatch import launch
 from nanscan.incident import LOSS, tensor_name
 from nanscan.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, bind, is_dense_permutation, iter_batch_tensors,
                             prepare, read_host_scalar)
-from nanscan.pending import StepScan, completed_scan
+from nanscan.pending import HostScan, StepScan, completed_scan
 from nanscan.stats import ScannedTensor
 
 
@@ -185,7 +185,7 @@ class TensorSource(Protocol):
 
     def scan_on_host(self, model: torch.nn.Module, optimizer: Any, *, extra: StepInputs,
                      backend_for: Callable[[tuple[str, ...]], Any], carried: tuple | None = None
-                     ) -> tuple | None: ...
+                     ) -> HostScan | None: ...
 
     def stable_tensors(self) -> list[torch.Tensor]: ...
 
@@ -342,15 +342,17 @@ class ModelScanPlan:
         extra = as_step_inputs(extra)
         done = self.scan_on_host(model, optimizer, extra=extra, backend_for=backend_for)
         if done is not None:
-            return completed_scan(*done)
+            return completed_scan(done.tensors, done.records, done.nonfinite, done.backend)
         inputs = self.inputs(model, optimizer, extra=extra)
         return launch(inputs, backend=backend_for(inputs.devices))
 
     def scan_on_host(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, extra: StepInputs,
-                     backend_for: Callable[[tuple[str, ...]], Any], carried: tuple | None = None) -> tuple | None:
-        """launch()'s one native call on its own: (identities, records, whether any tensor holds a NaN or an
-        infinity, backend name) when nothing changed and every input is on the CPU for the native backend, else
-        None, and nothing was scanned. The Monitor's every-step path on the CPU, which needs no StepScan.
+                     backend_for: Callable[[tuple[str, ...]], Any], carried: tuple | None = None
+                     ) -> HostScan | None:
+        """launch()'s one native call on its own: a HostScan (identities, records, whether any tensor holds a NaN
+        or an infinity, backend name, the step's summary) when nothing changed and every input is on the CPU for
+        the native backend, else None, and nothing was scanned. The Monitor's every-step path on the CPU, which
+        needs no StepScan.
 
         carried: (indices into stable_tensors(), their tensor_stamps, their records) from a scan since (nanscan.
         monitor_update NOTE: [carried records]): the tensors whose stamps did not move are not read again, their
@@ -367,14 +369,15 @@ class ModelScanPlan:
         standing = self._frozen_part if self._frozen_checks < self.frozen_period else None
         if standing is not None:  # the post-update records are newer: later in the list, they win
             carried = standing if carried is None else [standing, carried]
-        scanned = scan_planned(self._native, state, extra.ptrs, numels, codes, carried)
+        loss_row = len(extra.identities) - 1 if extra.has_loss else -1  # the loss is the last extra input
+        scanned = scan_planned(self._native, state, extra.ptrs, numels, codes, carried, loss_row)
         if scanned is None:
             return None
         if standing is not None:
             self._frozen_checks += 1
         elif self._frozen and self.frozen_period:
             self._keep_frozen(scanned[0], len(extra))
-        return identities, *scanned, backend.name
+        return HostScan(identities, scanned[0], scanned[1], backend.name, scanned[2])
 
     def _keep_frozen(self, records: np.ndarray, num_extra: int) -> None:
         """The frozen parameters' records of a check that read them all, with their stamps now, as the standing part

@@ -155,8 +155,24 @@ def _flat_positions(rows: np.ndarray) -> slice | list[int]:
 
 def _log_norm(flat: memoryview, at: slice | list[int]) -> float:
     """0.5 log of the sum of the sums of squares at `at`: the log norm; NaN for none, 0 or a non-finite sum."""
-    s = sum(flat[at]) if isinstance(at, slice) else sum([flat[i] for i in at])
-    return 0.5 * math.log(s) if s > 0 and math.isfinite(s) else math.nan
+    return _log_of_sumsq(sum(flat[at]) if isinstance(at, slice) else sum([flat[i] for i in at]))
+
+
+def _log_of_sumsq(s: float | None) -> float:
+    return 0.5 * math.log(s) if s is not None and s > 0 and math.isfinite(s) else math.nan
+
+
+def _unscaled(loss: float, grad: float, scaling: Scaling | None) -> tuple[float, float]:
+    if scaling is not None and scaling.scaled:
+        grad -= math.log(scaling.scale)
+    return loss, grad
+
+
+def summed_log_values(summary: Any, scaling: Scaling | None = None) -> tuple[float, float]:
+    """log_values from a host scan's StepSummary (nanscan.pending), whose sums its call added as log_values adds
+    them: the loss row's sum of squares and the gradient rows' in row order (NOTE: [step summary] in
+    csrc/plan/plan_check.cpp)."""
+    return _unscaled(_log_of_sumsq(summary.loss_sumsq), _log_of_sumsq(summary.grad_sumsq), scaling)
 
 
 def log_values(records: np.ndarray, rows: Rows, scaling: Scaling | None = None) -> tuple[float, float]:
@@ -167,14 +183,14 @@ def log_values(records: np.ndarray, rows: Rows, scaling: Scaling | None = None) 
     NOTE: [cold check path]
     Measured inside a real step of the demo model, where forward and backward have just evicted the caches, the
     first numpy reduction of a check costs about 35 us (its code is cold), against 1.5 us in a loop; Python's
-    own objects stay warm. So the every-step sums here read the records through a memoryview, in plain Python."""
+    own objects stay warm. So the every-step sums here read the records through a memoryview, in plain Python.
+    Even that cost 26 us there, and each Python call on the path a few: the Monitor's one-call host scan hands
+    the same sums over instead (summed_log_values, NOTE: [step summary] in csrc/plan/plan_check.cpp), and the
+    window's span is worked out only for a spike."""
     if records.dtype != np.int64 or not records.flags.c_contiguous:
         records = np.ascontiguousarray(records, dtype=np.int64)
     flat = memoryview(records).cast("B").cast("d")  # the records' int64 slots as float64: REC_SUMSQ's bits
-    loss, grad = _log_norm(flat, rows.loss_at), _log_norm(flat, rows.grad_at)
-    if scaling is not None and scaling.scaled:
-        grad -= math.log(scaling.scale)
-    return loss, grad
+    return _unscaled(_log_norm(flat, rows.loss_at), _log_norm(flat, rows.grad_at), scaling)
 
 
 def device_log_values(records: torch.Tensor, loss_rows: torch.Tensor, grad_rows: torch.Tensor,
@@ -210,24 +226,31 @@ class HostStats:
         self.windows = [deque(maxlen=rule.window) for _ in QUANTITIES]
         self._sorted: list[list[float]] = [[] for _ in QUANTITIES]
         self._min_log_ratio = math.log(rule.min_ratio)
+        self.span = 0
 
     def observe(self, logs: Sequence[float]) -> list[Score]:
-        """Judge one finite step's log values against the window, then add them; the scores past the rule."""
+        """Judge one finite step's log values against the window, then add them; the scores past the rule.
+        `span` is then the most steps a window held before this one."""
         found = []
+        span = 0
         for quantity, window, ordered, v in zip(QUANTITIES, self.windows, self._sorted, logs):
+            held = len(window)
+            if held > span:
+                span = held
             if math.isnan(v):
                 continue
-            if len(window) >= self.rule.warmup:
+            if held >= self.rule.warmup:
                 m = ordered[(len(ordered) - 1) // 2]  # the lower median (lower_median)
                 if v - m > self._min_log_ratio:
                     score = _score(quantity, v, list(window), m, self.rule)
                     if score is not None:
                         found.append(score)
-            if len(window) == window.maxlen:
+            if held == window.maxlen:
                 del ordered[bisect.bisect_left(ordered, window[0])]
             window.append(v)
             bisect.insort(ordered, v)
-        return sorted(found, key=lambda s: -s.z)
+        self.span = span
+        return sorted(found, key=lambda s: -s.z) if found else found
 
 
 def _score(quantity: str, v: float, window: list[float], m: float, rule: SpikeRule) -> Score | None:
@@ -352,11 +375,15 @@ class SpikeWatch:
             self._rows = (tensors, Rows.of(tensors))
         return self._rows[1]
 
-    def observe_host(self, step: int, report: ScanReport) -> Spike | None:
-        """Judge a finite sync step at its check (and add it to the window)."""
-        span = max(len(w) for w in self.host.windows)
-        scores = self.host.observe(log_values(report.records, self.rows(report.tensors), report.scaling))
-        return Spike(step, tuple(scores), span, self.rule) if scores else None
+    def observe_host(self, step: int, report: ScanReport, summary: Any = None) -> Spike | None:
+        """Judge a finite sync step at its check (and add it to the window). `summary`: the host scan's
+        StepSummary, whose sums stand in for a pass over the records."""
+        logs = summed_log_values(summary, report.scaling) if summary is not None else \
+            log_values(report.records, self.rows(report.tensors), report.scaling)
+        scores = self.host.observe(logs)
+        if not scores:  # the every-step case: nothing else to work out (NOTE: [cold check path])
+            return None
+        return Spike(step, tuple(scores), self.host.span, self.rule)
 
     def observe_device(self, step: int, scan: StepScan, tensors: tuple[ScannedTensor, ...],
                        scaling: Scaling | None = None) -> torch.Tensor:

@@ -2,11 +2,14 @@
 // optimizer's and the batch's Python objects with those the plan was built from, and the data pointers they yield.
 #include "plan/plan_check.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cpu/compact_cpu.h"
 #include "nanscan/classify.h"
 #include "nanscan/stats_record.h"
 
@@ -112,6 +115,60 @@ bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nb
 
 }  // namespace
 
+py::tuple compact_arrays(const int64_t* records, py::ssize_t rows) {
+  py::array_t<int64_t> scalars({rows, static_cast<py::ssize_t>(record::kHist)});
+  py::array_t<int16_t> ranges({rows, static_cast<py::ssize_t>(2)});
+  uint64_t largest = 0;
+  const int64_t total = compact::compact_ranges(records, rows, scalars.mutable_data(), ranges.mutable_data(),
+                                                &largest);
+  auto fill = [&](auto zero) -> py::array {
+    using Count = decltype(zero);
+    py::array_t<Count> counts(static_cast<py::ssize_t>(total));
+    compact::compact_counts<Count>(records, rows, ranges.data(), counts.mutable_data());
+    return counts;
+  };
+  py::array counts = largest <= UINT8_MAX ? fill(uint8_t{}) : largest <= UINT16_MAX ? fill(uint16_t{})
+                     : largest <= UINT32_MAX ? fill(uint32_t{}) : fill(uint64_t{});
+  return py::make_tuple(scalars, ranges, counts);
+}
+
+bool host_value(int64_t address, int32_t code, double& value) {
+  const void* at = reinterpret_cast<const void*>(address);
+  switch (code) {
+    case kFloat32: {
+      float v;
+      std::memcpy(&v, at, sizeof(v));
+      value = v;
+      return true;
+    }
+    case kFloat64:
+      std::memcpy(&value, at, sizeof(value));
+      return true;
+    case kBFloat16: {  // the top half of a float32
+      uint16_t bits;
+      std::memcpy(&bits, at, sizeof(bits));
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      float v;
+      std::memcpy(&v, &wide, sizeof(v));
+      value = v;
+      return true;
+    }
+    case kFloat16: {
+      uint16_t bits;
+      std::memcpy(&bits, at, sizeof(bits));
+      const int field = (bits >> 10) & 0x1F;
+      const int mant = bits & 0x3FF;
+      const double magnitude = field == 0x1F ? (mant ? std::numeric_limits<double>::quiet_NaN()
+                                                     : std::numeric_limits<double>::infinity())
+                               : field == 0 ? std::ldexp(mant, -24) : std::ldexp(mant | 0x400, field - 25);
+      value = (bits & 0x8000) ? -magnitude : magnitude;
+      return true;
+    }
+    default:  // float8: read in Python (nanscan.inputs.read_host_scalar)
+      return false;
+  }
+}
+
 PlanCheck::PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
                      py::list state_values, py::list params, py::list grad_absent, py::list state_tensors,
                      py::array_t<int64_t, py::array::c_style | py::array::forcecast> stable_ptrs,
@@ -151,18 +208,68 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
                                      const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
                                      py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
                                      int num_threads, const py::object& carried) const {
+  std::vector<int64_t> address;
+  const int64_t nonfinite = scan_step(optimizer_state, extra_ptrs, numels, dtypes, records, chunk_elems, num_threads,
+                                      carried, "PlanCheck.check_and_scan", address);
+  return nonfinite < 0 ? py::none() : py::object(py::int_(nonfinite));
+}
+
+// NOTE: [step summary]
+// What the Monitor reads of a step's records on every check, taken in the call that wrote them while they are in
+// cache: their compact form for the history ring (NOTE: [compact records]), the sums of squares the spike
+// statistic takes the logs of (the loss row's, and the gradient rows' added in row order from 0.0, as
+// nanscan.spikes.log_values adds them), and a one-element loss's value, for the history. Measured inside a real
+// step of the demo model, the same work in Python after the call cost about 70 us a check (a second native call
+// for the compaction and its wrapper, a memoryview sum, a ctypes read), all of it in cold caches (NOTE: [cold
+// check path] in nanscan/spikes.py); here it is a pass over records the scan just wrote.
+py::object PlanCheck::check_scan_summary(const py::object& optimizer_state, const py::list& extra_ptrs,
+                                         const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                                         py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
+                                         int num_threads, const py::object& carried, int64_t loss_row) const {
+  const py::ssize_t num_extra = py::len(extra_ptrs);
+  if (loss_row >= num_extra || loss_row < -1)
+    throw py::value_error("PlanCheck.check_scan_summary: loss_row must name an extra input, or be -1");
+  std::vector<int64_t> address;
+  const int64_t nonfinite = scan_step(optimizer_state, extra_ptrs, numels, dtypes, records, chunk_elems, num_threads,
+                                      carried, "PlanCheck.check_scan_summary", address);
+  if (nonfinite < 0) return py::none();
+  const int64_t* out = records.data();
+  const py::ssize_t rows = records.shape(0);
+  py::tuple compacted = compact_arrays(out, rows);
+  auto sumsq_of = [&](int64_t row) {
+    double v;
+    std::memcpy(&v, out + row * record::kWidth + record::kSumSq, sizeof(v));
+    return v;
+  };
+  double grad_sumsq = 0.0;
+  for (int64_t r = num_extra + num_params_; r < num_extra + num_params_ + num_grads_; ++r) grad_sumsq += sumsq_of(r);
+  py::object loss_sumsq = py::none(), loss_value = py::none();
+  if (loss_row >= 0) {
+    loss_sumsq = py::float_(sumsq_of(loss_row));
+    double value;
+    if (numels.data()[loss_row] == 1 && host_value(address[loss_row], dtypes.data()[loss_row], value))
+      loss_value = py::float_(value);
+  }
+  return py::make_tuple(py::int_(nonfinite), compacted[0], compacted[1], compacted[2], py::float_(grad_sumsq),
+                        loss_sumsq, loss_value);
+}
+
+int64_t PlanCheck::scan_step(const py::object& optimizer_state, const py::list& extra_ptrs,
+                             const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                             py::array_t<int64_t, py::array::c_style>& records, int64_t chunk_elems, int num_threads,
+                             const py::object& carried, const char* where, std::vector<int64_t>& address) const {
   const py::ssize_t n = py::len(extra_ptrs) + num_inputs();
   if (numels.size() != n || dtypes.size() != n || records.ndim() != 2 || records.shape(0) != n ||
       records.shape(1) != record::kWidth)
-    throw py::value_error("PlanCheck.check_and_scan: numels, dtypes and records need one entry per input (" +
+    throw py::value_error(std::string(where) + ": numels, dtypes and records need one entry per input (" +
                           std::to_string(n) + ")");
-  std::vector<ScanTask> tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
+  std::vector<ScanTask> tasks = make_tasks(numels, dtypes, where);
   py::list holders;  // holds the carried arrays while their rows are read and written
   std::vector<Reuse> reused;
   std::vector<Standing> standing;
   carried_rows(carried, py::len(extra_ptrs), holders, reused, standing);
   for (const Reuse& r : reused) tasks[r.row].numel = 0;  // not read: its record is copied in below
-  std::vector<int64_t> address(n);
+  address.assign(n, 0);
   py::list grads;  // only held while the scan reads them
   bool unchanged = false;
   int64_t* out = records.mutable_data();
@@ -171,15 +278,15 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
   scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, [&](ScanTask* to_fill) {
     if (!run(optimizer_state, extra_ptrs, address.data(), grads)) return false;
     unchanged = true;
-    for (py::ssize_t i = 0; i < n; ++i) set_data(to_fill[i], address[i], i, "PlanCheck.check_and_scan");
+    for (py::ssize_t i = 0; i < n; ++i) set_data(to_fill[i], address[i], i, where);
     return true;
   });
-  if (!unchanged) return py::none();  // nothing was scanned
+  if (!unchanged) return -1;  // nothing was scanned
   int64_t nonfinite = count_nonfinite(out, n);
   const bool whole = nonfinite > 0 && !reused.empty();
   if (whole) {  // a non-finite step's verdict never rests on a carried record: scan it whole
-    tasks = make_tasks(numels, dtypes, "PlanCheck.check_and_scan");
-    for (py::ssize_t i = 0; i < n; ++i) set_data(tasks[i], address[i], i, "PlanCheck.check_and_scan");
+    tasks = make_tasks(numels, dtypes, where);
+    for (py::ssize_t i = 0; i < n; ++i) set_data(tasks[i], address[i], i, where);
     scan_cpu(tasks.data(), n, out, chunk_elems, num_threads, Prologue());
     nonfinite = count_nonfinite(out, n);
   } else {
@@ -192,7 +299,7 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
     std::memcpy(s.stamp, s.now, sizeof(s.now));
     std::memcpy(s.record, out + s.row * record::kWidth, sizeof(int64_t) * record::kWidth);
   }
-  return py::int_(nonfinite);
+  return nonfinite;
 }
 
 void PlanCheck::carried_rows(const py::object& carried, py::ssize_t num_extra, py::list& holders,

@@ -33,6 +33,14 @@ void set_data(ScanTask& task, int64_t address, py::ssize_t i, const char* where)
 std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64_t>& numels,
                                 const CArray<int32_t>& dtypes, const char* where);
 
+// A host scan's records compacted (NOTE: [compact records] in nanscan/compact.h): (scalars, ranges, counts), the
+// counts in the narrowest unsigned type that holds the largest.
+py::tuple compact_arrays(const int64_t* records, py::ssize_t rows);
+
+// The value of the element of format `code` at host `address`, for float32, float64, bfloat16 and float16 (false
+// for the others).
+bool host_value(int64_t address, int32_t code, double& value);
+
 // The plan's per-step check, holding what the rebuild found: the module tree (each module's child and parameter
 // dicts and their values), the optimizer state's values, the parameters, which of them had no gradient, the
 // scanned state tensors, and the parameters' then the state tensors' data pointers, dtypes and sizes in bytes.
@@ -46,7 +54,10 @@ std::vector<ScanTask> make_tasks(const CArray<int64_t>& ptrs, const CArray<int64
 // over an earlier one's for the same tensor; a part given as (stable indices, stamps, records, True) is a
 // standing one (nanscan.plans NOTE: [frozen records]): its own arrays are refreshed in place with the stamps and
 // records of the tensors this call scanned (those whose stamps moved, or all of them when the step was scanned
-// whole), so it stands in again at the next call.
+// whole), so it stands in again at the next call. check_scan_summary() is check_and_scan() that also returns the
+// step's summary (NOTE: [step summary] in plan_check.cpp): None, or (the number of non-finite tensors, the compact
+// scalars, ranges and counts, the gradient rows' sum of squares, the sum of squares of the loss at extra input
+// `loss_row` and its value when it has one element and a format host_value reads; None where there is none).
 class PlanCheck {
  public:
   PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
@@ -61,6 +72,10 @@ class PlanCheck {
                             const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
                             py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
                             int num_threads, const py::object& carried) const;
+  py::object check_scan_summary(const py::object& optimizer_state, const py::list& extra_ptrs,
+                                const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
+                                py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
+                                int num_threads, const py::object& carried, int64_t loss_row) const;
 
  private:
   // A carried record (nanscan.monitor_update NOTE: [carried records]): the table row it fills and its 2 KiB.
@@ -89,6 +104,12 @@ class PlanCheck {
   void carried_part(const py::handle& part, py::ssize_t num_extra, py::list& holders, std::vector<Reuse>& reused,
                     std::vector<Standing>& standing) const;
 
+  // check_and_scan's work: the number of tensors holding a NaN or an infinity, or -1 when the plan changed and
+  // nothing was scanned; `address` gets every input's data pointer. `where` names the caller in errors.
+  int64_t scan_step(const py::object& optimizer_state, const py::list& extra_ptrs, const CArray<int64_t>& numels,
+                    const CArray<int32_t>& dtypes, py::array_t<int64_t, py::array::c_style>& records,
+                    int64_t chunk_elems, int num_threads, const py::object& carried, const char* where,
+                    std::vector<int64_t>& address) const;
   py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
 
   // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.

@@ -9,7 +9,9 @@ import torch
 
 from nanscan import _layout as L
 from nanscan._native import native_module
+from nanscan.compact import CompactRecords
 from nanscan.inputs import ScanInput, as_scan_inputs
+from nanscan.pending import StepSummary
 
 
 class CpuBackend:
@@ -37,12 +39,17 @@ class CpuBackend:
         return records, nonfinite > 0
 
     def scan_planned(self, check, optimizer_state, extra_ptrs: list[int], numels: np.ndarray,
-                     codes: np.ndarray, carried: tuple | None = None) -> tuple | None:
+                     codes: np.ndarray, carried: tuple | None = None, loss_row: int = -1) -> tuple | None:
         """A model scan plan's per-step check (nanscan._C.PlanCheck) and, when it passes, the scan of the inputs it
         found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): None when the plan changed (nothing
-        was scanned), else (records, whether any tensor holds a NaN or an infinity). `carried`: records that stand
-        in for unchanged tensors (nanscan.monitor_update NOTE: [carried records])."""
+        was scanned), else (records, whether any tensor holds a NaN or an infinity, the step's StepSummary with
+        the loss at extra input `loss_row`, -1 for none: NOTE: [step summary] in csrc/plan/plan_check.cpp).
+        `carried`: records that stand in for unchanged tensors (nanscan.monitor_update NOTE: [carried records])."""
         records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # set by the call
-        nonfinite = check.check_and_scan(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
-                                         self.num_threads, carried)
-        return None if nonfinite is None else (records, nonfinite > 0)
+        done = check.check_scan_summary(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
+                                        self.num_threads, carried, loss_row)
+        if done is None:
+            return None
+        nonfinite, scalars, ranges, counts, grad_sumsq, loss_sumsq, loss_value = done
+        return records, nonfinite > 0, StepSummary(CompactRecords(scalars, ranges, counts), grad_sumsq, loss_sumsq,
+                                                   loss_value)
