@@ -172,7 +172,14 @@ def summed_log_values(summary: Any, scaling: Scaling | None = None) -> tuple[flo
     """log_values from a host scan's StepSummary (nanscan.pending), whose sums its call added as log_values adds
     them: the loss row's sum of squares and the gradient rows' in row order (NOTE: [step summary] in
     csrc/plan/plan_check.cpp)."""
-    return _unscaled(_log_of_sumsq(summary.loss_sumsq), _log_of_sumsq(summary.grad_sumsq), scaling)
+    # _log_of_sumsq and _unscaled written out: on the every-step path each call costs microseconds (NOTE: [cold
+    # check path]); `0 < s < inf` is false for NaN, as `s > 0 and isfinite(s)` is.
+    loss, grad = summary.loss_sumsq, summary.grad_sumsq
+    loss = 0.5 * math.log(loss) if loss is not None and 0.0 < loss < math.inf else math.nan
+    grad = 0.5 * math.log(grad) if 0.0 < grad < math.inf else math.nan
+    if scaling is not None and scaling.scaled:
+        grad -= math.log(scaling.scale)
+    return loss, grad
 
 
 def log_values(records: np.ndarray, rows: Rows, scaling: Scaling | None = None) -> tuple[float, float]:

@@ -16,9 +16,10 @@ from nanscan import _layout as L
 from nanscan import compact
 from nanscan.inputs import read_host_scalar
 from nanscan.monitor import Monitor
-from nanscan.pending import HostScan
+from nanscan.pending import HostScan, StepSummary
 from nanscan.plans import BatchPlan, ModelScanPlan
 from nanscan.spikes import Rows, log_values, summed_log_values
+from nanscan.stats import Scaling, ScannedTensor
 
 LOSS_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # Loss values that matter: ordinary, negative, signed zeros, subnormal in float16, huge, inf, NaN.
@@ -159,3 +160,20 @@ def test_the_monitor_keeps_what_the_summary_gives(native, tmp_path, post_update,
     assert [h.loss for h in history] == losses
     for entry, host in zip(history[-len(seen):], seen):
         assert np.array_equal(np.asarray(entry.report.records), np.asarray(host.records))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("loss_sumsq", [None, 0.0, 4.0, math.inf, math.nan])
+@pytest.mark.parametrize("grad_sumsq", [0.0, 1e-300, 9.0, math.inf, math.nan])
+def test_summed_logs_equal_the_logs_of_the_records(loss_sumsq, grad_sumsq, scaled):
+    """summed_log_values gives what log_values reads from records holding those sums, under a GradScaler too."""
+    tensors = [ScannedTensor("loss", "float32", "cpu", 1, L.FLOAT32)] if loss_sumsq is not None else []
+    tensors.append(ScannedTensor("grad:w", "float32", "cpu", 4, L.FLOAT32))
+    records = L.empty_records(len(tensors))
+    sums = ([loss_sumsq] if loss_sumsq is not None else []) + [grad_sumsq]
+    records[:, L.REC_SUMSQ] = np.array(sums, dtype=np.float64).view(np.int64)
+    scaling = Scaling(1024.0, scaled)
+    summary = StepSummary(compact.encode_reference(records), grad_sumsq, loss_sumsq, None)
+    got = summed_log_values(summary, scaling)
+    want = log_values(records, Rows.of(tensors), scaling)
+    assert all(same_float(g, w) for g, w in zip(got, want)), (got, want)
