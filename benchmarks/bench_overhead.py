@@ -101,8 +101,9 @@ class Trainer:
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
         self.update_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
-        # The default check's scan inside it (the plan's confirmation and the native scan, one call on the CPU),
-        # timed where it runs: what remains of check() is the work around the scan.
+        # The default check's scan inside it (the plan's confirmation, the native scan and the step summary that
+        # call also returns: its compact records and sums, NOTE: [step summary] in csrc/plan/plan_check.cpp), timed
+        # where it runs: what remains of check() is the work around the scan.
         self.scan_seconds: list[float] = []
         plan = self.monitor._plan
         scan_on_host = plan.scan_on_host
