@@ -918,8 +918,13 @@ struct ByteVectors {
   static constexpr int kQuads = kFields / 4;
   static constexpr int kFieldBytes = kQuads / 2;  // bytes of field bits: 8 fields each
   static constexpr int kMinExponent = 1 - F::kBias - F::kMantBits;
-  static_assert((2 << F::kMantBits) - 1 <= 15, "M^2 must fit an unsigned byte");
-  static_assert(8 * (kQuads - 1) + 16 + 45 <= 128, "the scaled quad sums must fit __int128");
+  // The squares' byte is the signed operand of vpdpbusd: M^2 (4 M^2 for subnormals) less kSquareOffset, which
+  // brings e4m3's M^2 (64 .. 225) into -128 .. 127; the offset comes back as kSquareOffset times the quad weights,
+  // which follow from the field counts.
+  static constexpr int kLargestSquare = (2 << F::kMantBits) - 1;
+  static constexpr int kSquareOffset = kLargestSquare * kLargestSquare > 127 ? 128 : 0;
+  static_assert(kLargestSquare * kLargestSquare - kSquareOffset <= 127, "M^2 must fit a signed byte");
+  static_assert(8 * (kQuads - 1) + 1 + 16 + 45 <= 127, "the scaled quad sums must fit __int128");
 
   // The quads depend on the field alone, so they are looked up (vpermb, which reads 6 index bits and leaves its
   // table intact) by the element's bits from the mantissa's top one up: shifted as 16-bit words, the neighbouring
@@ -929,29 +934,31 @@ struct ByteVectors {
   __m512i quad[kQuads];     // vpermb tables: index (|x| bits >> kFieldIndexShift) mod 64
   __m512i square[2];        // vpermi2b table: |x| bits 0..63, 64..127
 
+  // The weight of field f in its quad's table: 4^(f mod 4), doubled in odd quads so that an even and an odd quad
+  // OR into one byte of field bits (at most 128: the unsigned operand of vpdpbusd).
+  static constexpr int weight(int field) { return (1 << (2 * (field % 4))) << ((field / 4) % 2); }
+
   ByteVectors() {
     alignas(64) uint8_t quads[kQuads][128] = {};
     alignas(64) uint8_t squares[128] = {};
     for (int b = 0; b < 128; ++b) {
       const auto bits = static_cast<typename F::Bits>(b);
       const ValueClass cls = classify<F>(bits);
+      squares[b] = static_cast<uint8_t>(-kSquareOffset);
       if (cls == kNaN || cls == kPosInf || cls == kNegInf) continue;  // their blocks are counted per pattern
       const int field = exponent_field<F>(bits);
-      quads[field / 4][b] = static_cast<uint8_t>(1u << (2 * (field % 4)));
+      quads[field / 4][b] = static_cast<uint8_t>(weight(field));
       const int mant = static_cast<int>(bits & F::kMantMask);
       const int significand = field == 0 ? mant : mant | (1 << F::kMantBits);
-      squares[b] = static_cast<uint8_t>(significand * significand * (field == 0 ? 4 : 1));
+      squares[b] = static_cast<uint8_t>(significand * significand * (field == 0 ? 4 : 1) - kSquareOffset);
     }
     for (int q = 0; q < kQuads; ++q) {
       alignas(64) uint8_t by_index[64];
       for (int i = 0; i < 64; ++i) by_index[i] = quads[q][(i << kFieldIndexShift) & F::kAbsMask];
       quad[q] = _mm512_loadu_si512(by_index);
     }
-    halves(squares, square);
-  }
-  static void halves(const uint8_t* table, __m512i (&out)[2]) {
-    out[0] = _mm512_loadu_si512(table);
-    out[1] = _mm512_loadu_si512(table + 64);
+    square[0] = _mm512_loadu_si512(squares);
+    square[1] = _mm512_loadu_si512(squares + 64);
   }
   // The field that bit k of field byte t counts: even bits hold quad 2t, odd bits quad 2t + 1.
   static constexpr int field_of(int t, int k) { return 8 * t + (k % 2) * 4 + k / 2; }
@@ -967,7 +974,7 @@ constexpr int kByteSteps = 16;   // vectors per byte counter: each adds at most 
 constexpr int kWordBlocks = 64;  // blocks per chunk 16-bit counter: a block adds at most 512 to one
 constexpr int64_t kVectorsPerBlock = kBlockBytes / 64;
 static_assert(kVectorsPerBlock * 8 * kWordBlocks <= 0xffff, "16-bit field counters would overflow");
-static_assert(kVectorsPerBlock * 4 * 225 * 64 * 16 <= INT32_MAX, "a block's squares must fit int32 lane sums");
+static_assert(kVectorsPerBlock * 4 * 128 * 128 <= INT32_MAX, "a block's squares must fit int32 lane sums");
 
 inline int reduce_max_u8(__m512i v) {
   v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 32));
@@ -995,6 +1002,42 @@ int64_t bin_subnormal_bytes(const uint8_t* p, int64_t n, int64_t* hist) {
   return count;
 }
 
+// The per-vector accumulators of one block (NOTE: [byte vectors]).
+template <typename F>
+struct ByteBlock {
+  static constexpr int Q = ByteVectors<F>::kQuads;
+  static constexpr int T = ByteVectors<F>::kFieldBytes;
+  __m512i vmax, below, smin;
+  __m512i squares[Q];
+  __m512i counts[T];
+};
+
+// One vector of 64 elements into the block's accumulators. Inlined, so the accumulators stay in registers (NOTE:
+// [blocks]); the loops over quads are unrolled.
+template <typename F>
+__attribute__((always_inline)) inline void add_byte_vector(const ByteVectors<F>& tables, __m512i raw,
+                                                           ByteBlock<F>& acc) {
+  using BV = ByteVectors<F>;
+  constexpr int T = BV::kFieldBytes;
+  const __m512i transpose = _mm512_set1_epi64(0x8040201008040201ll);  // byte k selects bit k of each byte
+  const __m512i a = _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(F::kAbsMask)));
+  acc.vmax = _mm512_max_epu8(acc.vmax, a);
+  acc.below = _mm512_min_epu8(acc.below, _mm512_sub_epi8(a, _mm512_set1_epi8(1)));
+  if constexpr (F::kNaNIsSignAlone) acc.smin = _mm512_min_epi8(acc.smin, raw);
+  const __m512i field_index = _mm512_srli_epi16(raw, BV::kFieldIndexShift);
+  const __m512i sq = _mm512_permutex2var_epi8(tables.square[0], raw, tables.square[1]);
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const __m512i even = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t]);
+    const __m512i odd = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t + 1]);
+    acc.squares[2 * t] = _mm512_dpbusd_epi32(acc.squares[2 * t], even, sq);
+    acc.squares[2 * t + 1] = _mm512_dpbusd_epi32(acc.squares[2 * t + 1], odd, sq);
+    const __m512i field_bits = _mm512_or_si512(even, odd);
+    acc.counts[t] =
+        _mm512_add_epi8(acc.counts[t], _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(transpose, field_bits, 0)));
+  }
+}
+
 // One chunk of a one-byte format (NOTE: [byte vectors]), added to `record` like scan_chunk. No lambda or variable
 // index touches the per-vector accumulators (NOTE: [blocks]): the loops over quads are unrolled.
 template <typename F>
@@ -1004,9 +1047,6 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   constexpr int T = BV::kFieldBytes;
   const BV& tables = byte_vectors<F>();
   const __m512i zero = _mm512_setzero_si512();
-  const __m512i transpose = _mm512_set1_epi64(0x8040201008040201ll);  // byte k selects bit k of each byte
-  const __m512i abs_mask = _mm512_set1_epi8(static_cast<char>(F::kAbsMask));
-  const __m512i one = _mm512_set1_epi8(1);
   __m512i chunk_words[T][2];
   for (int t = 0; t < T; ++t) chunk_words[t][0] = chunk_words[t][1] = zero;
   int64_t fields[BV::kFields] = {};
@@ -1029,51 +1069,37 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   for (int64_t b = 0; b < n; b += kBlockBytes) {
     const uint8_t* q = p + b;
     const int64_t len = std::min(kBlockBytes, n - b);
-    __m512i vmax = zero, below = _mm512_set1_epi8(-1), smin = zero;
+    ByteBlock<F> acc;
+    acc.vmax = zero;
+    acc.below = _mm512_set1_epi8(-1);
+    acc.smin = zero;
     __m512i words[T][2];
-    __m512i squares[Q];
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) words[t][0] = words[t][1] = zero;
 #pragma GCC unroll 8
-    for (int k = 0; k < Q; ++k) squares[k] = zero;
+    for (int k = 0; k < Q; ++k) acc.squares[k] = zero;
     for (int64_t step = 0; step < len; step += 64 * kByteSteps) {
-      __m512i counts[T];
 #pragma GCC unroll 8
-      for (int t = 0; t < T; ++t) counts[t] = zero;
+      for (int t = 0; t < T; ++t) acc.counts[t] = zero;
       const int64_t stop = std::min(len, step + 64 * kByteSteps);
-      for (int64_t at = step; at < stop; at += 64) {
+      int64_t at = step;
+      for (; at + 64 <= stop; at += 64) {
         __builtin_prefetch(q + at + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
-        // The chunk's last vector reads only its own bytes; the rest are zeros (taken out of field 0 below).
-        const __mmask64 load = len - at >= 64 ? ~__mmask64(0) : (__mmask64(1) << (len - at)) - 1;
-        const __m512i raw = _mm512_maskz_loadu_epi8(load, q + at);
-        const __m512i a = _mm512_and_si512(raw, abs_mask);
-        vmax = _mm512_max_epu8(vmax, a);
-        below = _mm512_min_epu8(below, _mm512_sub_epi8(a, one));
-        if constexpr (F::kNaNIsSignAlone) smin = _mm512_min_epi8(smin, raw);
-        const __m512i sq = _mm512_permutex2var_epi8(tables.square[0], raw, tables.square[1]);
-        const __m512i field_index = _mm512_srli_epi16(raw, BV::kFieldIndexShift);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; ++t) {
-          const __m512i even = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t]);
-          const __m512i odd = _mm512_permutexvar_epi8(field_index, tables.quad[2 * t + 1]);
-          squares[2 * t] = _mm512_dpbusd_epi32(squares[2 * t], sq, even);
-          squares[2 * t + 1] = _mm512_dpbusd_epi32(squares[2 * t + 1], sq, odd);
-          const __m512i field_bits = _mm512_or_si512(even, _mm512_add_epi8(odd, odd));
-          counts[t] = _mm512_add_epi8(counts[t],
-                                      _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(transpose, field_bits, 0)));
-        }
+        add_byte_vector<F>(tables, _mm512_loadu_si512(q + at), acc);
       }
+      // The chunk's last vector reads only its own bytes; the rest are zeros (taken out of field 0 below).
+      if (at < stop) add_byte_vector<F>(tables, _mm512_maskz_loadu_epi8((__mmask64(1) << (stop - at)) - 1, q + at), acc);
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
-        words[t][0] = _mm512_add_epi16(words[t][0], _mm512_unpacklo_epi8(counts[t], zero));
-        words[t][1] = _mm512_add_epi16(words[t][1], _mm512_unpackhi_epi8(counts[t], zero));
+        words[t][0] = _mm512_add_epi16(words[t][0], _mm512_unpacklo_epi8(acc.counts[t], zero));
+        words[t][1] = _mm512_add_epi16(words[t][1], _mm512_unpackhi_epi8(acc.counts[t], zero));
       }
     }
-    const int max_abs = reduce_max_u8(vmax);
-    const int min_abs = (256 - reduce_max_u8(_mm512_xor_si512(below, _mm512_set1_epi8(-1)))) & 0xff;  // 0: none
+    const int max_abs = reduce_max_u8(acc.vmax);
+    const int min_abs = (256 - reduce_max_u8(_mm512_xor_si512(acc.below, _mm512_set1_epi8(-1)))) & 0xff;  // 0: none
     bool special = max_abs >= static_cast<int>(F::kInfAbsBitsWide);
     if constexpr (F::kNaNIsSignAlone)
-      special |= _mm512_cmpeq_epi8_mask(smin, _mm512_set1_epi8(static_cast<char>(F::kSignMask))) != 0;
+      special |= _mm512_cmpeq_epi8_mask(acc.smin, _mm512_set1_epi8(static_cast<char>(F::kSignMask))) != 0;
     if (special) {
       if (!by_pattern) std::memset(patterns, 0, sizeof(patterns));
       by_pattern = true;
@@ -1082,7 +1108,7 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
     }
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < 2; ++h) chunk_words[t][h] = _mm512_add_epi16(chunk_words[t][h], words[t][h]);
-    for (int k = 0; k < Q; ++k) quad_sums[k] += _mm512_reduce_add_epi32(squares[k]);
+    for (int k = 0; k < Q; ++k) quad_sums[k] += _mm512_reduce_add_epi32(acc.squares[k]);
     padding += (64 - len % 64) % 64;
     if (min_abs != 0) {
       absmax = std::max<uint64_t>(absmax, max_abs);
@@ -1096,9 +1122,15 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   record[record::kZero] += fields[0] - padding - subnormals;
   record[record::kSubnormal] += subnormals;
   fold_fields<F>(fields, 1, F::kMaxNormalField, record + record::kHist);
-  unsigned __int128 total = 0;
-  for (int k = 0; k < Q; ++k) total += static_cast<unsigned __int128>(quad_sums[k]) << (8 * k);
-  double sumsq = std::ldexp(static_cast<double>(total), 2 * (BV::kMinExponent - 1));  // exact: a power of two
+  // Quad q's sum, with the offset of the squares put back, counts 4^(4q) (twice that in odd quads) per unit;
+  // doubled in even quads, every quad's unit is 2 * 4^(4q), taken out with the power of two below.
+  __int128 total = 0;
+  for (int k = 0; k < Q; ++k) {
+    __int128 sum = quad_sums[k];
+    for (int f = 4 * k; f < 4 * k + 4; ++f) sum += static_cast<__int128>(BV::kSquareOffset) * BV::weight(f) * fields[f];
+    total += (sum << (k % 2 == 0 ? 1 : 0)) << (8 * k);
+  }
+  double sumsq = std::ldexp(static_cast<double>(total), 2 * (BV::kMinExponent - 1) - 1);  // exact: a power of two
   if (by_pattern) sumsq += fold_patterns<F>(patterns, 1, record, absmax, absmin);
   write_extremes(record, absmax, absmin);
   sumsq_out = sumsq;
