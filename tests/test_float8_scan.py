@@ -136,6 +136,45 @@ def test_records_do_not_depend_on_threads(dtype):
         assert np.array_equal(records, runs[0])
 
 
+STEP = 1024  # kByteSteps vectors of 64: the vector path looks for subnormals per step of a block
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [None, 2 * BLOCK + 700, 999])
+def test_subnormals_at_step_edges(byte_backend, dtype, chunk):
+    """Subnormals of every mantissa, negative ones and +-0 on either side of every step and block edge, in blocks
+    of normal values (only some steps of a block hold one), in a block that also holds a NaN or inf (counted per
+    pattern, so its subnormals must not be tallied twice) and in the chunk's short last vector."""
+    rng = np.random.default_rng(77)
+    finite = finite_patterns(dtype)
+    normal_floor = 1 << {torch.float8_e4m3fn: 3, torch.float8_e4m3fnuz: 3}.get(dtype, 2)  # smallest normal |x| bits
+    subnormals = [m for m in range(1, normal_floor)] + [m | 0x80 for m in range(1, normal_floor)]
+    # Normal values only, so each step's subnormals are the planted ones.
+    normals = finite[(finite & 0x7F) >= normal_floor]
+    n = 4 * BLOCK + 2 * STEP + 45
+    base = rng.choice(normals, n).astype(np.uint8)
+    tensors = {"normals only": BitTables.tensor(base.copy(), dtype)}
+    for edge in range(STEP, n, STEP):
+        t = base.copy()
+        t[edge - 1] = subnormals[edge % len(subnormals)]
+        t[edge] = subnormals[(edge // STEP) % len(subnormals)]
+        tensors[f"at edge {edge}"] = BitTables.tensor(t, dtype)
+    every = base.copy()
+    every[rng.integers(0, n, 200)] = rng.choice(subnormals + [0x00, 0x80 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 0x00], 200)
+    every[-1] = subnormals[0]
+    tensors["scattered, last element too"] = BitTables.tensor(every, dtype)
+    special = int(BitTables.bits_of(torch.tensor([np.nan], dtype=torch.float64).to(dtype))[0])
+    with_special = base.copy()
+    with_special[BLOCK + 5] = subnormals[-1]
+    with_special[BLOCK + STEP + 7] = subnormals[0]
+    with_special[2 * BLOCK - 1] = special
+    with_special[3 * BLOCK + 3] = subnormals[1 % len(subnormals)]
+    tensors["a special block with subnormals"] = BitTables.tensor(with_special, dtype)
+    report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
+    assert report["normals only"].subnormal == 0 and report["a special block with subnormals"].subnormal == 3
+    assert report["a special block with subnormals"].nan + report["a special block with subnormals"].posinf == 1
+
+
 NUMBA_GROUP, NUMBA_BYTE_BLOCK = 960, 3840  # nanscan.backends.numba_blocks.GROUP_ELEMS, numba_bytes._BYTE_BLOCK
 
 
