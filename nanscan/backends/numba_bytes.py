@@ -79,26 +79,36 @@ def _count_below(block, bound):
     return np.int64(k)
 
 
-def _byte_sumsq(block, mant_bits, bias):
-    """Sum of squares of a block of zeros and finite values of a one-byte format (jitted code only)."""
+def _byte_sumsq(block, mant_bits, bias, small):
+    """Sum of squares of a block of zeros and finite values of a one-byte format; `small`: whether the block may hold
+    subnormals (jitted code only)."""
 
 
 @overload(_byte_sumsq, jit_options={"fastmath": {"reassoc", "contract"}})
-def _byte_sumsq_impl(block, mant_bits, bias):
+def _byte_sumsq_impl(block, mant_bits, bias, small):
     # Reassociation lets the sum vectorise; the same compiled loop always adds in the same order. Only finite values
-    # reach it, and no subnormal float32 is ever made, so a flush-to-zero mode cannot change it.
-    def widen_and_sum(block, mant_bits, bias):
+    # reach it. A one-byte value's square is exact in float32 and normal there (NOTE: [numba bytes]), so the squares
+    # are taken in float32 and only summed in float64; no subnormal float32 is ever made, so a flush-to-zero mode
+    # cannot change it.
+    def widen_and_sum(block, mant_bits, bias, small):
         shift = np.uint32(23 - mant_bits)
         offset = np.uint32((127 - bias) << 23)
         min_normal = np.uint32(1 << mant_bits)
         small_scale = np.float32(2.0 ** (1 - bias - mant_bits))
         s = 0.0
-        for i in range(block.size):
-            a = np.uint32(block[i] & np.uint8(0x7F))
-            normal = float32_of_bits((a << shift) + offset)
-            small = np.float32(a) * small_scale
-            v = np.float64(normal if a >= min_normal else small)
-            s += v * v
+        if small:
+            for i in range(block.size):
+                a = np.uint32(block[i] & np.uint8(0x7F))
+                normal = float32_of_bits(np.uint32(np.uint32(a << shift) + offset))
+                v = normal if a >= min_normal else np.float32(a) * small_scale
+                s += np.float64(v * v)
+        else:
+            # Zeros and normal values: a zero is the one pattern below the smallest normal.
+            for i in range(block.size):
+                a = np.uint32(block[i] & np.uint8(0x7F))
+                w = np.uint32(np.uint32(a << shift) + offset)
+                v = float32_of_bits(w if a != np.uint32(0) else np.uint32(0))
+                s += np.float64(v * v)
         return s
     return widen_and_sum
 
@@ -140,7 +150,7 @@ def _fast_byte_block(block, zeros, lo, traits, table, counts, fields):
     field_mask = (1 << exp_bits) - 1
     for i in range(grouped, block.size):
         fields[(np.int64(block[i]) >> mant_bits) & field_mask] += 1
-    return _byte_sumsq(block, mant_bits, bias)
+    return _byte_sumsq(block, mant_bits, bias, lo < (1 << mant_bits))
 
 
 @njit(cache=True)
