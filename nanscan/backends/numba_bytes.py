@@ -91,26 +91,42 @@ def _byte_sumsq_impl(block, mant_bits, bias, small):
     # are taken in float32 and only summed in float64; no subnormal float32 is ever made, so a flush-to-zero mode
     # cannot change it.
     def widen_and_sum(block, mant_bits, bias, small):
-        shift = np.uint32(23 - mant_bits)
-        offset = np.uint32((127 - bias) << 23)
-        min_normal = np.uint32(1 << mant_bits)
+        # Constant shifts (one loop per mantissa width) keep the loops in 32-bit lanes.
+        scale = np.float32(2.0 ** (127 - bias))
         small_scale = np.float32(2.0 ** (1 - bias - mant_bits))
-        s = 0.0
+        if mant_bits == 3:
+            if small:
+                return _small_sumsq(block, np.uint32(20), np.uint32(8), scale, small_scale)
+            return _normal_sumsq(block, np.uint32(20), scale)
         if small:
-            for i in range(block.size):
-                a = np.uint32(block[i] & np.uint8(0x7F))
-                normal = float32_of_bits(np.uint32(np.uint32(a << shift) + offset))
-                v = normal if a >= min_normal else np.float32(a) * small_scale
-                s += np.float64(v * v)
-        else:
-            # Zeros and normal values: a zero is the one pattern below the smallest normal.
-            for i in range(block.size):
-                a = np.uint32(block[i] & np.uint8(0x7F))
-                w = np.uint32(np.uint32(a << shift) + offset)
-                v = float32_of_bits(w if a != np.uint32(0) else np.uint32(0))
-                s += np.float64(v * v)
-        return s
+            return _small_sumsq(block, np.uint32(21), np.uint32(4), scale, small_scale)
+        return _normal_sumsq(block, np.uint32(21), scale)
     return widen_and_sum
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"}, inline="always")
+def _normal_sumsq(block, shift, scale):
+    """Sum of squares of a block of zeros and normal one-byte values (_byte_sumsq), inlined where `shift` is a
+    constant: the |x| bits moved into a float32's fields make a normal float32 (or zero) whose exponent is short by
+    127 - bias, restored by the exact scaling by a power of two."""
+    s = 0.0
+    for i in range(block.size):
+        v = float32_of_bits(np.uint32(np.uint32(block[i] & np.uint8(0x7F)) << shift)) * scale
+        s += np.float64(v * v)
+    return s
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"}, inline="always")
+def _small_sumsq(block, shift, min_normal, scale, small_scale):
+    """Sum of squares of a block of zeros, subnormal and normal one-byte values (_byte_sumsq), inlined where
+    `shift` is a constant: a subnormal as float32(bits) * 2**(1 - bias - mant_bits), never a subnormal float32."""
+    s = 0.0
+    for i in range(block.size):
+        a = np.uint32(block[i] & np.uint8(0x7F))
+        normal = float32_of_bits(np.uint32(a << shift)) * scale
+        v = normal if a >= min_normal else np.float32(a) * small_scale
+        s += np.float64(v * v)
+    return s
 
 
 @njit(cache=True)

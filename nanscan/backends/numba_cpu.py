@@ -183,10 +183,10 @@ def _f16_sumsq(block):
     """Sum of squares of a float16 block of zeros and normal values (NOTE: [float32 squares])."""
     s = 0.0
     for i in range(block.size):
-        a = np.uint32(block[i] & np.uint16(0x7FFF))
-        w = np.uint32(np.uint32(a << np.uint32(13)) + np.uint32((127 - 15) << 23))
-        v = float32_of_bits(w if a != np.uint32(0) else np.uint32(0))
-        s += np.float64(v * v)
+        # float16's fields in float32's place make a normal float32 (or zero) 2**112 too small: scaled exactly.
+        v = float32_of_bits(np.uint32(np.uint32(block[i] & np.uint16(0x7FFF)) << np.uint32(13)))
+        w = v * np.float32(2.0 ** 112)
+        s += np.float64(w * w)
     return s
 
 
