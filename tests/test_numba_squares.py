@@ -93,3 +93,43 @@ def test_float16_normal_blocks_counted_on_their_own_fields(numba_backend, lo_exp
     for length in LENGTHS:
         tensors[f"{length} elements"] = x[:length]
     agree(numba_backend, tensors)
+
+
+def float8_window(dtype: torch.dtype, field_lo: int, field_hi: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n one-byte values whose exponent fields span [field_lo, field_hi] exactly (field 0: subnormals), a third
+    of them zeros, signs mixed; none is NaN or inf."""
+    from nanscan import _layout as L
+
+    f = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]]
+    fields = torch.randint(field_lo, field_hi + 1, (n,), generator=gen)
+    fields[:2] = torch.tensor([field_lo, field_hi])
+    mants = torch.randint(0, 1 << f.mant_bits, (n,), generator=gen)
+    mants[fields == 0] = mants[fields == 0].clamp(min=1)  # field 0 with mantissa 0 would be a zero
+    bits = (fields << f.mant_bits) | mants
+    bits[5::3] = 0
+    bits[1::4] |= 0x80
+    x = bits.to(torch.uint8).view(dtype)
+    special = ~x.to(torch.float64).isfinite()
+    x = torch.where(special, torch.zeros_like(x), x)  # the top pattern of a window may be NaN or inf
+    if dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        x = torch.where(x.view(torch.uint8) == 0x80, torch.zeros_like(x), x)  # 0x80 is their NaN
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+def test_float8_field_windows(numba_backend, dtype):
+    """Blocks whose fields span 1, 15, 16 and 17 fields from each start, with and without subnormals: 5-bit fields
+    are counted in one residue word when they span fewer than 16 (zeros taken out of residue 0), in the two-word
+    window otherwise; lengths leave tails past the last whole group."""
+    from nanscan import _layout as L
+
+    exp_bits = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].exp_bits
+    top = (1 << exp_bits) - 1
+    gen = torch.Generator().manual_seed(exp_bits)
+    tensors = {}
+    for span in (1, 15, 16, 17):
+        for lo in range(0, top - span + 2):
+            x = float8_window(dtype, lo, lo + span - 1, 2 * 3840 + 961, gen)
+            tensors[f"fields {lo}..{lo + span - 1}"] = x
+            tensors[f"fields {lo}..{lo + span - 1}, 3840 + 959"] = x[:3840 + 959]
+    agree(numba_backend, tensors)

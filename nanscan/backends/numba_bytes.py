@@ -143,9 +143,9 @@ def _count_patterns(block, patterns):
 
 
 @njit(cache=True)
-def _fast_byte_block(block, zeros, lo, traits, table, counts, fields):
-    """Counts the fields (into `fields`) and the subnormals of a block of zeros and finite values whose smallest
-    non-zero |x| bits are `lo`, `zeros` of them zeros; returns the block's sum of squares (NOTE: [numba bytes])."""
+def _fast_byte_block(block, zeros, lo, hi, traits, table, counts, fields):
+    """Counts the fields (into `fields`) and the subnormals of a block of zeros and finite values whose non-zero
+    |x| bits lie in [lo, hi], `zeros` of them zeros; returns the block's sum of squares (NOTE: [numba bytes])."""
     exp_bits, mant_bits, bias = traits[0], traits[1], traits[2]
     if lo < (1 << mant_bits):
         below = zeros
@@ -155,17 +155,28 @@ def _fast_byte_block(block, zeros, lo, traits, table, counts, fields):
             below = upto
         counts[_REC_SUBNORMAL] += below - zeros
     grouped = block.size - block.size % GROUP_ELEMS
+    field_mask = (1 << exp_bits) - 1
+    tail_zeros = 0
+    for i in range(grouped, block.size):
+        fields[(np.int64(block[i]) >> mant_bits) & field_mask] += 1
+        tail_zeros += (block[i] & np.uint8(0x7F)) == 0
+    field_lo, field_hi = lo >> mant_bits, hi >> mant_bits
     if grouped:
-        if exp_bits <= 4:
+        if exp_bits <= 4 or field_hi - field_lo < RESIDUES:
+            # Residue r names field field_lo + ((r - field_lo) mod 16) (every field, for 4-bit fields). Field 0,
+            # zeros and subnormals, is never read; when it lies below the window its elements are zeros alone,
+            # counted on residue 0 and taken out.
             words = count_residues(block[:grouped], mant_bits)
             for k in range(4):
                 for q in range(4):
-                    fields[4 * q + k] += np.int64((words[k] >> np.uint64(16 * q)) & np.uint64(0xFFFF))
+                    r = 4 * q + k
+                    c = np.int64((words[k] >> np.uint64(16 * q)) & np.uint64(0xFFFF))
+                    if r == 0 and field_lo > 0:
+                        c -= zeros - tail_zeros
+                    if c:
+                        fields[field_lo + ((r - field_lo) & (RESIDUES - 1))] += c
         else:
             fields[:2 * RESIDUES] += wide_counts(count_residues_wide(block[:grouped], mant_bits, 0))
-    field_mask = (1 << exp_bits) - 1
-    for i in range(grouped, block.size):
-        fields[(np.int64(block[i]) >> mant_bits) & field_mask] += 1
     return _byte_sumsq(block, mant_bits, bias, lo < (1 << mant_bits))
 
 
@@ -230,7 +241,7 @@ def scan_byte_chunks(addresses, numels, table, traits, partial_counts, partial_s
                         continue
                     absmax = max(absmax, hi)
                     absmin = min(absmin, lo_minus_one + 1)
-                    s += _fast_byte_block(block, zeros, lo_minus_one + 1, traits, table, counts, fields)
+                    s += _fast_byte_block(block, zeros, lo_minus_one + 1, hi, traits, table, counts, fields)
                     continue
             prefetch_lines(ahead, half, ahead_size)
             _count_patterns(block, patterns)
