@@ -7,15 +7,24 @@ So a chunk is read in blocks of _BYTE_BLOCK bytes, each with vectorised passes o
     whose largest |x| bits reach the format's first inf or NaN pattern, or (fnuz formats, whose NaN is 0x80) that holds
     a 0x80, is counted per pattern instead, as is any block shorter than one residue group.
   - fields: every other element is zero, subnormal or normal, and a normal value's bin depends on its exponent field
-    alone. The fields are counted in residue words (NOTE: [numba blocks]): 4-bit fields (e4m3) name one residue each,
-    5-bit ones (e5m2) take the two-word window of 32 from field 0 (count_residues_wide). The elements past a chunk's
-    last whole group are counted field by field. Field 0 (zeros and subnormals) is never read from these counts.
+    alone. The fields are counted in residue words (NOTE: [numba blocks]): 4-bit fields (e4m3) name one residue each;
+    5-bit ones (e5m2) do too when the block's non-zero fields span fewer than 16 (residue r names field field_lo +
+    ((r - field_lo) mod 16); zeros, on residue 0, are taken out by their number), and otherwise take the two-word
+    window of 32 from field 0 (count_residues_wide, twice the cost). The elements past a chunk's last whole group are
+    counted field by field. Field 0 (zeros and subnormals) is never read from these counts.
   - subnormals: only in a block whose smallest non-zero |x| bits lie below the smallest normal: the elements below
     2**j for j = 1 .. mant_bits, counted in 16-bit lanes, split them by their leading mantissa bit, as classify.h bins
     them; the zeros are the elements below 2**0.
-  - squares: each |x| becomes the float32 of the same value, exactly (a normal by moving its bits, a subnormal as
-    float32(bits) * 2**(1 - bias - mant_bits)), squared exactly in float64 and summed (reassociated, so vectorised;
-    deterministic, as in _block_sumsq of numba_cpu.py).
+  - squares: each |x| becomes the float32 of the same value, exactly (a normal by moving its bits into float32's
+    fields and scaling by 2**(127 - bias), a subnormal as float32(bits) * 2**(1 - bias - mant_bits)), is squared
+    in float32, exactly (a square has at most 8 significant bits and lies in [2**-34, 2**32), normal in float32),
+    and summed in float64 (reassociated, so vectorised; deterministic, as in _block_sumsq of numba_cpu.py). Constant
+    shifts (one loop per mantissa width) keep the loops in 32-bit lanes (NOTE: [float32 squares] in numba_cpu.py);
+    a block without subnormals skips their select.
+Measured on one hot block of Gaussian e4m3fn (amax 448), one core, per element: bounds 0.023 ns, residues 0.06 ns
+(the two-word window 0.115 ns), squares 0.08 ns (0.11 ns with subnormals; the float64 squares they replaced, 0.13
+ns), each subnormal threshold 0.01 ns. The float64 conversion and add of the squares, ~0.06 ns, is the largest
+fixed cost left.
 Every count is exact by construction; bins, classes and the patterns' values come from the format's table
 (byte_formats.byte_table), which the per-pattern blocks are folded through in pattern order. A block is far below
 2**16 elements, so its 16-bit counters never wrap.
