@@ -5,6 +5,7 @@ bundle take them."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -177,3 +178,60 @@ def test_summed_logs_equal_the_logs_of_the_records(loss_sumsq, grad_sumsq, scale
     got = summed_log_values(summary, scaling)
     want = log_values(records, Rows.of(tensors), scaling)
     assert all(same_float(g, w) for g, w in zip(got, want)), (got, want)
+
+
+def adversarial_batch() -> dict[str, torch.Tensor]:
+    """Batch tensors whose records cover the histogram's corners: every bfloat16 pattern (bins from the lowest to
+    the highest, NaN payloads, +-inf, subnormals), zeros only, NaN only, an empty tensor, subnormal float32."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    return {"bf16": bits.view(torch.bfloat16), "zeros": torch.zeros(9), "nan": torch.full((3,), math.nan),
+            "empty": torch.empty(0), "tiny": torch.full((11,), 1e-45), "huge": torch.full((2,), 3e38)}
+
+
+@pytest.mark.parametrize("chunk_elems", [5, 4096, L.DEFAULT_CHUNK_ELEMS])
+def test_the_summary_of_corner_records_is_the_reference_compaction(native, tmp_path, chunk_elems):
+    """Records of one chunk and merged from many, of empty tensors, zeros, NaNs and every bfloat16 pattern compact
+    in the summary exactly as the reference compacts them."""
+    from nanscan.backends.cpu import CpuBackend
+
+    model, optimizer = model_and_optimizer()
+    x = torch.randn(5, 6)
+    backward(model, x)
+    optimizer.step()
+    backward(model, x)
+    backend = CpuBackend(chunk_elems=chunk_elems)
+    host = scan_with(ModelScanPlan(), model, optimizer, {"x": x, **adversarial_batch()}, torch.tensor(0.5),
+                     lambda devices: backend)
+    assert host.nonfinite
+    assert_summary_matches(host)
+
+
+def test_a_non_finite_step_with_carried_records_is_summarised_whole(native, tmp_path):
+    """A NaN at a step whose weights' records were carried: the step is scanned whole, and its summary is that of
+    the whole scan's records."""
+    model, optimizer = model_and_optimizer()
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, mode="sync", backend="cpu", post_update="scan",
+                  on_invalid="warn")
+    seen: list[HostScan] = []
+    scan_on_host = mon._plan.scan_on_host
+
+    def recording(*args, **kwargs):
+        host = scan_on_host(*args, **kwargs)
+        seen.append(host)
+        return host
+
+    mon._plan.scan_on_host = recording
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        optimizer.zero_grad(set_to_none=True)
+        x = torch.randn(5, 6, generator=g)
+        if step == 4:
+            x[0, 0] = math.nan
+        loss = backward(model, x)
+        with pytest.warns(Warning) if step == 4 else contextlib.nullcontext():
+            report = mon.check(batch={"x": x}, loss=loss)
+        if step < 4:
+            optimizer.step()
+    assert not report.ok and seen[-1] is not None and seen[-1].records is report.records
+    assert_summary_matches(seen[-1])
+    assert np.array_equal(np.asarray(report.records), np.asarray(mon.history[-1].report.records))

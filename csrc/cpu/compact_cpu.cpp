@@ -2,10 +2,36 @@
 // for tests of the CUDA path's contract (compact_fixed).
 #include "cpu/compact_cpu.h"
 
-#include "nanscan/compact.h"
+#include "cpu/simd.h"
 
 namespace nanscan {
 namespace compact {
+
+BinRange occupied_range(const int64_t* hist) {
+  static_assert(kHistBins == 256, "the bitmap is four words");
+  uint64_t nonzero[4] = {0, 0, 0, 0};
+#if NANSCAN_AVX512
+  for (int v = 0; v < kHistBins / 8; ++v) {
+    const __m512i counts = _mm512_loadu_si512(hist + 8 * v);
+    nonzero[v / 8] |= static_cast<uint64_t>(_mm512_test_epi64_mask(counts, counts)) << (8 * (v % 8));
+  }
+#else
+  for (int b = 0; b < kHistBins; ++b) nonzero[b / 64] |= static_cast<uint64_t>(hist[b] != 0) << (b % 64);
+#endif
+  BinRange r = empty_range();
+  int lo = 0;
+  while (lo < 4 && nonzero[lo] == 0) ++lo;
+  if (lo == 4) return r;
+  int hi = 3;
+  while (nonzero[hi] == 0) --hi;
+  r.first = 64 * lo + __builtin_ctzll(nonzero[lo]);
+  r.last = 64 * hi + 63 - __builtin_clzll(nonzero[hi]);
+  for (int32_t b = r.first; b <= r.last; ++b) {
+    const uint64_t count = static_cast<uint64_t>(hist[b]);
+    r.largest = count > r.largest ? count : r.largest;
+  }
+  return r;
+}
 
 int64_t compact_ranges(const int64_t* records, int64_t rows, int64_t* scalars, int16_t* ranges, uint64_t* largest) {
   int64_t total = 0;
@@ -13,7 +39,7 @@ int64_t compact_ranges(const int64_t* records, int64_t rows, int64_t* scalars, i
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t* record = records + r * record::kWidth;
     for (int s = 0; s < record::kHist; ++s) scalars[r * record::kHist + s] = record[s];
-    const BinRange range = trimmed_range(record + record::kHist);
+    const BinRange range = occupied_range(record + record::kHist);
     ranges[2 * r] = static_cast<int16_t>(stored_first(range));
     ranges[2 * r + 1] = static_cast<int16_t>(stored_width(range));
     total += stored_width(range);

@@ -3,8 +3,16 @@
 
 #include <cstdint>
 
+#include "nanscan/compact.h"
+
 namespace nanscan {
 namespace compact {
+
+// The occupied bins of one record's whole histogram (the first and last nonzero bin, the largest count), from a
+// bitmap of its nonzero bins built a vector at a time. Against a scalar search from each end, compact_records of the
+// demo model's 147 records went from 7.9 to 6.2 us with the records in cache (the call and its arrays included); in
+// a training step, where they are not, the reads dominate (NOTE: [step summary] in csrc/plan/plan_check.cpp).
+BinRange occupied_range(const int64_t* hist);
 
 // Writes each row's scalars and (first, width) and returns the total of the widths; `largest` gets the largest
 // count. records: rows x record::kWidth int64; scalars: rows x record::kHist; ranges: rows x 2.

@@ -45,31 +45,6 @@ NANSCAN_HD BinRange scan_bins(const int64_t* hist, int32_t begin, int32_t stride
   return r;
 }
 
-// The range of a whole histogram, searching from each end (the CPU's: most bins are zero, and a row's occupied
-// bins sit together, so this reads the zeros once, four at a time, and the counts once).
-NANSCAN_HD BinRange trimmed_range(const int64_t* hist) {
-  constexpr int32_t kStep = 4;
-  static_assert(kHistBins % kStep == 0, "the search reads whole groups of bins");
-  BinRange r = empty_range();
-  int32_t lo = 0;
-  while (lo < kHistBins && (hist[lo] | hist[lo + 1] | hist[lo + 2] | hist[lo + 3]) == 0) lo += kStep;
-  if (lo == kHistBins) return r;
-  while (hist[lo] == 0) ++lo;
-  int32_t hi = kHistBins - kStep;
-  while ((hist[hi] | hist[hi + 1] | hist[hi + 2] | hist[hi + 3]) == 0) hi -= kStep;
-  hi += kStep - 1;
-  while (hist[hi] == 0) --hi;
-  uint64_t largest = 0;
-  for (int32_t b = lo; b <= hi; ++b) {
-    const uint64_t count = static_cast<uint64_t>(hist[b]);
-    largest = count > largest ? count : largest;
-  }
-  r.first = lo;
-  r.last = hi;
-  r.largest = largest;
-  return r;
-}
-
 NANSCAN_HD BinRange merge(BinRange a, BinRange b) {
   return BinRange{a.first < b.first ? a.first : b.first, a.last > b.last ? a.last : b.last,
                   a.largest > b.largest ? a.largest : b.largest};
