@@ -1,6 +1,7 @@
 """The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor torch
-checks, on float32, bfloat16, float16 and then float8_e4m3fn and float8_e5m2 tensors shaped like GPT-2 small (nanscan.bench_options
-says what is measured, in the words of --help, and parses the arguments before this module imports torch).
+checks, on float32, bfloat16, float16 and then float8_e4m3fn and float8_e5m2 tensors shaped like GPT-2 small
+(nanscan.bench_options says what is measured, in the words of --help, and parses the arguments before this module
+imports torch).
 
 It prints a table per dtype and ratio lines, among them a read-limit line per dtype and backend (`cpu/read_limit =
 0.78` for float32, `bfloat16 numba/read_limit = 0.31`, `cpu/isfinite_loop = 14.2x`), and with --json writes the
@@ -10,8 +11,10 @@ same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alon
 checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must not
 copy its inputs. Methods are timed in turn within each repetition, so drift in machine load falls on all of them
 alike, and their order turns by one each repetition, so that no method always runs just after the same other one
-(a read probe right after a slow torch loop had measured half the bandwidth); each reports its median. The read limit is the faster of a torch.sum per tensor and nanscan's own read
-probe (every byte read once, nothing else).
+(a read probe right after a slow torch loop has measured a fifth of the bandwidth); each reports its median. The
+read probe, which takes a hundredth of a second, also runs just before every other method, so its median is of
+many runs, taken where the scans are. The read limit is the faster of a torch.sum per tensor and nanscan's own
+read probe (every byte read once, nothing else).
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FLOAT8_ELEMENTS_PER_PARAMETER = 2
 
 
-def make_float8_tensors(scale: float = 1.0, seed: int = 0, dtype: torch.dtype = FLOAT8_DTYPE) -> dict[str, torch.Tensor]:
+def make_float8_tensors(scale: float = 1.0, seed: int = 0,
+                        dtype: torch.dtype = FLOAT8_DTYPE) -> dict[str, torch.Tensor]:
     """GPT-2-small-shaped parameters and gradients with FLOAT8_ELEMENTS_PER_PARAMETER times the elements, each
     scaled as float8 recipes scale a tensor (its amax to the format's largest value, 448 for float8_e4m3fn) and cast
     to `dtype`; the token embedding's gradient is zero in most rows, as in make_tensors. Made one tensor at a time:
@@ -266,18 +270,29 @@ def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
 
 
 def time_methods(methods: list[Method], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each method; every method runs once untimed first (JIT, caches, thread pools). The order
-    turns by one each repetition: a method timed always just after the same other one inherits what that one left
-    (its threads still spinning, caches and memory traffic), which once halved the read probe's bandwidth."""
+    """Seconds per run of each method; every method runs once untimed first (JIT, caches, thread pools).
+
+    The order turns by one each repetition, and the read probe (if there is one) also runs just before each other
+    method. On the shared 2-core machine, whatever ran right after a slow torch loop has taken up to five times its
+    time (the read probe 0.058 s instead of 0.012 in 5 of 7 repetitions, so its median set a read limit of a fifth
+    of what the scan read); in a fixed order that falls on one method every time. Timed before every method, the
+    probe's many runs are taken in the conditions each method meets, and a few slow ones move its median little."""
     for m in methods:
         m.run()
+    probe = next((m for m in methods if m.name == "read probe"), None)
     times: dict[str, list[float]] = {m.name: [] for m in methods}
+
+    def timed(m: Method) -> None:
+        start = time.perf_counter()
+        m.run()
+        times[m.name].append(time.perf_counter() - start)
+
     for rep in range(reps):
         k = rep % len(methods)
         for m in methods[k:] + methods[:k]:
-            start = time.perf_counter()
-            m.run()
-            times[m.name].append(time.perf_counter() - start)
+            if probe is not None and m is not probe:
+                timed(probe)
+            timed(m)
     return times
 
 
