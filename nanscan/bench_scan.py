@@ -1,6 +1,7 @@
 """The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor torch
-checks, on float32, bfloat16, float16 and then float8_e4m3fn tensors shaped like GPT-2 small (nanscan.bench_options
-says what is measured, in the words of --help, and parses the arguments before this module imports torch).
+checks, on float32, bfloat16, float16 and then float8_e4m3fn and float8_e5m2 tensors shaped like GPT-2 small
+(nanscan.bench_options says what is measured, in the words of --help, and parses the arguments before this module
+imports torch).
 
 It prints a table per dtype and ratio lines, among them a read-limit line per dtype and backend (`cpu/read_limit =
 0.78` for float32, `bfloat16 numba/read_limit = 0.31`, `cpu/isfinite_loop = 14.2x`), and with --json writes the
@@ -9,8 +10,11 @@ same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alon
 (`--scale 0.1` shrinks every tensor tenfold for a quick run). Before anything is timed, the backends' records are
 checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must not
 copy its inputs. Methods are timed in turn within each repetition, so drift in machine load falls on all of them
-alike; each reports its median. The read limit is the faster of a torch.sum per tensor and nanscan's own read
-probe (every byte read once, nothing else).
+alike, and their order turns by one each repetition, so that no method always runs just after the same other one
+(a read probe right after a slow torch loop has measured a fifth of the bandwidth); each reports its median. The
+read probe, which takes a hundredth of a second, also runs just before every other method, so its median is of
+many runs, taken where the scans are. The read limit is the faster of a torch.sum per tensor and nanscan's own
+read probe (every byte read once, nothing else).
 """
 
 from __future__ import annotations
@@ -99,21 +103,28 @@ class Method:
 
 FLOAT8_DTYPE = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0  # torch.finfo(FLOAT8_DTYPE).max: float8 recipes scale each tensor's amax to it
+# Both float8 formats are measured: e5m2's 32 exponent fields make its scan the costlier one (NOTE: [byte vectors]
+# in csrc/cpu/scan_cpu.cpp). Each set has twice GPT-2 small's elements (~0.5 GB, far beyond the caches), so the two
+# take the time one set of four times the elements took.
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT8_ELEMENTS_PER_PARAMETER = 2
 
 
-def make_float8_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
-    """GPT-2-small-shaped parameters and gradients with four times the elements (a float8 element is a quarter of
-    a float32 one, so the set is ~1 GB as well), each scaled as float8 recipes scale a tensor (its amax to 448) and
-    cast to float8_e4m3fn; the token embedding's gradient is zero in most rows, as in make_tensors. Made one tensor
-    at a time: the whole set in float32 first would need 4 GB."""
+def make_float8_tensors(scale: float = 1.0, seed: int = 0,
+                        dtype: torch.dtype = FLOAT8_DTYPE) -> dict[str, torch.Tensor]:
+    """GPT-2-small-shaped parameters and gradients with FLOAT8_ELEMENTS_PER_PARAMETER times the elements, each
+    scaled as float8 recipes scale a tensor (its amax to the format's largest value, 448 for float8_e4m3fn) and cast
+    to `dtype`; the token embedding's gradient is zero in most rows, as in make_tensors. Made one tensor at a time:
+    the whole set in float32 first would need four times the memory."""
+    largest = float(torch.finfo(dtype).max)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in gpt2_small_shapes(4 * scale):
+    for name, shape in gpt2_small_shapes(FLOAT8_ELEMENTS_PER_PARAMETER * scale):
         for kind in ("param", "grad"):
             x = torch.randn(shape, generator=gen)
             if kind == "grad" and name == "wte.weight":
                 x[torch.rand(shape[0], generator=gen) < 0.85] = 0.0
-            out[f"{kind}:{name}"] = (x * (FLOAT8_MAX / x.abs().max())).to(FLOAT8_DTYPE)
+            out[f"{kind}:{name}"] = (x * (largest / x.abs().max())).to(dtype)
     return out
 
 
@@ -192,9 +203,10 @@ def _read_limit_and_nanscan(named: dict[str, torch.Tensor], backend_names: list[
     return methods
 
 
-def make_float8_methods(named: dict[str, torch.Tensor], backend_names: list[str]) -> list[Method]:
+def make_float8_methods(named: dict[str, torch.Tensor], backend_names: list[str],
+                        dtype: torch.dtype = FLOAT8_DTYPE) -> list[Method]:
     tensors = list(named.values())
-    return _read_limit_and_nanscan(named, backend_names, L.FLOAT8_E4M3FN) + [
+    return _read_limit_and_nanscan(named, backend_names, L.DTYPE_CODES[str(dtype).removeprefix("torch.")]) + [
         Method("float isfinite loop", "torch", lambda: _float_isfinite_loop(tensors),
                "t.float().isfinite().all() per tensor")]
 
@@ -258,15 +270,29 @@ def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
 
 
 def time_methods(methods: list[Method], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each method; every method runs once untimed first (JIT, caches, thread pools)."""
+    """Seconds per run of each method; every method runs once untimed first (JIT, caches, thread pools).
+
+    The order turns by one each repetition, and the read probe (if there is one) also runs just before each other
+    method. On the shared 2-core machine, whatever ran right after a slow torch loop has taken up to five times its
+    time (the read probe 0.058 s instead of 0.012 in 5 of 7 repetitions, so its median set a read limit of a fifth
+    of what the scan read); in a fixed order that falls on one method every time. Timed before every method, the
+    probe's many runs are taken in the conditions each method meets, and a few slow ones move its median little."""
     for m in methods:
         m.run()
+    probe = next((m for m in methods if m.name == "read probe"), None)
     times: dict[str, list[float]] = {m.name: [] for m in methods}
-    for _ in range(reps):
-        for m in methods:
-            start = time.perf_counter()
-            m.run()
-            times[m.name].append(time.perf_counter() - start)
+
+    def timed(m: Method) -> None:
+        start = time.perf_counter()
+        m.run()
+        times[m.name].append(time.perf_counter() - start)
+
+    for rep in range(reps):
+        k = rep % len(methods)
+        for m in methods[k:] + methods[:k]:
+            if probe is not None and m is not probe:
+                timed(probe)
+            timed(m)
     return times
 
 
@@ -401,19 +427,26 @@ def run(args: argparse.Namespace) -> int:
         del half, methods16
     del named, methods  # the float8 set takes their place
 
-    float8 = make_float8_tensors(args.scale, args.seed)
-    float8_bytes = sum(t.numel() for t in float8.values())
-    problems8 = validate(float8, backend_names)
-    if problems8:
-        for p in problems8[:20]:
-            console.print(f"[red]validation failed ({FLOAT8_DTYPE}):[/red] {p}")
-        return 1
-    methods8 = make_float8_methods(float8, backend_names)
-    read_limit8, results8 = summarise(methods8, time_methods(methods8, args.reps), float8_bytes, "float isfinite loop")
-    console.print(results_table(results8, f"scan of {float8_bytes / 1e9:.2f} GB of {FLOAT8_DTYPE} (validated "
-                                          f"against the reference), median of {args.reps} (read limit: {read_limit8})",
-                                "float isfinite loop"))
-    ratios.update(dtype_ratio_lines(results8, backend_names, FLOAT8_DTYPE, "float isfinite loop"))
+    float8_sets: dict[str, dict] = {}
+    for dtype8 in FLOAT8_DTYPES:
+        float8 = make_float8_tensors(args.scale, args.seed, dtype8)
+        float8_bytes = sum(t.numel() for t in float8.values())
+        problems8 = validate(float8, backend_names)
+        if problems8:
+            for p in problems8[:20]:
+                console.print(f"[red]validation failed ({dtype8}):[/red] {p}")
+            return 1
+        methods8 = make_float8_methods(float8, backend_names, dtype8)
+        read_limit8, results8 = summarise(methods8, time_methods(methods8, args.reps), float8_bytes,
+                                          "float isfinite loop")
+        console.print(results_table(results8, f"scan of {float8_bytes / 1e9:.2f} GB of {dtype8} (validated against "
+                                              f"the reference), median of {args.reps} (read limit: {read_limit8})",
+                                    "float isfinite loop"))
+        ratios.update(dtype_ratio_lines(results8, backend_names, dtype8, "float isfinite loop"))
+        float8_sets[str(dtype8).removeprefix("torch.")] = {
+            "dtype": str(dtype8).removeprefix("torch."), "tensors": len(float8), "bytes": float8_bytes,
+            "read_limit": read_limit8, "results": results8}
+        del float8, methods8
     for key, value in ratios.items():
         print(format_ratio(key, value))
 
@@ -431,8 +464,8 @@ def run(args: argparse.Namespace) -> int:
             "read_limit": read_limit_name,
             "results": results,
             **halves,
-            "float8": {"dtype": str(FLOAT8_DTYPE).removeprefix("torch."), "tensors": len(float8),
-                       "bytes": float8_bytes, "read_limit": read_limit8, "results": results8},
+            "float8": float8_sets["float8_e4m3fn"],  # the key the results had before e5m2 was measured too
+            "float8_e5m2": float8_sets["float8_e5m2"],
             "ratios": ratios,
         })
         console.print(f"wrote {args.json}")

@@ -211,3 +211,39 @@ def test_numba_byte_blocks(numba_backend, dtype, chunk):
         tensors[f"pattern {bits:#04x}"] = BitTables.tensor(t, dtype)
     report = scan_both(tensors, backend_for("numba", chunk), f"numba, chunks of {chunk}")
     assert report["zeros and subnormals"].subnormal == 64
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("chunk", [None, 3 * BLOCK + 5, 2 * STEP + 1])
+def test_field_windows(byte_backend, dtype, chunk):
+    """The vector path counts 16 field slots of a window that follows a chunk's largest |x| up (NOTE: [byte
+    vectors]): blocks that rise by a field or several after a block of zeros (the window moves, maybe more than once
+    a chunk, and a block is read again), values far below the window in every field (tallied one by one, in some
+    steps only), blocks of every finite pattern, and a rising tensor with a NaN or inf in a block above the window."""
+    rng = np.random.default_rng(91)
+    finite = finite_patterns(dtype)
+    positive = finite[finite < 0x80]
+    tensors = {}
+    rising = [np.zeros(BLOCK, np.uint8)]
+    for k in range(1, 9):  # Gaussian blocks, each 4 times larger than the one before, the last up to the largest
+        x = rng.standard_normal(BLOCK)
+        x *= float(torch.finfo(dtype).max) * 2.0 ** (2 * k - 16) / np.abs(x).max()
+        rising.append(BitTables.bits_of(torch.from_numpy(x).to(dtype)))
+    rising = np.concatenate(rising)
+    tensors["rising"] = BitTables.tensor(rising, dtype)
+    falling = np.concatenate(np.split(rising, 9)[::-1])
+    tensors["falling"] = BitTables.tensor(falling, dtype)
+    low = background(dtype, 5 * BLOCK + 77, rng)
+    low[rng.integers(0, low.size, 40)] = rng.choice(positive[positive < 0x30], 40)  # fields far below the top
+    low[BLOCK + STEP + 3] = 1
+    tensors["far below the window"] = BitTables.tensor(low, dtype)
+    tensors["every finite pattern"] = BitTables.tensor(rng.choice(finite, 3 * BLOCK + 9).astype(np.uint8), dtype)
+    one_each = np.tile(finite, 4 * BLOCK // finite.size + 1)
+    tensors["every finite pattern in order"] = BitTables.tensor(one_each, dtype)
+    special = int(BitTables.bits_of(torch.tensor([np.nan], dtype=torch.float64).to(dtype))[0])
+    with_special = rising.copy()
+    with_special[5 * BLOCK + 17] = special
+    tensors["rising, a special block above the window"] = BitTables.tensor(with_special, dtype)
+    report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
+    assert report["rising, a special block above the window"].nan + report[
+        "rising, a special block above the window"].posinf == 1
