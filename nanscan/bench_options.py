@@ -1,8 +1,8 @@
 """How fast is a scan? nanscan's CPU backends against the machine's read limit and against the per-tensor torch
 checks used instead, on a GPT-2-small-shaped set of float32 parameters and gradients (about 124M of each, ~300
 tensors, ~1 GB), all measured in one run; then the same set in bfloat16 and in float16 (gradients loss-scaled),
-against the read limit and the isfinite loop, and a ~1 GB set of float8_e4m3fn tensors, against the read limit and
-a per-tensor `t.float().isfinite()` loop (extra ratio lines, each prefixed with its dtype).
+against the read limit and the isfinite loop, and ~0.5 GB sets of float8_e4m3fn and float8_e5m2 tensors, against
+the read limit and a per-tensor `t.float().isfinite()` loop (extra ratio lines, each prefixed with its dtype).
 
 The paragraph above is the scan benchmark's --help, and this module its arguments (`nanscan bench`,
 benchmarks/bench_scan.py). nanscan.bench_scan measures, and imports torch to do it; parsing the arguments here
