@@ -353,6 +353,24 @@ def format_ratio(key: str, value: float) -> str:
     return f"{key} = {value:.2f}" if key.endswith("/read_limit") else f"{key} = {value:.2f}x"
 
 
+def _measure_set(console, named: dict[str, torch.Tensor], nbytes: int, dtype: torch.dtype, backend_names: list[str],
+                 reps: int, baseline: str, methods: Callable[[], list[Method]],
+                 ratios: dict[str, float]) -> tuple[str, list[dict]] | None:
+    """Validate, time and print one extra dtype's set, adding its ratio lines to `ratios`: (read limit method,
+    results), or None when validation failed (printed)."""
+    problems = validate(named, backend_names)
+    if problems:
+        for p in problems[:20]:
+            console.print(f"[red]validation failed ({dtype}):[/red] {p}")
+        return None
+    made = methods()
+    read_limit, results = summarise(made, time_methods(made, reps), nbytes, baseline)
+    console.print(results_table(results, f"scan of {nbytes / 1e9:.2f} GB of {dtype} (validated against the "
+                                         f"reference), median of {reps} (read limit: {read_limit})", baseline))
+    ratios.update(dtype_ratio_lines(results, backend_names, dtype, baseline))
+    return read_limit, results
+
+
 def main(argv: list[str] | None = None) -> int:
     return run(parse_args(argv))
 
@@ -410,43 +428,29 @@ def run(args: argparse.Namespace) -> int:
     for dtype in HALF_DTYPES:
         half = make_half_tensors(named, dtype)
         half_bytes = sum(t.numel() * t.element_size() for t in half.values())
-        problems16 = validate(half, backend_names)
-        if problems16:
-            for p in problems16[:20]:
-                console.print(f"[red]validation failed ({dtype}):[/red] {p}")
+        measured = _measure_set(console, half, half_bytes, dtype, backend_names, args.reps, "isfinite loop",
+                                lambda: make_half_methods(half, backend_names,
+                                                          L.DTYPE_CODES[str(dtype).removeprefix("torch.")]), ratios)
+        if measured is None:
             return 1
-        methods16 = make_half_methods(half, backend_names, L.DTYPE_CODES[str(dtype).removeprefix("torch.")])
-        read_limit16, results16 = summarise(methods16, time_methods(methods16, args.reps), half_bytes,
-                                            "isfinite loop")
-        console.print(results_table(results16, f"scan of {half_bytes / 1e9:.2f} GB of {dtype} (validated against "
-                                               f"the reference), median of {args.reps} (read limit: {read_limit16})",
-                                    "isfinite loop"))
-        ratios.update(dtype_ratio_lines(results16, backend_names, dtype, "isfinite loop"))
         halves[str(dtype).removeprefix("torch.")] = {"tensors": len(half), "bytes": half_bytes,
-                                                     "read_limit": read_limit16, "results": results16}
-        del half, methods16
+                                                     "read_limit": measured[0], "results": measured[1]}
+        del half
     del named, methods  # the float8 set takes their place
 
     float8_sets: dict[str, dict] = {}
     for dtype8 in FLOAT8_DTYPES:
         float8 = make_float8_tensors(args.scale, args.seed, dtype8)
         float8_bytes = sum(t.numel() for t in float8.values())
-        problems8 = validate(float8, backend_names)
-        if problems8:
-            for p in problems8[:20]:
-                console.print(f"[red]validation failed ({dtype8}):[/red] {p}")
+        measured = _measure_set(console, float8, float8_bytes, dtype8, backend_names, args.reps,
+                                "float isfinite loop", lambda: make_float8_methods(float8, backend_names, dtype8),
+                                ratios)
+        if measured is None:
             return 1
-        methods8 = make_float8_methods(float8, backend_names, dtype8)
-        read_limit8, results8 = summarise(methods8, time_methods(methods8, args.reps), float8_bytes,
-                                          "float isfinite loop")
-        console.print(results_table(results8, f"scan of {float8_bytes / 1e9:.2f} GB of {dtype8} (validated against "
-                                              f"the reference), median of {args.reps} (read limit: {read_limit8})",
-                                    "float isfinite loop"))
-        ratios.update(dtype_ratio_lines(results8, backend_names, dtype8, "float isfinite loop"))
         float8_sets[str(dtype8).removeprefix("torch.")] = {
             "dtype": str(dtype8).removeprefix("torch."), "tensors": len(float8), "bytes": float8_bytes,
-            "read_limit": read_limit8, "results": results8}
-        del float8, methods8
+            "read_limit": measured[0], "results": measured[1]}
+        del float8
     for key, value in ratios.items():
         print(format_ratio(key, value))
 
