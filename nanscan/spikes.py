@@ -153,30 +153,19 @@ def _flat_positions(rows: np.ndarray) -> slice | list[int]:
     return flat
 
 
-def _log_norm(flat: memoryview, at: slice | list[int]) -> float:
-    """0.5 log of the sum of the sums of squares at `at`: the log norm; NaN for none, 0 or a non-finite sum."""
-    return _log_of_sumsq(sum(flat[at]) if isinstance(at, slice) else sum([flat[i] for i in at]))
+def _sum_at(flat: memoryview, at: slice | list[int]) -> float:
+    """The sum of the sums of squares at `at` (0 for none)."""
+    return sum(flat[at]) if isinstance(at, slice) else sum([flat[i] for i in at])
 
 
-def _log_of_sumsq(s: float | None) -> float:
-    return 0.5 * math.log(s) if s is not None and s > 0 and math.isfinite(s) else math.nan
-
-
-def _unscaled(loss: float, grad: float, scaling: Scaling | None) -> tuple[float, float]:
-    if scaling is not None and scaling.scaled:
-        grad -= math.log(scaling.scale)
-    return loss, grad
-
-
-def summed_log_values(summary: Any, scaling: Scaling | None = None) -> tuple[float, float]:
-    """log_values from a host scan's StepSummary (nanscan.pending), whose sums its call added as log_values adds
-    them: the loss row's sum of squares and the gradient rows' in row order (NOTE: [step summary] in
-    csrc/plan/plan_check.cpp)."""
-    # _log_of_sumsq and _unscaled written out: on the every-step path each call costs microseconds (NOTE: [cold
-    # check path]); `0 < s < inf` is false for NaN, as `s > 0 and isfinite(s)` is.
-    loss, grad = summary.loss_sumsq, summary.grad_sumsq
-    loss = 0.5 * math.log(loss) if loss is not None and 0.0 < loss < math.inf else math.nan
-    grad = 0.5 * math.log(grad) if 0.0 < grad < math.inf else math.nan
+def logs_of_sums(loss_sumsq: float | None, grad_sumsq: float, scaling: Scaling | None = None) -> tuple[float, float]:
+    """(log |loss|, log grad norm) from the loss's sum of squares (None: no loss) and the gradients': 0.5 log of
+    each, NaN for a sum that is 0 or not finite; under a GradScaler the scale divided out of the gradient norm.
+    log_values takes its sums from the records, the Monitor's one-call host scan from its StepSummary (NOTE: [step
+    summary] in csrc/plan/plan_check.cpp), which its call added as log_values adds them."""
+    # `0 < s < inf` is false for NaN, as `s > 0 and isfinite(s)` is: one comparison on the every-step path.
+    loss = 0.5 * math.log(loss_sumsq) if loss_sumsq is not None and 0.0 < loss_sumsq < math.inf else math.nan
+    grad = 0.5 * math.log(grad_sumsq) if 0.0 < grad_sumsq < math.inf else math.nan
     if scaling is not None and scaling.scaled:
         grad -= math.log(scaling.scale)
     return loss, grad
@@ -192,12 +181,12 @@ def log_values(records: np.ndarray, rows: Rows, scaling: Scaling | None = None) 
     first numpy reduction of a check costs about 35 us (its code is cold), against 1.5 us in a loop; Python's
     own objects stay warm. So the every-step sums here read the records through a memoryview, in plain Python.
     Even that cost 26 us there, and each Python call on the path a few: the Monitor's one-call host scan hands
-    the same sums over instead (summed_log_values, NOTE: [step summary] in csrc/plan/plan_check.cpp), and the
-    window's span is worked out only for a spike."""
+    the same sums over instead (logs_of_sums, NOTE: [step summary] in csrc/plan/plan_check.cpp), and the window's
+    span is worked out only for a spike."""
     if records.dtype != np.int64 or not records.flags.c_contiguous:
         records = np.ascontiguousarray(records, dtype=np.int64)
     flat = memoryview(records).cast("B").cast("d")  # the records' int64 slots as float64: REC_SUMSQ's bits
-    return _unscaled(_log_norm(flat, rows.loss_at), _log_norm(flat, rows.grad_at), scaling)
+    return logs_of_sums(_sum_at(flat, rows.loss_at), _sum_at(flat, rows.grad_at), scaling)
 
 
 def device_log_values(records: torch.Tensor, loss_rows: torch.Tensor, grad_rows: torch.Tensor,
@@ -385,7 +374,7 @@ class SpikeWatch:
     def observe_host(self, step: int, report: ScanReport, summary: Any = None) -> Spike | None:
         """Judge a finite sync step at its check (and add it to the window). `summary`: the host scan's
         StepSummary, whose sums stand in for a pass over the records."""
-        logs = summed_log_values(summary, report.scaling) if summary is not None else \
+        logs = logs_of_sums(summary.loss_sumsq, summary.grad_sumsq, report.scaling) if summary is not None else \
             log_values(report.records, self.rows(report.tensors), report.scaling)
         scores = self.host.observe(logs)
         if not scores:  # the every-step case: nothing else to work out (NOTE: [cold check path])

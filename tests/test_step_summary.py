@@ -17,9 +17,9 @@ from nanscan import _layout as L
 from nanscan import compact
 from nanscan.inputs import read_host_scalar
 from nanscan.monitor import Monitor
-from nanscan.pending import HostScan, StepSummary
+from nanscan.pending import HostScan
 from nanscan.plans import BatchPlan, ModelScanPlan
-from nanscan.spikes import Rows, log_values, summed_log_values
+from nanscan.spikes import Rows, log_values, logs_of_sums
 from nanscan.stats import Scaling, ScannedTensor
 
 LOSS_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -108,7 +108,7 @@ def test_summary_without_a_loss_or_gradients(native, tmp_path):
     host = scan_with(ModelScanPlan(), model, optimizer, {"x": x}, None, mon.backend_for)
     assert host.summary.loss_sumsq is None and host.summary.loss_value is None
     assert host.summary.grad_sumsq == 0.0  # no gradient row: the log norm is NaN, as log_values gives
-    assert math.isnan(summed_log_values(host.summary)[1])
+    assert math.isnan(logs_of_sums(host.summary.loss_sumsq, host.summary.grad_sumsq)[1])
     assert_summary_matches(host)
 
 
@@ -153,7 +153,7 @@ def test_the_monitor_keeps_what_the_summary_gives(native, tmp_path, post_update,
         if seen and seen[-1].records is report.records:
             host = seen[-1]
             assert_summary_matches(host)
-            assert summed_log_values(host.summary, report.scaling) == \
+            assert logs_of_sums(host.summary.loss_sumsq, host.summary.grad_sumsq, report.scaling) == \
                 log_values(report.records, Rows.of(report.tensors), report.scaling)
         optimizer.step()
     assert len(seen) >= 6, "the Monitor's checks did not take the one-call host scan"
@@ -167,15 +167,14 @@ def test_the_monitor_keeps_what_the_summary_gives(native, tmp_path, post_update,
 @pytest.mark.parametrize("loss_sumsq", [None, 0.0, 4.0, math.inf, math.nan])
 @pytest.mark.parametrize("grad_sumsq", [0.0, 1e-300, 9.0, math.inf, math.nan])
 def test_summed_logs_equal_the_logs_of_the_records(loss_sumsq, grad_sumsq, scaled):
-    """summed_log_values gives what log_values reads from records holding those sums, under a GradScaler too."""
+    """logs_of_sums gives what log_values reads from records holding those sums, under a GradScaler too."""
     tensors = [ScannedTensor("loss", "float32", "cpu", 1, L.FLOAT32)] if loss_sumsq is not None else []
     tensors.append(ScannedTensor("grad:w", "float32", "cpu", 4, L.FLOAT32))
     records = L.empty_records(len(tensors))
     sums = ([loss_sumsq] if loss_sumsq is not None else []) + [grad_sumsq]
     records[:, L.REC_SUMSQ] = np.array(sums, dtype=np.float64).view(np.int64)
     scaling = Scaling(1024.0, scaled)
-    summary = StepSummary(compact.encode_reference(records), grad_sumsq, loss_sumsq, None)
-    got = summed_log_values(summary, scaling)
+    got = logs_of_sums(loss_sumsq, grad_sumsq, scaling)
     want = log_values(records, Rows.of(tensors), scaling)
     assert all(same_float(g, w) for g, w in zip(got, want)), (got, want)
 
