@@ -140,23 +140,16 @@ def _block_sumsq_impl(block):
     return view_then_sum
 
 
-def _widened_sumsq(block, widened, shift, offset, exact_small):
-    """Sum of squares of a 16-bit block of zeros and finite values, each taken as the float32 of the same magnitude
-    (_widen_one), in float64: the general path, for bfloat16 blocks whose squares may leave float32's normal range
-    (jitted code only)."""
-
-
-@overload(_widened_sumsq, jit_options={"fastmath": {"reassoc", "contract"}})
-def _widened_sumsq_impl(block, widened, shift, offset, exact_small):
-    # Reassociation as in _block_sumsq.
-    def widen_and_sum(block, widened, shift, offset, exact_small):
-        s = 0.0
-        for i in range(block.size):
-            w = _widen_one(block[i] & np.uint16(0x7FFF), shift, offset, exact_small)
-            v = np.float64(float32_of_bits(w))
-            s += v * v
-        return s
-    return widen_and_sum
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _bf16_wide_sumsq(block):
+    """Sum of squares of a bfloat16 block of zeros and normal values, each the float32 of its top half, squared in
+    float64: for blocks whose squares may leave float32's normal range (NOTE: [float32 squares]). Reassociation as
+    in _block_sumsq."""
+    s = 0.0
+    for i in range(block.size):
+        v = np.float64(float32_of_bits(np.uint32(np.uint32(block[i] & np.uint16(0x7FFF)) << np.uint32(16))))
+        s += v * v
+    return s
 
 
 # NOTE: [float32 squares]
@@ -217,16 +210,15 @@ def _f16_widen_sumsq(block, widened):
 
 
 @njit(cache=True)
-def _widen_one(a, shift, offset, exact_small):
-    """The float32 bits of the magnitude that the 16-bit |x| bits `a` encode, for zeros and normal values; with
-    `exact_small` (float16) for subnormals too, as float32(mantissa) * 2**-24, a normal float32 computed exactly
-    (no subnormal ever enters the float arithmetic, so a flush-to-zero mode cannot change it)."""
+def _widen_one(a, shift, offset):
+    """The float32 bits of the magnitude that the float16 |x| bits `a` encode (_f16_widen_sumsq's widening, with
+    float16's shift and offset): a normal value's bits moved, a subnormal as float32(mantissa) * 2**-24, a normal
+    float32 computed exactly (no subnormal ever enters the float arithmetic, so a flush-to-zero mode cannot change
+    it)."""
     a32 = np.uint32(a)
     normal = (a32 << shift) + offset
-    if exact_small:
-        small = float32_bits(np.float32(a32) * np.float32(2.0 ** -24))
-        return normal if a32 >= np.uint32(0x400) else small
-    return normal if a32 != 0 else np.uint32(0)
+    small = float32_bits(np.float32(a32) * np.float32(2.0 ** -24))
+    return normal if a32 >= np.uint32(0x400) else small
 
 
 @njit(cache=True)
@@ -411,7 +403,7 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
                 if _BF16_SQUARE_FIELDS[0] <= field_lo and field_hi <= _BF16_SQUARE_FIELDS[1]:
                     s = _bf16_sumsq(block)
                 else:
-                    s = _widened_sumsq(block, widened, shift, offset, False)
+                    s = _bf16_wide_sumsq(block)
                 _count_block(block, zeros, field_lo, field_hi, mant_bits, exp_bits, field_tables, _TABLE_STRIDE)
                 return s
             if lo_nonzero >= min_normal:
@@ -422,8 +414,8 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
             # float16 with subnormals: counted as float32, a subnormal's bin being its widened value's field.
             counts[_REC_SUBNORMAL] += np.int64(_count_below(block, narrow(0x7FFF, block), min_normal)) - zeros
             s = _f16_widen_sumsq(block, widened)
-            field_lo = np.int64(_widen_one(lo_nonzero, shift, offset, True) >> np.uint32(_WIDE_MANT_BITS))
-            field_hi = np.int64(_widen_one(hi, shift, offset, True) >> np.uint32(_WIDE_MANT_BITS))
+            field_lo = np.int64(_widen_one(lo_nonzero, shift, offset) >> np.uint32(_WIDE_MANT_BITS))
+            field_hi = np.int64(_widen_one(hi, shift, offset) >> np.uint32(_WIDE_MANT_BITS))
             _count_block(widened[:block.size], zeros, field_lo, field_hi, _WIDE_MANT_BITS, _WIDE_EXP_BITS,
                          field_tables, _TABLE_STRIDE)
             return s
