@@ -917,7 +917,10 @@ void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double&
 //  - fields: an even and an odd quad OR into one byte (their weights sit on even and odd bits), which holds one
 //    bit per slot of 8. The GF(2) transpose of each 8-byte word (gf2p8affineqb) gathers one slot's bits of 8
 //    elements into one byte, and a byte popcount counts them. Byte counters take kByteSteps vectors (a step),
-//    16-bit ones a block, the chunk's 16-bit ones kWordBlocks blocks, then int64 per slot, then per field.
+//    16-bit ones a block, the chunk's 16-bit ones kWordBlocks blocks, then int64 per slot, then per field; the
+//    squares' int32 lanes likewise take kWordBlocks blocks before they are summed. (Summing them per block, and
+//    the 16-bit counters word by word, had cost ~90 ns per tensor: a fifth of the scan of a model's float8 set,
+//    whose tensors are mostly small.)
 //  - extremes: the byte maximum of |x| and the byte minimum of |x| - 1, where zeros wrap to 0xff (zeros_and_min).
 // The minimum is checked per step: a step with an element below the window's slots 1 .. 15 (a subnormal, or a
 // normal value below the window) is read again (hot in L1) and those elements tallied by |x| bits, which name
@@ -1018,7 +1021,8 @@ constexpr int kByteSteps = 16;   // vectors per byte counter: each adds at most 
 constexpr int kWordBlocks = 64;  // blocks per chunk 16-bit counter: a block adds at most 512 to one
 constexpr int64_t kVectorsPerBlock = kBlockBytes / 64;
 static_assert(kVectorsPerBlock * 8 * kWordBlocks <= 0xffff, "16-bit field counters would overflow");
-static_assert(kVectorsPerBlock * 4 * 128 * 128 <= INT32_MAX, "a block's squares must fit int32 lane sums");
+static_assert(kVectorsPerBlock * 4 * 128 * 128 * kWordBlocks <= INT32_MAX,
+              "kWordBlocks blocks' squares must fit int32 lane sums");
 
 inline int reduce_max_u8(__m512i v) {
   v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 32));
@@ -1114,13 +1118,32 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   int window = window_guess;
   // Word w of each 128-bit lane counts bit w % 8 of its field byte (unpacklo/hi keep a byte's place in its word).
   int64_t slots[BV::kSlots] = {};  // the current window's counts
+  // The blocks' square sums, in int32 lanes until the words are spilled: a block adds at most 2^22 to a lane
+  // (kVectorsPerBlock * 4 * 128 * 128), kWordBlocks blocks 2^28.
+  __m512i chunk_squares[Q];
+  for (int k = 0; k < Q; ++k) chunk_squares[k] = zero;
   auto spill_words = [&]() {
-    for (int t = 0; t < T; ++t)
+    for (int t = 0; t < T; ++t) {
+      // Word l of every 128-bit lane counts bit l % 8: widened to 32 bits (a sum of eight 16-bit words may not
+      // fit 16), the lanes and halves summed, lane k of the 256-bit rest counts bit k.
+      __m512i sum = zero;
       for (int h = 0; h < 2; ++h) {
-        const VU16 w = bits_as<VU16>(chunk_words[t][h]);
-        for (int l = 0; l < kVectorBytes / 2; ++l) slots[BV::slot_of(t, l % 8)] += w[l];
+        sum = _mm512_add_epi32(sum, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(chunk_words[t][h])));
+        sum = _mm512_add_epi32(sum, _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(chunk_words[t][h], 1)));
         chunk_words[t][h] = zero;
       }
+      const __m256i bits = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+      alignas(32) uint32_t by_bit[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(by_bit), bits);
+      for (int k = 0; k < 8; ++k) slots[BV::slot_of(t, k)] += by_bit[k];
+    }
+    for (int k = 0; k < Q; ++k) {
+      // Summed in 64 bits: sixteen lanes of up to 2^28 would not fit an int32 sum.
+      const __m512i lanes = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(chunk_squares[k])),
+                                             _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(chunk_squares[k], 1)));
+      quad_sums[k] += _mm512_reduce_add_epi64(lanes);
+      chunk_squares[k] = zero;
+    }
     word_blocks = 0;
   };
   // The current window's slot counts and quad sums into `fields` and `total`. Quad q's sum, with the offset of the
@@ -1209,7 +1232,7 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
     }
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < 2; ++h) chunk_words[t][h] = _mm512_add_epi16(chunk_words[t][h], words[t][h]);
-    for (int k = 0; k < Q; ++k) quad_sums[k] += _mm512_reduce_add_epi32(acc.squares[k]);
+    for (int k = 0; k < Q; ++k) chunk_squares[k] = _mm512_add_epi32(chunk_squares[k], acc.squares[k]);
     padding += (64 - len % 64) % 64;
     if (min_abs != 0) {
       absmax = std::max<uint64_t>(absmax, max_abs);
