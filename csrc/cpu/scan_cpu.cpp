@@ -971,8 +971,6 @@ struct ByteVectors {
   static constexpr int window_for(int field) { return std::max(0, std::min(kWindows - 1, field - (kSlots - 1))); }
   // Below this abs pattern an element is not counted by window w's slots (unless it is a zero): it is tallied.
   static constexpr int bottom_bits(int w) { return (w + 1) << F::kMantBits; }
-  // The largest abs pattern in window w's slots.
-  static constexpr int top_bits(int w) { return std::min(int(F::kAbsMask), ((w + kSlots) << F::kMantBits) - 1); }
 
   // The weight of slot j in its quad's table: 4^(j mod 4), doubled in odd quads so that an even and an odd quad
   // OR into one byte of field bits (at most 128: the unsigned operand of vpdpbusd).
@@ -1029,17 +1027,6 @@ inline int reduce_max_u8(__m512i v) {
   v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 16));
   v = _mm512_max_epu8(v, _mm512_srli_epi64(v, 8));
   return static_cast<int>(_mm512_reduce_max_epu64(_mm512_and_si512(v, _mm512_set1_epi64(0xff))));
-}
-
-// The largest |x| bits of `n` bytes (n > 0).
-template <typename F>
-int max_abs_bytes(const uint8_t* p, int64_t n) {
-  const __m512i abs_mask = _mm512_set1_epi8(static_cast<char>(F::kAbsMask));
-  __m512i m = _mm512_setzero_si512();
-  int64_t at = 0;
-  for (; at + 64 <= n; at += 64) m = _mm512_max_epu8(m, _mm512_loadu_si512(p + at));
-  if (at < n) m = _mm512_max_epu8(m, _mm512_maskz_loadu_epi8((__mmask64(1) << (n - at)) - 1, p + at));
-  return reduce_max_u8(_mm512_and_si512(m, abs_mask)) & F::kAbsMask;
 }
 
 // Tallies the elements of `n` bytes with 0 < |x| bits < `bottom` one by one by their |x| bits (they are few).
@@ -1102,6 +1089,7 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   constexpr int T = BV::kFieldBytes;
   const BV& tables = byte_vectors<F>();
   const __m512i zero = _mm512_setzero_si512();
+  // Word w of each 128-bit lane counts bit w % 8 of its field byte (unpacklo/hi keep a byte's place in its word).
   __m512i chunk_words[T][2];
   for (int t = 0; t < T; ++t) chunk_words[t][0] = chunk_words[t][1] = zero;
   int64_t fields[BV::kFields] = {};
@@ -1116,7 +1104,6 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   // up; a first block two fields or more below it moves it down (NOTE: [byte vectors]).
   static thread_local int window_guess = 0;
   int window = window_guess;
-  // Word w of each 128-bit lane counts bit w % 8 of its field byte (unpacklo/hi keep a byte's place in its word).
   int64_t slots[BV::kSlots] = {};  // the current window's counts
   // The blocks' square sums, in int32 lanes until the words are spilled: a block adds at most 2^22 to a lane
   // (kVectorsPerBlock * 4 * 128 * 128), kWordBlocks blocks 2^28.
@@ -1124,8 +1111,8 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   for (int k = 0; k < Q; ++k) chunk_squares[k] = zero;
   auto spill_words = [&]() {
     for (int t = 0; t < T; ++t) {
-      // Word l of every 128-bit lane counts bit l % 8: widened to 32 bits (a sum of eight 16-bit words may not
-      // fit 16), the lanes and halves summed, lane k of the 256-bit rest counts bit k.
+      // Widened to 32 bits (a sum of eight 16-bit words may not fit 16), the lanes and halves summed: lane k of
+      // the 256-bit rest counts bit k.
       __m512i sum = zero;
       for (int h = 0; h < 2; ++h) {
         sum = _mm512_add_epi32(sum, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(chunk_words[t][h])));
@@ -1154,7 +1141,8 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
     __int128 sum_all = 0;
     for (int k = 0; k < Q; ++k) {
       __int128 sum = quad_sums[k];
-      for (int s = 4 * k; s < 4 * k + 4; ++s) sum += static_cast<__int128>(BV::kSquareOffset) * BV::weight(s) * slots[s];
+      for (int s = 4 * k; s < 4 * k + 4; ++s)
+        sum += static_cast<__int128>(BV::kSquareOffset) * BV::weight(s) * slots[s];
       sum_all += (sum << (k % 2 == 0 ? 1 : 0)) << (8 * k);
       quad_sums[k] = 0;
     }
