@@ -318,6 +318,14 @@ PYBIND11_MODULE(_C, m) {
         "None if the batch's structure changed.");
   m.def("tensor_stamps", &plan::tensor_stamps, py::arg("tensors"), py::arg("tensor_access"),
         "Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None.");
+  py::class_<plan::ScanTable>(m, "ScanTable",
+                              "A step's input table without pointers, for PlanCheck.check_scan_summary (NOTE: [scan "
+                              "table]): element counts and format codes, checked once.")
+      .def(py::init([](const plan::CArray<int64_t>& numels, const plan::CArray<int32_t>& dtypes) {
+             return plan::ScanTable(numels, dtypes);
+           }),
+           py::arg("numels"), py::arg("dtypes"))
+      .def("__len__", &plan::ScanTable::size);
   py::class_<plan::PlanCheck>(m, "PlanCheck",
                               "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at "
                               "its rebuild.")
@@ -339,11 +347,11 @@ PYBIND11_MODULE(_C, m) {
            "records) standing in for tensors whose stamps did not move, or a list of such parts; a part ending in "
            "True is standing: refreshed in place with what this call scanned.")
       .def("check_scan_summary", &plan::PlanCheck::check_scan_summary, py::arg("optimizer_state"),
-           py::arg("extra_ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("records"), py::arg("chunk_elems"),
-           py::arg("num_threads") = 0, py::arg("carried") = py::none(), py::arg("loss_row") = -1,
-           "check_and_scan() that also returns the step's summary (NOTE: [step summary]): None, or (non-finite "
-           "tensors, compact scalars, ranges, counts, the gradients' sum of squares, the loss row's sum of squares "
-           "and value, or None).");
+           py::arg("extra_ptrs"), py::arg("table"), py::arg("chunk_elems"), py::arg("num_threads") = 0,
+           py::arg("carried") = py::none(), py::arg("loss_row") = -1,
+           "check_and_scan() over a ScanTable's inputs, into records it makes, that also returns them and the "
+           "step's summary (NOTE: [step summary]): None, or (records, non-finite tensors, compact scalars, "
+           "ranges, counts, the gradients' sum of squares, the loss row's sum of squares and value, or None).");
 #ifdef NANSCAN_WITH_CUDA
   register_cuda(m);
 #endif

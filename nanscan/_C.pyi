@@ -44,6 +44,13 @@ def batch_leaves(batch: object, loss: object, plan: tuple[Any, ...]) -> tuple[li
 def tensor_stamps(tensors: list[Any], tensor_access: object) -> npt.NDArray[np.int64] | None:
     """Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None."""
 
+class ScanTable:
+    """A step's input table without pointers (NOTE: [scan table] in plan_check.cpp): element counts and format
+    codes, checked once."""
+
+    def __init__(self, numels: npt.ArrayLike, dtypes: npt.ArrayLike) -> None: ...
+    def __len__(self) -> int: ...
+
 class PlanCheck:
     """The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild."""
 
@@ -92,19 +99,18 @@ class PlanCheck:
         self,
         optimizer_state: dict[Any, dict[str, Any]] | None,
         extra_ptrs: list[int],
-        numels: npt.ArrayLike,
-        dtypes: npt.ArrayLike,
-        records: npt.NDArray[np.int64],
+        table: ScanTable,
         chunk_elems: int,
         num_threads: int = 0,
         carried: tuple | list[tuple] | None = None,
         loss_row: int = -1,
-    ) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int16], npt.NDArray[Any], float, float | None,
-               float | None] | None:
-        """check_and_scan() that also returns the step's summary (NOTE: [step summary] in plan_check.cpp): None,
-        or (tensors holding NaN/inf, compact scalars, ranges and counts as compact_records gives them, the
-        gradient rows' sum of squares added in row order, the sum of squares of the extra input `loss_row` and its
-        value when it has one element of float32/float64/bfloat16/float16; None where there is none)."""
+    ) -> tuple[npt.NDArray[np.int64], int, npt.NDArray[np.int64], npt.NDArray[np.int16], npt.NDArray[Any], float,
+               float | None, float | None] | None:
+        """check_and_scan() over the table's inputs, into records it makes, that also returns them and the step's
+        summary (NOTE: [step summary] in plan_check.cpp): None, or (the records,
+        tensors holding NaN/inf, compact scalars, ranges and counts as compact_records gives them, the gradient
+        rows' sum of squares added in row order, the sum of squares of the extra input `loss_row` and its value
+        when it has one element of float32/float64/bfloat16/float16; None where there is none)."""
 
 # Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
 

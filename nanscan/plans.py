@@ -305,6 +305,10 @@ class ModelScanPlan:
         self._extra_key: tuple[ScannedTensor, ...] | None = None
         self._extra_numels = self._extra_codes = self._extra_identities = None
         self._extra_devices: tuple[str, ...] = ()
+        # The joined counts and codes as the one-call host scan takes them (nanscan._C.ScanTable, NOTE: [scan table]
+        # in csrc/plan/plan_check.cpp), made with them; None without the extension.
+        self._scan_table = native_function("ScanTable")
+        self._extra_table = None
         self._group_params: list[tuple[list, int]] = []  # each optimizer group's parameter list and its length
         self._state_owners = 0
         self._update_targets: tuple[list[torch.Tensor], list[str]] | None = None
@@ -360,7 +364,7 @@ class ModelScanPlan:
         records join them (NOTE: [frozen records])."""
         if self._native is None or not self._unchanged_structure(model, optimizer):
             return None
-        numels, codes, identities, devices = self._joined(extra)
+        _, _, identities, devices = self._joined(extra)
         backend = backend_for(devices)
         scan_planned = getattr(backend, "scan_planned", None)
         if scan_planned is None:
@@ -370,7 +374,7 @@ class ModelScanPlan:
         if standing is not None:  # the post-update records are newer: later in the list, they win
             carried = standing if carried is None else [standing, carried]
         loss_row = len(extra.identities) - 1 if extra.has_loss else -1  # the loss is the last extra input
-        scanned = scan_planned(self._native, state, extra.ptrs, numels, codes, carried, loss_row)
+        scanned = scan_planned(self._native, state, extra.ptrs, self._extra_table, carried, loss_row)
         if scanned is None:
             return None
         if standing is not None:
@@ -489,6 +493,8 @@ class ModelScanPlan:
             self._extra_key = key
             self._extra_numels = np.concatenate([np.array([i.numel for i in key], np.int64), self._numels])
             self._extra_codes = np.concatenate([np.array([i.scanned_code for i in key], np.int32), self._codes])
+            self._extra_table = None if self._scan_table is None else \
+                self._scan_table(self._extra_numels, self._extra_codes)
             self._extra_identities = (*key, *self._identities)
             devices = self._devices
             if any(i.device not in devices for i in key):

@@ -465,8 +465,13 @@ def test_plan_check_refuses_inconsistent_tables_and_passes_errors_out_of_the_sca
     assert records[0, L.REC_HIST:].sum() == weight.numel()
     ptrs, grads = check.check(None, [])
     assert ptrs.tolist() == [weight.data_ptr()] and grads == []
-    with pytest.raises(ValueError, match="one entry per input"):
+    with pytest.raises(ValueError, match="numels and dtypes must have the same length"):
         check.check_and_scan(None, [], np.array([1, 2]), codes, records, 4096, 2)
+    with pytest.raises(ValueError, match="one entry per input"):
+        check.check_and_scan(None, [], np.array([1, 2]), np.array([L.FLOAT32] * 2, dtype=np.int32),
+                             L.empty_records(2), 4096, 2)
+    with pytest.raises(ValueError, match="one entry per input"):
+        check.check_scan_summary(None, [], native.ScanTable(np.array([1, 2]), codes.repeat(2)), 4096, 2)
 
     def failing(tensor):
         raise RuntimeError("data_ptr failed")

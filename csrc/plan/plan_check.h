@@ -41,6 +41,21 @@ py::tuple compact_arrays(const int64_t* records, py::ssize_t rows);
 // for the others).
 bool host_value(int64_t address, int32_t code, double& value);
 
+// A step's input table without pointers (NOTE: [scan table] in plan_check.cpp): each input's element count and
+// format, checked once.
+class ScanTable {
+ public:
+  // `where` names the caller in errors.
+  ScanTable(const CArray<int64_t>& numels, const CArray<int32_t>& dtypes, const char* where = "ScanTable");
+
+  py::ssize_t size() const { return static_cast<py::ssize_t>(tasks_.size()); }
+  // One task per input, its data pointer unset.
+  const std::vector<ScanTask>& tasks() const { return tasks_; }
+
+ private:
+  std::vector<ScanTask> tasks_;
+};
+
 // The plan's per-step check, holding what the rebuild found: the module tree (each module's child and parameter
 // dicts and their values), the optimizer state's values, the parameters, which of them had no gradient, the
 // scanned state tensors, and the parameters' then the state tensors' data pointers, dtypes and sizes in bytes.
@@ -54,8 +69,9 @@ bool host_value(int64_t address, int32_t code, double& value);
 // over an earlier one's for the same tensor; a part given as (stable indices, stamps, records, True) is a
 // standing one (nanscan.plans NOTE: [frozen records]): its own arrays are refreshed in place with the stamps and
 // records of the tensors this call scanned (those whose stamps moved, or all of them when the step was scanned
-// whole), so it stands in again at the next call. check_scan_summary() is check_and_scan() that also returns the
-// step's summary (NOTE: [step summary] in plan_check.cpp): None, or (the number of non-finite tensors, the compact
+// whole), so it stands in again at the next call. check_scan_summary() is check_and_scan() over a ScanTable's
+// inputs, into records it makes, that also returns them and the step's summary (NOTE: [step summary] in
+// plan_check.cpp): None, or (the records, the number of non-finite tensors, the compact
 // scalars, ranges and counts, the gradient rows' sum of squares, the sum of squares of the loss at extra input
 // `loss_row` and its value when it has one element and a format host_value reads; None where there is none).
 class PlanCheck {
@@ -72,10 +88,9 @@ class PlanCheck {
                             const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
                             py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
                             int num_threads, const py::object& carried) const;
-  py::object check_scan_summary(const py::object& optimizer_state, const py::list& extra_ptrs,
-                                const CArray<int64_t>& numels, const CArray<int32_t>& dtypes,
-                                py::array_t<int64_t, py::array::c_style> records, int64_t chunk_elems,
-                                int num_threads, const py::object& carried, int64_t loss_row) const;
+  py::object check_scan_summary(const py::object& optimizer_state, const py::list& extra_ptrs, const ScanTable& table,
+                                int64_t chunk_elems, int num_threads, const py::object& carried,
+                                int64_t loss_row) const;
 
  private:
   // A carried record (nanscan.monitor_update NOTE: [carried records]): the table row it fills and its 2 KiB.
@@ -106,10 +121,9 @@ class PlanCheck {
 
   // check_and_scan's work: the number of tensors holding a NaN or an infinity, or -1 when the plan changed and
   // nothing was scanned; `address` gets every input's data pointer. `where` names the caller in errors.
-  int64_t scan_step(const py::object& optimizer_state, const py::list& extra_ptrs, const CArray<int64_t>& numels,
-                    const CArray<int32_t>& dtypes, py::array_t<int64_t, py::array::c_style>& records,
-                    int64_t chunk_elems, int num_threads, const py::object& carried, const char* where,
-                    std::vector<int64_t>& address) const;
+  int64_t scan_step(const py::object& optimizer_state, const py::list& extra_ptrs, const ScanTable& table,
+                    py::array_t<int64_t, py::array::c_style>& records, int64_t chunk_elems, int num_threads,
+                    const py::object& carried, const char* where, std::vector<int64_t>& address) const;
   py::ssize_t num_inputs() const { return num_params_ + num_grads_ + num_state_; }
 
   // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.

@@ -38,18 +38,18 @@ class CpuBackend:
         nonfinite = self._C.scan_cpu(ptrs, numels, codes, records, self.chunk_elems, self.num_threads)
         return records, nonfinite > 0
 
-    def scan_planned(self, check, optimizer_state, extra_ptrs: list[int], numels: np.ndarray,
-                     codes: np.ndarray, carried: tuple | None = None, loss_row: int = -1) -> tuple | None:
+    def scan_planned(self, check, optimizer_state, extra_ptrs: list[int], table, carried: tuple | None = None,
+                     loss_row: int = -1) -> tuple | None:
         """A model scan plan's per-step check (nanscan._C.PlanCheck) and, when it passes, the scan of the inputs it
-        found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): None when the plan changed (nothing
-        was scanned), else (records, whether any tensor holds a NaN or an infinity, the step's StepSummary with
-        the loss at extra input `loss_row`, -1 for none: NOTE: [step summary] in csrc/plan/plan_check.cpp).
+        found, in one call (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), over the step's nanscan._C.ScanTable
+        (NOTE: [scan table] in csrc/plan/plan_check.cpp): None when the plan changed (nothing was scanned), else
+        (records, whether any tensor holds a NaN or an infinity, the step's StepSummary with the loss at extra input
+        `loss_row`, -1 for none: NOTE: [step summary] in csrc/plan/plan_check.cpp).
         `carried`: records that stand in for unchanged tensors (nanscan.monitor_update NOTE: [carried records])."""
-        records = np.empty((len(numels), L.RECORD_WIDTH), dtype=np.int64)  # set by the call
-        done = check.check_scan_summary(optimizer_state, extra_ptrs, numels, codes, records, self.chunk_elems,
-                                        self.num_threads, carried, loss_row)
+        done = check.check_scan_summary(optimizer_state, extra_ptrs, table, self.chunk_elems, self.num_threads,
+                                        carried, loss_row)
         if done is None:
             return None
-        nonfinite, scalars, ranges, counts, grad_sumsq, loss_sumsq, loss_value = done
+        records, nonfinite, scalars, ranges, counts, grad_sumsq, loss_sumsq, loss_value = done
         return records, nonfinite > 0, StepSummary(CompactRecords(scalars, ranges, counts), grad_sumsq, loss_sumsq,
                                                    loss_value)
