@@ -107,10 +107,10 @@ class PlanCheck:
     ) -> tuple[npt.NDArray[np.int64], int, npt.NDArray[np.int64], npt.NDArray[np.int16], npt.NDArray[Any], float,
                float | None, float | None] | None:
         """check_and_scan() over the table's inputs, into records it makes, that also returns them and the step's
-        summary (NOTE: [step summary] in plan_check.cpp): None, or (the records,
-        tensors holding NaN/inf, compact scalars, ranges and counts as compact_records gives them, the gradient
-        rows' sum of squares added in row order, the sum of squares of the extra input `loss_row` and its value
-        when it has one element of float32/float64/bfloat16/float16; None where there is none)."""
+        summary (NOTE: [step summary] in plan_check.cpp): None, or (the records, tensors holding NaN/inf, compact
+        scalars, ranges and counts as compact_records gives them, the gradient rows' sum of squares added in row
+        order, the sum of squares of the extra input `loss_row` and its value when it has one element of
+        float32/float64/bfloat16/float16; None where there is none)."""
 
 # Present only when the extension was built with CUDA (build_info()["cuda"] is True, NANSCAN_WITH_CUDA).
 
