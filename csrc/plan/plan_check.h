@@ -71,9 +71,9 @@ class ScanTable {
 // records of the tensors this call scanned (those whose stamps moved, or all of them when the step was scanned
 // whole), so it stands in again at the next call. check_scan_summary() is check_and_scan() over a ScanTable's
 // inputs, into records it makes, that also returns them and the step's summary (NOTE: [step summary] in
-// plan_check.cpp): None, or (the records, the number of non-finite tensors, the compact
-// scalars, ranges and counts, the gradient rows' sum of squares, the sum of squares of the loss at extra input
-// `loss_row` and its value when it has one element and a format host_value reads; None where there is none).
+// plan_check.cpp): None, or (the records, the number of non-finite tensors, the compact scalars, ranges and
+// counts, the gradient rows' sum of squares, the sum of squares of the loss at extra input `loss_row` and its
+// value when it has one element and a format host_value reads; None where there is none).
 class PlanCheck {
  public:
   PlanCheck(py::list child_dicts, py::list children, py::list param_dicts, py::list raw_params,
