@@ -295,11 +295,18 @@ def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["validation"]["problems"] == []
     assert {r["name"] for r in data["results"]} >= {"nanscan cpu", "read probe", "_foreach_norm", "isfinite loop"}
-    assert data["float8"]["dtype"] == "float8_e4m3fn" and {r["name"] for r in data["float8"]["results"]} >= {
-        "nanscan cpu", "read probe", "float isfinite loop"}
+    # every float8 format beside the 16-bit ones, each with its own set and ratio lines
+    for section, dtype in (("float8", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
+        assert data[section]["dtype"] == dtype and {r["name"] for r in data[section]["results"]} >= {
+            "nanscan cpu", "read probe", "float isfinite loop"}
     assert {r["name"] for r in data["bfloat16"]["results"]} >= {"nanscan cpu", "read probe", "isfinite loop"}
-    for key in ("cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm", "bfloat16 cpu/read_limit",
-                "float16 cpu/read_limit", "float8_e4m3fn cpu/read_limit", "float8_e4m3fn cpu/float_isfinite_loop"):
+    keys = ["cpu/read_limit", "cpu/isfinite_loop", "cpu/foreach_norm", "bfloat16 cpu/read_limit",
+            "float16 cpu/read_limit", "float8_e4m3fn cpu/read_limit", "float8_e4m3fn cpu/float_isfinite_loop",
+            "float8_e5m2 cpu/read_limit", "float8_e5m2 cpu/float_isfinite_loop"]
+    if "numba" in data["validation"]["backends"]:  # the fallback's lines beside the kernel's, for every dtype
+        keys += ["numba/read_limit", "bfloat16 numba/read_limit", "float16 numba/read_limit",
+                 "float8_e4m3fn numba/read_limit", "float8_e5m2 numba/read_limit"]
+    for key in keys:
         assert data["ratios"][key] > 0
         assert f"{key} = " in printed
 
