@@ -364,7 +364,7 @@ class ModelScanPlan:
         records join them (NOTE: [frozen records])."""
         if self._native is None or not self._unchanged_structure(model, optimizer):
             return None
-        _, _, identities, devices = self._joined(extra)
+        _, _, identities, devices = self._joined(extra)  # and self._extra_table, the scan's form of the rest
         backend = backend_for(devices)
         scan_planned = getattr(backend, "scan_planned", None)
         if scan_planned is None:
@@ -487,7 +487,8 @@ class ModelScanPlan:
     def _joined(self, extra: StepInputs) -> tuple[np.ndarray, np.ndarray, tuple, tuple[str, ...]]:
         """The step's table without pointers (counts, codes, identities, devices), `extra` first. The batch and the
         loss change their identities (name, dtype, device, size, format) only when the batch's structure or shapes
-        do, so the joined table is kept until they do (a BatchPlan hands the same tuple every step)."""
+        do, so the joined table is kept until they do (a BatchPlan hands the same tuple every step), and with it
+        `_extra_table`, the same counts and codes as the one-call host scan takes them."""
         key = extra.identities
         if key is not self._extra_key and key != self._extra_key:
             self._extra_key = key
