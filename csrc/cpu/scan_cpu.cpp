@@ -30,10 +30,14 @@ namespace {
 // Every tensor is cut into chunks of at most chunk_elems elements; the chunks of all tensors form one work list so that
 // one large tensor and many small ones load the threads evenly. A tensor that fits one chunk (most tensors of a model:
 // biases, norms, optimizer step counters) is scanned straight into its record, set to the identity just before (NOTE:
-// [record writes]). Each chunk of a larger tensor produces a partial record; the partials are merged per tensor in
-// chunk order, so even the float64 sum of squares is the same on every run and for every thread count. Inside a chunk
-// the work is cut into blocks at fixed offsets from the chunk start (never from the memory address), so the summation
-// order depends on the chunk size alone.
+// [record writes]). The chunks of a larger tensor are added, by each thread, into one partial record per tensor it
+// takes chunks of, and each chunk's sum of squares is kept apart. After the scan the partial records are merged into
+// the tensor's record (counts and extremes are exact, so in any order), and the chunks' sums of squares are added in
+// chunk order, so even the float64 sum of squares is the same on every run and for every thread count. Inside a
+// chunk the work is cut into blocks at fixed offsets from the chunk start (never from the memory address), so the
+// summation order depends on the chunk size alone. (A partial record per chunk, as before, had cost ~0.2 us per
+// chunk: 2 KiB to set and merge, and for a large model's float8 set 16 MB of fresh pages per scan, the merges one
+// after the other on one thread; NOTE: [byte vectors] has the measurement.)
 struct Chunk {
   int64_t task;
   int64_t begin;
@@ -44,6 +48,15 @@ constexpr int64_t kOwnRecord = -1;
 
 // Per-chunk field counters are uint32 (NOTE: [field histogram]); a chunk never holds more elements than they count.
 constexpr int64_t kMaxChunkElems = int64_t(1) << 30;
+
+// A chunk's largest and smallest finite non-zero abs bit patterns into `record` (UINT64_MAX: it had none). Taken as
+// a maximum and a minimum, not written over, since a thread scans consecutive chunks of a tensor into one record
+// (NOTE: [chunking]).
+inline void merge_extremes(int64_t* record, uint64_t absmax, uint64_t absmin) {
+  record[record::kAbsMaxBits] = std::max(record[record::kAbsMaxBits], static_cast<int64_t>(absmax));
+  if (absmin != UINT64_MAX)
+    record[record::kAbsMinBits] = std::min(record[record::kAbsMinBits], static_cast<int64_t>(absmin));
+}
 
 // NOTE: [blocks]
 // A histogram on the CPU costs a dependent load-increment-store per element, which is slower than memory. So a chunk
@@ -539,7 +552,7 @@ struct ChunkWindow {
   }
 };
 
-// Running state of one chunk; `record` is the chunk's partial record.
+// Running state of one chunk; `record` is the record it adds into (NOTE: [chunking]).
 struct ChunkState {
   int64_t* record;
   uint64_t absmax = 0;
@@ -650,8 +663,7 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
   }
   window.close<F>(counts);
   counts.fold_into<F>(record + record::kHist);
-  record[record::kAbsMaxBits] = static_cast<int64_t>(st.absmax);
-  if (st.absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(st.absmin);
+  merge_extremes(record, st.absmax, st.absmin);
   sumsq_out = sum_lanes(lanes) + st.exact_sumsq;
 }
 
@@ -711,8 +723,7 @@ void scan_small_exact(const typename F::Bits* p, int64_t n, int64_t* record, dou
   double sumsq = 0.0;
   classify_each<F>(p, n, record, absmax, absmin, sumsq,
                    [&](int64_t, int field) { hist[bin_of_normal_field<F>(field)]++; });
-  record[record::kAbsMaxBits] = static_cast<int64_t>(absmax);
-  if (absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(absmin);
+  merge_extremes(record, absmax, absmin);
   sumsq_out = sumsq;
 }
 
@@ -760,8 +771,7 @@ void scan_small(const typename F::Bits* p, int64_t n, int64_t* record, double& s
     return;
   }
   const Bits min_abs = static_cast<Bits>(min_below + 1);
-  record[record::kAbsMaxBits] = static_cast<int64_t>(max_abs);
-  record[record::kAbsMinBits] = static_cast<int64_t>(min_abs);
+  merge_extremes(record, max_abs, min_abs);
   // Field 0 (zeros, subnormals) and the fields from the smallest non-zero value's to the largest's.
   const int lo = exponent_field<F>(min_abs);
   const int hi = exponent_field<F>(max_abs);
@@ -862,11 +872,6 @@ double fold_patterns(const uint32_t (*counts)[256], int tables, int64_t* record,
   return sumsq;
 }
 
-inline void write_extremes(int64_t* record, uint64_t absmax, uint64_t absmin) {
-  record[record::kAbsMaxBits] = static_cast<int64_t>(absmax);
-  if (absmin != UINT64_MAX) record[record::kAbsMinBits] = static_cast<int64_t>(absmin);
-}
-
 // One chunk of a one-byte format counted per bit pattern (NOTE: [byte formats]), added to `record` like scan_chunk.
 template <typename F>
 void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
@@ -886,7 +891,7 @@ void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double&
   for (; i < n; ++i) counts[0][p[i]]++;
   uint64_t absmax = 0, absmin = UINT64_MAX;
   sumsq_out = fold_patterns<F>(counts, tables, record, absmax, absmin);
-  write_extremes(record, absmax, absmin);
+  merge_extremes(record, absmax, absmin);
 }
 
 #if NANSCAN_AVX512_BYTES
@@ -1255,7 +1260,7 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
   fold_fields<F>(fields, 1, F::kMaxNormalField, record + record::kHist);
   double sumsq = std::ldexp(static_cast<double>(total), 2 * (BV::kMinExponent - 1) - 1);  // exact: a power of two
   if (by_pattern) sumsq += fold_patterns<F>(patterns, 1, record, absmax, absmin);
-  write_extremes(record, absmax, absmin);
+  merge_extremes(record, absmax, absmin);
   sumsq_out = sumsq;
 }
 #endif
@@ -1271,12 +1276,14 @@ void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out)
 #endif
 }
 
+// The record a thread adds its consecutive chunks of one tensor into (NOTE: [chunking]).
 struct Partial {
+  int64_t task;
   int64_t counts[record::kWidth];
-  double sumsq;
 };
 
-// Scans one chunk into `record`, which is in the identity state (the task's own record or a fresh partial one).
+// Scans one chunk and adds it to `record` (the task's own, or the thread's partial record of the task); `sumsq`
+// gets the chunk's sum of squares.
 // `counts` is made on the first chunk that needs it: a scan of small tensors never pays for zeroing its 32 KiB.
 void scan_one_chunk(const ScanTask& task, const Chunk& chunk, int64_t* record, double& sumsq,
                     std::unique_ptr<FieldCounts>& counts) {
@@ -1299,13 +1306,13 @@ void scan_one_chunk(const ScanTask& task, const Chunk& chunk, int64_t* record, d
   });
 }
 
-void merge(int64_t* rec, double& sumsq, const Partial& p) {
+// Adds a partial record's counts and extremes to its task's record; the sum of squares is summed apart.
+void merge(int64_t* rec, const Partial& p) {
   for (int k = 0; k < record::kWidth; ++k) {
     if (k == record::kAbsMaxBits) rec[k] = std::max(rec[k], p.counts[k]);
     else if (k == record::kAbsMinBits) rec[k] = std::min(rec[k], p.counts[k]);
     else if (k != record::kSumSq) rec[k] += p.counts[k];
   }
-  sumsq += p.sumsq;
 }
 
 // Asks for the first bytes of a chunk that is about to be scanned (NOTE: [prefetch]). Inlined: as a call it
@@ -1397,10 +1404,12 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
               const Prologue& prologue) {
   const WorkList work = make_chunks(tasks, num_tasks, chunk_elems);
   const std::vector<Chunk>& chunks = work.chunks;
-  // Not initialised here: each chunk with a partial record starts it from the identity record itself.
-  const std::unique_ptr<Partial[]> partials(new Partial[work.num_partials]);
+  // The sums of squares of the chunks of tasks of more than one chunk, each written by its chunk.
+  const std::unique_ptr<double[]> chunk_sumsq(new double[work.num_partials]);
   const int64_t n = static_cast<int64_t>(chunks.size());
   num_threads = resolve_threads(num_threads, tasks, num_tasks, n);
+  // Each thread's partial records, in the order it made them.
+  std::vector<std::vector<std::unique_ptr<Partial>>> partials(num_threads);
   enum : int { kWait, kGo, kCancel };
   std::atomic<int> state{prologue ? kWait : kGo};
   std::exception_ptr failure;
@@ -1430,6 +1439,11 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
     if (state.load(std::memory_order_acquire) == kGo) {
       const ExactFloatMode float_mode;  // NOTE: [float mode]
       std::unique_ptr<FieldCounts> counts;
+#ifdef _OPENMP
+      std::vector<std::unique_ptr<Partial>>& mine = partials[omp_get_thread_num()];
+#else
+      std::vector<std::unique_ptr<Partial>>& mine = partials[0];
+#endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
         const Chunk& chunk = chunks[i];
@@ -1442,9 +1456,13 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
           scan_one_chunk(tasks[chunk.task], chunk, own, sumsq, counts);
           std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
         } else {
-          Partial& p = partials[chunk.partial];
-          set_identity(p.counts);
-          scan_one_chunk(tasks[chunk.task], chunk, p.counts, p.sumsq, counts);
+          // A thread's chunks come in list order, so once it has left a task it never takes one of its chunks again.
+          if (mine.empty() || mine.back()->task != chunk.task) {
+            mine.emplace_back(new Partial);
+            mine.back()->task = chunk.task;
+            set_identity(mine.back()->counts);
+          }
+          scan_one_chunk(tasks[chunk.task], chunk, mine.back()->counts, chunk_sumsq[chunk.partial], counts);
         }
       }
     }
@@ -1453,17 +1471,19 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
   if (state.load(std::memory_order_relaxed) != kGo) return;
   for (int64_t t = 0; t < num_tasks; ++t)
     if (tasks[t].numel == 0) set_identity(records + t * record::kWidth);  // no chunk wrote it
-  // The chunks of a task lie next to each other in the list, in order: merge them in that order (NOTE: [chunking]).
+  // The chunks of a task lie next to each other in the list, in order: their sums of squares are added in that order
+  // (NOTE: [chunking]); the counts and extremes, exact, in any.
+  for (const Chunk& chunk : chunks)
+    if (chunk.partial != kOwnRecord && chunk.begin == 0) set_identity(records + chunk.task * record::kWidth);
+  for (const std::vector<std::unique_ptr<Partial>>& mine : partials)
+    for (const std::unique_ptr<Partial>& p : mine) merge(records + p->task * record::kWidth, *p);
   double sumsq = 0.0;
   for (const Chunk& chunk : chunks) {
     if (chunk.partial == kOwnRecord) continue;
-    int64_t* own = records + chunk.task * record::kWidth;
-    if (chunk.begin == 0) {
-      sumsq = 0.0;
-      set_identity(own);
-    }
-    merge(own, sumsq, partials[chunk.partial]);
-    if (chunk.end == tasks[chunk.task].numel) std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
+    if (chunk.begin == 0) sumsq = 0.0;
+    sumsq += chunk_sumsq[chunk.partial];
+    if (chunk.end == tasks[chunk.task].numel)
+      std::memcpy(records + chunk.task * record::kWidth + record::kSumSq, &sumsq, sizeof(double));
   }
 }
 
