@@ -1473,6 +1473,7 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
   if (state.load(std::memory_order_relaxed) != kGo) return;
   for (int64_t t = 0; t < num_tasks; ++t)
     if (tasks[t].numel == 0) set_identity(records + t * record::kWidth);  // no chunk wrote it
+  if (work.num_partials == 0) return;  // every task was one chunk (a Monitor's check of a small model)
   // The chunks of a task lie next to each other in the list, in order: their sums of squares are added in that order
   // (NOTE: [chunking]); the counts and extremes, exact, in any.
   for (const Chunk& chunk : chunks)
