@@ -43,10 +43,10 @@ from nanscan.scan import scan
 VOCAB, CONTEXT, WIDTH, LAYERS = 50257, 1024, 768, 12
 # Elements of each tensor checked against the reference before timing.
 VALIDATION_SLICE = 1 << 16
-# A scan may use this much memory beyond its result (partial records: the numba backend's one per chunk, the C++
-# kernel's one per thread and tensor), as a fraction of its inputs, plus a fixed allowance: the resident-set peak
-# moves in pages and allocator arenas, which on a tiny run (the test's 2 MiB of inputs) outweigh 2% of the inputs
-# although nothing grows with them.
+# A scan may use this much memory beyond its result (partial records, one per thread and tensor, and each chunk's sum
+# of squares), as a fraction of its inputs, plus a fixed allowance: the resident-set peak moves in pages and
+# allocator arenas, which on a tiny run (the test's 2 MiB of inputs) outweigh 2% of the inputs although nothing grows
+# with them.
 MAX_EXTRA_MEMORY_FRACTION = 0.02
 EXTRA_MEMORY_SLACK_BYTES = 4 << 20
 

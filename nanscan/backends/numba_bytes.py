@@ -220,45 +220,65 @@ def _fold_patterns(patterns, table, counts, absmax, absmin):
 
 
 @njit(parallel=True, cache=True)
-def scan_byte_chunks(addresses, numels, table, traits, partial_counts, partial_sumsq):
-    """One partial record per chunk of a one-byte format (NOTE: [chunking], NOTE: [numba bytes]); chunks are scanned
-    in parallel. `table` is byte_formats.byte_table of the format, `traits` its byte_traits."""
+def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial_counts, partial_sumsq):
+    """Each group of chunks of a one-byte format (groups[g] .. groups[g + 1] - 1) is scanned by one thread, in order,
+    each chunk added to its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE:
+    [numba bytes]). `table` is byte_formats.byte_table of the format, `traits` its byte_traits."""
     bits_like = np.empty(0, np.uint8)
     mant_bits = traits[1]
     special_lo, sign_only_nan = traits[3], traits[4]
-    for c in prange(addresses.size):
-        data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
-        counts = partial_counts[c]
+    for g in prange(groups.size - 1):
+        # Pattern counts are folded per chunk (their squares are part of the chunk's sum), field counts per segment.
         patterns = np.zeros((_BYTE_TABLES, 256), np.int32)  # a chunk is below 2**31 elements
         fields = np.zeros(2 * RESIDUES, np.int64)
-        absmax = np.int64(0)
-        absmin = np.int64(_ABSMIN_NONE)
-        s = 0.0
-        for begin in range(0, data.size, _BYTE_BLOCK):
-            block = data[begin:begin + _BYTE_BLOCK]
-            # As in numba_cpu's _scan_chunks: the next block is asked for in halves, before each pass.
-            ahead = addresses[c] + min(begin + _BYTE_BLOCK, data.size)
-            ahead_size = addresses[c] + min(begin + 2 * _BYTE_BLOCK, data.size) - ahead
-            half = -(-ahead_size // (2 * CACHE_LINE)) * CACHE_LINE
-            prefetch_lines(ahead, 0, half)
-            if block.size >= GROUP_ELEMS:
-                zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
-                if hi < special_lo and (sign_only == 0 or sign_only_nan == 0):
-                    prefetch_lines(ahead, half, ahead_size)
-                    counts[_REC_ZERO] += zeros
-                    if zeros == block.size:
+        fields_segment = np.int64(-1)
+        for c in range(groups[g], groups[g + 1]):
+            if fields_segment >= 0 and segments[c] != fields_segment:
+                _fold_byte_fields(fields, table, mant_bits, partial_counts[fields_segment])
+            fields_segment = segments[c]
+            data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
+            counts = partial_counts[segments[c]]
+            absmax = np.int64(0)
+            absmin = np.int64(_ABSMIN_NONE)
+            s = 0.0
+            by_pattern = False
+            for begin in range(0, data.size, _BYTE_BLOCK):
+                block = data[begin:begin + _BYTE_BLOCK]
+                # As in numba_cpu's _scan_chunks: the next block is asked for in halves, before each pass.
+                ahead = addresses[c] + min(begin + _BYTE_BLOCK, data.size)
+                ahead_size = addresses[c] + min(begin + 2 * _BYTE_BLOCK, data.size) - ahead
+                half = -(-ahead_size // (2 * CACHE_LINE)) * CACHE_LINE
+                prefetch_lines(ahead, 0, half)
+                if block.size >= GROUP_ELEMS:
+                    zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
+                    if hi < special_lo and (sign_only == 0 or sign_only_nan == 0):
+                        prefetch_lines(ahead, half, ahead_size)
+                        counts[_REC_ZERO] += zeros
+                        if zeros == block.size:
+                            continue
+                        absmax = max(absmax, hi)
+                        absmin = min(absmin, lo_minus_one + 1)
+                        s += _fast_byte_block(block, zeros, lo_minus_one + 1, hi, traits, table, counts, fields)
                         continue
-                    absmax = max(absmax, hi)
-                    absmin = min(absmin, lo_minus_one + 1)
-                    s += _fast_byte_block(block, zeros, lo_minus_one + 1, hi, traits, table, counts, fields)
-                    continue
-            prefetch_lines(ahead, half, ahead_size)
-            _count_patterns(block, patterns)
-        # Field 0 holds the zeros and subnormals, counted above; the others are normal values.
-        for f in range(1, fields.size):
-            if fields[f]:
-                counts[_REC_HIST + np.int64(table[TABLE_BIN, f << mant_bits])] += fields[f]
-        absmax, absmin, pattern_sumsq = _fold_patterns(patterns, table, counts, absmax, absmin)
-        counts[_REC_ABSMAX] = absmax
-        counts[_REC_ABSMIN] = absmin
-        partial_sumsq[c] = s + pattern_sumsq
+                prefetch_lines(ahead, half, ahead_size)
+                _count_patterns(block, patterns)
+                by_pattern = True
+            if by_pattern:
+                absmax, absmin, pattern_sumsq = _fold_patterns(patterns, table, counts, absmax, absmin)
+                s += pattern_sumsq
+                patterns[:] = 0
+            counts[_REC_ABSMAX] = max(counts[_REC_ABSMAX], absmax)
+            counts[_REC_ABSMIN] = min(counts[_REC_ABSMIN], absmin)
+            partial_sumsq[c] = s
+        if fields_segment >= 0:
+            _fold_byte_fields(fields, table, mant_bits, partial_counts[fields_segment])
+
+
+@njit(cache=True)
+def _fold_byte_fields(fields, table, mant_bits, counts):
+    """Adds the normal values' field counts to a record's bins and clears them; field 0 holds the zeros and
+    subnormals, counted apart."""
+    for f in range(1, fields.size):
+        if fields[f]:
+            counts[_REC_HIST + np.int64(table[TABLE_BIN, f << mant_bits])] += fields[f]
+            fields[f] = 0

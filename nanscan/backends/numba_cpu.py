@@ -3,8 +3,8 @@
 It states the definitions of classify.h again on raw bits (exponent field, subnormals binned by their leading
 mantissa bit, bins clamped to [-128, 127]; never isnan or log2) and chunks like the C++ kernel (NOTE: [chunking] in
 scan_cpu.cpp), so the counts are exact and the float64 sum of squares is the same on every run and for every thread
-count. It keeps one partial record per chunk (the C++ kernel, one per thread and tensor), merged per tensor in chunk
-order; the merge is ~1% of a large model's scan here.
+count. Each thread scans a run of consecutive chunks (thread_groups) into one partial record per tensor, as the C++
+kernel does.
 
 NOTE: [numba blocks]
 A chunk is read in blocks of _BLOCK_ELEMS elements. A vectorised pass counts the block's zeros and finds its smallest
@@ -27,10 +27,11 @@ do in real data. So the fields are counted in registers, as the C++ kernel does 
   - fields: for a block spanning 32 fields or more, and for the elements past a chunk's last whole group, each
     element's exponent field is counted, into _NUM_TABLES tables filled in turn so that runs of equal exponents do
     not wait on each other's stores.
-All are added into the tables, folded into bins once per chunk. Their int32 counters hold any chunk below 2**31
-elements. (Measured on one hot block of Gaussian float32, per element: bounds 0.08 ns, squares 0.07 ns, residues 0.11
-ns; the pair table this replaced, 0.35 ns. On one hot block of Gaussian bfloat16 or float16, one core: bounds 0.018
-ns, residues 0.06 ns (the two-word window 0.115 ns; float16 subnormals 0.013 ns more), squares 0.065-0.11 ns (NOTE:
+All are added into the tables, folded into bins once per segment (a thread's run of chunks of one tensor,
+thread_groups), or sooner when they would reach 2**31 elements (_MAX_TABLED), more than their int32 counters hold.
+(Measured on one hot block of Gaussian float32, per element: bounds 0.08 ns, squares 0.07 ns, residues 0.11 ns; the
+pair table this replaced, 0.35 ns. On one hot block of Gaussian bfloat16 or float16, one core: bounds 0.018 ns,
+residues 0.06 ns (the two-word window 0.115 ns; float16 subnormals 0.013 ns more), squares 0.065-0.11 ns (NOTE:
 [float32 squares]). Residue words of 32 bits, eight 4-bit counters and a second word for the fields with bit 3
 set, measured slower: 0.09 ns.)
 The one-byte formats (float8) are counted in blocks of their own (nanscan/backends/numba_bytes.py, NOTE: [numba
@@ -431,74 +432,110 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
     return count
 
 
+# int32 table counters (and the numba backend's chunk limit) hold fewer than 2**31 elements: the tables are folded
+# before they would reach it.
+_MAX_TABLED = 2**31 - 1
+
+
 @njit(parallel=True, cache=True)
-def _scan_chunks(addresses, numels, bits_like, masks, exp_bits, mant_bits, scale, widen_shift, widen_offset,
-                 partial_counts, partial_sumsq):
-    """One partial record per chunk (NOTE: [chunking], NOTE: [numba blocks]); chunks are scanned in parallel."""
+def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale, widen_shift,
+                 widen_offset, partial_counts, partial_sumsq):
+    """Each group of chunks (groups[g] .. groups[g + 1] - 1) is scanned by one thread, in order, each chunk added to
+    its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE: [numba blocks])."""
     abs_mask, min_normal, inf_bits = masks[0], masks[1], masks[2]
     shift = np.uint32(widen_shift)
     offset = np.uint32(widen_offset)
     # float16's subnormals widen to normal float32 values (_widen_one): its blocks with subnormals stay fast.
     exact_small = bits_like.itemsize == 2 and exp_bits == 5
     count_exp_bits = _WIDE_EXP_BITS if bits_like.itemsize == 2 else exp_bits
-    for c in prange(addresses.size):
-        data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
-        counts = partial_counts[c]
-        absmax = np.int64(0)
-        absmin = np.int64(_ABSMIN_NONE)
-        s = 0.0
-        # Small chunks go element by element: zeroing and folding the tables would cost more than they save.
-        use_tables = data.size >= _NUM_TABLES << count_exp_bits
-        field_tables = np.zeros(_NUM_TABLES << count_exp_bits if use_tables else 0, np.int32)
-        widened = np.empty(_BLOCK_ELEMS if use_tables and data.itemsize == 2 else 0, np.uint32)
-        for begin in range(0, data.size, _BLOCK_ELEMS):
-            block = data[begin:begin + _BLOCK_ELEMS]
-            # The passes over this block read only it, so the hardware prefetcher stops running ahead: ask for the
-            # next block meanwhile, a quarter before each pass (a whole block's lines at once would stall on the
-            # core's few slots for outstanding misses).
-            ahead = addresses[c] + min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
-            ahead_size = addresses[c] + min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize - ahead
-            quarter = -(-ahead_size // (4 * CACHE_LINE)) * CACHE_LINE
-            prefetch_lines(ahead, 0, quarter)
+    table_size = _NUM_TABLES << count_exp_bits
+    for g in prange(groups.size - 1):
+        # The group's tables, folded into a segment's record when the segment ends (or before they could overflow).
+        field_tables = np.zeros(table_size, np.int32)
+        widened = np.empty(_BLOCK_ELEMS if bits_like.itemsize == 2 else 0, np.uint32)
+        tabled = np.int64(0)
+        tabled_segment = np.int64(-1)
+        for c in range(groups[g], groups[g + 1]):
+            data = numba.carray(pointer_at(addresses[c], bits_like), numels[c])
+            if tabled and (segments[c] != tabled_segment or tabled + data.size > _MAX_TABLED):
+                _fold_fields(field_tables, count_exp_bits, partial_counts[tabled_segment])
+                field_tables[:] = 0
+                tabled = 0
+            counts = partial_counts[segments[c]]
+            absmax = np.int64(0)
+            absmin = np.int64(_ABSMIN_NONE)
+            s = 0.0
+            # Small chunks go element by element: folding the tables would cost more than they save.
+            use_tables = data.size >= table_size
             if use_tables:
-                block_zeros, lo_nonzero, hi = _block_bounds(block, abs_mask)
-                zeros = np.int64(block_zeros)
-                prefetch_lines(ahead, quarter, 2 * quarter)
-                if hi < inf_bits and (lo_nonzero >= min_normal or exact_small):
-                    counts[_REC_ZERO] += zeros
-                    if zeros == block.size:
-                        prefetch_lines(ahead, 2 * quarter, ahead_size)
+                tabled += data.size
+                tabled_segment = segments[c]
+            for begin in range(0, data.size, _BLOCK_ELEMS):
+                block = data[begin:begin + _BLOCK_ELEMS]
+                # The passes over this block read only it, so the hardware prefetcher stops running ahead: ask for
+                # the next block meanwhile, a quarter before each pass (a whole block's lines at once would stall on
+                # the core's few slots for outstanding misses).
+                ahead = addresses[c] + min(begin + _BLOCK_ELEMS, data.size) * data.itemsize
+                ahead_size = addresses[c] + min(begin + 2 * _BLOCK_ELEMS, data.size) * data.itemsize - ahead
+                quarter = -(-ahead_size // (4 * CACHE_LINE)) * CACHE_LINE
+                prefetch_lines(ahead, 0, quarter)
+                if use_tables:
+                    block_zeros, lo_nonzero, hi = _block_bounds(block, abs_mask)
+                    zeros = np.int64(block_zeros)
+                    prefetch_lines(ahead, quarter, 2 * quarter)
+                    if hi < inf_bits and (lo_nonzero >= min_normal or exact_small):
+                        counts[_REC_ZERO] += zeros
+                        if zeros == block.size:
+                            prefetch_lines(ahead, 2 * quarter, ahead_size)
+                            continue
+                        absmax = max(absmax, np.int64(hi))
+                        absmin = min(absmin, np.int64(lo_nonzero))
+                        prefetch_lines(ahead, 2 * quarter, 3 * quarter)
+                        s += _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset,
+                                         exact_small, exp_bits, mant_bits, counts, field_tables)
+                        prefetch_lines(ahead, 3 * quarter, ahead_size)
                         continue
-                    absmax = max(absmax, np.int64(hi))
-                    absmin = min(absmin, np.int64(lo_nonzero))
-                    prefetch_lines(ahead, 2 * quarter, 3 * quarter)
-                    s += _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small,
-                                     exp_bits, mant_bits, counts, field_tables)
-                    prefetch_lines(ahead, 3 * quarter, ahead_size)
-                    continue
-            prefetch_lines(ahead, quarter, ahead_size)
-            absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
-            s += block_sumsq
-        if use_tables:
-            _fold_fields(field_tables, count_exp_bits, counts)
-        counts[_REC_ABSMAX] = absmax
-        counts[_REC_ABSMIN] = absmin
-        partial_sumsq[c] = s
+                prefetch_lines(ahead, quarter, ahead_size)
+                absmax, absmin, block_sumsq = _scan_exact(block, exp_bits, mant_bits, scale, counts, absmax, absmin)
+                s += block_sumsq
+            counts[_REC_ABSMAX] = max(counts[_REC_ABSMAX], absmax)
+            counts[_REC_ABSMIN] = min(counts[_REC_ABSMIN], absmin)
+            partial_sumsq[c] = s
+        if tabled:
+            _fold_fields(field_tables, count_exp_bits, partial_counts[tabled_segment])
 
 
 @njit(cache=True)
-def _merge(chunk_task, partial_counts, partial_sumsq, records, sumsq):
-    """Merge partial records into their tensors' records in chunk order (NOTE: [chunking])."""
-    for c in range(chunk_task.size):
-        t = chunk_task[c]
+def _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sumsq):
+    """Merge the segments' partial records into their tensors' records, and the chunks' sums of squares in chunk
+    order (NOTE: [chunking])."""
+    for g in range(segment_task.size):
+        t = segment_task[g]
         for k in range(records.shape[1]):
             if k == _REC_ABSMAX:
-                records[t, k] = max(records[t, k], partial_counts[c, k])
+                records[t, k] = max(records[t, k], partial_counts[g, k])
             elif k == _REC_ABSMIN:
-                records[t, k] = min(records[t, k], partial_counts[c, k])
+                records[t, k] = min(records[t, k], partial_counts[g, k])
             else:
-                records[t, k] += partial_counts[c, k]
-        sumsq[t] += partial_sumsq[c]
+                records[t, k] += partial_counts[g, k]
+    for c in range(chunk_task.size):
+        sumsq[chunk_task[c]] += partial_sumsq[c]
+
+
+def thread_groups(chunk_task: np.ndarray, chunk_numels: np.ndarray, threads: int):
+    """The work of a scan's threads (NOTE: [chunking]): `threads` runs of consecutive chunks of about equal elements
+    (group g is chunks groups[g] .. groups[g + 1] - 1), and each chunk's segment, the chunks of one tensor in one
+    group, which share a partial record: (groups, segments, the task of each segment). The records do not depend on
+    the grouping: counts are exact, and sums of squares stay per chunk."""
+    n = chunk_task.size
+    starts = np.cumsum(chunk_numels) - chunk_numels
+    total = int(starts[-1] + chunk_numels[-1]) if n else 0
+    cuts = np.searchsorted(starts, total * np.arange(1, threads) / threads, side="left")
+    groups = np.concatenate(([0], cuts, [n])).astype(np.int64)
+    new_segment = np.ones(n, dtype=bool)
+    new_segment[1:] = chunk_task[1:] != chunk_task[:-1]
+    new_segment[groups[:-1][groups[:-1] < n]] = True
+    return groups, np.cumsum(new_segment) - 1, chunk_task[new_segment]
 
 
 # -- the backend ---------------------------------------------------------------------------------------------------
@@ -543,16 +580,17 @@ class NumbaBackend:
         begins = (np.arange(chunk_task.size) - first_chunk[chunk_task]) * self.chunk_elems
         chunk_numels = np.minimum(numels[chunk_task] - begins, self.chunk_elems)
         addresses = bases[chunk_task] + begins * L.FORMATS[code].bytes
-        partial_counts = L.empty_records(chunk_task.size)
-        partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
         with self._launch_lock:
+            groups, segments, segment_task = thread_groups(chunk_task, chunk_numels, numba.get_num_threads())
+            partial_counts = L.empty_records(segment_task.size)
+            partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
             if L.FORMATS[code].bytes == 1:
                 table = byte_table(code)
-                scan_byte_chunks(addresses, chunk_numels, table, byte_traits(code, table), partial_counts,
-                                 partial_sumsq)
+                scan_byte_chunks(addresses, chunk_numels, groups, segments, table, byte_traits(code, table),
+                                 partial_counts, partial_sumsq)
             else:
                 fmt = _FORMATS[code]
-                _scan_chunks(addresses, chunk_numels, np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
-                             fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset, partial_counts,
-                             partial_sumsq)
-        _merge(tasks[chunk_task], partial_counts, partial_sumsq, records, sumsq)
+                _scan_chunks(addresses, chunk_numels, groups, segments, np.empty(0, fmt.bits_dtype), fmt.masks,
+                             fmt.exp_bits, fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset,
+                             partial_counts, partial_sumsq)
+        _merge(tasks[segment_task], partial_counts, tasks[chunk_task], partial_sumsq, records, sumsq)
