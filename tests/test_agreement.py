@@ -356,6 +356,30 @@ def test_numba_records_are_bit_identical_for_any_thread_count(numba_backend):
     np.testing.assert_array_equal(one, many)
 
 
+@settings(max_examples=200, deadline=None)
+@given(per_task=st.lists(st.integers(1, 6), min_size=1, max_size=8), threads=st.integers(1, 8), data=st.data())
+def test_numba_thread_groups_split_the_chunks_into_balanced_runs(numba_backend, per_task, threads, data):
+    """Each thread's run of chunks ends within one chunk of its share of the elements, and a segment (one partial
+    record) never spans two tensors or two threads."""
+    from nanscan.backends.numba_cpu import thread_groups
+
+    chunk_task = np.repeat(np.arange(len(per_task)), per_task).astype(np.int64)
+    chunk_numels = np.array(data.draw(st.lists(st.integers(1, 100), min_size=chunk_task.size,
+                                               max_size=chunk_task.size)), dtype=np.int64)
+    groups, segments, segment_task = thread_groups(chunk_task, chunk_numels, threads)
+    n, total = chunk_task.size, int(chunk_numels.sum())
+    assert groups.size == threads + 1 and groups[0] == 0 and groups[-1] == n and (np.diff(groups) >= 0).all()
+    starts = np.concatenate(([0], np.cumsum(chunk_numels)))
+    for g in range(1, threads):  # the first chunk at or past g / threads of the elements begins group g
+        assert starts[groups[g]] * threads >= g * total or groups[g] == n
+        assert groups[g] == 0 or starts[groups[g] - 1] * threads < g * total
+    np.testing.assert_array_equal(segment_task[segments], chunk_task)
+    begins = np.zeros(n, dtype=bool)
+    begins[groups[:-1][groups[:-1] < n]] = True
+    begins[1:] |= chunk_task[1:] != chunk_task[:-1]
+    np.testing.assert_array_equal(segments, np.cumsum(begins) - 1)
+
+
 NUMBA_GROUP = 960  # nanscan.backends.numba_cpu._GROUP_ELEMS: residue words count whole groups, the rest by tables
 
 

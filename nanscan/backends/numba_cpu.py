@@ -522,20 +522,37 @@ def _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sum
         sumsq[chunk_task[c]] += partial_sumsq[c]
 
 
-def thread_groups(chunk_task: np.ndarray, chunk_numels: np.ndarray, threads: int):
+@njit(cache=True)
+def thread_groups(chunk_task, chunk_numels, threads):
     """The work of a scan's threads (NOTE: [chunking]): `threads` runs of consecutive chunks of about equal elements
     (group g is chunks groups[g] .. groups[g + 1] - 1), and each chunk's segment, the chunks of one tensor in one
     group, which share a partial record: (groups, segments, the task of each segment). The records do not depend on
-    the grouping: counts are exact, and sums of squares stay per chunk."""
+    the grouping: counts are exact, and sums of squares stay per chunk. Compiled: in numpy it cost ~20 us a scan,
+    5% of a small model's."""
     n = chunk_task.size
-    starts = np.cumsum(chunk_numels) - chunk_numels
-    total = int(starts[-1] + chunk_numels[-1]) if n else 0
-    cuts = np.searchsorted(starts, total * np.arange(1, threads) / threads, side="left")
-    groups = np.concatenate(([0], cuts, [n])).astype(np.int64)
-    new_segment = np.ones(n, dtype=bool)
-    new_segment[1:] = chunk_task[1:] != chunk_task[:-1]
-    new_segment[groups[:-1][groups[:-1] < n]] = True
-    return groups, np.cumsum(new_segment) - 1, chunk_task[new_segment]
+    total = np.int64(0)
+    for c in range(n):
+        total += chunk_numels[c]
+    groups = np.empty(threads + 1, np.int64)
+    segments = np.empty(n, np.int64)
+    segment_task = np.empty(n, np.int64)
+    g = 0
+    groups[0] = 0
+    start = np.int64(0)  # elements before chunk c
+    num_segments = 0
+    for c in range(n):
+        # Group g + 1 begins at the first chunk that starts at or past (g + 1) / threads of the elements.
+        while g + 1 < threads and start * threads >= (g + 1) * total:
+            g += 1
+            groups[g] = c
+        if c == 0 or chunk_task[c] != chunk_task[c - 1] or groups[g] == c:
+            segment_task[num_segments] = chunk_task[c]
+            num_segments += 1
+        segments[c] = num_segments - 1
+        start += chunk_numels[c]
+    for k in range(g + 1, threads + 1):
+        groups[k] = n
+    return groups, segments, segment_task[:num_segments]
 
 
 # -- the backend ---------------------------------------------------------------------------------------------------
