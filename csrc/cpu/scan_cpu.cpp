@@ -1407,11 +1407,11 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
   const WorkList work = make_chunks(tasks, num_tasks, chunk_elems);
   const std::vector<Chunk>& chunks = work.chunks;
   // The sums of squares of the chunks of tasks of more than one chunk, each written by its chunk.
-  const std::unique_ptr<double[]> chunk_sumsq(new double[work.num_partials]);
+  std::vector<double> chunk_sumsq(work.num_partials);
   const int64_t n = static_cast<int64_t>(chunks.size());
   num_threads = resolve_threads(num_threads, tasks, num_tasks, n);
-  // Each thread's partial records, in the order it made them.
-  std::vector<std::vector<std::unique_ptr<Partial>>> partials(num_threads);
+  // Each thread's partial records, in the order it made them; nothing is allocated when every task is one chunk.
+  std::vector<std::vector<std::unique_ptr<Partial>>> partials(work.num_partials > 0 ? num_threads : 0);
   enum : int { kWait, kGo, kCancel };
   std::atomic<int> state{prologue ? kWait : kGo};
   std::exception_ptr failure;
@@ -1442,9 +1442,9 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
       const ExactFloatMode float_mode;  // NOTE: [float mode]
       std::unique_ptr<FieldCounts> counts;
 #ifdef _OPENMP
-      std::vector<std::unique_ptr<Partial>>& mine = partials[omp_get_thread_num()];
+      const int thread = omp_get_thread_num();
 #else
-      std::vector<std::unique_ptr<Partial>>& mine = partials[0];
+      const int thread = 0;
 #endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
@@ -1459,6 +1459,7 @@ void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chun
           std::memcpy(own + record::kSumSq, &sumsq, sizeof(double));
         } else {
           // A thread's chunks come in list order, so once it has left a task it never takes one of its chunks again.
+          std::vector<std::unique_ptr<Partial>>& mine = partials[thread];
           if (mine.empty() || mine.back()->task != chunk.task) {
             mine.emplace_back(new Partial);
             mine.back()->task = chunk.task;
