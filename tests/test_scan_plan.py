@@ -21,7 +21,7 @@ import nanscan.monitor as monitor_module
 from conftest import native_extension_expected
 from nanscan import backends
 from nanscan.backends import BackendUnavailable
-from nanscan.inputs import ScanInputs, prepare
+from nanscan.inputs import ScanInputs, UnsupportedTensorError, prepare
 from nanscan.dispatch import select_for_part
 from nanscan.plans import ModelScanPlan
 from nanscan.scan import model_inputs, scan_inputs
@@ -262,6 +262,30 @@ def test_gradients_assigned_with_other_layouts_are_scanned_correctly(new_plan):
     weight.grad = torch.ones(1, 1).expand_as(weight)  # one element seen through stride 0: must not be read flat
     report = assert_plan_matches_fresh(plan, model)
     assert plan.rebuilds > rebuilds and report["grad:0.weight"].numel == weight.numel() and report.ok
+
+
+def test_gradients_and_weights_without_strided_storage_are_checked_safely(new_plan):
+    """The plan check's warm-up (NOTE: [warm reads] in csrc/torch/tensor_access.cpp) follows every tensor's chain
+    before the reads decide: a sparse gradient (no storage) and optimizer state on the meta device (storage without
+    data) must each take the ordinary path, as fresh inputs do."""
+    model = make_model()
+    plan = new_plan()
+    backward(model)
+    assert_plan_matches_fresh(plan, model)
+    weight = model[0].weight
+    weight.grad = weight.grad.to_sparse()
+    assert planned_scan(plan, model).names == scan_inputs(model_inputs(model)).names
+    backward(model)
+    assert_plan_matches_fresh(plan, model)
+    optimizer = torch.optim.Adam(model.parameters())
+    optimizer.step()
+    backward(model)
+    assert_plan_matches_fresh(plan, model, optimizer)
+    optimizer.state[weight]["exp_avg"] = torch.empty_like(weight, device="meta")
+    with pytest.raises(UnsupportedTensorError, match="'optim:0.weight.exp_avg' is a meta tensor"):
+        planned_scan(plan, model, optimizer)
+    optimizer.state[weight]["exp_avg"] = torch.zeros_like(weight)
+    assert_plan_matches_fresh(plan, model, optimizer)
 
 
 def test_channels_last_gradients_keep_the_plan(new_plan):

@@ -78,6 +78,41 @@ bool same_dict_values(PyObject* dicts, PyObject* expected, bool nested, Py_ssize
   return true;
 }
 
+// The plan check's walks over dictionaries (NOTE: [warm reads] in csrc/torch/tensor_access.cpp, for the same reason):
+// their objects are asked for first, then the part of each keys table that PyDict_Next reads for a dictionary of
+// that size (header, indices, entries of at most 24 bytes), then the dictionaries are walked.
+constexpr Py_ssize_t kLine = 64;
+
+void prefetch_lines(const void* at, Py_ssize_t bytes) {
+  for (Py_ssize_t offset = 0; offset < bytes; offset += kLine)
+    __builtin_prefetch(static_cast<const char*>(at) + offset, 0, 3);
+}
+
+void prefetch_keys(PyObject* dict) {
+  if (!PyDict_Check(dict)) return;
+  const auto* d = reinterpret_cast<const PyDictObject*>(dict);
+  prefetch_lines(d->ma_keys, 48 + 26 * std::min<Py_ssize_t>(d->ma_used, 64));
+  if (d->ma_values != nullptr) prefetch_lines(d->ma_values, 8 * std::min<Py_ssize_t>(d->ma_used, 64));
+}
+
+void prefetch_dicts(const py::list& dicts) {
+  for (py::handle d : dicts) __builtin_prefetch(d.ptr(), 0, 3);
+}
+
+void prefetch_dict_keys(const py::list& dicts) {
+  for (py::handle d : dicts) prefetch_keys(d.ptr());
+}
+
+// optimizer.state: its keys table, then each per-parameter dictionary, then their keys tables.
+void prefetch_nested(PyObject* state) {
+  if (!PyDict_Check(state)) return;
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(state, &pos, &key, &value)) __builtin_prefetch(value, 0, 3);
+  pos = 0;
+  while (PyDict_Next(state, &pos, &key, &value)) prefetch_keys(value);
+}
+
 bool same_values_of_all(const py::list& dicts, const py::list& expected) {
   Py_ssize_t k = 0;
   for (py::handle d : dicts)
@@ -376,6 +411,7 @@ void PlanCheck::carried_part(const py::handle& part, py::ssize_t num_extra, py::
 
 bool PlanCheck::run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out,
                     py::list& grads) const {
+  warm(optimizer_state);
   if (!same_values_of_all(child_dicts_, children_) || !same_values_of_all(param_dicts_, raw_params_)) return false;
   Py_ssize_t k = 0;  // state values matched; no optimizer has none
   if (!optimizer_state.is_none() && !same_dict_values(optimizer_state.ptr(), state_values_.ptr(), true, k))
@@ -408,6 +444,19 @@ bool PlanCheck::run(const py::object& optimizer_state, const py::list& extra_ptr
   }
   grads = std::move(found);
   return true;
+}
+
+void PlanCheck::warm(const py::object& optimizer_state) const {
+  prefetch_dicts(child_dicts_);
+  prefetch_dicts(param_dicts_);
+  __builtin_prefetch(optimizer_state.ptr(), 0, 3);
+  prefetch_dict_keys(child_dicts_);
+  prefetch_dict_keys(param_dicts_);
+  prefetch_keys(optimizer_state.ptr());
+  prefetch_nested(optimizer_state.ptr());
+  if (access_ == nullptr) return;
+  access_->warm(reinterpret_cast<PyListObject*>(params_.ptr())->ob_item, num_params_, 1);
+  access_->warm(reinterpret_cast<PyListObject*>(state_tensors_.ptr())->ob_item, num_state_, 0);
 }
 
 bool PlanCheck::stable_address(PyObject* tensor, py::ssize_t j, int64_t& address) const {

@@ -129,6 +129,9 @@ class PlanCheck {
   // Writes the pointers to `out` and the present gradients to `grads`; false when anything changed.
   bool run(const py::object& optimizer_state, const py::list& extra_ptrs, int64_t* out, py::list& grads) const;
 
+  // Asks the caches for what run() reads (NOTE: [warm reads] in csrc/torch/tensor_access.cpp).
+  void warm(const py::object& optimizer_state) const;
+
   // A parameter's or state tensor's data pointer, when it still has the dtype and size in bytes of stable tensor j.
   bool stable_address(PyObject* tensor, py::ssize_t j, int64_t& address) const;
 

@@ -24,6 +24,10 @@ struct TensorAccess {
   // version counter, out[1] to its data pointer and out[2] to its scalar type, and returns 1; 0 (nothing set) when
   // it cannot be read this way. Never raises.
   int (*stamp)(PyObject* tensor, int64_t* out);
+  // A hint: asks the caches for what the reads above will load of `n` tensors (with `with_grads`, their gradients'
+  // too), so that their cache misses overlap (NOTE: [warm reads] in csrc/torch/tensor_access.cpp). Reads nothing
+  // it could fault on, changes nothing, never raises.
+  void (*warm)(PyObject* const* tensors, int64_t n, int with_grads);
 };
 
 // The capsule's name; the module checks the torch version it was built for before it hands the capsule out.
