@@ -82,10 +82,10 @@ int stamp(PyObject* tensor, int64_t* out) {
 // same chains kWarmBatch tensors at a time, level by level: it asks for one level of every tensor of the batch before
 // it reads that level, so a batch's misses overlap instead of queueing. It only prefetches (which never faults) and
 // reads what the reads above would read anyway, so it is exactly as safe as they are. Inside a step of the demo
-// model (145 tensors; 2-core development machine, timed with the TSC in PlanCheck::run): the dictionary walks 18-21
-// -> 10-12 us, the gradients' reads 23-28 -> 11-15 us, the parameters' and state's 14-29 -> 4 us, for 9-10 us of
-// warm-up (the plan check's dictionaries included, csrc/plan/plan_check.cpp); the whole PlanCheck.check call
-// 158-160 -> 121-122 us. With its objects in cache the check takes ~6 us either way.
+// model (145 tensors; 2-core development machine, timed with the TSC in PlanCheck::run): the dictionary walks 25-28
+// -> 14-17 us, the gradients' reads 31-37 -> 15-20 us, the parameters' and state's 19-39 -> 5-6 us, for 12-14 us of
+// warm-up (the plan check's dictionaries included, csrc/plan/plan_check.cpp); the whole PlanCheck.check call, timed
+// from Python, 158-160 -> 121-122 us. With its objects in cache the check takes ~6 us either way.
 constexpr int64_t kWarmBatch = 32;
 constexpr std::size_t kCacheLine = 64;
 
