@@ -19,6 +19,10 @@
 #include "nanscan/stats_record.h"
 #include "simd.h"
 
+#if defined(__F16C__) && !NANSCAN_AVX512
+#include <immintrin.h>  // F16C conversions (NOTE: [float16 widened])
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -605,9 +609,15 @@ void scan_block_exact(const typename F::Bits* p, int64_t n, ChunkState& st, Fiel
   st.exact_sumsq += sumsq;
 }
 
+// Where scan_chunk reads a block: in place, or (NOTE: [float16 widened]) from a buffer the block is first widened to.
 template <typename F>
-void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_t* record, double& sumsq_out,
-                FieldCounts& counts) {
+struct InPlace {
+  const typename F::Bits* data;
+  const typename F::Bits* block(int64_t begin, int64_t) const { return data + begin; }
+};
+
+template <typename F, typename Source = InPlace<F>>
+void scan_chunk(Source source, int64_t begin, int64_t end, int64_t* record, double& sumsq_out, FieldCounts& counts) {
   using Bits = typename F::Bits;
   constexpr int64_t kBlockElems = kBlockBytes / sizeof(Bits);
   constexpr Bits kSmallestNormal = F::kSmallestNormalAbsBits;
@@ -619,8 +629,8 @@ void scan_chunk(const typename F::Bits* data, int64_t begin, int64_t end, int64_
   VF64 lanes[kChains][kSquareVectors] = {};
   BlockScan<F> s;
   for (int64_t b = begin; b < end; b += kBlockElems) {
-    const Bits* p = data + b;
     const int64_t n = std::min(kBlockElems, end - b);
+    const Bits* p = source.block(b, n);
     scan_block_fast<F>(p, n, s);
     if (s.max_abs >= kInfBits) {
       scan_block_exact<F>(p, n, st, counts);
@@ -1278,11 +1288,107 @@ void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out)
 #endif
 }
 
+// NOTE: [record writes]
+// A record is 2 KiB (its histogram), and a Monitor's records are fresh memory every step (the history ring keeps the
+// last steps' arrays), so setting all of them to the identity before the scan meant two trips to memory per record:
+// the scan's reads evicted them again before it added into them. Each record is set where it is first written: by
+// the chunk that scans into it, by the merge of its partials, or here for a tensor without elements.
+inline void set_identity(int64_t* rec) {
+  std::memset(rec, 0, sizeof(int64_t) * record::kWidth);
+  rec[record::kAbsMinBits] = record::kAbsMinNone;
+}
+
+// NOTE: [float16 widened]
+// float16 holds subnormals far more often than the wider formats: a weight of N(0, 0.02) in float16 puts a few in
+// almost every 4 KiB block (|x| < 2**-14), and each such block took two more passes (zeros_and_min and
+// bin_subnormals), which held float16 at 0.20-0.33 of the read limit against bfloat16's 0.52-0.71 (make bench,
+// 2-core development machine). But every float16 value is exactly a float32: F16C's vcvtph2ps widens subnormals,
+// infinities and NaNs exactly, whatever the float mode, and the float32 exponent of a widened subnormal is the
+// binary exponent classify.h bins it by (bins are binary exponents, the same in every format). So where the CPU has
+// F16C, a float16 chunk is read as float32: each block is widened into a buffer of one float32 block (hot in L1) and
+// scanned there, at the same offsets from the chunk start (so the sum of squares still depends on the chunk
+// size alone, NOTE: [chunking]), into a scratch record that is then added to the chunk's record as float16's: the
+// same class counts, bins and squares; the subnormals, which float32 sees as normal values, are the counts of the
+// bins below float16's smallest normal, 2**-14; the extremes are narrowed back to float16 bits, exactly, as they are
+// float16 values. Small chunks too (NOTE: [small chunks]): their squares must be added in the block path's order.
+#if defined(__F16C__)
+inline uint64_t narrowed_abs_bits(int64_t float32_abs_bits) {
+  float value;
+  const uint32_t bits = static_cast<uint32_t>(float32_abs_bits);
+  std::memcpy(&value, &bits, sizeof(value));
+  return _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);  // exact: the value is a float16 value
+}
+
+// A float16 chunk's blocks, each widened to float32 into a buffer of one float32 block, hot in L1.
+struct WidenedFloat16 {
+  static constexpr int64_t kElems = kBlockBytes / sizeof(uint32_t);
+  const uint16_t* data;
+  uint32_t* buffer;
+
+  const uint32_t* block(int64_t begin, int64_t n) const {
+    const uint16_t* p = data + begin;
+    int64_t i = 0;
+#if NANSCAN_AVX512
+    for (; i + 16 <= n; i += 16) {
+      __builtin_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetchBytes, 0, 2);  // NOTE: [prefetch]
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      _mm512_store_ps(reinterpret_cast<float*>(buffer + i), _mm512_cvtph_ps(half));
+    }
+#endif
+    for (; i + 8 <= n; i += 8) {
+      __builtin_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetchBytes, 0, 2);
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+      _mm256_store_ps(reinterpret_cast<float*>(buffer + i), _mm256_cvtph_ps(half));
+    }
+    for (; i < n; ++i) {
+      const float value = _cvtsh_ss(p[i]);
+      std::memcpy(buffer + i, &value, sizeof(value));
+    }
+    return buffer;
+  }
+};
+
+// Adds the scratch record of a widened chunk to `record` as float16's (NOTE: [float16 widened]). Its bins lie between
+// those of its extremes: zeros, infinities and NaNs are counted, not binned.
+void add_widened_float16(const int64_t* wide, int64_t* record) {
+  for (const int k : {record::kNaN, record::kPosInf, record::kNegInf, record::kZero}) record[k] += wide[k];
+  if (wide[record::kAbsMinBits] == record::kAbsMinNone) return;  // no finite non-zero value
+  const int lo = exponent_bin<Float32>(static_cast<uint32_t>(wide[record::kAbsMinBits]));
+  const int hi = exponent_bin<Float32>(static_cast<uint32_t>(wide[record::kAbsMaxBits]));
+  const int first_normal = clamp_to_bin(1 - Float16::kBias);
+  int64_t subnormals = 0;  // no widened float16 value is a float32 subnormal: they are the bins below 2**-14
+  for (int b = lo; b <= hi; ++b) {
+    record[record::kHist + b] += wide[record::kHist + b];
+    if (b < first_normal) subnormals += wide[record::kHist + b];
+  }
+  record[record::kSubnormal] += subnormals;
+  merge_extremes(record, narrowed_abs_bits(wide[record::kAbsMaxBits]), narrowed_abs_bits(wide[record::kAbsMinBits]));
+}
+
+#endif
+
 // The record a thread adds its consecutive chunks of one tensor into (NOTE: [chunking]).
 struct Partial {
   int64_t task;
   int64_t counts[record::kWidth];
 };
+
+// One chunk of a format of two bytes or more, its blocks read through `source` (InPlace, or WidenedFloat16): the
+// small-chunk path or the block path, added to `record`.
+template <typename F, typename Source>
+void scan_words(const Source& source, const Chunk& chunk, int64_t* record, double& sumsq,
+                std::unique_ptr<FieldCounts>& counts) {
+  const int64_t n = chunk.end - chunk.begin;
+  if (n <= kSmallChunkElems) {
+    scan_small<F>(source.block(chunk.begin, n), n, record, sumsq);
+    return;
+  }
+  if (!counts) {
+    counts.reset(new FieldCounts());  // value-initialised; fold_into keeps it zero between chunks
+    counts->reset_range();
+  }
+  scan_chunk<F>(source, chunk.begin, chunk.end, record, sumsq, *counts);
+}
 
 // Scans one chunk and adds it to `record` (the task's own, or the thread's partial record of the task); `sumsq`
 // gets the chunk's sum of squares.
@@ -1294,16 +1400,16 @@ void scan_one_chunk(const ScanTask& task, const Chunk& chunk, int64_t* record, d
     const auto* data = static_cast<const typename F::Bits*>(task.data);
     if constexpr (F::kBytes == 1) {
       scan_bytes<F>(data + chunk.begin, chunk.end - chunk.begin, record, sumsq);
+#if defined(__F16C__)
+    } else if constexpr (std::is_same_v<F, Float16>) {  // read as float32 (NOTE: [float16 widened])
+      alignas(64) uint32_t buffer[WidenedFloat16::kElems];
+      int64_t wide[record::kWidth];
+      set_identity(wide);
+      scan_words<Float32>(WidenedFloat16{data, buffer}, chunk, wide, sumsq, counts);
+      add_widened_float16(wide, record);
+#endif
     } else {
-      if (chunk.end - chunk.begin <= kSmallChunkElems) {
-        scan_small<F>(data + chunk.begin, chunk.end - chunk.begin, record, sumsq);
-        return;
-      }
-      if (!counts) {
-        counts.reset(new FieldCounts());  // value-initialised; fold_into keeps it zero between chunks
-        counts->reset_range();
-      }
-      scan_chunk<F>(data, chunk.begin, chunk.end, record, sumsq, *counts);
+      scan_words<F>(InPlace<F>{data}, chunk, record, sumsq, counts);
     }
   });
 }
@@ -1391,16 +1497,6 @@ inline void cpu_relax() {
 // matters only when the scan has more than one thread: where nanscan and torch load the same OpenMP runtime (torch's
 // Linux wheels bring libgomp.so.1), OpenMP's default thread count is the one torch.set_num_threads sets, so a loop
 // that runs torch on one thread scans on the calling thread alone.
-
-// NOTE: [record writes]
-// A record is 2 KiB (its histogram), and a Monitor's records are fresh memory every step (the history ring keeps the
-// last steps' arrays), so setting all of them to the identity before the scan meant two trips to memory per record:
-// the scan's reads evicted them again before it added into them. Each record is set where it is first written: by
-// the chunk that scans into it, by the merge of its partials, or here for a tensor without elements.
-inline void set_identity(int64_t* rec) {
-  std::memset(rec, 0, sizeof(int64_t) * record::kWidth);
-  rec[record::kAbsMinBits] = record::kAbsMinNone;
-}
 
 void scan_cpu(ScanTask* tasks, int64_t num_tasks, int64_t* records, int64_t chunk_elems, int num_threads,
               const Prologue& prologue) {
