@@ -1292,7 +1292,7 @@ void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out)
 // A record is 2 KiB (its histogram), and a Monitor's records are fresh memory every step (the history ring keeps the
 // last steps' arrays), so setting all of them to the identity before the scan meant two trips to memory per record:
 // the scan's reads evicted them again before it added into them. Each record is set where it is first written: by
-// the chunk that scans into it, by the merge of its partials, or here for a tensor without elements.
+// the chunk that scans into it, by the merge of its partials, or by scan_cpu for a tensor without elements.
 inline void set_identity(int64_t* rec) {
   std::memset(rec, 0, sizeof(int64_t) * record::kWidth);
   rec[record::kAbsMinBits] = record::kAbsMinNone;
@@ -1364,7 +1364,6 @@ void add_widened_float16(const int64_t* wide, int64_t* record) {
   record[record::kSubnormal] += subnormals;
   merge_extremes(record, narrowed_abs_bits(wide[record::kAbsMaxBits]), narrowed_abs_bits(wide[record::kAbsMinBits]));
 }
-
 #endif
 
 // The record a thread adds its consecutive chunks of one tensor into (NOTE: [chunking]).
