@@ -1322,6 +1322,7 @@ inline uint64_t narrowed_abs_bits(int64_t float32_abs_bits) {
 // A float16 chunk's blocks, each widened to float32 into a buffer of one float32 block, hot in L1.
 struct WidenedFloat16 {
   static constexpr int64_t kElems = kBlockBytes / sizeof(uint32_t);
+  static_assert(kSmallChunkElems <= kElems, "a small chunk is widened into the buffer of one block");
   const uint16_t* data;
   uint32_t* buffer;
 
