@@ -616,7 +616,7 @@ struct InPlace {
   const typename F::Bits* block(int64_t begin, int64_t) const { return data + begin; }
 };
 
-template <typename F, typename Source = InPlace<F>>
+template <typename F, typename Source>
 void scan_chunk(Source source, int64_t begin, int64_t end, int64_t* record, double& sumsq_out, FieldCounts& counts) {
   using Bits = typename F::Bits;
   constexpr int64_t kBlockElems = kBlockBytes / sizeof(Bits);
@@ -1356,7 +1356,7 @@ void add_widened_float16(const int64_t* wide, int64_t* record) {
   if (wide[record::kAbsMinBits] == record::kAbsMinNone) return;  // no finite non-zero value
   const int lo = exponent_bin<Float32>(static_cast<uint32_t>(wide[record::kAbsMinBits]));
   const int hi = exponent_bin<Float32>(static_cast<uint32_t>(wide[record::kAbsMaxBits]));
-  const int first_normal = clamp_to_bin(1 - Float16::kBias);
+  const int first_normal = bin_of_normal_field<Float16>(1);
   int64_t subnormals = 0;  // no widened float16 value is a float32 subnormal: they are the bins below 2**-14
   for (int b = lo; b <= hi; ++b) {
     record[record::kHist + b] += wide[record::kHist + b];

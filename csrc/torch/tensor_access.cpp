@@ -101,16 +101,15 @@ void prefetch_storage(const c10::TensorImpl* impl) {
   if (impl->has_storage()) prefetch_object(impl->unsafe_storage().unsafeGetStorageImpl());
 }
 
-// The gradient of a parameter whose TensorImpl is `impl`, or nullptr (torch::autograd::impl::get_autograd_meta's
-// cast: every autograd meta torch makes is an AutogradMeta).
-const c10::TensorImpl* grad_impl(const c10::TensorImpl* impl) {
-  const auto* meta = static_cast<const torch::autograd::AutogradMeta*>(impl->autograd_meta());
-  if (meta == nullptr || !meta->grad_.defined()) return nullptr;
-  return meta->grad_.unsafeGetTensorImpl();
+// A tensor's autograd meta (torch::autograd::impl::get_autograd_meta's cast: every autograd meta torch makes is an
+// AutogradMeta), or nullptr.
+const torch::autograd::AutogradMeta* autograd_meta(const c10::TensorImpl* impl) {
+  return static_cast<const torch::autograd::AutogradMeta*>(impl->autograd_meta());
 }
 
 void warm(PyObject* const* tensors, int64_t n, int with_grads) {
   const c10::TensorImpl* impls[kWarmBatch];
+  const torch::autograd::AutogradMeta* metas[kWarmBatch];
   const c10::TensorImpl* grads[kWarmBatch];
   try {
     for (int64_t first = 0; first < n; first += kWarmBatch) {
@@ -123,12 +122,13 @@ void warm(PyObject* const* tensors, int64_t n, int with_grads) {
       }
       for (int64_t i = 0; i < m; ++i) {
         prefetch_storage(impls[i]);
-        if (with_grads && impls[i]->autograd_meta() != nullptr)
-          prefetch_object(static_cast<const torch::autograd::AutogradMeta*>(impls[i]->autograd_meta()));
+        metas[i] = with_grads ? autograd_meta(impls[i]) : nullptr;
+        if (metas[i] != nullptr) prefetch_object(metas[i]);
       }
       if (!with_grads) continue;
       for (int64_t i = 0; i < m; ++i) {
-        grads[i] = grad_impl(impls[i]);
+        const bool has_grad = metas[i] != nullptr && metas[i]->grad_.defined();
+        grads[i] = has_grad ? metas[i]->grad_.unsafeGetTensorImpl() : nullptr;
         if (grads[i] != nullptr) prefetch_object(grads[i]);
       }
       for (int64_t i = 0; i < m; ++i) {
