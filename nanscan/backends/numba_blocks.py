@@ -84,6 +84,16 @@ def float32_of_bits(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def float64_of_bits(typingctx, bits):
+    """The float64 whose bit pattern is the uint64 `bits`."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.uint64), codegen
+
+
 @njit(cache=True)
 def count_residues(block, mant_bits):
     """Counts of the exponent field mod 16 over the block's whole groups (NOTE: [numba blocks]), as four words of

@@ -3,9 +3,10 @@
 NOTE: [numba bytes]
 Counting each byte into a table of 256 patterns waits on a load and a store per byte (0.15-0.2 of the read limit).
 So a chunk is read in blocks of _BYTE_BLOCK bytes, each with vectorised passes of narrow integer arithmetic:
-  - bounds: the number of zeros (|x| bits 0), of 0x80 bytes, and the smallest non-zero and largest |x| bits. A block
-    whose largest |x| bits reach the format's first inf or NaN pattern, or (fnuz formats, whose NaN is 0x80) that holds
-    a 0x80, is counted per pattern instead, as is any block shorter than one residue group.
+  - bounds: the number of zeros, the smallest non-zero and largest |x| bits and, in the fnuz formats (whose NaN is
+    0x80) alone, the number of 0x80 bytes. A block whose largest |x| bits reach the format's first inf or NaN
+    pattern, or (fnuz) that holds a 0x80, is counted per pattern instead, as is any block shorter than one residue
+    group.
   - fields: every other element is zero, subnormal or normal, and a normal value's bin depends on its exponent field
     alone. The fields are counted in residue words (NOTE: [numba blocks]): 4-bit fields (e4m3) name one residue each;
     5-bit ones (e5m2) do too when the block's non-zero fields span fewer than 16 (residue r names field field_lo +
@@ -15,16 +16,24 @@ So a chunk is read in blocks of _BYTE_BLOCK bytes, each with vectorised passes o
   - subnormals: only in a block whose smallest non-zero |x| bits lie below the smallest normal: the elements below
     2**j for j = 1 .. mant_bits, counted in 16-bit lanes, split them by their leading mantissa bit, as classify.h bins
     them; the zeros are the elements below 2**0.
-  - squares: each |x| becomes the float32 of the same value, exactly (a normal by moving its bits into float32's
-    fields and scaling by 2**(127 - bias), a subnormal as float32(bits) * 2**(1 - bias - mant_bits)), is squared
-    in float32, exactly (a square has at most 8 significant bits and lies in [2**-34, 2**32), normal in float32),
-    and summed in float64 (reassociated, so vectorised; deterministic, as in _block_sumsq of numba_cpu.py). Constant
-    shifts (one loop per mantissa width) keep the loops in 32-bit lanes (NOTE: [float32 squares] in numba_cpu.py);
-    a block without subnormals skips their select.
-Measured on one hot block of Gaussian e4m3fn (amax 448), one core, per element: bounds 0.023 ns, residues 0.06 ns
-(the two-word window 0.115 ns), squares 0.08 ns (0.11 ns with subnormals; the float64 squares they replaced, 0.13
-ns), each subnormal threshold 0.01 ns. The float64 conversion and add of the squares, ~0.06 ns, is the largest
-fixed cost left.
+  - squares: each |x| becomes a float64 of its value times a power of two, exactly, by moving its bits into
+    float64's fields (a normal by scaling by 2**(1023 - bias); in a block with subnormals, all over the exponent
+    field 1024, field 0 then mended by 2 * d - 4, as _small_sumsq says), and its square (at most 8 significant bits,
+    exact) is added in float64 by one fused multiply-add (reassociated, so vectorised; deterministic, as in
+    _block_sumsq of numba_cpu.py). For e4m3 formats the sum is exact besides: every square is a multiple of the
+    smallest subnormal's and a block's sum is below 2**48 of them. Constant shifts (one loop per mantissa width)
+    keep the shifts immediate; a block without subnormals skips their select.
+Measured on 240 blocks of the bench's Gaussian float8 sets (amax scaled to the format's largest), hot in L2, one
+core, per element (e4m3fn / e5m2): bounds 0.019 / 0.022 ns (0.027 / 0.031 with the 0x80 count, still taken for the
+fnuz formats), residues 0.060 / 0.067 ns (the two-word window 0.11 ns, taken by a fifth of the e5m2 blocks),
+squares 0.054 / 0.061 ns (0.085 / 0.10 ns with subnormals, in a third of the e4m3fn blocks; the float32 squares
+they replaced, converted to float64 and added, took 0.090 / 0.096 ns, 0.114 / 0.113 ns with subnormals), each
+subnormal threshold 0.015 ns; the whole fast path 0.156 / 0.177 ns (0.206 / 0.190 before both changes). Tried and
+dropped: residue words split into two 32-bit words of 8 nibbles (0.08-0.12 ns against 0.065: numba's shifts widen
+back to 64 bits, and with 32-bit shifts the selects cost more than they save), a byte-wide pre-pass of the residue
+shift amounts (no clear gain: the pass is bound by its widening loads and variable shifts, not its arithmetic),
+squares summed exactly in two 32-bit integer pieces (0.15 ns with subnormals) or in one int64 (0.13 ns), field
+thresholds counted in byte lanes, four a pass (0.17 ns a pass), and blocks of 1920 or 7680 bytes (both slower).
 Every count is exact by construction; bins, classes and the patterns' values come from the format's table
 (byte_formats.byte_table), which the per-pattern blocks are folded through in pattern order. A block is far below
 2**16 elements, so its 16-bit counters never wrap.
@@ -40,7 +49,7 @@ from numba.extending import overload
 from nanscan import _layout as L
 from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
 from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, count_residues, count_residues_wide,
-                                          float32_of_bits, pointer_at, prefetch_lines, wide_counts)
+                                          float64_of_bits, pointer_at, prefetch_lines, wide_counts)
 
 _BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
 _BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
@@ -79,6 +88,21 @@ def _byte_bounds(block):
 
 
 @njit(cache=True)
+def _byte_extremes(block):
+    """_byte_bounds less the count of 0x80 bytes, for the formats where 0x80 is -0 and need not be told apart: its
+    16-bit counter was a third of the pass."""
+    zeros = np.uint16(0)
+    lo = np.uint8(0xFF)
+    hi = np.uint8(0)
+    for i in range(block.size):
+        a = np.uint8(block[i] & np.uint8(0x7F))
+        zeros = np.uint16(zeros + np.uint16(a == np.uint8(0)))
+        lo = min(lo, np.uint8(a - np.uint8(1)))
+        hi = max(hi, a)
+    return np.int64(zeros), np.int64(lo), np.int64(hi)
+
+
+@njit(cache=True)
 def _count_below(block, bound):
     """Number of elements whose |x| bits lie below `bound` (at most 0x80), in 16-bit lanes."""
     k = np.uint16(0)
@@ -96,45 +120,50 @@ def _byte_sumsq(block, mant_bits, bias, small):
 @overload(_byte_sumsq, jit_options={"fastmath": {"reassoc", "contract"}})
 def _byte_sumsq_impl(block, mant_bits, bias, small):
     # Reassociation lets the sum vectorise; the same compiled loop always adds in the same order. Only finite values
-    # reach it. A one-byte value's square is exact in float32 and normal there (NOTE: [numba bytes]), so the squares
-    # are taken in float32 and only summed in float64; no subnormal float32 is ever made, so a flush-to-zero mode
-    # cannot change it.
+    # reach it. Each |x| becomes the float64 of its value (times a power of two) by moving its bits into float64's
+    # fields, exactly, and its square (at most 8 significant bits) is exact, so contracting the square and the add
+    # into one fused multiply-add rounds only the sum, as a separate add would; 8 float64 lanes then take one
+    # conversion-free operation per element where float32 squares needed a square, a conversion and an add (NOTE:
+    # [numba bytes]). No subnormal float64 is ever made, so a flush-to-zero mode cannot change it.
     def widen_and_sum(block, mant_bits, bias, small):
-        # Constant shifts (one loop per mantissa width) keep the loops in 32-bit lanes.
-        scale = np.float32(2.0 ** (127 - bias))
-        small_scale = np.float32(2.0 ** (1 - bias - mant_bits))
+        # Constant shifts (one loop per mantissa width) keep the shifts immediate: the mantissa's top bit lands on
+        # float64's bit 51.
         if mant_bits == 3:
             if small:
-                return _small_sumsq(block, np.uint32(20), np.uint32(8), scale, small_scale)
-            return _normal_sumsq(block, np.uint32(20), scale)
+                return _small_sumsq(block, np.uint64(49), np.uint8(8)) * 2.0 ** (-2 * (bias + 1))
+            return _normal_sumsq(block, np.uint64(49), 2.0 ** (1023 - bias))
         if small:
-            return _small_sumsq(block, np.uint32(21), np.uint32(4), scale, small_scale)
-        return _normal_sumsq(block, np.uint32(21), scale)
+            return _small_sumsq(block, np.uint64(50), np.uint8(4)) * 2.0 ** (-2 * (bias + 1))
+        return _normal_sumsq(block, np.uint64(50), 2.0 ** (1023 - bias))
     return widen_and_sum
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, inline="always")
 def _normal_sumsq(block, shift, scale):
     """Sum of squares of a block of zeros and normal one-byte values (_byte_sumsq), inlined where `shift` is a
-    constant: the |x| bits moved into a float32's fields make a normal float32 (or zero) whose exponent is short by
-    127 - bias, restored by the exact scaling by a power of two."""
+    constant: the |x| bits moved into a float64's fields make a normal float64 (or zero) whose exponent is short by
+    1023 - bias, restored by the exact scaling by `scale` = 2**(1023 - bias) before the square (the square of the
+    unscaled value would underflow)."""
     s = 0.0
     for i in range(block.size):
-        v = float32_of_bits(np.uint32(np.uint32(block[i] & np.uint8(0x7F)) << shift)) * scale
-        s += np.float64(v * v)
+        v = float64_of_bits(np.uint64(np.uint64(block[i] & np.uint8(0x7F)) << shift)) * scale
+        s += v * v
     return s
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"}, inline="always")
-def _small_sumsq(block, shift, min_normal, scale, small_scale):
-    """Sum of squares of a block of zeros, subnormal and normal one-byte values (_byte_sumsq), inlined where
-    `shift` is a constant: a subnormal as float32(bits) * 2**(1 - bias - mant_bits), never a subnormal float32."""
+def _small_sumsq(block, shift, min_normal):
+    """Sum of squares of a block of zeros, subnormal and normal one-byte values (_byte_sumsq) times 4**(bias + 1),
+    inlined where `shift` is a constant. The |x| bits moved into a float64's fields and or-ed with the exponent
+    field 1024 (whose low bits are clear, so the field's bits add to it) make d = 2**(field + 1) * (1 + m / 2**mant):
+    |x| * 2**(bias + 1) for a normal value. For field 0, where |x| * 2**(bias + 1) = m * 2**(2 - mant), that is
+    2 * d - 4 (0 for a zero), exactly. No integer conversion and no subnormal float64."""
     s = 0.0
     for i in range(block.size):
-        a = np.uint32(block[i] & np.uint8(0x7F))
-        normal = float32_of_bits(np.uint32(a << shift)) * scale
-        v = normal if a >= min_normal else np.float32(a) * small_scale
-        s += np.float64(v * v)
+        a = block[i] & np.uint8(0x7F)
+        d = float64_of_bits(np.uint64(np.uint64(a) << shift) | np.uint64(1 << 62))
+        v = d if a >= min_normal else 2.0 * d - 4.0
+        s += v * v
     return s
 
 
@@ -250,8 +279,12 @@ def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial
                 half = -(-ahead_size // (2 * CACHE_LINE)) * CACHE_LINE
                 prefetch_lines(ahead, 0, half)
                 if block.size >= GROUP_ELEMS:
-                    zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
-                    if hi < special_lo and (sign_only == 0 or sign_only_nan == 0):
+                    if sign_only_nan:  # fnuz formats: a 0x80 is a NaN, so the block is counted per pattern
+                        zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
+                    else:
+                        zeros, lo_minus_one, hi = _byte_extremes(block)
+                        sign_only = 0
+                    if hi < special_lo and sign_only == 0:
                         prefetch_lines(ahead, half, ahead_size)
                         counts[_REC_ZERO] += zeros
                         if zeros == block.size:
