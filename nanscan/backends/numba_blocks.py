@@ -1,5 +1,6 @@
 """Building blocks of the numba kernels (nanscan/backends/numba_cpu.py, numba_bytes.py): typed pointers, prefetch
-hints, narrow integer arithmetic, float32 bit casts and the residue counters of NOTE: [numba blocks]."""
+hints, narrow integer arithmetic, float32/float64 bit casts, rotations, byte blocks read as 8-byte words and the residue
+counters of NOTE: [numba blocks]."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import populate_array
 
 # Residue counting (NOTE: [numba blocks]): LANES independent 64-bit words of sixteen 4-bit counters, each word fed
 # GROUP_ROWS elements (a 4-bit counter holds 15) before its nibbles are spread into 16-bit counters.
@@ -161,3 +165,40 @@ def wide_counts(words):
             out[r] = every - high
             out[r + RESIDUES] = high
     return out
+
+
+@intrinsic
+def rotate_left(typingctx, value, count):
+    """The uint64 `value` rotated left by `count` mod 64 (llvm.fshl: one vprolvq a vector where AVX-512 has it). A
+    shift by 64 or more gives 0, a rotation wraps, so a count may carry junk above its low 6 bits."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fshl = builder.module.declare_intrinsic("llvm.fshl", [i64], ir.FunctionType(i64, [i64, i64, i64]))
+        return builder.call(fshl, [args[0], args[0], args[1]])
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+_UNALIGNED_WORDS = types.Array(types.uint64, 1, "C", aligned=False)
+
+
+@intrinsic
+def byte_words(typingctx, block):
+    """The whole 8-byte words of the contiguous byte array `block`, as a uint64 array over the same memory (its last
+    block.size % 8 bytes left out). The array is typed unaligned, so its loads claim no alignment: a block may start
+    at any byte."""
+    if not (isinstance(block, types.Array) and block.ndim == 1 and block.layout == "C" and block.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        source = context.make_array(signature.args[0])(context, builder, value=args[0])
+        words = context.make_array(_UNALIGNED_WORDS)(context, builder)
+        intp = context.get_value_type(types.intp)
+        (size,) = cgutils.unpack_tuple(builder, source.shape, 1)
+        populate_array(words, data=builder.bitcast(source.data, ir.IntType(64).as_pointer()),
+                       shape=[builder.lshr(size, intp(3))], strides=[intp(8)], itemsize=intp(8),
+                       meminfo=source.meminfo)
+        return impl_ret_borrowed(context, builder, _UNALIGNED_WORDS, words._getvalue())
+
+    return _UNALIGNED_WORDS(block), codegen
