@@ -3,10 +3,10 @@
 NOTE: [numba bytes]
 Counting each byte into a table of 256 patterns waits on a load and a store per byte (0.15-0.2 of the read limit).
 So a chunk is read in blocks of _BYTE_BLOCK bytes, each with vectorised passes of narrow integer arithmetic:
-  - bounds: the smallest non-zero and largest |x| bits, in byte lanes; for 5-bit fields the number of zeros too (a
-    16-bit counter, two thirds of the pass), and in the fnuz formats (whose NaN is 0x80) whether a 0x80 is there (or,
-    for e5m2fnuz, how many). A block whose largest |x| bits reach the format's first inf or NaN pattern, or (fnuz)
-    that holds a 0x80, is counted per pattern instead.
+  - bounds (_byte_bounds, one loop per kind of format): the smallest non-zero and largest |x| bits, in byte lanes;
+    for 5-bit fields the number of zeros too (a 16-bit counter, two thirds of the pass), and in the fnuz formats
+    (whose NaN is 0x80) whether a 0x80 is there (a byte minimum of the bytes xor 0x80). A block whose largest |x| bits
+    reach the format's first inf or NaN pattern, or (fnuz) that holds a 0x80, is counted per pattern instead.
   - fields: every other element is zero, subnormal or normal, and a normal value's bin depends on its exponent field
     alone. The fields are counted mod 16 in residue words as count_residues does (NOTE: [numba blocks]), but fed
     8-byte words (_word_residues): byte j of a word, masked to its field's low 4 bits and the word shifted right by
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from nanscan import _layout as L
@@ -93,65 +93,37 @@ def byte_traits(code: int, table: np.ndarray) -> np.ndarray:
                      int(table[TABLE_CLASS, 0x80] == _NAN)], dtype=np.int64)
 
 
-@njit(cache=True)
-def _byte_bounds(block):
-    """Zeros, 0x80 bytes, smallest |x| bits minus one (wrapping: 0xff when all are zero) and largest |x| bits."""
-    zeros = np.uint16(0)
-    sign_only = np.uint16(0)
-    lo = np.uint8(0xFF)
-    hi = np.uint8(0)
-    for i in range(block.size):
-        b = block[i]
-        a = np.uint8(b & np.uint8(0x7F))
-        zeros = np.uint16(zeros + np.uint16(a == np.uint8(0)))
-        sign_only = np.uint16(sign_only + np.uint16(b == np.uint8(0x80)))
-        lo = min(lo, np.uint8(a - np.uint8(1)))
-        hi = max(hi, a)
-    return np.int64(zeros), np.int64(sign_only), np.int64(lo), np.int64(hi)
+def _byte_bounds(block, count_zeros, find_nan80):
+    """(zeros, smallest |x| bits minus one (wrapping: 0xff when all are zero), largest |x| bits, smallest byte xor
+    0x80: 0 where the block holds a 0x80, the NaN of the fnuz formats) of a block; `count_zeros` and `find_nan80` are
+    literal flags: a reduction left out gives 0 or 0xff (jitted code only)."""
 
 
-@njit(cache=True)
-def _byte_extremes(block):
-    """_byte_bounds less the count of 0x80 bytes, for the formats where 0x80 is -0 and need not be told apart: its
-    16-bit counter was a third of the pass."""
-    zeros = np.uint16(0)
-    lo = np.uint8(0xFF)
-    hi = np.uint8(0)
-    for i in range(block.size):
-        a = np.uint8(block[i] & np.uint8(0x7F))
-        zeros = np.uint16(zeros + np.uint16(a == np.uint8(0)))
-        lo = min(lo, np.uint8(a - np.uint8(1)))
-        hi = max(hi, a)
-    return np.int64(zeros), np.int64(lo), np.int64(hi)
+@overload(_byte_bounds, prefer_literal=True)
+def _byte_bounds_impl(block, count_zeros, find_nan80):
+    # The flags are compile-time constants, one loop per pair: each reduction left out keeps the loop in narrower
+    # lanes (the 16-bit zero counter is two thirds of the pass). e4m3 formats take their zeros from residue 0, and
+    # only the fnuz formats look for a 0x80 (NOTE: [numba bytes]).
+    if not (isinstance(count_zeros, types.BooleanLiteral) and isinstance(find_nan80, types.BooleanLiteral)):
+        return None
+    with_zeros, with_nan80 = count_zeros.literal_value, find_nan80.literal_value
 
-
-@njit(cache=True)
-def _byte_range(block):
-    """Smallest |x| bits minus one (wrapping: 0xff when all are zero) and largest |x| bits, for the formats whose
-    zeros residue 0 counts (4-bit fields, NOTE: [numba bytes]): without the 16-bit zero counter the pass runs in
-    byte lanes alone."""
-    lo = np.uint8(0xFF)
-    hi = np.uint8(0)
-    for i in range(block.size):
-        a = np.uint8(block[i] & np.uint8(0x7F))
-        lo = min(lo, np.uint8(a - np.uint8(1)))
-        hi = max(hi, a)
-    return np.int64(lo), np.int64(hi)
-
-
-@njit(cache=True)
-def _byte_range_signed(block):
-    """_byte_range and the smallest byte xor 0x80 (0 where the block holds a 0x80, the NaN of the fnuz formats)."""
-    lo = np.uint8(0xFF)
-    hi = np.uint8(0)
-    flipped = np.uint8(0xFF)
-    for i in range(block.size):
-        b = block[i]
-        a = np.uint8(b & np.uint8(0x7F))
-        lo = min(lo, np.uint8(a - np.uint8(1)))
-        hi = max(hi, a)
-        flipped = min(flipped, np.uint8(b ^ np.uint8(0x80)))
-    return np.int64(lo), np.int64(hi), np.int64(flipped)
+    def bounds(block, count_zeros, find_nan80):
+        zeros = np.uint16(0)
+        lo = np.uint8(0xFF)
+        hi = np.uint8(0)
+        flipped = np.uint8(0xFF)
+        for i in range(block.size):
+            b = block[i]
+            a = np.uint8(b & np.uint8(0x7F))
+            if with_zeros:
+                zeros = np.uint16(zeros + np.uint16(a == np.uint8(0)))
+            lo = min(lo, np.uint8(a - np.uint8(1)))
+            hi = max(hi, a)
+            if with_nan80:
+                flipped = min(flipped, np.uint8(b ^ np.uint8(0x80)))
+        return np.int64(zeros), np.int64(lo), np.int64(hi), np.int64(flipped)
+    return bounds
 
 
 @njit(cache=True)
@@ -493,19 +465,20 @@ def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial
                 ahead_size = addresses[c] + min(begin + 2 * _BYTE_BLOCK, data.size) - ahead
                 half = -(-ahead_size // (2 * CACHE_LINE)) * CACHE_LINE
                 prefetch_lines(ahead, 0, half)
-                zeros = np.int64(-1)  # 4-bit fields: counted on residue 0 (_fast_byte_block)
-                sign_only = np.int64(0)
+                # The flags must be literals (_byte_bounds): one call per kind of format.
                 if exp_bits <= 4:
-                    if sign_only_nan:  # fnuz formats: a 0x80 is a NaN, so the block is counted per pattern
-                        lo_minus_one, hi, flipped = _byte_range_signed(block)
-                        sign_only = np.int64(flipped == 0)
+                    if sign_only_nan:
+                        _, lo_minus_one, hi, flipped = _byte_bounds(block, False, True)
                     else:
-                        lo_minus_one, hi = _byte_range(block)
+                        _, lo_minus_one, hi, flipped = _byte_bounds(block, False, False)
+                    zeros = np.int64(-1)  # 4-bit fields: counted on residue 0 (_fast_byte_block)
                 elif sign_only_nan:
-                    zeros, sign_only, lo_minus_one, hi = _byte_bounds(block)
+                    zeros, lo_minus_one, hi, flipped = _byte_bounds(block, True, True)
                 else:
-                    zeros, lo_minus_one, hi = _byte_extremes(block)
-                if hi < special_lo and sign_only == 0:
+                    zeros, lo_minus_one, hi, flipped = _byte_bounds(block, True, False)
+                # A block with an inf or NaN, or (fnuz formats: flipped is 0 where a 0x80, their NaN, is there) a 0x80,
+                # is counted per pattern.
+                if hi < special_lo and flipped != 0:
                     prefetch_lines(ahead, half, ahead_size)
                     if lo_minus_one == 0xFF:  # zeros alone
                         counts[_REC_ZERO] += block.size
