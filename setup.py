@@ -6,7 +6,8 @@ numba and reference backends, and `nanscan info` says why the native one is miss
 Environment:
   NANSCAN_CUDA=1/0        force the CUDA part on (a failure is then an error) or off; default: on if nvcc is found
   NANSCAN_CUDA_ARCH       semicolon-separated SM list, e.g. "90" or "80;90"; default "80;90" plus PTX for the last
-  NANSCAN_NATIVE_ARCH=0   do not compile the CPU kernel with -march=native (for wheels that travel)
+  NANSCAN_NATIVE_ARCH=0   do not compile the CPU kernel with -march=native (for wheels that travel); a target name
+                          instead (x86-64-v3: AVX2) compiles it with -march=<that>
   NANSCAN_REQUIRE_NATIVE=1  fail the install when a C++ extension does not build
 """
 
@@ -178,8 +179,10 @@ def _extensions():
     from pybind11.setup_helpers import Pybind11Extension
 
     cxx_flags = ["-O3", "-fopenmp"]
+    arch = os.environ.get("NANSCAN_NATIVE_ARCH", "")
     if _flag("NANSCAN_NATIVE_ARCH") is not False and sysconfig.get_platform().endswith(("x86_64", "amd64")):
-        cxx_flags.append("-march=native")
+        named = arch.lower() not in ("", "1", "true", "yes", "on")
+        cxx_flags.append(f"-march={arch}" if named else "-march=native")
     return [
         Pybind11Extension(
             "nanscan._C",

@@ -163,6 +163,7 @@ py::dict build_info_py() {
 #else
   info["cpu_simd"] = "none";
 #endif
+  info["cpu_float8"] = float8_path();  // how float8 chunks are read (NOTE: [byte formats] in cpu/scan_cpu.cpp)
   return info;
 }
 

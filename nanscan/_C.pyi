@@ -36,7 +36,8 @@ def compact_fixed(
     """compact_cuda's contract over host addresses: uint32 counts into `capacity` slots when they fit."""
 
 def build_info() -> dict[str, Any]:
-    """How the extension was built: OpenMP, CUDA and SIMD, and the record layout and dtype codes it uses."""
+    """How the extension was built: OpenMP, CUDA, SIMD (cpu_simd, and cpu_float8: how float8 is read), and the record
+    layout and dtype codes it uses."""
 
 def batch_leaves(batch: object, loss: object, plan: tuple[Any, ...]) -> tuple[list[Any], list[int]] | None:
     """The per-step check of nanscan.inputs.BatchPlan: (scanned leaves and loss, data pointers), or None if changed."""

@@ -46,6 +46,9 @@ def test_build_info_matches_layout(native):
     }
     assert info["dtype_codes"] == L.DTYPE_CODES
     assert info["cpu_simd"] in ("avx512", "avx2", "baseline", "none")
+    # float8's vector paths need the instruction sets they are named for (NOTE: [byte formats]).
+    assert info["cpu_float8"] in {"avx512": ("avx512", "avx2", "patterns"), "avx2": ("avx2", "patterns")}.get(
+        info["cpu_simd"], ("patterns",))
 
 
 # One pattern per dtype code that every other code reads differently: 1.0, the largest finite value, +inf, a quiet
@@ -420,27 +423,48 @@ for dtype in DTYPES:
         assert_records_match(report.records, reference.records, report.names, label=f"{{dtype}}, chunks of {{chunk}}")
 from conftest import FLOAT8_DTYPES
 from test_float8_scan import float8_path_tensors
-for dtype in FLOAT8_DTYPES:  # counted per bit pattern here (NOTE: [byte formats])
+for dtype in FLOAT8_DTYPES:  # per bit pattern, or by the AVX2 path (NOTE: [byte formats], [byte vectors on AVX2])
     tensors = float8_path_tensors(dtype)
     reference = nanscan.scan(tensors, backend="reference")
     for chunk in (1 << 16, 7):
         report = nanscan.scan(tensors, backend=CpuBackend(chunk_elems=chunk))
         assert_records_match(report.records, reference.records, report.names, label=f"{{dtype}}, chunks of {{chunk}}")
-print(json.dumps({{"file": _C.__file__, "simd": _C.build_info()["cpu_simd"]}}))
+info = _C.build_info()
+print(json.dumps({{"file": _C.__file__, "simd": info["cpu_simd"], "float8": info["cpu_float8"]}}))
 """
 
 
+def cpu_flags() -> set[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
 @pytest.mark.slow
-def test_portable_kernel_matches_the_reference(tmp_path):
+@pytest.mark.parametrize("arch", ["0", "x86-64-v3"])
+def test_portable_kernel_matches_the_reference(tmp_path, arch):
     """The kernel built without -march=native takes the vector-extension paths instead of AVX-512 ones (NOTE:
-    [vector types] in csrc/cpu/simd.h): built into a separate directory, it must agree with the reference just the
-    same."""
+    [vector types] in csrc/cpu/simd.h), and built for x86-64-v3 (AVX2) it reads float8 by the AVX2 path (NOTE:
+    [byte vectors on AVX2] in csrc/cpu/scan_cpu.cpp), which a machine with AVX-512's byte instructions would not
+    otherwise run: built into a separate directory, each must agree with the reference just the same."""
     if not shutil.which(os.environ.get("CXX", "g++")):
         pytest.skip("no C++ compiler here")
+    if arch != "0":
+        if not {"avx2", "popcnt", "bmi1", "bmi2", "fma", "f16c"} <= cpu_flags():
+            pytest.skip(f"this CPU cannot run code built for {arch}")
+        from nanscan._native import native_module
+        try:
+            native_float8 = native_module().build_info()["cpu_float8"]
+        except ImportError:
+            native_float8 = None
+        if native_float8 == "avx2":
+            pytest.skip("the native build already reads float8 by the AVX2 path, which the other tests check")
     src = copy_source(tmp_path / "src")
     target = tmp_path / "site"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANSCAN_")}
-    env.update(NANSCAN_NATIVE_ARCH="0", NANSCAN_CUDA="0", NANSCAN_REQUIRE_NATIVE="1")
+    env.update(NANSCAN_NATIVE_ARCH=arch, NANSCAN_CUDA="0", NANSCAN_REQUIRE_NATIVE="1")
     result = run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
                   "--target", str(target), str(src)], env=env)
     assert result.returncode == 0, f"portable build failed:\n{result.stdout}\n{result.stderr}"
@@ -451,7 +475,10 @@ def test_portable_kernel_matches_the_reference(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(out["file"]).is_relative_to(target)
-    assert out["simd"] != "avx512"
+    if arch == "0":
+        assert out["simd"] != "avx512" and out["float8"] == "patterns"
+    else:
+        assert (out["simd"], out["float8"]) == ("avx2", "avx2")
 
 
 

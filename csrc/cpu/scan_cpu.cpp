@@ -1,7 +1,7 @@
 // scan_cpu.cpp: the multi-tensor scan on the CPU: OpenMP over chunks of all tensors, one vectorised pass per 4 KiB
 // block, and classify.h's exact per-element path for blocks that hold an inf or NaN; float8 chunks are looked up in
-// byte tables 64 elements at a time with AVX-512 (NOTE: [byte vectors]), else counted per bit pattern (NOTE: [byte
-// formats]).
+// byte tables 64 elements at a time with AVX-512 (NOTE: [byte vectors]), 32 at a time with AVX2 (NOTE: [byte vectors
+// on AVX2]), else counted per bit pattern (NOTE: [byte formats]).
 #include "scan_cpu.h"
 
 #include <algorithm>
@@ -823,14 +823,14 @@ void scan_small(const typename F::Bits* p, int64_t n, int64_t* record, double& s
 
 // NOTE: [byte formats]
 // A float8 element is one byte, so the vector machinery above (abs thresholds, field windows) is not used for it.
-// Without the AVX-512 byte instructions (NOTE: [byte vectors]) a chunk is counted per bit pattern, 256 counters in
-// kByteTables interleaved tables (so runs of one pattern do not wait on each other's stores), and then each pattern's
-// count goes where classify.h puts that pattern, through a table of 256 entries made once per format from
-// classify(), exponent_bin() and abs_to_double() (ByteTable). Every slot of the record follows from the counts: the
-// classes, the bins, the extremes (the largest and smallest abs patterns counted among finite values), and the sum
-// of squares, added as count * square in pattern order. So the sum depends on the chunking alone (NOTE: [chunking]),
-// not on the order of the elements, and each term is exact (a square has at most 8 significant bits, a count at
-// most 30).
+// Without AVX-512's byte instructions (NOTE: [byte vectors]) or AVX2 (NOTE: [byte vectors on AVX2]) a chunk, and
+// with them a block that holds an inf or NaN, is counted per bit pattern, 256 counters in kByteTables interleaved
+// tables (so runs of one pattern do not wait on each other's stores), and then each pattern's count goes where
+// classify.h puts that pattern, through a table of 256 entries made once per format from classify(), exponent_bin()
+// and abs_to_double() (ByteTable). Every slot of the record follows from the counts: the classes, the bins, the
+// extremes (the largest and smallest abs patterns counted among finite values), and the sum of squares, added as
+// count * square in pattern order. So the sum depends on the chunking alone (NOTE: [chunking]), not on the order of
+// the elements, and each term is exact (a square has at most 8 significant bits, a count at most 30).
 constexpr int kByteTables = 4;
 constexpr int64_t kByteTablesFrom = 4096;  // shorter chunks count into one table: clearing four would cost more
 
@@ -906,6 +906,74 @@ void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double&
   merge_extremes(record, absmax, absmin);
 }
 
+#if NANSCAN_AVX512_BYTES || NANSCAN_AVX2_BYTES
+// What the two vector paths for one-byte formats share (NOTE: [byte vectors], NOTE: [byte vectors on AVX2]): the
+// windows of field slots, the elements tallied below a window, and the chunk's record made from the counts.
+template <typename F>
+struct ByteWindows {
+  static constexpr int kFields = 1 << F::kExpBits;
+  static constexpr int kSlots = 16;  // field slots of a window
+  // Window w holds field 0 in slot 0 and fields w + 1 .. w + kSlots - 1 in slots 1 .. kSlots - 1; one window
+  // holds every field of a format with 16 fields (e4m3), kMaxNormalField - 14 windows the normal fields of e5m2.
+  static constexpr int kWindows = F::kMaxNormalField >= kSlots ? F::kMaxNormalField - (kSlots - 1) + 1 : 1;
+  static constexpr int kMinExponent = 1 - F::kBias - F::kMantBits;
+  static_assert(2 * (kFields - 1) + 8 + 30 + 1 <= 127, "the scaled sums of squares must fit __int128");
+
+  // The field in slot `slot` of window w.
+  static constexpr int field_of_slot(int w, int slot) { return slot == 0 ? 0 : w + slot; }
+  // The window whose top slot holds `field` (or the lowest window, for the low fields).
+  static constexpr int window_for(int field) { return std::max(0, std::min(kWindows - 1, field - (kSlots - 1))); }
+  // Below this abs pattern an element is not counted by window w's slots (unless it is a zero): it is tallied.
+  static constexpr int bottom_bits(int w) { return (w + 1) << F::kMantBits; }
+};
+
+// Adds the elements tallied below a window by their |x| bits (by_abs[1 .. bottom - 1]): subnormals to the record's
+// count and bins, normal values to `fields`, and their squares to `total`, in units of 2^(2 kMinExponent - 3) (2 *
+// 4^field * 4^(kMinExponent - 1) per unit square of the significand). Returns how many were normal values.
+template <typename F>
+int64_t add_low_tally(const uint32_t* by_abs, int bottom, int64_t* record, int64_t* fields, int64_t& subnormals,
+                      __int128& total) {
+  int64_t normals = 0;
+  for (int a = 1; a < bottom; ++a) {
+    const uint32_t c = by_abs[a];
+    if (c == 0) continue;
+    const auto bits = static_cast<typename F::Bits>(a);
+    const int field = exponent_field<F>(bits);
+    const int mant = a & F::kMantMask;
+    int64_t s;  // |x|^2 in units of 4^field * 4^(kMinExponent - 1)
+    if (field == 0) {
+      record[record::kHist + bin_of_subnormal<F>(bits)] += c;
+      subnormals += c;
+      s = 4 * mant * mant;
+    } else {
+      fields[field] += c;
+      normals += c;
+      const int significand = mant | (1 << F::kMantBits);
+      s = significand * significand;
+    }
+    total += (static_cast<__int128>(c) * (2 * s)) << (2 * field);
+  }
+  return normals;
+}
+
+// The chunk's record from what a vector path counted: `fields` (field 0 holding the zeros, the subnormals and
+// `padding` zeros that were no elements), the exact sum of squares `total` (units of add_low_tally) and, for blocks
+// that held an inf or NaN, their per-pattern counts (null if none).
+template <typename F>
+void finish_byte_chunk(const int64_t* fields, int64_t padding, int64_t subnormals, __int128 total,
+                       const uint32_t (*patterns)[256], uint64_t absmax, uint64_t absmin, int64_t* record,
+                       double& sumsq_out) {
+  record[record::kZero] += fields[0] - padding - subnormals;
+  record[record::kSubnormal] += subnormals;
+  fold_fields<F>(fields, 1, F::kMaxNormalField, record + record::kHist);
+  // Exact: the sum rounded once, times a power of two.
+  double sumsq = std::ldexp(static_cast<double>(total), 2 * (ByteWindows<F>::kMinExponent - 1) - 1);
+  if (patterns) sumsq += fold_patterns<F>(patterns, 1, record, absmax, absmin);
+  merge_extremes(record, absmax, absmin);
+  sumsq_out = sumsq;
+}
+#endif
+
 #if NANSCAN_AVX512_BYTES
 // NOTE: [byte vectors]
 // Counting per bit pattern is a dependent load-increment-store per byte: 0.2-0.3 of the read limit on the 2-core
@@ -957,22 +1025,23 @@ void scan_bytes_by_pattern(const uint8_t* p, int64_t n, int64_t* record, double&
 // issue, not by one port. Streaming 512 MiB at 2 threads (median of 15 interleaved rounds) it reaches about 0.9 of
 // the read probe for e4m3fn and e5m2 alike, on a machine whose other load makes single rounds range 0.75 .. 0.98.
 template <typename F>
-struct ByteVectors {
-  static constexpr int kFields = 1 << F::kExpBits;
-  static constexpr int kSlots = 16;  // field slots of a window: 4 quads, 2 bytes of field bits
+struct ByteVectors : ByteWindows<F> {
+  using Windows = ByteWindows<F>;
+  using Windows::bottom_bits;
+  using Windows::field_of_slot;
+  using Windows::window_for;
+  static constexpr int kFields = Windows::kFields;
+  static constexpr int kSlots = Windows::kSlots;
   static constexpr int kQuads = kSlots / 4;
   static constexpr int kFieldBytes = kQuads / 2;  // bytes of field bits: 8 slots each
-  // Window w holds field 0 in slot 0 and fields w + 1 .. w + kSlots - 1 in slots 1 .. kSlots - 1; one window
-  // holds every field of a format with 16 fields (e4m3), kMaxNormalField - 14 windows the normal fields of e5m2.
-  static constexpr int kWindows = F::kMaxNormalField >= kSlots ? F::kMaxNormalField - (kSlots - 1) + 1 : 1;
-  static constexpr int kMinExponent = 1 - F::kBias - F::kMantBits;
+  static constexpr int kWindows = Windows::kWindows;
+  static constexpr int kMinExponent = Windows::kMinExponent;
   // The squares' byte is the signed operand of vpdpbusd: M^2 less kSquareOffset, which brings e4m3's M^2
   // (64 .. 225) into -128 .. 127; the offset comes back as kSquareOffset times the quad weights, which follow from
   // the slot counts. Field 0 (zeros, subnormals) has M^2 = 0 there: subnormals are squared from their tally.
   static constexpr int kLargestSquare = (2 << F::kMantBits) - 1;
   static constexpr int kSquareOffset = kLargestSquare * kLargestSquare > 127 ? 128 : 0;
   static_assert(kLargestSquare * kLargestSquare - kSquareOffset <= 127, "M^2 must fit a signed byte");
-  static_assert(2 * (kFields - 1) + 8 + 30 + 1 <= 127, "the scaled sums of squares must fit __int128");
 
   // The quads depend on the field alone, so they are looked up (vpermb, which reads 6 index bits and leaves its
   // table intact) by the element's bits from the mantissa's top one up: shifted as 16-bit words, the neighbouring
@@ -981,13 +1050,6 @@ struct ByteVectors {
   static_assert(F::kMantBits >= 1 && 1 + F::kExpBits <= 6, "the field and the top mantissa bit fit 6 bits");
   __m512i quad[kWindows][kQuads];  // vpermb tables: index (|x| bits >> kFieldIndexShift) mod 64
   __m512i square[2];               // vpermi2b table: |x| bits 0..63, 64..127
-
-  // The field in slot `slot` of window w.
-  static constexpr int field_of_slot(int w, int slot) { return slot == 0 ? 0 : w + slot; }
-  // The window whose top slot holds `field` (or the lowest window, for the low fields).
-  static constexpr int window_for(int field) { return std::max(0, std::min(kWindows - 1, field - (kSlots - 1))); }
-  // Below this abs pattern an element is not counted by window w's slots (unless it is a zero): it is tallied.
-  static constexpr int bottom_bits(int w) { return (w + 1) << F::kMantBits; }
 
   // The weight of slot j in its quad's table: 4^(j mod 4), doubled in odd quads so that an even and an odd quad
   // OR into one byte of field bits (at most 128: the unsigned operand of vpdpbusd).
@@ -1243,37 +1305,309 @@ void scan_bytes_vector(const uint8_t* p, int64_t n, int64_t* record, double& sum
       absmax = std::max<uint64_t>(absmax, max_abs);
       absmin = std::min<uint64_t>(absmin, min_abs);
     }
-    if (any_low)
-      for (int a = 1; a < bottom; ++a) {
-        const uint32_t c = by_abs[a];
-        if (c == 0) continue;
-        const auto bits = static_cast<typename F::Bits>(a);
-        const int field = exponent_field<F>(bits);
-        const int mant = a & F::kMantMask;
-        int64_t s;  // |x|^2 in units of 2 * 4^field * 4^(kMinExponent - 1), as the quads count it
-        if (field == 0) {
-          record[record::kHist + bin_of_subnormal<F>(bits)] += c;
-          subnormals += c;
-          s = 4 * mant * mant;
-        } else {
-          fields[field] += c;
-          const int significand = mant | (1 << F::kMantBits);
-          s = significand * significand;
-        }
-        total += (static_cast<__int128>(c) * (2 * s)) << (2 * field);
-      }
+    if (any_low) add_low_tally<F>(by_abs, bottom, record, fields, subnormals, total);
     if (++word_blocks == kWordBlocks) spill_words();
     b += len;
   }
   flush_window();
   window_guess = window;
-  record[record::kZero] += fields[0] - padding - subnormals;
-  record[record::kSubnormal] += subnormals;
-  fold_fields<F>(fields, 1, F::kMaxNormalField, record + record::kHist);
-  double sumsq = std::ldexp(static_cast<double>(total), 2 * (BV::kMinExponent - 1) - 1);  // exact: a power of two
-  if (by_pattern) sumsq += fold_patterns<F>(patterns, 1, record, absmax, absmin);
-  merge_extremes(record, absmax, absmin);
-  sumsq_out = sumsq;
+  finish_byte_chunk<F>(fields, padding, subnormals, total, by_pattern ? patterns : nullptr, absmax, absmin, record,
+                       sumsq_out);
+}
+#endif
+
+#if NANSCAN_AVX2_BYTES
+// NOTE: [byte vectors on AVX2]
+// Without AVX-512's byte permutes, GF(2) transforms and byte dot products, a float8 chunk is still read 32 elements
+// at a time, with the windows, the tally below a window and the per-pattern blocks of NOTE: [byte vectors]. Each
+// block is read twice, the second time hot in L1, so that neither pass needs more than AVX2's 16 vector registers:
+//  - the first pass finds the extremes (byte maximum of |x|, per step the byte minimum of |x| - 1, and for fnuz
+//    formats the signed minimum, 0x80 being their NaN). They say whether the block goes per pattern, which window
+//    fits it (a window that moves no longer makes the block read again) and which steps hold an element below it.
+//  - the second pass counts and squares a block that holds neither inf nor NaN, in its window. The slot is the
+//    element's field less the window's base, saturated at 0 (vpsubusb): fields w + 1 .. w + 15 of window w land
+//    in slots 1 .. 15, field 0 and the fields below the window (tallied) in slot 0. Per quad q, a 16-entry table
+//    (vpshufb) gives slot s the weight 4^(s mod 4) if s is in quad q (slot 0 none):
+//    squares: vpmaddubsw multiplies the weight by M^2 (looked up by the mantissa bits; at most 225, unsigned), two
+//    products to a 16-bit lane (at most 2 * 225 * 64), which vpmaddwd adds in pairs into int32 lanes. Quad q's sum
+//    counts 4^(4q) per unit, slot s of window w 4^(w + s): doubled, the units of add_low_tally, so the sum of
+//    squares is exact, the number NOTE: [byte vectors] gives;
+//    fields: the weight times itself (vpmaddubsw again) is 16^(s mod 4), the increment of slot s's 4-bit counter
+//    in a 16-bit lane that holds quad q's four, two elements to a lane; kNibbleVectors2 vectors fill them at most
+//    to 14, then they are added into 16-bit lanes per slot, which a block fills at most to 256, and summed per
+//    block. Slot 0 is what the others leave of the vectors' elements.
+// The short last vector of a chunk is read from a zeroed copy (AVX2 has no masked byte load).
+// Cost, 2-core development machine (Zen 3, AVX2), one thread, Gaussian e4m3fn or e5m2: 0.16 ns per element on a
+// 64 KiB chunk hot in L2, 0.19-0.20 streaming 256 MiB (counted per bit pattern: 0.53 and 0.55). The first version
+// counted the fields with popcounts of the slots' bit planes (vpmovmskb) on the scalar ports: 0.20 hot; asking
+// for the next block in the first pass rather than in the second cost 0.21-0.34 streaming. The loop is bound by the
+// number of vector instructions (about 40 a vector; vpmaddubsw, vpshufb and vpaddw issue alike on this machine).
+template <typename F>
+struct ByteVectors2 : ByteWindows<F> {
+  static constexpr int kQuads = 4;
+  static_assert((2 << F::kMantBits) - 1 <= 15 && F::kExpBits <= 5, "M^2 fits a byte, fields fit 5 bits");
+  __m256i quad[kQuads];  // vpshufb tables by slot: 4^(slot mod 4) in the slot's quad, 0 elsewhere and for slot 0
+  __m256i square;        // vpshufb table by mantissa bits: M^2, the significand with its hidden bit squared
+
+  ByteVectors2() {
+    alignas(16) uint8_t table[16];
+    for (int q = 0; q < kQuads; ++q) {
+      for (int s = 0; s < 16; ++s) table[s] = s != 0 && s / 4 == q ? static_cast<uint8_t>(1 << (2 * (s % 4))) : 0;
+      quad[q] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+    }
+    for (int m = 0; m < 16; ++m) {
+      const int significand = (m & F::kMantMask) | (1 << F::kMantBits);
+      table[m] = static_cast<uint8_t>(significand * significand);
+    }
+    square = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+  }
+};
+
+template <typename F>
+const ByteVectors2<F>& byte_vectors2() {
+  static const ByteVectors2<F> tables;  // made on first use; thread-safe initialisation
+  return tables;
+}
+
+constexpr int64_t kByteStep2 = 1024;  // bytes per look for elements below the window, as NOTE: [byte vectors]
+constexpr int kSteps2 = static_cast<int>(kBlockBytes / kByteStep2);
+constexpr int kSquareBlocks2 = 64;  // blocks whose square sums an int32 lane holds: each adds at most 2^23
+static_assert(int64_t(kSquareBlocks2) * (kBlockBytes / 32) * 4 * 225 * 64 <= INT32_MAX, "int32 square lanes");
+
+inline int max_byte(__m256i v) {
+  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
+}
+
+// The vector at `at` of a block `len` bytes long: in place, or the short last one copied into `part`, zeros after.
+inline __m256i load_bytes2(const uint8_t* q, int64_t at, int64_t len, uint8_t (&part)[32]) {
+  if (len - at >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at));
+  std::memset(part, 0, sizeof(part));
+  std::memcpy(part, q + at, len - at);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part));
+}
+
+// What the first pass found in a block (NOTE: [byte vectors on AVX2]).
+struct ByteExtremes2 {
+  int max_abs;
+  int min_below[kSteps2];  // per step, the smallest |x| - 1 (zeros wrap to 0xff)
+  bool nan_sign_alone;     // an fnuz NaN (0x80)
+};
+
+template <typename F>
+ByteExtremes2 byte_extremes2(const uint8_t* q, int64_t len) {
+  const __m256i abs_mask = _mm256_set1_epi8(static_cast<char>(F::kAbsMask));
+  const __m256i all_ones = _mm256_set1_epi8(-1);
+  __m256i vmax = _mm256_setzero_si256(), smin = _mm256_setzero_si256();
+  ByteExtremes2 e;
+  int steps = 0;
+  uint8_t part[32];
+  for (int64_t step = 0; step < len; step += kByteStep2) {
+    __m256i below = all_ones;
+    const int64_t stop = std::min(len, step + kByteStep2);
+    for (int64_t at = step; at < stop; at += 32) {
+      const __m256i raw = load_bytes2(q, at, len, part);
+      const __m256i a = _mm256_and_si256(raw, abs_mask);
+      vmax = _mm256_max_epu8(vmax, a);
+      below = _mm256_min_epu8(below, _mm256_add_epi8(a, all_ones));
+      if constexpr (F::kNaNIsSignAlone) smin = _mm256_min_epi8(smin, raw);
+    }
+    e.min_below[steps++] = 255 - max_byte(_mm256_xor_si256(below, all_ones));
+  }
+  for (; steps < kSteps2; ++steps) e.min_below[steps] = 255;
+  e.max_abs = max_byte(vmax);
+  e.nan_sign_alone =
+      F::kNaNIsSignAlone &&
+      _mm256_movemask_epi8(_mm256_cmpeq_epi8(smin, _mm256_set1_epi8(static_cast<char>(F::kSignMask)))) != 0;
+  return e;
+}
+
+// Vectors whose slot counts 4-bit counters hold: each 16-bit lane takes two elements a vector.
+constexpr int kNibbleVectors2 = 7;
+
+// The second pass over a block that fits window `window` (NOTE: [byte vectors on AVX2]): slot counts added to
+// `slots`, square sums to the int32 lanes of `squares`.
+template <typename F>
+void count_byte_block2(const ByteVectors2<F>& t, const uint8_t* q, int64_t len, int window, uint64_t* slots,
+                       __m256i (&squares)[4]) {
+  const __m256i base = _mm256_set1_epi8(static_cast<char>(window));
+  const __m256i field_mask = _mm256_set1_epi8(static_cast<char>((1 << F::kExpBits) - 1));
+  const __m256i mant_mask = _mm256_set1_epi8(static_cast<char>(F::kMantMask));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi16(0xf);
+  __m256i sq0 = squares[0], sq1 = squares[1], sq2 = squares[2], sq3 = squares[3];
+  __m256i wide[4][4];  // wide[q][k]: 16-bit lane counts of slot 4q + k, at most 2 * kBlockBytes / 32 = 256
+  for (int k = 0; k < 4; ++k)
+    for (int j = 0; j < 4; ++j) wide[k][j] = _mm256_setzero_si256();
+  __m256i n0, n1, n2, n3;
+  // One vector: squares added, 4-bit slot counters incremented.
+  auto vector = [&](__m256i raw) __attribute__((always_inline)) {
+    // The field: the 16-bit shift brings the neighbouring byte's low bits above bit 4, which the mask drops.
+    const __m256i slot = _mm256_subs_epu8(_mm256_and_si256(_mm256_srli_epi16(raw, F::kMantBits), field_mask), base);
+    const __m256i sq = _mm256_shuffle_epi8(t.square, _mm256_and_si256(raw, mant_mask));
+    // Per quad: the weights 4^(slot mod 4) times M^2 are the squares, times themselves 16^(slot mod 4), the
+    // increments of four 4-bit counters in each 16-bit lane, two elements to a lane.
+    const __m256i w0 = _mm256_shuffle_epi8(t.quad[0], slot), w1 = _mm256_shuffle_epi8(t.quad[1], slot);
+    const __m256i w2 = _mm256_shuffle_epi8(t.quad[2], slot), w3 = _mm256_shuffle_epi8(t.quad[3], slot);
+    sq0 = _mm256_add_epi32(sq0, _mm256_madd_epi16(_mm256_maddubs_epi16(sq, w0), ones));
+    sq1 = _mm256_add_epi32(sq1, _mm256_madd_epi16(_mm256_maddubs_epi16(sq, w1), ones));
+    sq2 = _mm256_add_epi32(sq2, _mm256_madd_epi16(_mm256_maddubs_epi16(sq, w2), ones));
+    sq3 = _mm256_add_epi32(sq3, _mm256_madd_epi16(_mm256_maddubs_epi16(sq, w3), ones));
+    n0 = _mm256_add_epi16(n0, _mm256_maddubs_epi16(w0, w0));
+    n1 = _mm256_add_epi16(n1, _mm256_maddubs_epi16(w1, w1));
+    n2 = _mm256_add_epi16(n2, _mm256_maddubs_epi16(w2, w2));
+    n3 = _mm256_add_epi16(n3, _mm256_maddubs_epi16(w3, w3));
+  };
+  auto spill_nibbles = [&]() {
+    const __m256i nibbles[4] = {n0, n1, n2, n3};
+    for (int k = 0; k < 4; ++k) {
+      wide[k][0] = _mm256_add_epi16(wide[k][0], _mm256_and_si256(nibbles[k], nibble));
+      wide[k][1] = _mm256_add_epi16(wide[k][1], _mm256_and_si256(_mm256_srli_epi16(nibbles[k], 4), nibble));
+      wide[k][2] = _mm256_add_epi16(wide[k][2], _mm256_and_si256(_mm256_srli_epi16(nibbles[k], 8), nibble));
+      wide[k][3] = _mm256_add_epi16(wide[k][3], _mm256_srli_epi16(nibbles[k], 12));
+    }
+  };
+  const int64_t whole = len / 32 * 32;
+  for (int64_t group = 0; group < whole; group += kNibbleVectors2 * 32) {
+    n0 = n1 = n2 = n3 = _mm256_setzero_si256();
+    const int64_t stop = std::min(whole, group + kNibbleVectors2 * 32);
+    for (int64_t at = group; at < stop; at += 32) {
+      __builtin_prefetch(q + at + kPrefetchBytes, 0, 2);  // the next block, while this one is counted
+      vector(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at)));
+    }
+    spill_nibbles();
+  }
+  if (whole < len) {  // the chunk's short last vector, the rest of it zeros (slot 0)
+    uint8_t part[32];
+    n0 = n1 = n2 = n3 = _mm256_setzero_si256();
+    vector(load_bytes2(q, whole, len, part));
+    spill_nibbles();
+  }
+  for (int k = 0; k < 4; ++k) {
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_madd_epi16(wide[k][j], ones));
+      int64_t c = 0;
+      for (int l = 0; l < 8; ++l) c += lanes[l];
+      slots[4 * k + j] += static_cast<uint64_t>(c);
+    }
+  }
+  squares[0] = sq0;
+  squares[1] = sq1;
+  squares[2] = sq2;
+  squares[3] = sq3;
+}
+
+// Tallies the elements of `n` bytes with 0 < |x| bits < `bottom` one by one by their |x| bits (they are few).
+template <typename F>
+void tally_low_bytes2(const uint8_t* p, int64_t n, int bottom, uint32_t* by_abs) {
+  const __m256i limit = _mm256_set1_epi8(static_cast<char>(bottom - 1));
+  uint8_t part[32];
+  for (int64_t at = 0; at < n; at += 32) {
+    const __m256i a = _mm256_and_si256(load_bytes2(p, at, n, part), _mm256_set1_epi8(static_cast<char>(F::kAbsMask)));
+    // 0 < |x| < bottom, as |x| - 1 < bottom - 1: zeros (and the copy's padding) wrap to 0xff.
+    const __m256i above = _mm256_subs_epu8(limit, _mm256_add_epi8(a, _mm256_set1_epi8(-1)));
+    for (uint32_t m = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(above, _mm256_setzero_si256())));
+         m; m &= m - 1)
+      by_abs[p[at + __builtin_ctz(m)] & F::kAbsMask]++;
+  }
+}
+
+// One chunk of a one-byte format (NOTE: [byte vectors on AVX2]), added to `record` like scan_chunk.
+template <typename F>
+void scan_bytes_vector2(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out) {
+  using BW = ByteWindows<F>;
+  const ByteVectors2<F>& tables = byte_vectors2<F>();
+  int64_t fields[BW::kFields] = {};
+  uint64_t slots[BW::kSlots] = {};  // the current window's counts; slot 0 as the others leave it
+  int64_t quad_sums[4] = {};
+  __m256i squares[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                        _mm256_setzero_si256()};
+  __int128 total = 0;  // the sum of squares in the units of add_low_tally, exact
+  uint32_t patterns[1][256];
+  bool by_pattern = false;
+  uint64_t absmax = 0, absmin = UINT64_MAX;
+  int64_t subnormals = 0, padding = 0;
+  int square_blocks = 0;
+  static thread_local int window_guess = 0;  // as in NOTE: [byte vectors]
+  int window = window_guess;
+  auto spill_squares = [&]() {
+    for (int k = 0; k < 4; ++k) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), squares[k]);
+      for (int l = 0; l < 8; ++l) quad_sums[k] += lanes[l];
+      squares[k] = _mm256_setzero_si256();
+    }
+    square_blocks = 0;
+  };
+  // The current window's counts into `fields` and its squares into `total`: quad q's unit is 4^(4q + w), doubled.
+  auto flush_window = [&]() {
+    spill_squares();
+    for (int k = 0; k < 4; ++k) {
+      total += (static_cast<__int128>(quad_sums[k]) * 2) << (2 * (4 * k + window));
+      quad_sums[k] = 0;
+    }
+    for (int s = 0; s < BW::kSlots; ++s) {
+      fields[BW::field_of_slot(window, s)] += static_cast<int64_t>(slots[s]);
+      slots[s] = 0;
+    }
+  };
+  for (int64_t b = 0; b < n; b += kBlockBytes) {
+    const uint8_t* q = p + b;
+    const int64_t len = std::min(kBlockBytes, n - b);
+    const ByteExtremes2 e = byte_extremes2<F>(q, len);
+    if (e.max_abs >= static_cast<int>(F::kInfAbsBitsWide) || e.nan_sign_alone) {
+      if (!by_pattern) std::memset(patterns, 0, sizeof(patterns));
+      by_pattern = true;
+      for (int64_t i = 0; i < len; ++i) patterns[0][q[i]]++;
+      continue;
+    }
+    const int fit = BW::window_for(exponent_field<F>(static_cast<typename F::Bits>(e.max_abs)));
+    if (fit > window || (b == 0 && fit + 1 < window)) {
+      flush_window();  // the counts so far go out under the old window (NOTE: [byte vectors])
+      window = fit;
+    }
+    int min_below = 255;
+    for (int k = 0; k < kSteps2; ++k) min_below = std::min(min_below, e.min_below[k]);
+    if (min_below != 255) {  // a non-zero value
+      absmax = std::max<uint64_t>(absmax, e.max_abs);
+      absmin = std::min<uint64_t>(absmin, min_below + 1);
+    }
+    const int64_t counted_before = [&] {
+      int64_t c = 0;
+      for (int s = 1; s < BW::kSlots; ++s) c += static_cast<int64_t>(slots[s]);
+      return c;
+    }();
+    count_byte_block2<F>(tables, q, len, window, slots, squares);
+    int64_t counted = -counted_before;
+    for (int s = 1; s < BW::kSlots; ++s) counted += static_cast<int64_t>(slots[s]);
+    const int64_t elements = (len + 31) / 32 * 32;  // the vectors' elements, the short last one's zeros included
+    padding += elements - len;
+    // Slot 0 holds the zeros, the subnormals and the normal values below the window; the last are counted in their
+    // own fields by the tally, from the steps that hold one.
+    const int bottom = BW::bottom_bits(window);
+    int64_t low_normals = 0;
+    bool any_low = false;
+    uint32_t by_abs[128];
+    for (int k = 0; k < kSteps2; ++k) {
+      if (e.min_below[k] >= bottom - 1) continue;
+      if (!any_low) std::memset(by_abs, 0, sizeof(by_abs[0]) * bottom);
+      any_low = true;
+      const int64_t step = k * kByteStep2;
+      tally_low_bytes2<F>(q + step, std::min(len, step + kByteStep2) - step, bottom, by_abs);
+    }
+    if (any_low) low_normals = add_low_tally<F>(by_abs, bottom, record, fields, subnormals, total);
+    slots[0] += static_cast<uint64_t>(elements - counted - low_normals);
+    if (++square_blocks == kSquareBlocks2) spill_squares();
+  }
+  flush_window();
+  window_guess = window;
+  finish_byte_chunk<F>(fields, padding, subnormals, total, by_pattern ? patterns : nullptr, absmax, absmin, record,
+                       sumsq_out);
 }
 #endif
 
@@ -1283,6 +1617,8 @@ void scan_bytes(const uint8_t* p, int64_t n, int64_t* record, double& sumsq_out)
   static_assert(F::kBytes == 1, "one-byte formats only");
 #if NANSCAN_AVX512_BYTES
   scan_bytes_vector<F>(p, n, record, sumsq_out);  // NOTE: [byte vectors]
+#elif NANSCAN_AVX2_BYTES
+  scan_bytes_vector2<F>(p, n, record, sumsq_out);  // NOTE: [byte vectors on AVX2]
 #else
   scan_bytes_by_pattern<F>(p, n, record, sumsq_out);  // NOTE: [byte formats]
 #endif
@@ -1594,6 +1930,16 @@ int64_t count_nonfinite(const int64_t* records, int64_t num_tasks) {
     nonfinite += (r[record::kNaN] | r[record::kPosInf] | r[record::kNegInf]) != 0;
   }
   return nonfinite;
+}
+
+const char* float8_path() {
+#if NANSCAN_AVX512_BYTES
+  return "avx512";
+#elif NANSCAN_AVX2_BYTES
+  return "avx2";
+#else
+  return "patterns";
+#endif
 }
 
 uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t chunk_elems, int num_threads) {

@@ -38,4 +38,8 @@ int64_t count_nonfinite(const int64_t* records, int64_t num_tasks);
 // the reads cannot be optimised away and a test can check that they covered every byte.
 uint64_t read_bandwidth_probe(const ScanTask* tasks, int64_t num_tasks, int64_t chunk_elems, int num_threads);
 
+// How the kernel reads one-byte formats, as it was compiled: "avx512" (NOTE: [byte vectors] in scan_cpu.cpp),
+// "avx2" (NOTE: [byte vectors on AVX2]) or "patterns" (NOTE: [byte formats]).
+const char* float8_path();
+
 }  // namespace nanscan
