@@ -33,8 +33,8 @@
 #else
 #define NANSCAN_AVX512_BYTES 0
 #endif
-#if !NANSCAN_AVX512 && (defined(__AVX2__) || defined(__F16C__))
-#include <immintrin.h>  // AVX2's float8 path and 16-bit squares (NOTE: [squares on AVX2])
+#if !NANSCAN_AVX512 && defined(__AVX2__)
+#include <immintrin.h>  // AVX2's float8 path and bfloat16 squares (NOTE: [squares on AVX2])
 #endif
 // Without them, AVX2 reads float8 chunks 32 elements at a time (NOTE: [byte vectors on AVX2]).
 #if !NANSCAN_AVX512_BYTES && defined(__AVX2__)
@@ -95,13 +95,12 @@ typedef uint16_t VU16Quarter __attribute__((vector_size(kVectorBytes / 4)));
 constexpr int kWordsPerVector = kVectorBytes / 8;  // 64-bit words (or doubles) per vector
 
 // NOTE: [squares on AVX2]
-// The squares of 16-bit formats are widened with intrinsics on AVX2 too, as on AVX-512: GCC lowers the portable
-// widening below (quarter vectors zero-extended, shifted and converted) to about twice the instructions. Measured on
-// the 2-core development machine (Zen 3), one thread, a 16384-element chunk hot in L2, per element: the first pass
-// over bfloat16 0.59-0.77 ns before, 0.34-0.36 after, over float16 0.77-0.98 and 0.28-0.31; the whole chunk 0.85-1.01
-// and 0.43-0.61 (bfloat16), 1.05-1.19 and 0.50-0.57 (float16). A float16 is widened by F16C, exactly, and squared in
-// float (11-bit significands square into 22 bits); the lanes take the elements in another order than the portable
-// code, which changes only which lane adds which square.
+// The squares of bfloat16 are widened with intrinsics on AVX2 too, as on AVX-512: GCC lowers the portable widening
+// below (quarter vectors zero-extended, shifted and converted) to about twice the instructions. Measured on the
+// 2-core development machine (Zen 3), one thread, a 16384-element chunk hot in L2, per element: the first pass
+// 0.59-0.77 ns before, 0.34-0.36 after; the whole chunk 0.85-1.01 and 0.43-0.61. The lanes take the elements in
+// another order than the portable code, which changes only which lane adds which square. (float16 needs no such
+// version: where F16C is, a float16 chunk is read as float32, NOTE: [float16 widened] in scan_cpu.cpp.)
 // Per format: the vector one load fills, and how the squares of the elements at `p` (one vector's worth) are
 // added, as doubles, to kSquareVectors accumulators. Signs do not matter to a square, so the raw elements are
 // read, each piece straight from memory into the width it is widened from. Finite values reach it on the fast
@@ -195,15 +194,6 @@ struct VectorOps<Float16> {
       const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1)));
       acc[2 * h] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h]), lo));
       acc[2 * h + 1] = bits_as<VF64>(_mm512_add_pd(bits_as<__m512d>(acc[2 * h + 1]), hi));
-    }
-#elif defined(__AVX2__) && defined(__F16C__)
-    for (int h = 0; h < 2; ++h) {  // as with AVX-512, in 256 bits (NOTE: [squares on AVX2])
-      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h)));
-      const __m256 sq = _mm256_mul_ps(x, x);
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(sq));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1));
-      acc[2 * h] = bits_as<VF64>(_mm256_add_pd(bits_as<__m256d>(acc[2 * h]), lo));
-      acc[2 * h + 1] = bits_as<VF64>(_mm256_add_pd(bits_as<__m256d>(acc[2 * h + 1]), hi));
     }
 #else
     constexpr int kQuarter = sizeof(VU16Quarter) / sizeof(uint16_t);
