@@ -391,7 +391,8 @@ def run(args: argparse.Namespace) -> int:
     build = backends.backend_info().get("build", {})
     console.print(f"{len(named)} float32 tensors, {total_elems / 1e6:.1f}M elements, {total_bytes / 1e9:.3f} GB; "
                   f"torch threads {torch.get_num_threads()}, OpenMP threads {build.get('max_threads', '?')}, "
-                  f"CPU kernel SIMD {build.get('cpu_simd', '?')}, {os.cpu_count()} CPUs")
+                  f"CPU kernel SIMD {build.get('cpu_simd', '?')} (float8: {build.get('cpu_float8', '?')}), "
+                  f"{os.cpu_count()} CPUs")
     for name, why in missing.items():
         console.print(f"[yellow]nanscan {name} not measured:[/yellow] {why}")
 
