@@ -89,6 +89,18 @@ def float32_of_bits(typingctx, bits):
 
 
 @intrinsic
+def float32_of_float16_bits(typingctx, bits):
+    """The float32 of the float16 whose bit pattern is the uint16 `bits`, exactly, subnormals included (LLVM's fpext
+    from half: F16C's vcvtph2ps, which no float mode changes, where the CPU has it; else a call that does it in
+    integers)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
 def float64_of_bits(typingctx, bits):
     """The float64 whose bit pattern is the uint64 `bits`."""
 

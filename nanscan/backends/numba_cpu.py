@@ -58,8 +58,8 @@ from nanscan import _layout as L
 from nanscan.backends.byte_formats import byte_table
 from nanscan.backends.numba_bytes import byte_traits, scan_byte_chunks
 from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, count_residues,
-                                          count_residues_wide, float32_bits, float32_of_bits, narrow,
-                                          pointer_at, prefetch_lines, wide_counts)
+                                          count_residues_wide, float32_bits, float32_of_bits,
+                                          float32_of_float16_bits, narrow, pointer_at, prefetch_lines, wide_counts)
 from nanscan.inputs import ScanInput, as_scan_inputs
 
 # A whole number of groups; 1920 float32 are 7.5 KiB, so a block stays in L1 between the passes over it.
@@ -86,9 +86,6 @@ class _Format:
     code: int
     exp_bits: int
     mant_bits: int
-    # How a zero or normal 16-bit value becomes the float32 with the same magnitude: (|bits| << shift) + offset.
-    widen_shift: int = 0
-    widen_offset: int = 0
 
     @property
     def bits_dtype(self):
@@ -112,8 +109,8 @@ class _Format:
 
 
 _FORMATS = {
-    L.FLOAT16: _Format(L.FLOAT16, 5, 10, widen_shift=13, widen_offset=(127 - 15) << 23),
-    L.BFLOAT16: _Format(L.BFLOAT16, 8, 7, widen_shift=16),
+    L.FLOAT16: _Format(L.FLOAT16, 5, 10),
+    L.BFLOAT16: _Format(L.BFLOAT16, 8, 7),
     L.FLOAT32: _Format(L.FLOAT32, 8, 23),
     L.FLOAT64: _Format(L.FLOAT64, 11, 52),
 }
@@ -164,11 +161,15 @@ def _bf16_wide_sumsq(block):
 # [2**-48, 2**32). A bfloat16 square is normal in float32 when the block's smallest non-zero |x| is at least 2**-63
 # and its largest below 2**64 (_BF16_SQUARE_FIELDS); other bfloat16 blocks take the float64 squares. The result is
 # the number the float64 square would give, and no float32 subnormal is ever made (a flush-to-zero mode cannot
-# change it). A float16 normal value is its bits moved into float32's fields, a normal float32 2**112 too small,
-# times 2**112 (exact). Measured on one hot block, one core, per element: bfloat16 0.065 ns, float16 0.08 ns, float16
-# with subnormals (widened and stored for counting) 0.11 ns; the float64 squares they replaced, 0.10 ns and 0.13-0.16
-# ns. An exact integer sum needs 64-bit lanes per element (a square's bits and its shift) and measured slower (0.14 ns
-# for float8).
+# change it). A float16 value, subnormals included, is widened to float32 by LLVM's conversion from half
+# (float32_of_float16_bits: F16C's vcvtph2ps, exact whatever the float mode). Measured on one hot block, one core, per
+# element (Zen 5): bfloat16 0.065 ns, float16 0.08 ns and float16 with subnormals (widened and stored for counting)
+# 0.11 ns, the float64 squares they replaced 0.10 ns and 0.13-0.16 ns; those float16 figures are of the widening
+# that came before the conversion from half: the bits moved into float32's fields and scaled by 2**112, with a select
+# and an int-to-float conversion for the subnormals. On Zen 3 (AVX2), in a jitted loop over one hot block, the
+# conversion from half measured 0.19-0.22 ns (normal values) and 0.22-0.25 ns (with subnormals) against 0.26-0.30 and
+# 0.45-0.57 ns for that widening. An exact integer sum needs 64-bit lanes per element (a square's bits and its shift)
+# and measured slower (0.14 ns for float8).
 _BF16_SQUARE_FIELDS = (127 - 63, 127 + 63)
 
 
@@ -185,42 +186,30 @@ def _bf16_sumsq(block):
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _f16_sumsq(block):
-    """Sum of squares of a float16 block of zeros and normal values (NOTE: [float32 squares])."""
+    """Sum of squares of a float16 block of zeros and finite values, subnormals included (NOTE: [float32
+    squares])."""
     s = 0.0
     for i in range(block.size):
-        # float16's fields in float32's place make a normal float32 (or zero) 2**112 too small: scaled exactly.
-        v = float32_of_bits(np.uint32(np.uint32(block[i] & np.uint16(0x7FFF)) << np.uint32(13)))
-        w = v * np.float32(2.0 ** 112)
-        s += np.float64(w * w)
+        v = float32_of_float16_bits(np.uint16(block[i] & np.uint16(0x7FFF)))
+        s += np.float64(v * v)
     return s
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _f16_widen_sumsq(block, widened):
-    """Sum of squares of a float16 block of zeros and finite values, subnormals included; stores each value's
-    float32 bits (_widen_one) in `widened` for counting (NOTE: [float32 squares])."""
+    """_f16_sumsq, storing each |x| widened to float32 bits (_widen_one) in `widened` for counting."""
     s = 0.0
     for i in range(block.size):
-        a = np.uint32(block[i] & np.uint16(0x7FFF))
-        normal = np.uint32(np.uint32(a << np.uint32(13)) + np.uint32((127 - 15) << 23))
-        small = float32_bits(np.float32(a) * np.float32(2.0 ** -24))
-        w = normal if a >= np.uint32(0x400) else small
-        widened[i] = w
-        v = float32_of_bits(w)
+        v = float32_of_float16_bits(np.uint16(block[i] & np.uint16(0x7FFF)))
+        widened[i] = float32_bits(v)
         s += np.float64(v * v)
     return s
 
 
 @njit(cache=True)
-def _widen_one(a, shift, offset):
-    """The float32 bits of the magnitude that the float16 |x| bits `a` encode (_f16_widen_sumsq's widening, with
-    float16's shift and offset): a normal value's bits moved, a subnormal as float32(mantissa) * 2**-24, a normal
-    float32 computed exactly (no subnormal ever enters the float arithmetic, so a flush-to-zero mode cannot change
-    it)."""
-    a32 = np.uint32(a)
-    normal = (a32 << shift) + offset
-    small = float32_bits(np.float32(a32) * np.float32(2.0 ** -24))
-    return normal if a32 >= np.uint32(0x400) else small
+def _widen_one(a):
+    """The float32 bits of the magnitude that the float16 |x| bits `a` encode, as _f16_widen_sumsq widens them."""
+    return float32_bits(float32_of_float16_bits(np.uint16(a)))
 
 
 @njit(cache=True)
@@ -384,19 +373,19 @@ def _count_block(values, zeros, field_lo, field_hi, mant_bits, exp_bits, field_t
             field_tables[field_lo + d] += wide[d]
 
 
-def _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small, exp_bits, mant_bits,
-                counts, field_tables):
+def _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, exact_small, exp_bits, mant_bits, counts,
+                field_tables):
     """Counts the exponent fields of a block of zeros and finite values that are normal (or, with `exact_small`,
     subnormal too), `zeros` of them zeros, their non-zero |x| bits in [lo_nonzero, hi]; returns the block's sum of
     squares (jitted code only)."""
 
 
 @overload(_fast_block)
-def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small, exp_bits,
-                     mant_bits, counts, field_tables):
+def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, exact_small, exp_bits, mant_bits, counts,
+                     field_tables):
     if block.dtype.bitwidth == 16:
-        def widen_then_count(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small,
-                             exp_bits, mant_bits, counts, field_tables):
+        def widen_then_count(block, widened, zeros, lo_nonzero, hi, min_normal, exact_small, exp_bits, mant_bits,
+                             counts, field_tables):
             field_shift = narrow(mant_bits, block)
             field_lo = np.int64(lo_nonzero >> field_shift)
             field_hi = np.int64(hi >> field_shift)
@@ -416,15 +405,15 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, shift, o
             # float16 with subnormals: counted as float32, a subnormal's bin being its widened value's field.
             counts[_REC_SUBNORMAL] += np.int64(_count_below(block, narrow(0x7FFF, block), min_normal)) - zeros
             s = _f16_widen_sumsq(block, widened)
-            field_lo = np.int64(_widen_one(lo_nonzero, shift, offset) >> np.uint32(_WIDE_MANT_BITS))
-            field_hi = np.int64(_widen_one(hi, shift, offset) >> np.uint32(_WIDE_MANT_BITS))
+            field_lo = np.int64(_widen_one(lo_nonzero) >> np.uint32(_WIDE_MANT_BITS))
+            field_hi = np.int64(_widen_one(hi) >> np.uint32(_WIDE_MANT_BITS))
             _count_block(widened[:block.size], zeros, field_lo, field_hi, _WIDE_MANT_BITS, _WIDE_EXP_BITS,
                          field_tables, _TABLE_STRIDE)
             return s
         return widen_then_count
 
-    def count(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset, exact_small, exp_bits, mant_bits,
-              counts, field_tables):
+    def count(block, widened, zeros, lo_nonzero, hi, min_normal, exact_small, exp_bits, mant_bits, counts,
+              field_tables):
         field_shift = narrow(mant_bits, block)
         _count_block(block, zeros, np.int64(lo_nonzero >> field_shift), np.int64(hi >> field_shift), mant_bits,
                      exp_bits, field_tables, field_tables.size // _NUM_TABLES)
@@ -438,13 +427,11 @@ _MAX_TABLED = 2**31 - 1
 
 
 @njit(parallel=True, cache=True)
-def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale, widen_shift,
-                 widen_offset, partial_counts, partial_sumsq):
+def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale, partial_counts,
+                 partial_sumsq):
     """Each group of chunks (groups[g] .. groups[g + 1] - 1) is scanned by one thread, in order, each chunk added to
     its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE: [numba blocks])."""
     abs_mask, min_normal, inf_bits = masks[0], masks[1], masks[2]
-    shift = np.uint32(widen_shift)
-    offset = np.uint32(widen_offset)
     # float16's subnormals widen to normal float32 values (_widen_one): its blocks with subnormals stay fast.
     exact_small = bits_like.itemsize == 2 and exp_bits == 5
     count_exp_bits = _WIDE_EXP_BITS if bits_like.itemsize == 2 else exp_bits
@@ -491,8 +478,8 @@ def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits
                         absmax = max(absmax, np.int64(hi))
                         absmin = min(absmin, np.int64(lo_nonzero))
                         prefetch_lines(ahead, 2 * quarter, 3 * quarter)
-                        s += _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, shift, offset,
-                                         exact_small, exp_bits, mant_bits, counts, field_tables)
+                        s += _fast_block(block, widened, zeros, lo_nonzero, hi, min_normal, exact_small, exp_bits,
+                                         mant_bits, counts, field_tables)
                         prefetch_lines(ahead, 3 * quarter, ahead_size)
                         continue
                 prefetch_lines(ahead, quarter, ahead_size)
@@ -608,6 +595,5 @@ class NumbaBackend:
             else:
                 fmt = _FORMATS[code]
                 _scan_chunks(addresses, chunk_numels, groups, segments, np.empty(0, fmt.bits_dtype), fmt.masks,
-                             fmt.exp_bits, fmt.mant_bits, fmt.scale, fmt.widen_shift, fmt.widen_offset,
-                             partial_counts, partial_sumsq)
+                             fmt.exp_bits, fmt.mant_bits, fmt.scale, partial_counts, partial_sumsq)
         _merge(tasks[segment_task], partial_counts, tasks[chunk_task], partial_sumsq, records, sumsq)
