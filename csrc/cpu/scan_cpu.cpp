@@ -1430,9 +1430,9 @@ ByteExtremes2 byte_extremes2(const uint8_t* q, int64_t len) {
 constexpr int kNibbleVectors2 = 7;
 
 // The second pass over a block that fits window `window` (NOTE: [byte vectors on AVX2]): slot counts added to
-// `slots`, square sums to the int32 lanes of `squares`.
+// `slots`, square sums to the int32 lanes of `squares`; returns how many it counted in slots 1 .. 15.
 template <typename F>
-void count_byte_block2(const ByteVectors2<F>& t, const uint8_t* q, int64_t len, int window, uint64_t* slots,
+int64_t count_byte_block2(const ByteVectors2<F>& t, const uint8_t* q, int64_t len, int window, uint64_t* slots,
                        __m256i (&squares)[4]) {
   const __m256i base = _mm256_set1_epi8(static_cast<char>(window));
   const __m256i field_mask = _mm256_set1_epi8(static_cast<char>((1 << F::kExpBits) - 1));
@@ -1487,6 +1487,7 @@ void count_byte_block2(const ByteVectors2<F>& t, const uint8_t* q, int64_t len, 
     vector(load_bytes2(q, whole, len, part));
     spill_nibbles();
   }
+  int64_t counted = 0;
   for (int k = 0; k < 4; ++k) {
     for (int j = 0; j < 4; ++j) {
       alignas(32) int32_t lanes[8];
@@ -1494,12 +1495,14 @@ void count_byte_block2(const ByteVectors2<F>& t, const uint8_t* q, int64_t len, 
       int64_t c = 0;
       for (int l = 0; l < 8; ++l) c += lanes[l];
       slots[4 * k + j] += static_cast<uint64_t>(c);
+      counted += c;  // slot 0 has no weight: its counters stay 0
     }
   }
   squares[0] = sq0;
   squares[1] = sq1;
   squares[2] = sq2;
   squares[3] = sq3;
+  return counted;
 }
 
 // Tallies the elements of `n` bytes with 0 < |x| bits < `bottom` one by one by their |x| bits (they are few).
@@ -1577,14 +1580,7 @@ void scan_bytes_vector2(const uint8_t* p, int64_t n, int64_t* record, double& su
       absmax = std::max<uint64_t>(absmax, e.max_abs);
       absmin = std::min<uint64_t>(absmin, min_below + 1);
     }
-    const int64_t counted_before = [&] {
-      int64_t c = 0;
-      for (int s = 1; s < BW::kSlots; ++s) c += static_cast<int64_t>(slots[s]);
-      return c;
-    }();
-    count_byte_block2<F>(tables, q, len, window, slots, squares);
-    int64_t counted = -counted_before;
-    for (int s = 1; s < BW::kSlots; ++s) counted += static_cast<int64_t>(slots[s]);
+    const int64_t counted = count_byte_block2<F>(tables, q, len, window, slots, squares);
     const int64_t elements = (len + 31) / 32 * 32;  // the vectors' elements, the short last one's zeros included
     padding += elements - len;
     // Slot 0 holds the zeros, the subnormals and the normal values below the window; the last are counted in their
