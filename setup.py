@@ -175,6 +175,12 @@ class NativeBuild(build_ext):
         return {k: v for k, v in super().get_output_mapping().items() if k not in failed and v not in failed}
 
 
+def _headers() -> list[str]:
+    """The C++ headers, so that `setup.py build_ext` rebuilds a module whose sources did not change but a header they
+    include did (setuptools compares the timestamps of sources and `depends` only)."""
+    return sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.h"))
+
+
 def _extensions():
     from pybind11.setup_helpers import Pybind11Extension
 
@@ -188,6 +194,7 @@ def _extensions():
             "nanscan._C",
             sources=["csrc/bindings.cpp", "csrc/cpu/compact_cpu.cpp", "csrc/cpu/scan_cpu.cpp", "csrc/plan/plan_check.cpp"],
             include_dirs=["csrc/include", "csrc"],
+            depends=_headers(),
             extra_compile_args=cxx_flags,
             extra_link_args=["-fopenmp"],
             cxx_std=17,
@@ -213,6 +220,7 @@ def _torch_access_extension():
             "nanscan._torch_access",
             sources=["csrc/torch/tensor_access.cpp"],
             include_dirs=["csrc/include"],
+            depends=_headers(),
             define_macros=[("NANSCAN_TORCH_VERSION", f'"{torch.__version__}"'),
                            ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))],
             extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
