@@ -542,6 +542,29 @@ def thread_groups(chunk_task, chunk_numels, threads):
     return groups, segments, segment_task[:num_segments]
 
 
+@njit(cache=True)
+def chunk_plan(bases, numels, itemsize, chunk_elems, threads):
+    """The chunks of the tensors at `bases` (NOTE: [chunking]), each at most chunk_elems elements, and their threads'
+    work (thread_groups): (chunk addresses, chunk element counts, each chunk's tensor index, groups, segments, each
+    segment's tensor index). Compiled, with thread_groups in the same call: in numpy the cutting alone cost ~12 us
+    a scan, about a fifth of the numba backend's fixed cost per call."""
+    n = 0
+    for t in range(numels.size):
+        n += (numels[t] + chunk_elems - 1) // chunk_elems
+    addresses = np.empty(n, np.int64)
+    chunk_numels = np.empty(n, np.int64)
+    chunk_task = np.empty(n, np.int64)
+    c = 0
+    for t in range(numels.size):
+        for begin in range(0, numels[t], chunk_elems):
+            addresses[c] = bases[t] + begin * itemsize
+            chunk_numels[c] = min(chunk_elems, numels[t] - begin)
+            chunk_task[c] = t
+            c += 1
+    groups, segments, segment_task = thread_groups(chunk_task, chunk_numels, threads)
+    return addresses, chunk_numels, chunk_task, groups, segments, segment_task
+
+
 # -- the backend ---------------------------------------------------------------------------------------------------
 
 class NumbaBackend:
@@ -578,14 +601,9 @@ class NumbaBackend:
 
     def _scan_format(self, code: int, bases: np.ndarray, numels: np.ndarray, tasks: np.ndarray,
                      records: np.ndarray, sumsq: np.ndarray) -> None:
-        chunks_per_task = -(-numels // self.chunk_elems)
-        chunk_task = np.repeat(np.arange(len(numels)), chunks_per_task)
-        first_chunk = np.cumsum(chunks_per_task) - chunks_per_task
-        begins = (np.arange(chunk_task.size) - first_chunk[chunk_task]) * self.chunk_elems
-        chunk_numels = np.minimum(numels[chunk_task] - begins, self.chunk_elems)
-        addresses = bases[chunk_task] + begins * L.FORMATS[code].bytes
         with self._launch_lock:
-            groups, segments, segment_task = thread_groups(chunk_task, chunk_numels, numba.get_num_threads())
+            addresses, chunk_numels, chunk_task, groups, segments, segment_task = chunk_plan(
+                bases, numels, L.FORMATS[code].bytes, self.chunk_elems, numba.get_num_threads())
             partial_counts = L.empty_records(segment_task.size)
             partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
             if L.FORMATS[code].bytes == 1:
