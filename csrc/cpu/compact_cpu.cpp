@@ -7,27 +7,44 @@
 namespace nanscan {
 namespace compact {
 
+#if defined(__AVX2__) && !NANSCAN_AVX512
+namespace {
+// Whether any of the 16 bins from 16 * group holds a count.
+inline bool group_occupied(const int64_t* hist, int group) {
+  const __m256i* v = reinterpret_cast<const __m256i*>(hist + 16 * group);
+  const __m256i any = _mm256_or_si256(_mm256_or_si256(_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)),
+                                      _mm256_or_si256(_mm256_loadu_si256(v + 2), _mm256_loadu_si256(v + 3)));
+  return !_mm256_testz_si256(any, any);
+}
+}  // namespace
+#endif
+
 BinRange occupied_range(const int64_t* hist) {
-  static_assert(kHistBins == 256, "the bitmap is four words");
+  static_assert(kHistBins == 256, "the bitmap is four words, or sixteen groups of 16 bins");
+  BinRange r = empty_range();
+#if defined(__AVX2__) && !NANSCAN_AVX512
+  // From each end, 16 bins at a time, until a group holds a count; a record's counts lie in a few tens of bins.
+  // A bitmap of all 256 bins, built four bins a compare as with AVX-512's eight, cost about 145 ns a record on a
+  // Zen 3 (hot; about 20 us of a small model's check, whose every record is compacted); this, 60 ns.
+  int lo = 0;
+  while (lo < kHistBins / 16 && !group_occupied(hist, lo)) ++lo;
+  if (lo == kHistBins / 16) return r;
+  int hi = kHistBins / 16 - 1;
+  while (!group_occupied(hist, hi)) --hi;
+  r.first = 16 * lo;
+  while (hist[r.first] == 0) ++r.first;
+  r.last = 16 * hi + 15;
+  while (hist[r.last] == 0) --r.last;
+#else
   uint64_t nonzero[4] = {0, 0, 0, 0};
 #if NANSCAN_AVX512
   for (int v = 0; v < kHistBins / 8; ++v) {
     const __m512i counts = _mm512_loadu_si512(hist + 8 * v);
     nonzero[v / 8] |= static_cast<uint64_t>(_mm512_test_epi64_mask(counts, counts)) << (8 * (v % 8));
   }
-#elif defined(__AVX2__)
-  // The scalar loop below costs about 0.4 us a record on a Zen 3, as much as scanning a few thousand elements:
-  // a step of a small model, whose every record is compacted, lost 57 us of its check to it.
-  const __m256i zero = _mm256_setzero_si256();
-  for (int v = 0; v < kHistBins / 4; ++v) {
-    const __m256i counts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hist + 4 * v));
-    const int empty = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(counts, zero)));
-    nonzero[v / 16] |= static_cast<uint64_t>(~empty & 0xF) << (4 * (v % 16));
-  }
 #else
   for (int b = 0; b < kHistBins; ++b) nonzero[b / 64] |= static_cast<uint64_t>(hist[b] != 0) << (b % 64);
 #endif
-  BinRange r = empty_range();
   int lo = 0;
   while (lo < 4 && nonzero[lo] == 0) ++lo;
   if (lo == 4) return r;
@@ -35,6 +52,7 @@ BinRange occupied_range(const int64_t* hist) {
   while (nonzero[hi] == 0) --hi;
   r.first = 64 * lo + __builtin_ctzll(nonzero[lo]);
   r.last = 64 * hi + 63 - __builtin_clzll(nonzero[hi]);
+#endif
   for (int32_t b = r.first; b <= r.last; ++b) {
     const uint64_t count = static_cast<uint64_t>(hist[b]);
     r.largest = count > r.largest ? count : r.largest;
