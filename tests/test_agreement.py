@@ -380,6 +380,50 @@ def test_numba_thread_groups_split_the_chunks_into_balanced_runs(numba_backend, 
     np.testing.assert_array_equal(segments, np.cumsum(begins) - 1)
 
 
+CPU_BLOCK_BYTES = 4096  # csrc/cpu/scan_cpu.cpp kBlockBytes: pass 1 reads a chunk in blocks of this many bytes
+LOW_TALLY_MAX = 32  # scan_cpu.cpp kMaxTally: more values below the window per block, and pass 2 counts the block
+
+
+def low_tally_blocks(dtype: torch.dtype, depth: int = 40, scale: float = 1.0) -> torch.Tensor:
+    """One chunk of whole kernel blocks (NOTE: [low tally] in csrc/cpu/scan_cpu.cpp): the first spans 2**-13 ..
+    2**1, which opens the window at 2**-13 (its largest field less 14), then blocks of the same values, a tenth
+    of them zeros, each with k values below the window (k = 1, 2, 31, 32, 33, 100) at fields 1 .. depth below
+    it, which fall on every residue mod 16, zeros' residue included; then a block with one below the window and
+    one above it."""
+    gen = torch.Generator().manual_seed(21)
+    per_block = CPU_BLOCK_BYTES // torch.finfo(dtype).bits * 8
+
+    def block() -> torch.Tensor:
+        exps = torch.randint(-13, 2, (per_block,), generator=gen)
+        exps[:2] = torch.tensor([-13, 1])
+        x = (1 + torch.rand(per_block, generator=gen, dtype=torch.float64) / 2) * 2.0 ** exps
+        x[::10] = 0.0
+        x[1::9] *= -1
+        return x
+
+    blocks = [block()]
+    for k in (1, 2, LOW_TALLY_MAX - 1, LOW_TALLY_MAX, LOW_TALLY_MAX + 1, 100):
+        b = block()
+        where = torch.randperm(per_block, generator=gen)[:k]
+        b[where] = 1.25 * 2.0 ** (-13 - 1 - torch.arange(k) % depth).to(torch.float64)
+        blocks.append(b)
+    last = block()
+    last[5], last[6] = 2.0 ** -(13 + depth // 2), 2.0 ** 4
+    blocks.append(last)
+    return (torch.cat(blocks) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16], ids=str)
+def test_cpu_low_tally(cpu_backend, dtype):
+    # float16's normal values span 30 fields: its chunk is scaled up, its values below the window stay normal
+    depth = 8 if dtype == torch.float16 else 40
+    tensor = low_tally_blocks(dtype, depth, 2.0 ** 8 if dtype == torch.float16 else 1.0)
+    report = cpu_backend.check({"chunk": tensor})
+    assert report["chunk"].zero > 0 and report["chunk"].subnormal == 0
+    # the window's fields, those tallied below it and the one above it
+    assert int((report["chunk"].exp_hist > 0).sum()) == 15 + depth + 1
+
+
 NUMBA_GROUP = 960  # nanscan.backends.numba_cpu._GROUP_ELEMS: residue words count whole groups, the rest by tables
 
 
