@@ -611,21 +611,20 @@ struct ChunkWindow {
     add_window<F>(window, first, field0, counts);
     open = false;
   }
-  // NOTE: [low tally]: counts the normal values of the block at `p` that lie below the window on their own fields,
-  // to be taken back out of the window's residues; false (nothing counted) when there are more than kMaxTally.
+  // NOTE: [low tally]: counts the normal values of the block at `p` that lie below the window (the lowest in field
+  // `lo`, below `first`) on their own fields, to be taken back out of the window's residues; false (nothing
+  // counted) when there are more than kMaxTally.
   template <typename F>
-  bool tally_below(const typename F::Bits* p, int64_t n, FieldCounts& counts) {
+  bool tally_below(const typename F::Bits* p, int64_t n, int lo, FieldCounts& counts) {
     int32_t found[kMaxTally];
     const int k = below_window<F>(p, n, first, found);
     if (k < 0) return false;
-    int lo = first;
     for (int j = 0; j < k; ++j) {
       const int field = exponent_field<F>(p[found[j]]);
       counts.table[j % kFieldTables][field]++;
       taken[field % kWindowFields]++;
-      lo = std::min(lo, field);
     }
-    if (k > 0) counts.touch(lo, first - 1);
+    counts.touch(lo, first - 1);
     return true;
   }
   // Keeps the counters of a block that fits; `uncounted` of them (on residue 0) are no normal values.
@@ -745,7 +744,7 @@ void scan_chunk(Source source, int64_t begin, int64_t end, int64_t* record, doub
     const int lo = exponent_field<F>(min_normal_abs);
     const int hi = exponent_field<F>(s.max_abs);
     if (!window.open) window.open_below(hi);  // the chunk's first block with normal values sets the window
-    if (hi < window.first + kWindowFields && (lo >= window.first || window.tally_below<F>(p, n, counts))) {
+    if (hi < window.first + kWindowFields && (lo >= window.first || window.tally_below<F>(p, n, lo, counts))) {
       window.add<F>(s.residues, field0 + s.padding, counts);
       continue;
     }
