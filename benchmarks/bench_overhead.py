@@ -55,6 +55,7 @@ import torch
 
 from nanscan import backend_info
 from nanscan import demo as D
+from nanscan import monitor as monitor_module
 from nanscan._atomic import write_results_json
 from nanscan.monitor import Monitor
 
@@ -101,21 +102,28 @@ class Trainer:
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
         self.update_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
-        # The default check's scan inside it (the plan's confirmation, the native scan and the step summary that
-        # call also returns: its compact records and sums, NOTE: [step summary] in csrc/plan/plan_check.cpp), timed
-        # where it runs: what remains of check() is the work around the scan.
+        # The default check's scan inside it, timed where it runs: what remains of check() is the work around the
+        # scan. On the CPU's native backend that is one call (ModelScanPlan.scan_on_host: the plan's confirmation,
+        # the scan and the step summary it also returns, NOTE: [step summary] in csrc/plan/plan_check.cpp); where
+        # scan_on_host declines (the numba backend), the inputs' collection and launch() that scan instead.
         self.scan_seconds: list[float] = []
+        self._scan_time: float | None = None  # the default check's scan time so far, while it runs
         plan = self.monitor._plan
-        scan_on_host = plan.scan_on_host
+        plan.scan_on_host = self._timed(plan.scan_on_host)
+        plan.inputs = self._timed(plan.inputs)
+        monitor_module.launch = self._timed(monitor_module.launch)
 
-        def timed_scan(*args, **kwargs):
+    def _timed(self, call):
+        """`call`, its time added to the running check's scan time (other checks' calls are not timed)."""
+        def timed(*args, **kwargs):
+            if self._scan_time is None:
+                return call(*args, **kwargs)
             start = time.perf_counter()
             try:
-                return scan_on_host(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
-                self.scan_seconds.append(time.perf_counter() - start)
-
-        plan.scan_on_host = timed_scan
+                self._scan_time += time.perf_counter() - start
+        return timed
 
     def train_step(self, batch: dict, checked: bool | str):
         """One step; checked: False (plain), True (the default Monitor) or a variant (SPIKE_MODES, TB_MODES)."""
@@ -125,9 +133,14 @@ class Trainer:
         loss.backward()
         report = None
         if variant:
+            if variant == "check":
+                self._scan_time = 0.0
             start = time.perf_counter()
             report = self.monitors[variant].check(batch=batch, loss=loss, lr=self.config["lr"],
                                                   step=self.steps[variant])
+            if variant == "check":
+                self.scan_seconds.append(self._scan_time)
+                self._scan_time = None
             self.steps[variant] += 1
             self.check_seconds[variant].append(time.perf_counter() - start)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["grad_clip"])
