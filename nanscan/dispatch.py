@@ -31,8 +31,12 @@ def launch(inputs: Sequence[ScanInput], *, backend=None) -> StepScan:
             groups.append((device, rows, inputs.take(rows)))
     parts, used = [], []
     for device, rows, group in groups:
-        chosen = backend[device] if isinstance(backend, dict) else \
-            select_for_part(torch.device(device), backend, mixed=len(groups) > 1)
+        if isinstance(backend, dict):
+            chosen = backend[device]
+        elif backend is None or isinstance(backend, str):
+            chosen = select_for_part(torch.device(device), backend, mixed=len(groups) > 1)
+        else:  # a Backend, as select() gives it back: no torch.device to make (~15 us a check, in cold caches)
+            chosen = backend
         used.append(chosen.name)
         scan_async = getattr(chosen, "scan_async", None)
         if scan_async is not None:

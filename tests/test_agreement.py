@@ -9,6 +9,7 @@ split across chunks and the merge of partial records is checked too.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -343,17 +344,34 @@ def test_cpu_records_are_bit_identical_for_any_thread_count(cpu_backend):
 def test_numba_records_are_bit_identical_for_any_thread_count(numba_backend):
     import numba
 
+    from nanscan.backends.numba_cpu import NumbaBackend
+
     tensors = big_mixed_tensors()
-    backend = numba_backend.create()
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
-        one = nanscan.scan(tensors, backend=backend).records
-        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-        many = nanscan.scan(tensors, backend=backend).records
-    finally:
-        numba.set_num_threads(before)
+    one = nanscan.scan(tensors, backend=NumbaBackend(num_threads=1)).records
+    many = nanscan.scan(tensors, backend=NumbaBackend(num_threads=numba.config.NUMBA_NUM_THREADS)).records
+    assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS  # the last scan ran on every thread
     np.testing.assert_array_equal(one, many)
+
+
+NUMBA_THREADS_PROBE = """
+import sys, torch
+torch.set_num_threads(1)
+import nanscan
+from nanscan.backends.numba_cpu import NumbaBackend
+import numba
+nanscan.scan([torch.randn(300_000), torch.randn(5000).bfloat16()], backend=NumbaBackend())
+print(torch.get_num_threads(), numba.get_num_threads())
+"""
+
+
+def test_numba_scan_runs_on_torchs_threads_and_leaves_their_number(numba_backend):
+    """NOTE: [numba threads]: in a fresh process (numba starts its threads once), a scan with torch on one thread
+    runs on one, and leaves torch on one, though numba's OpenMP layer sets the count torch shares as it starts."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", NUMBA_THREADS_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1"], done.stdout
 
 
 @settings(max_examples=200, deadline=None)

@@ -37,8 +37,20 @@ set, measured slower: 0.09 ns.)
 The one-byte formats (float8) are counted in blocks of their own (nanscan/backends/numba_bytes.py, NOTE: [numba
 bytes]).
 
+NOTE: [numba threads]
+A scan runs on as many threads as torch does (torch.set_num_threads), at most numba's own limit, as the C++ kernel
+takes OpenMP's default, which is torch's (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp): a loop that runs torch on
+one thread is not given a second. And numba's OpenMP threading layer, when it starts its threads (at the first
+parallel kernel or set_num_threads), sets the OpenMP thread count that torch shares with it (both load libgomp):
+the demo loop, on one torch thread, ran on two after its first check with NANSCAN_BACKEND=numba. So torch's count
+is put back after the scan wherever it moved. numba.set_num_threads is called only when the count differs from the
+one the backend last gave it on the calling thread (asking numba cost ~30 us a check in a training step): a call of
+the user's own in between stands until then, which changes no record (NOTE: [chunking] in csrc/cpu/scan_cpu.cpp).
+
 Numba caches the compiled kernels on disk (cache=True) but cannot see when the constants imported from
 nanscan/_layout.py change: after such a change, delete the cache (nanscan/backends/__pycache__/numba_*.nbi/.nbc).
+Nor does it see how they were compiled: kernels compiled under NUMBA_ENABLE_PROFILING=1 are cached too, and ran
+bfloat16 scans 20 times slower until that cache was deleted.
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ _F16_FIELD_BASE = 127 - 15
 _REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
 _REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
 _REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
+_REC_SUMSQ, _RECORD_WIDTH = L.REC_SUMSQ, L.RECORD_WIDTH
 _MIN_BIN, _MAX_BIN = L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT
 _ABSMIN_NONE = L.ABSMIN_NONE
 
@@ -509,6 +522,54 @@ def _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sum
         sumsq[chunk_task[c]] += partial_sumsq[c]
 
 
+# NOTE: [numba call]
+# In a training step every numpy call and every call of a compiled function starts cold (NOTE: [cold check path] in
+# nanscan/spikes.py): inside a step of the demo model, the numba backend's Python between its kernels (the split by
+# format, the chunk plan's arguments, the partial records, the merge and a call for each) took ~330 us of a 1.2 ms
+# check, against ~40 us hot. So a format's scan is one compiled call, its chunks planned, scanned and merged inside,
+# and the split by format is kept for the table it was made from.
+@njit(cache=True)
+def _format_plan(ptrs, numels, tasks, itemsize, chunk_elems, threads):
+    """chunk_plan of the inputs `tasks`, with their identity partial records and the chunks' sums."""
+    addresses, chunk_numels, chunk_task, groups, segments, segment_task = chunk_plan(
+        ptrs[tasks], numels[tasks], itemsize, chunk_elems, threads)
+    partial_counts = np.zeros((segment_task.size, _RECORD_WIDTH), np.int64)
+    partial_counts[:, _REC_ABSMIN] = _ABSMIN_NONE
+    return addresses, chunk_numels, tasks[chunk_task], groups, segments, tasks[segment_task], partial_counts, \
+        np.zeros(chunk_task.size, np.float64)
+
+
+@njit(cache=True)
+def _merge_format(segment_task, partial_counts, chunk_task, partial_sumsq, records):
+    """_merge into `records`, each of the format's rows then holding its sum of squares (as its bits)."""
+    sumsq = np.zeros(records.shape[0], np.float64)
+    _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sumsq)
+    bits = sumsq.view(np.int64)
+    for t in segment_task:
+        records[t, _REC_SUMSQ] = bits[t]
+
+
+@njit(cache=True)
+def _scan_word_format(ptrs, numels, tasks, chunk_elems, threads, bits_like, masks, exp_bits, mant_bits, scale,
+                      records):
+    """The inputs `tasks` of one format of 2, 4 or 8 bytes scanned into their rows of `records` (NOTE: [numba
+    call])."""
+    addresses, chunk_numels, chunk_task, groups, segments, segment_task, partial_counts, partial_sumsq = \
+        _format_plan(ptrs, numels, tasks, bits_like.itemsize, chunk_elems, threads)
+    _scan_chunks(addresses, chunk_numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale,
+                 partial_counts, partial_sumsq)
+    _merge_format(segment_task, partial_counts, chunk_task, partial_sumsq, records)
+
+
+@njit(cache=True)
+def _scan_byte_format(ptrs, numels, tasks, chunk_elems, threads, table, traits, records):
+    """The inputs `tasks` of one one-byte format scanned into their rows of `records` (NOTE: [numba call])."""
+    addresses, chunk_numels, chunk_task, groups, segments, segment_task, partial_counts, partial_sumsq = \
+        _format_plan(ptrs, numels, tasks, 1, chunk_elems, threads)
+    scan_byte_chunks(addresses, chunk_numels, groups, segments, table, traits, partial_counts, partial_sumsq)
+    _merge_format(segment_task, partial_counts, chunk_task, partial_sumsq, records)
+
+
 @njit(cache=True)
 def thread_groups(chunk_task, chunk_numels, threads):
     """The work of a scan's threads (NOTE: [chunking]): `threads` runs of consecutive chunks of about equal elements
@@ -567,6 +628,10 @@ def chunk_plan(bases, numels, itemsize, chunk_elems, threads):
 
 # -- the backend ---------------------------------------------------------------------------------------------------
 
+# The thread count the backend last gave numba.set_num_threads, per calling thread (NOTE: [numba threads]).
+_set_threads = threading.local()
+
+
 class NumbaBackend:
     """The scan compiled by numba, for CPUs without the C++ extension (NOTE: [numba blocks])."""
 
@@ -575,11 +640,18 @@ class NumbaBackend:
     # threads launch parallel kernels at once; one scan at a time already has every core.
     _launch_lock = threading.Lock()
 
-    def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS):
+    def __init__(self, *, chunk_elems: int = L.DEFAULT_CHUNK_ELEMS, num_threads: int = 0):
+        """num_threads: threads a scan runs on, at most numba's limit (NUMBA_NUM_THREADS); 0, the default, as many
+        as torch runs on (NOTE: [numba threads]), as CpuBackend's 0 takes OpenMP's default."""
         if not 1 <= chunk_elems < 2**31:
             raise ValueError(f"chunk_elems must be a number of elements from 1 to 2**31 - 1 (the per-chunk counters "
                              f"are int32), got {chunk_elems}")
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
+            raise ValueError(f"num_threads must be 0 (as many as torch runs on) or a number of threads, got "
+                             f"{num_threads!r}")
         self.chunk_elems = int(chunk_elems)
+        self.num_threads = num_threads
+        self._kept_formats: tuple | None = None  # (numels, codes, _formats() of them)
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -587,31 +659,40 @@ class NumbaBackend:
     def scan_records(self, inputs: Sequence[ScanInput]) -> np.ndarray:
         inputs = as_scan_inputs(inputs)
         for device in inputs.devices:
-            if torch.device(device).type != "cpu":
+            if device.partition(":")[0] != "cpu":  # a name: torch.device costs ~15 us cold (NOTE: [numba call])
                 name = next(item.name for item in inputs if item.identity.device == device)
                 raise ValueError(f"the numba backend scans CPU tensors only; {name!r} is on {device}")
         records = L.empty_records(len(inputs))
-        sumsq = np.zeros(len(inputs), dtype=np.float64)
         ptrs, numels, codes = inputs.table()
-        for code in np.unique(codes[numels > 0]).tolist():
-            tasks = np.flatnonzero((codes == code) & (numels > 0))
-            self._scan_format(code, ptrs[tasks], numels[tasks], tasks, records, sumsq)
-        records[:, L.REC_SUMSQ] = sumsq.view(np.int64)
+        torch_threads = torch.get_num_threads()  # NOTE: [numba threads]
+        threads = min(self.num_threads or torch_threads, numba.config.NUMBA_NUM_THREADS)
+        try:
+            with self._launch_lock:
+                if getattr(_set_threads, "count", None) != threads:  # numba's setting is the calling thread's
+                    numba.set_num_threads(threads)
+                    _set_threads.count = threads
+                for kernel, tasks, args in self._formats(numels, codes):
+                    kernel(ptrs, numels, tasks, self.chunk_elems, threads, *args, records)
+        finally:
+            if torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
         return records
 
-    def _scan_format(self, code: int, bases: np.ndarray, numels: np.ndarray, tasks: np.ndarray,
-                     records: np.ndarray, sumsq: np.ndarray) -> None:
-        with self._launch_lock:
-            addresses, chunk_numels, chunk_task, groups, segments, segment_task = chunk_plan(
-                bases, numels, L.FORMATS[code].bytes, self.chunk_elems, numba.get_num_threads())
-            partial_counts = L.empty_records(segment_task.size)
-            partial_sumsq = np.zeros(chunk_task.size, dtype=np.float64)
+    def _formats(self, numels: np.ndarray, codes: np.ndarray) -> list[tuple]:
+        """Per format in the table: its compiled scan, its inputs' indices, and the format's arguments. Kept for
+        the arrays it was made from (NOTE: [numba call]): a Monitor's plan hands the same ones every step."""
+        kept = self._kept_formats
+        if kept is not None and kept[0] is numels and kept[1] is codes:
+            return kept[2]
+        formats = []
+        for code in np.unique(codes[numels > 0]).tolist():
+            tasks = np.flatnonzero((codes == code) & (numels > 0))
             if L.FORMATS[code].bytes == 1:
                 table = byte_table(code)
-                scan_byte_chunks(addresses, chunk_numels, groups, segments, table, byte_traits(code, table),
-                                 partial_counts, partial_sumsq)
+                formats.append((_scan_byte_format, tasks, (table, byte_traits(code, table))))
             else:
                 fmt = _FORMATS[code]
-                _scan_chunks(addresses, chunk_numels, groups, segments, np.empty(0, fmt.bits_dtype), fmt.masks,
-                             fmt.exp_bits, fmt.mant_bits, fmt.scale, partial_counts, partial_sumsq)
-        _merge(tasks[segment_task], partial_counts, tasks[chunk_task], partial_sumsq, records, sumsq)
+                formats.append((_scan_word_format, tasks, (np.empty(0, fmt.bits_dtype), fmt.masks, fmt.exp_bits,
+                                                           fmt.mant_bits, fmt.scale)))
+        self._kept_formats = (numels, codes, formats)
+        return formats
