@@ -110,10 +110,63 @@ def float64_of_bits(typingctx, bits):
     return types.float64(types.uint64), codegen
 
 
-@njit(cache=True)
 def count_residues(block, mant_bits):
     """Counts of the exponent field mod 16 over the block's whole groups (NOTE: [numba blocks]), as four words of
-    16-bit counters: word k, slot q counts residue 4 * q + k."""
+    16-bit counters: word k, slot q counts residue 4 * q + k (jitted code only)."""
+
+
+@njit(cache=True, inline="always")
+def spread_nibbles(c0, c1, c2, c3):
+    """Four words of 4-bit counters (each at most 15) added nibble-wise into two words of 8-bit counters: the even
+    nibbles' and the odd nibbles'."""
+    low = np.uint64(0x0F0F0F0F0F0F0F0F)
+    four = np.uint64(4)
+    even = (c0 & low) + (c1 & low) + (c2 & low) + (c3 & low)
+    odd = ((c0 >> four) & low) + ((c1 >> four) & low) + ((c2 >> four) & low) + ((c3 >> four) & low)
+    return even, odd
+
+
+# NOTE: [16-bit words]
+# A 16-bit block is read as 8-byte words of four elements, WORD_LANES words side by side, each lane fed GROUP_ROWS
+# words: element j of a word has 4 * (field mod 16) in bits 2..5 of (word >> (16 j + mant_bits - 2)) & 0x3C, which
+# shifts 1 into its nibble of counter word j, so no load widens the elements to 64-bit lanes (vpmovzxwq). Hot
+# bfloat16 and float16 blocks of 1920 elements, one core of the 2-core development machine (Zen 3, AVX2): 0.16-0.17
+# -> 0.12 ns per element; a rotation in place of the mask, as NOTE: [numba bytes] does, 0.22 (AVX2 has no vprolvq,
+# so LLVM makes it of two shifts and an or). Counter word j's nibbles are the residues of every fourth element, so
+# the four words are spread as the byte path spreads its own (spread_nibbles): the counts are those of the widening
+# loop, exactly.
+WORD_LANES = 8
+_WORD16_GROUP = WORD_LANES * GROUP_ROWS  # words of a group: 4 * 8 * 15 = 480 elements
+assert GROUP_ELEMS % (4 * _WORD16_GROUP) == 0, "a block's whole groups are whole 16-bit word groups"
+
+
+def _residues_of_words16(block, mant_bits):
+    words = byte_words(block.view(np.uint8))
+    shift = np.uint64(mant_bits - 2)
+    field = np.uint64(0x3C)
+    one = np.uint64(1)
+    eight = np.uint64(8)
+    slots = np.uint64(0x00FF00FF00FF00FF)
+    w0 = w1 = w2 = w3 = np.uint64(0)
+    for g in range(words.size // _WORD16_GROUP):
+        group = words[g * _WORD16_GROUP:(g + 1) * _WORD16_GROUP]
+        for lane in range(WORD_LANES):
+            c0 = c1 = c2 = c3 = np.uint64(0)
+            for row in range(GROUP_ROWS):
+                q = group[row * WORD_LANES + lane]
+                c0 += one << ((q >> shift) & field)
+                c1 += one << ((q >> (shift + np.uint64(16))) & field)
+                c2 += one << ((q >> (shift + np.uint64(32))) & field)
+                c3 += one << ((q >> (shift + np.uint64(48))) & field)
+            even, odd = spread_nibbles(c0, c1, c2, c3)
+            w0 += even & slots
+            w2 += (even >> eight) & slots
+            w1 += odd & slots
+            w3 += (odd >> eight) & slots
+    return w0, w1, w2, w3
+
+
+def _residues_widened(block, mant_bits):
     shift = np.uint64(mant_bits - 2)  # puts 4 * (field mod 16) at bits 2..5
     nibbles = np.uint64(0x000F000F000F000F)
     w0 = w1 = w2 = w3 = np.uint64(0)
@@ -132,6 +185,10 @@ def count_residues(block, mant_bits):
     return w0, w1, w2, w3
 
 
+@overload(count_residues)
+def _count_residues_impl(block, mant_bits):
+    # 16-bit blocks as words (NOTE: [16-bit words]); wider elements each take a 64-bit lane.
+    return _residues_of_words16 if block.dtype.bitwidth == 16 else _residues_widened
 
 
 @njit(cache=True)

@@ -63,16 +63,15 @@ from numba.extending import overload
 
 from nanscan import _layout as L
 from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
-from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, byte_words,
+from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES, byte_words,
                                           count_residues_wide, float64_of_bits, pointer_at, prefetch_lines,
-                                          rotate_left, wide_counts)
+                                          rotate_left, spread_nibbles, wide_counts)
 
 _BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
 _BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
-# Residue words fed 8-byte words (NOTE: [numba bytes]): _WORD_LANES words of a group side by side (one vector), each
+# Residue words fed 8-byte words (NOTE: [numba bytes]): WORD_LANES words of a group side by side (one vector), each
 # fed GROUP_ROWS of them, so a group is GROUP_ELEMS bytes as in count_residues.
-_WORD_LANES = 8
-_WORD_GROUP = _WORD_LANES * GROUP_ROWS
+_WORD_GROUP = WORD_LANES * GROUP_ROWS
 # A block of 5-bit fields spanning 16 + k fields (k < _BELOW_WINDOW) is counted in the window of its top 16 fields and
 # the k fields below it by thresholds; a wider one in the two-word window (count_residues_wide).
 _BELOW_WINDOW = 5
@@ -198,17 +197,6 @@ def _below_window(block, field_lo, n, mant_bits, zeros):
 
 
 @njit(cache=True, inline="always")
-def _spread_nibbles(c0, c1, c2, c3):
-    """Four words of 4-bit counters (each at most 15) added nibble-wise into two words of 8-bit counters: the even
-    nibbles' and the odd nibbles'."""
-    low = np.uint64(0x0F0F0F0F0F0F0F0F)
-    four = np.uint64(4)
-    even = (c0 & low) + (c1 & low) + (c2 & low) + (c3 & low)
-    odd = ((c0 >> four) & low) + ((c1 >> four) & low) + ((c2 >> four) & low) + ((c3 >> four) & low)
-    return even, odd
-
-
-@njit(cache=True, inline="always")
 def _word_residues(words, shift, mask):
     """count_residues over 8-byte words (NOTE: [numba bytes]), inlined where `shift` and `mask` are constants: byte j
     of a word masked to its field's low 4 bits, the word shifted right by 8 * j + `shift`, has 4 * (field mod 16) in
@@ -219,25 +207,25 @@ def _word_residues(words, shift, mask):
     w0 = w1 = w2 = w3 = np.uint64(0)
     for g in range(words.size // _WORD_GROUP):
         group = words[g * _WORD_GROUP:(g + 1) * _WORD_GROUP]
-        for lane in range(_WORD_LANES):
+        for lane in range(WORD_LANES):
             # Bytes 0-3 and 4-7 of the rows in two loops: a row loop of all eight is too long for LLVM to unroll,
             # and then it vectorises the row loop (gathers) in place of the lane loop.
             c0 = c1 = c2 = c3 = np.uint64(0)
             for row in range(GROUP_ROWS):
-                q = group[row * _WORD_LANES + lane] & mask
+                q = group[row * WORD_LANES + lane] & mask
                 c0 += rotate_left(one, q >> shift)
                 c1 += rotate_left(one, q >> (shift + np.uint64(8)))
                 c2 += rotate_left(one, q >> (shift + np.uint64(16)))
                 c3 += rotate_left(one, q >> (shift + np.uint64(24)))
-            even, odd = _spread_nibbles(c0, c1, c2, c3)
+            even, odd = spread_nibbles(c0, c1, c2, c3)
             c0 = c1 = c2 = c3 = np.uint64(0)
             for row in range(GROUP_ROWS):
-                q = group[row * _WORD_LANES + lane] & mask
+                q = group[row * WORD_LANES + lane] & mask
                 c0 += rotate_left(one, q >> (shift + np.uint64(32)))
                 c1 += rotate_left(one, q >> (shift + np.uint64(40)))
                 c2 += rotate_left(one, q >> (shift + np.uint64(48)))
                 c3 += rotate_left(one, q >> (shift + np.uint64(56)))
-            even_high, odd_high = _spread_nibbles(c0, c1, c2, c3)
+            even_high, odd_high = spread_nibbles(c0, c1, c2, c3)
             # 8 x 15 = 120 per 8-bit counter: no carries; then the 8-bit counters are spread into 16-bit ones.
             even += even_high
             odd += odd_high
