@@ -426,12 +426,9 @@ int64_t bin_subnormals(const typename F::Bits* p, int64_t n, int64_t* hist, type
   int64_t i = 0;
   for (; i + L <= n; i += L) {
     const V a = load_bits<V>(p + i) & F::kAbsMask;
-    // Subnormals have a - 1 below kSmallestNormal - 1; zeros wrap to all ones. The words of the comparison tell
-    // cheaply whether any lane needs binning.
-    const VU64 subnormal = bits_as<VU64>(a - 1 < static_cast<Bits>(kSmallestNormal - 1));
-    uint64_t found = 0;
-    for (int l = 0; l < kWordsPerVector; ++l) found |= subnormal[l];
-    if (found)
+    // Subnormals have a - 1 below kSmallestNormal - 1; zeros wrap to all ones. One test of the comparison tells
+    // whether any lane needs binning.
+    if (any_lane(a - 1 < static_cast<Bits>(kSmallestNormal - 1)))
       for (int64_t l = 0; l < L; ++l) bin_one(a[l]);
     const V normal_or_max = a < kSmallestNormal ? ~V{} : a;
     min_normal = min_normal < normal_or_max ? min_normal : normal_or_max;
@@ -479,10 +476,7 @@ int below_window(const typename F::Bits* p, int64_t n, int first, int32_t (&foun
   int64_t i = 0;
   for (; i + L <= n; i += L) {
     const V a = load_bits<V>(p + i) & F::kAbsMask;
-    const VU64 below = bits_as<VU64>(a - kSmallestNormal < span);
-    uint64_t any = 0;
-    for (int l = 0; l < kWordsPerVector; ++l) any |= below[l];
-    if (any)
+    if (any_lane(a - kSmallestNormal < span))
       for (int64_t l = 0; l < L; ++l)
         if (!look(i + l)) return -1;
   }
