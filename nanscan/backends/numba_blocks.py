@@ -135,9 +135,15 @@ def spread_nibbles(c0, c1, c2, c3):
 # so LLVM makes it of two shifts and an or). Counter word j's nibbles are the residues of every fourth element, so
 # the four words are spread as the byte path spreads its own (spread_nibbles): the counts are those of the widening
 # loop, exactly.
+# float32 blocks are read the same way, two elements a word (_residues_of_words32), 2 * WORD_LANES words side by side
+# so that as many counter words are live: hot Gaussian float32 blocks of 1920 elements, one core of an Intel AVX-512
+# machine, 0.133 -> 0.103 ns per element (8 words side by side: 0.108, 32: 0.122).
 WORD_LANES = 8
 _WORD16_GROUP = WORD_LANES * GROUP_ROWS  # words of a group: 4 * 8 * 15 = 480 elements
+_WORD32_LANES = 2 * WORD_LANES
+_WORD32_GROUP = _WORD32_LANES * GROUP_ROWS  # 2 * 16 * 15 = 480 elements
 assert GROUP_ELEMS % (4 * _WORD16_GROUP) == 0, "a block's whole groups are whole 16-bit word groups"
+assert GROUP_ELEMS % (2 * _WORD32_GROUP) == 0, "a block's whole groups are whole 32-bit word groups"
 
 
 def _residues_of_words16(block, mant_bits):
@@ -166,6 +172,34 @@ def _residues_of_words16(block, mant_bits):
     return w0, w1, w2, w3
 
 
+def _residues_of_words32(block, mant_bits):
+    words = byte_words(block.view(np.uint8))
+    shift = np.uint64(mant_bits - 2)
+    field = np.uint64(0x3C)
+    one = np.uint64(1)
+    low = np.uint64(0x0F0F0F0F0F0F0F0F)
+    four = np.uint64(4)
+    eight = np.uint64(8)
+    slots = np.uint64(0x00FF00FF00FF00FF)
+    w0 = w1 = w2 = w3 = np.uint64(0)
+    for g in range(words.size // _WORD32_GROUP):
+        group = words[g * _WORD32_GROUP:(g + 1) * _WORD32_GROUP]
+        for lane in range(_WORD32_LANES):
+            c0 = c1 = np.uint64(0)
+            for row in range(GROUP_ROWS):
+                q = group[row * _WORD32_LANES + lane]
+                c0 += one << ((q >> shift) & field)
+                c1 += one << ((q >> (shift + np.uint64(32))) & field)
+            # 2 x 15 = 30 per 8-bit counter: the two words' nibbles spread into one pair of byte words.
+            even = (c0 & low) + (c1 & low)
+            odd = ((c0 >> four) & low) + ((c1 >> four) & low)
+            w0 += even & slots
+            w2 += (even >> eight) & slots
+            w1 += odd & slots
+            w3 += (odd >> eight) & slots
+    return w0, w1, w2, w3
+
+
 def _residues_widened(block, mant_bits):
     shift = np.uint64(mant_bits - 2)  # puts 4 * (field mod 16) at bits 2..5
     nibbles = np.uint64(0x000F000F000F000F)
@@ -187,8 +221,8 @@ def _residues_widened(block, mant_bits):
 
 @overload(count_residues)
 def _count_residues_impl(block, mant_bits):
-    # 16-bit blocks as words (NOTE: [16-bit words]); wider elements each take a 64-bit lane.
-    return _residues_of_words16 if block.dtype.bitwidth == 16 else _residues_widened
+    # 16- and 32-bit blocks as words (NOTE: [16-bit words]); float64 elements each take a 64-bit lane.
+    return {16: _residues_of_words16, 32: _residues_of_words32}.get(block.dtype.bitwidth, _residues_widened)
 
 
 @njit(cache=True)

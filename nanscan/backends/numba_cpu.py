@@ -20,8 +20,8 @@ do in real data. So the fields are counted in registers, as the C++ kernel does 
   - residues: each element adds 1 << 4 * (field mod 16) to one of LANES 64-bit words, a word taking one element of
     each of GROUP_ROWS rows of a group (a 4-bit counter holds 15); the row loop has a constant trip count, so LLVM
     unrolls it and vectorises the lane loop with the words in registers. At the end of a group the nibbles are spread
-    into four words of 16-bit counters. 16-bit blocks feed them four elements a word (NOTE: [16-bit words] in
-    numba_blocks.py). When the block's non-zero fields span fewer than 16 fields, residue r names
+    into four words of 16-bit counters. 16- and 32-bit blocks feed them four or two elements a word (NOTE: [16-bit
+    words] in numba_blocks.py). When the block's non-zero fields span fewer than 16 fields, residue r names
     one field; zeros sat on residue 0 and are taken out again from their known number.
   - a wide window: a block spanning 16 to 31 fields is counted relative to its lowest field, d = field - field_lo,
     in a second set of words fed only the elements with d >= 16 (count_residues_wide), so 32 fields are told apart.
