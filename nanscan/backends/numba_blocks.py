@@ -35,15 +35,19 @@ def pointer_at(typingctx, address, like):
 
 @intrinsic
 def prefetch(typingctx, address):
-    """Start loading the cache line at `address` (an int64) into every cache level; a hint that never faults."""
+    """Start loading the cache line at `address` (an int64) into L2 and the outer caches (prefetcht1, the C++
+    kernel's hint, NOTE: [prefetch] in csrc/cpu/scan_cpu.cpp); a hint that never faults. Into L1 too (prefetcht0)
+    cost the streaming scans on an Intel AVX-512 machine (1 GiB, two threads): float32 13.3-13.8 GB/s against
+    15.1-15.5 with this hint, bfloat16 9.0 against 10.1, float8_e5m2 7.1 against 7.8, e4m3fn 6.9 against 7.2 (no
+    prefetch at all measured as this)."""
 
     def codegen(context, builder, signature, args):
         pointer = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32])
         prefetch = builder.module.declare_intrinsic("llvm.prefetch", [pointer], fnty)
-        # read (0), keep in all cache levels (locality 3), data cache (1)
-        builder.call(prefetch, [builder.inttoptr(args[0], pointer), i32(0), i32(3), i32(1)])
+        # read (0), locality 2 (prefetcht1: L2 and beyond, not L1), data cache (1)
+        builder.call(prefetch, [builder.inttoptr(args[0], pointer), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
     return types.none(types.int64), codegen
