@@ -447,9 +447,9 @@ NUMBA_GROUP = 960  # nanscan.backends.numba_cpu._GROUP_ELEMS: residue words coun
 
 def residue_window_blocks(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Blocks whose non-zero values span 1, 15, 16, 17, 18, 20, 21, 31, 32 and 33 binades (one residue word names a
-    field below 16, two words below 32), starting at each residue of the field mod 16, with a third of them zeros (counted on
-    residue 0, then taken out); float16 blocks of subnormals and normals (widened, NOTE: [numba blocks]); and lengths around whole
-    groups, so that the elements past the last group go to the tables."""
+    field below 16, two words below 32), starting at each residue of the field mod 16, with a third of them zeros
+    (counted on residue 0, then taken out); float16 blocks of subnormals and normals (widened, NOTE: [numba blocks]);
+    and lengths around whole groups, so that the elements past the last group go to the tables."""
     gen = torch.Generator().manual_seed(12)
     finfo = torch.finfo(dtype)
     lowest, highest = int(np.log2(finfo.tiny)), int(np.log2(finfo.max))

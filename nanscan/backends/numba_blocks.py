@@ -130,6 +130,15 @@ def spread_nibbles(c0, c1, c2, c3):
     return even, odd
 
 
+@njit(cache=True, inline="always")
+def slot_increments(even, odd):
+    """Two words of 8-bit counters, the even and the odd nibbles' (spread_nibbles), as increments of the four words
+    of 16-bit counters that count_residues returns (word k, slot q: residue 4 * q + k)."""
+    slots = np.uint64(0x00FF00FF00FF00FF)
+    eight = np.uint64(8)
+    return even & slots, odd & slots, (even >> eight) & slots, (odd >> eight) & slots
+
+
 # NOTE: [16-bit words]
 # A 16-bit block is read as 8-byte words of four elements, WORD_LANES words side by side, each lane fed GROUP_ROWS
 # words: element j of a word has 4 * (field mod 16) in bits 2..5 of (word >> (16 j + mant_bits - 2)) & 0x3C, which
@@ -155,8 +164,6 @@ def _residues_of_words16(block, mant_bits):
     shift = np.uint64(mant_bits - 2)
     field = np.uint64(0x3C)
     one = np.uint64(1)
-    eight = np.uint64(8)
-    slots = np.uint64(0x00FF00FF00FF00FF)
     w0 = w1 = w2 = w3 = np.uint64(0)
     for g in range(words.size // _WORD16_GROUP):
         group = words[g * _WORD16_GROUP:(g + 1) * _WORD16_GROUP]
@@ -169,10 +176,11 @@ def _residues_of_words16(block, mant_bits):
                 c2 += one << ((q >> (shift + np.uint64(32))) & field)
                 c3 += one << ((q >> (shift + np.uint64(48))) & field)
             even, odd = spread_nibbles(c0, c1, c2, c3)
-            w0 += even & slots
-            w2 += (even >> eight) & slots
-            w1 += odd & slots
-            w3 += (odd >> eight) & slots
+            i0, i1, i2, i3 = slot_increments(even, odd)
+            w0 += i0
+            w1 += i1
+            w2 += i2
+            w3 += i3
     return w0, w1, w2, w3
 
 
@@ -181,10 +189,7 @@ def _residues_of_words32(block, mant_bits):
     shift = np.uint64(mant_bits - 2)
     field = np.uint64(0x3C)
     one = np.uint64(1)
-    low = np.uint64(0x0F0F0F0F0F0F0F0F)
-    four = np.uint64(4)
-    eight = np.uint64(8)
-    slots = np.uint64(0x00FF00FF00FF00FF)
+    zero = np.uint64(0)
     w0 = w1 = w2 = w3 = np.uint64(0)
     for g in range(words.size // _WORD32_GROUP):
         group = words[g * _WORD32_GROUP:(g + 1) * _WORD32_GROUP]
@@ -195,12 +200,12 @@ def _residues_of_words32(block, mant_bits):
                 c0 += one << ((q >> shift) & field)
                 c1 += one << ((q >> (shift + np.uint64(32))) & field)
             # 2 x 15 = 30 per 8-bit counter: the two words' nibbles spread into one pair of byte words.
-            even = (c0 & low) + (c1 & low)
-            odd = ((c0 >> four) & low) + ((c1 >> four) & low)
-            w0 += even & slots
-            w2 += (even >> eight) & slots
-            w1 += odd & slots
-            w3 += (odd >> eight) & slots
+            even, odd = spread_nibbles(c0, c1, zero, zero)
+            i0, i1, i2, i3 = slot_increments(even, odd)
+            w0 += i0
+            w1 += i1
+            w2 += i2
+            w3 += i3
     return w0, w1, w2, w3
 
 
