@@ -235,6 +235,15 @@ def test_field_windows(byte_backend, dtype, chunk):
     tensors["rising"] = BitTables.tensor(rising, dtype)
     falling = np.concatenate(np.split(rising, 9)[::-1])
     tensors["falling"] = BitTables.tensor(falling, dtype)
+    # Subnormals under every window the chunk moves through: what field 0 adds to a window's squares is taken back
+    # out when that window closes (NOTE: [field 0 squares]).
+    mant_bits = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].mant_bits
+    subnormals = np.array([b | s for b in range(1, 1 << mant_bits) for s in (0, 0x80)], np.uint8)
+    with_subnormals = rising.copy()
+    for block in range(9):
+        spots = block * BLOCK + rng.choice(BLOCK, 10, replace=False)
+        with_subnormals[spots] = rng.choice(subnormals, 10)
+    tensors["rising, subnormals in every block"] = BitTables.tensor(with_subnormals, dtype)
     low = background(dtype, 5 * BLOCK + 77, rng)
     low[rng.integers(0, low.size, 40)] = rng.choice(positive[positive < 0x30], 40)  # fields far below the top
     low[BLOCK + STEP + 3] = 1
@@ -249,3 +258,5 @@ def test_field_windows(byte_backend, dtype, chunk):
     report = scan_both(tensors, backend_for(byte_backend, chunk), f"{byte_backend}, chunks of {chunk}")
     assert report["rising, a special block above the window"].nan + report[
         "rising, a special block above the window"].posinf == 1
+    planted = np.isin(with_subnormals, subnormals)
+    assert report["rising, subnormals in every block"].subnormal == planted.sum() > np.isin(rising, subnormals).sum()
