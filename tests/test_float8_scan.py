@@ -28,6 +28,12 @@ def finite_patterns(dtype: torch.dtype) -> np.ndarray:
     return np.flatnonzero(torch.isfinite(values).numpy()).astype(np.uint8)
 
 
+def subnormal_patterns(dtype: torch.dtype) -> np.ndarray:
+    """The bit patterns of the subnormals of `dtype`, each mantissa positive then negative."""
+    mant_bits = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].mant_bits
+    return np.array([b | s for b in range(1, 1 << mant_bits) for s in (0, 0x80)], np.uint8)
+
+
 def background(dtype: torch.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
     """n finite elements spread as a float8 recipe spreads them: Gaussian values scaled to the format's largest,
     with their zeros and subnormals, as raw bits."""
@@ -189,8 +195,7 @@ def test_numba_byte_blocks(numba_backend, dtype, chunk):
     otherwise fast."""
     rng = np.random.default_rng(38)
     finite = finite_patterns(dtype)
-    subnormals = np.array([b | s for b in range(1, 1 << L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].mant_bits)
-                           for s in (0, 0x80)], np.uint8)
+    subnormals = subnormal_patterns(dtype)
     buffer = background(dtype, 4 * NUMBA_BYTE_BLOCK, rng)
     buffer[rng.integers(0, buffer.size, 48)] = rng.choice(subnormals, 48)
     whole = BitTables.tensor(buffer, dtype)
@@ -237,8 +242,7 @@ def test_field_windows(byte_backend, dtype, chunk):
     tensors["falling"] = BitTables.tensor(falling, dtype)
     # Subnormals under every window the chunk moves through: what field 0 adds to a window's squares is taken back
     # out when that window closes (NOTE: [field 0 squares]).
-    mant_bits = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].mant_bits
-    subnormals = np.array([b | s for b in range(1, 1 << mant_bits) for s in (0, 0x80)], np.uint8)
+    subnormals = subnormal_patterns(dtype)
     with_subnormals = rising.copy()
     for block in range(9):
         spots = block * BLOCK + rng.choice(BLOCK, 10, replace=False)

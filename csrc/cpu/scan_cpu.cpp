@@ -160,8 +160,9 @@ class ExactFloatMode {
 // 16-entry table indexed by the field's low bits; float32 in 32-bit lanes, NOTE: [float32 lanes]) and an add for a
 // whole vector of elements. Within one window the residue mod 16 names the field. Before a 4-bit counter can
 // overflow, the words are split into bytes (ByteCounts), once per block the bytes are widened to 16-bit slots
-// (WideCounts), and when the window closes the slots are added to the field counters. Zeros (field 0) land on residue 0 with the zero padding of a short tail: both are counted
-// on the side and taken back out of the window's field that is 0 mod 16.
+// (WideCounts), and when the window closes the slots are added to the field counters. Zeros (field 0) land on
+// residue 0 with the zero padding of a short tail: both are counted on the side and taken back out of the window's
+// field that is 0 mod 16.
 constexpr int kWindowFields = 16;
 // Vectors per step, each with its own counters (independent dependency chains): a step is 128 bytes on any target,
 // so the counter limits below hold for every vector width.
@@ -1203,7 +1204,7 @@ struct ByteVectors : ByteWindows<F> {
   ByteVectors() {
     alignas(64) uint8_t squares[64];
     for (int i = 0; i < 64; ++i) {
-      const int significand = (i & static_cast<int>(F::kMantMask)) | (1 << F::kMantBits);
+      const int significand = (i & static_cast<int>(F::kMantMask)) | kHidden;
       squares[i] = static_cast<uint8_t>(significand * significand - kSquareOffset);
     }
     for (int w = 0; w < kWindows; ++w) {
