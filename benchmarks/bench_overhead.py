@@ -57,6 +57,7 @@ from nanscan import backend_info
 from nanscan import demo as D
 from nanscan import monitor as monitor_module
 from nanscan._atomic import write_results_json
+from nanscan.bench_scan import cpu_model
 from nanscan.monitor import Monitor
 
 MODES = ("plain", "check")
@@ -268,7 +269,7 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "load_average_1min": {"start": load_before, "end": os.getloadavg()[0], "cpus": os.cpu_count()},
         "backend": backend_info()["active"].get("cpu"),
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-        "profile": profile_text,
+        "cpu": cpu_model(), "profile": profile_text,
     }
 
 

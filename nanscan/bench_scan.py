@@ -51,6 +51,26 @@ MAX_EXTRA_MEMORY_FRACTION = 0.02
 EXTRA_MEMORY_SLACK_BYTES = 4 << 20
 
 
+def cpu_model() -> dict:
+    """The CPU the numbers were taken on: /proc/cpuinfo's model name, family and model (a virtual machine may name
+    only "AMD EPYC": family 25 model 17 is Zen 4, family 26 Zen 5), where Linux gives them; the results of one
+    kernel differ by several tenths of the read limit between CPU kinds, so a result names its kind."""
+    wanted = {"model name": "model_name", "cpu family": "family", "model": "model"}
+    found: dict = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in wanted and wanted[key] not in found:
+                    found[wanted[key]] = value.strip()
+                if not line.strip() and found:
+                    break  # the first processor's block
+    except OSError:
+        pass
+    return found or {"model_name": platform.processor() or platform.machine()}
+
+
 def gpt2_small_shapes(scale: float = 1.0) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of GPT-2 small; `scale` shrinks each tensor's first dimension (at least 1)."""
     shapes = [("wte.weight", (VOCAB, WIDTH)), ("wpe.weight", (CONTEXT, WIDTH))]
@@ -389,6 +409,8 @@ def run(args: argparse.Namespace) -> int:
     total_bytes = sum(t.numel() * t.element_size() for t in named.values())
     total_elems = sum(t.numel() for t in named.values())
     build = backends.backend_info().get("build", {})
+    cpu = cpu_model()
+    console.print(f"CPU {cpu.get('model_name', '?')} (family {cpu.get('family', '?')}, model {cpu.get('model', '?')})")
     console.print(f"{len(named)} float32 tensors, {total_elems / 1e6:.1f}M elements, {total_bytes / 1e9:.3f} GB; "
                   f"torch threads {torch.get_num_threads()}, OpenMP threads {build.get('max_threads', '?')}, "
                   f"CPU kernel SIMD {build.get('cpu_simd', '?')} (float8: {build.get('cpu_float8', '?')}), "
@@ -459,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_results_json(args.json, {
             "benchmark": "bench_scan",
-            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+            "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu": cpu,
                         "cpu_count": os.cpu_count(), "torch": torch.__version__,
                         "torch_threads": torch.get_num_threads(), "build": build},
             "config": {"scale": args.scale, "reps": args.reps, "seed": args.seed, "tensors": num_tensors,

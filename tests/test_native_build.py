@@ -297,6 +297,7 @@ def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["validation"]["problems"] == []
+    assert data["machine"]["cpu"]["model_name"]  # which kind of CPU: results differ between kinds
     assert {r["name"] for r in data["results"]} >= {"nanscan cpu", "read probe", "_foreach_norm", "isfinite loop"}
     # every float8 format beside the 16-bit ones, each with its own set and ratio lines
     for section, dtype in (("float8", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):

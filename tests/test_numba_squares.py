@@ -1,8 +1,8 @@
 """The numba backend's fast blocks against the reference: every finite pattern of the 16-bit and one-byte formats in
-blocks that take the float32 squares (NOTE: [float32 squares], NOTE: [numba bytes]), bfloat16 blocks on either side
-of the bounds that keep a square a normal float32, float16 blocks of normal values counted on their own fields, and
-lengths that leave a tail past the last whole residue group. Records equal slot by slot (`==`), the sum of squares
-within SUMSQ_REL_TOL.
+blocks that take the fused float64 squares (NOTE: [float64 squares], NOTE: [numba bytes]), bfloat16 blocks across
+the exponent range (tiny and huge squares, either side of where a float32 square would leave the normal range),
+float16 blocks of normal values counted on their own fields, and lengths that leave a tail past the last whole
+residue group. Records equal slot by slot (`==`), the sum of squares within SUMSQ_REL_TOL.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def bfloat16_window(lo_exp: int, hi_exp: int, gen: torch.Generator) -> torch.Ten
 
 @pytest.mark.parametrize("lo_exp, hi_exp", [(-63, -63), (-64, -64), (-63, -50), (-64, -50), (50, 63), (50, 64), (-63, 63), (-64, 64),
                                             (-126, -110), (110, 127), (-3, 10)])
-def test_bfloat16_blocks_either_side_of_the_float32_square_bounds(numba_backend, lo_exp, hi_exp):
-    """A bfloat16 block's squares are taken in float32 only while they stay normal float32 values: smallest |x| at
-    least 2**-63, largest below 2**64; one binade further either way takes the float64 squares."""
+def test_bfloat16_blocks_across_the_exponent_range(numba_backend, lo_exp, hi_exp):
+    """A bfloat16 block's squares are exact in float64 at both ends of its range (down to 2**-252, up to 2**256) and
+    either side of 2**-63 and 2**64, where a float32 square would leave the normal range."""
     gen = torch.Generator().manual_seed(lo_exp * 1000 + hi_exp)
     block = bfloat16_window(lo_exp, hi_exp, gen)
     tensors = {"block": block, "two blocks": torch.cat([block, bfloat16_window(lo_exp, hi_exp, gen)])}

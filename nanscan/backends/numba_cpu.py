@@ -13,10 +13,9 @@ a normal value whose bin depends on its exponent field alone, so the block is su
 its exponent fields are counted; any other block is classified element by element, mirroring classify.h. (float16
 blocks with subnormals stay fast too: each value is widened to the float32 of the same magnitude, exactly, and the
 float32 fields are counted, which bin a subnormal by its leading bit as classify.h does; float16 blocks of normal
-values are counted on their own fields, into the float32 tables from field 112.) The squares of 16-bit values are
-taken in float32 where that is exact (NOTE: [float32 squares]). Counting, not memory,
-bounds the speed: a table increment per element waits on the previous one's store whenever fields repeat, as they
-do in real data. So the fields are counted in registers, as the C++ kernel does (NOTE: [window counters]):
+values are counted on their own fields, into the float32 tables from field 112.) 16-bit values are widened to float32
+and squared in float64 by fused multiply-adds (NOTE: [float64 squares]). Counting, not memory, bounds the speed: a
+table increment per element waits on the previous one's store whenever fields repeat, as they do in real data. So the fields are counted in registers, as the C++ kernel does (NOTE: [window counters]):
   - residues: each element adds 1 << 4 * (field mod 16) to one of LANES 64-bit words, a word taking one element of
     each of GROUP_ROWS rows of a group (a 4-bit counter holds 15); the row loop has a constant trip count, so LLVM
     unrolls it and vectorises the lane loop with the words in registers. At the end of a group the nibbles are spread
@@ -33,7 +32,7 @@ thread_groups), or sooner when they would reach 2**31 elements (_MAX_TABLED), mo
 (Measured on one hot block of Gaussian float32, per element: bounds 0.08 ns, squares 0.07 ns, residues 0.11 ns; the
 pair table this replaced, 0.35 ns. On one hot block of Gaussian bfloat16 or float16, one core: bounds 0.018 ns,
 residues 0.06 ns (the two-word window 0.115 ns; float16 subnormals 0.013 ns more), squares 0.065-0.11 ns (NOTE:
-[float32 squares]). Residue words of 32 bits, eight 4-bit counters and a second word for the fields with bit 3
+[float64 squares]). Residue words of 32 bits, eight 4-bit counters and a second word for the fields with bit 3
 set, measured slower: 0.09 ns.)
 The one-byte formats (float8) are counted in blocks of their own (nanscan/backends/numba_bytes.py, NOTE: [numba
 bytes]).
@@ -153,59 +152,42 @@ def _block_sumsq_impl(block):
     return view_then_sum
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _bf16_wide_sumsq(block):
-    """Sum of squares of a bfloat16 block of zeros and normal values, each the float32 of its top half, squared in
-    float64: for blocks whose squares may leave float32's normal range (NOTE: [float32 squares]). Reassociation as
-    in _block_sumsq."""
-    s = 0.0
-    for i in range(block.size):
-        v = np.float64(float32_of_bits(np.uint32(np.uint32(block[i] & np.uint16(0x7FFF)) << np.uint32(16))))
-        s += v * v
-    return s
-
-
-# NOTE: [float32 squares]
+# NOTE: [float64 squares]
 # The sum of squares is the most expensive pass of a 16-bit block. What it must pay is one float32-to-float64
-# conversion and one float64 add per element (8 to a vector): ~0.06 ns per element on one core, the floor of any
-# float64 sum. Everything before that is kept in 32-bit lanes: constant shifts (a shift by a run-time amount is done
-# by numba in 64-bit lanes), no select where the block's bounds show none is needed, and the square taken in float32,
-# where it is exact whenever it is a normal float32: a float16 significand has 11 bits and a bfloat16 one 8, so the
-# square's has at most 22 (float32 holds 24), and the square of every float16 value, subnormals included, lies in
-# [2**-48, 2**32). A bfloat16 square is normal in float32 when the block's smallest non-zero |x| is at least 2**-63
-# and its largest below 2**64 (_BF16_SQUARE_FIELDS); other bfloat16 blocks take the float64 squares. The result is
-# the number the float64 square would give, and no float32 subnormal is ever made (a flush-to-zero mode cannot
-# change it). A float16 value, subnormals included, is widened to float32 by LLVM's conversion from half
-# (float32_of_float16_bits: F16C's vcvtph2ps, exact whatever the float mode). Measured on one hot block, one core, per
-# element (Zen 5): bfloat16 0.065 ns, float16 0.08 ns and float16 with subnormals (widened and stored for counting)
-# 0.11 ns, the float64 squares they replaced 0.10 ns and 0.13-0.16 ns; those float16 figures are of the widening
-# that came before the conversion from half: the bits moved into float32's fields and scaled by 2**112, with a select
-# and an int-to-float conversion for the subnormals. On Zen 3 (AVX2), in a jitted loop over one hot block, the
-# conversion from half measured 0.19-0.22 ns (normal values) and 0.22-0.25 ns (with subnormals) against 0.26-0.30 and
-# 0.45-0.57 ns for that widening. An exact integer sum needs 64-bit lanes per element (a square's bits and its shift)
-# and measured slower (0.14 ns for float8).
-_BF16_SQUARE_FIELDS = (127 - 63, 127 + 63)
+# conversion and one fused multiply-add per element (8 to a vector), the floor of any float64 sum: each element is
+# widened to the float32 of the same value in 32-bit lanes (bfloat16: its bits moved up by one constant shift; float16,
+# subnormals included: LLVM's conversion from half, float32_of_float16_bits, F16C's vcvtph2ps, exact whatever the
+# float mode), converted to float64 and squared into the sum by one FMA. A square of any bfloat16 or float16 value is
+# exact in float64 (a significand of at most 11 bits, so at most 22 in the square; exponents within [-298, 256]), so
+# the FMA rounds exactly as a float64 square and add would: the sum is the one _scan_exact gives, with no range
+# to check first and no float32 subnormal made (a flush-to-zero mode cannot change it). The sign is not cleared: it
+# does not change a square. Measured on one hot block of N(0, 0.02), one core of a 2-core AMD EPYC (Zen 4, AVX-512),
+# per element: bfloat16 0.110 -> 0.090 ns, float16 0.111 -> 0.094 ns against the squares taken in float32 first (exact
+# while they stayed normal float32 values, else the float64 square) and then converted: a float32 multiply and an
+# `and` more per vector. On Zen 5 those float32 squares had measured 0.065 ns (bfloat16) and 0.08 ns (float16), the
+# float64 squares before them 0.10 ns; this form was not measured there. An exact integer sum needs 64-bit lanes per
+# element (a square's bits and its shift) and measured slower (0.14 ns for float8).
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _bf16_sumsq(block):
-    """Sum of squares of a bfloat16 block of zeros and normal values within _BF16_SQUARE_FIELDS (NOTE: [float32
-    squares])."""
+    """Sum of squares of a bfloat16 block of zeros and finite values (NOTE: [float64 squares]). Reassociation as in
+    _block_sumsq."""
     s = 0.0
     for i in range(block.size):
-        v = float32_of_bits(np.uint32(np.uint32(block[i] & np.uint16(0x7FFF)) << np.uint32(16)))
-        s += np.float64(v * v)
+        v = np.float64(float32_of_bits(np.uint32(block[i]) << np.uint32(16)))
+        s += v * v
     return s
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _f16_sumsq(block):
-    """Sum of squares of a float16 block of zeros and finite values, subnormals included (NOTE: [float32
+    """Sum of squares of a float16 block of zeros and finite values, subnormals included (NOTE: [float64
     squares])."""
     s = 0.0
     for i in range(block.size):
-        v = float32_of_float16_bits(np.uint16(block[i] & np.uint16(0x7FFF)))
-        s += np.float64(v * v)
+        v = np.float64(float32_of_float16_bits(np.uint16(block[i])))
+        s += v * v
     return s
 
 
@@ -216,7 +198,8 @@ def _f16_widen_sumsq(block, widened):
     for i in range(block.size):
         v = float32_of_float16_bits(np.uint16(block[i] & np.uint16(0x7FFF)))
         widened[i] = float32_bits(v)
-        s += np.float64(v * v)
+        w = np.float64(v)
+        s += w * w
     return s
 
 
@@ -438,10 +421,7 @@ def _fast_block_impl(block, widened, zeros, lo_nonzero, hi, min_normal, exact_sm
             field_hi = np.int64(hi >> field_shift)
             if not exact_small:
                 # bfloat16, normal values only: its exponent field is float32's.
-                if _BF16_SQUARE_FIELDS[0] <= field_lo and field_hi <= _BF16_SQUARE_FIELDS[1]:
-                    s = _bf16_sumsq(block)
-                else:
-                    s = _bf16_wide_sumsq(block)
+                s = _bf16_sumsq(block)
                 _count_block(block, zeros, field_lo, field_hi, mant_bits, exp_bits, field_tables, _TABLE_STRIDE)
                 return s
             if lo_nonzero >= min_normal:
