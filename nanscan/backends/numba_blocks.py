@@ -132,12 +132,12 @@ def spread_nibbles(c0, c1, c2, c3):
 
 
 @njit(cache=True, inline="always")
-def slot_increments(even, odd):
-    """Two words of 8-bit counters, the even and the odd nibbles' (spread_nibbles), as increments of the four words
-    of 16-bit counters that count_residues returns (word k, slot q: residue 4 * q + k)."""
+def add_slots(w0, w1, w2, w3, even, odd):
+    """The four words of 16-bit counters that count_residues returns (word k, slot q: residue 4 * q + k) with two
+    words of 8-bit counters added, the even and the odd nibbles' (spread_nibbles)."""
     slots = np.uint64(0x00FF00FF00FF00FF)
     eight = np.uint64(8)
-    return even & slots, odd & slots, (even >> eight) & slots, (odd >> eight) & slots
+    return w0 + (even & slots), w1 + (odd & slots), w2 + ((even >> eight) & slots), w3 + ((odd >> eight) & slots)
 
 
 # NOTE: [16-bit words]
@@ -222,11 +222,7 @@ def _words16(words_of, count):
                     c2 += count(p, np.uint64(32))
                     c3 += count(p, np.uint64(48))
                 even, odd = spread_nibbles(c0, c1, c2, c3)
-                i0, i1, i2, i3 = slot_increments(even, odd)
-                w0 += i0
-                w1 += i1
-                w2 += i2
-                w3 += i3
+                w0, w1, w2, w3 = add_slots(w0, w1, w2, w3, even, odd)
         return w0, w1, w2, w3
     return residues
 
@@ -249,11 +245,7 @@ def _words32(words_of, count):
                     c1 += count(p, np.uint64(32))
                 # 2 x 15 = 30 per 8-bit counter: the two words' nibbles spread into one pair of byte words.
                 even, odd = spread_nibbles(c0, c1, zero, zero)
-                i0, i1, i2, i3 = slot_increments(even, odd)
-                w0 += i0
-                w1 += i1
-                w2 += i2
-                w3 += i3
+                w0, w1, w2, w3 = add_slots(w0, w1, w2, w3, even, odd)
         return w0, w1, w2, w3
     return residues
 

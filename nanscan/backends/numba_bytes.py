@@ -63,9 +63,9 @@ from numba.extending import overload
 
 from nanscan import _layout as L
 from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
-from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES, byte_words,
-                                          count_residues_wide, float64_of_bits, pointer_at, prefetch_lines,
-                                          rotate_left, slot_increments, spread_nibbles, wide_counts)
+from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES, add_slots,
+                                          byte_words, count_residues_wide, float64_of_bits, pointer_at,
+                                          prefetch_lines, rotate_left, spread_nibbles, wide_counts)
 
 _BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
 _BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
@@ -225,11 +225,7 @@ def _word_residues(words, shift, mask):
                 c3 += rotate_left(one, q >> (shift + np.uint64(56)))
             even_high, odd_high = spread_nibbles(c0, c1, c2, c3)
             # 8 x 15 = 120 per 8-bit counter: no carries; then the 8-bit counters are spread into 16-bit ones.
-            i0, i1, i2, i3 = slot_increments(even + even_high, odd + odd_high)
-            w0 += i0
-            w1 += i1
-            w2 += i2
-            w3 += i3
+            w0, w1, w2, w3 = add_slots(w0, w1, w2, w3, even + even_high, odd + odd_high)
     return w0, w1, w2, w3
 
 
