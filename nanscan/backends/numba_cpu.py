@@ -15,7 +15,8 @@ blocks with subnormals stay fast too: each value is widened to the float32 of th
 float32 fields are counted, which bin a subnormal by its leading bit as classify.h does; float16 blocks of normal
 values are counted on their own fields, into the float32 tables from field 112.) 16-bit values are widened to float32
 and squared in float64 by fused multiply-adds (NOTE: [float64 squares]). Counting, not memory, bounds the speed: a
-table increment per element waits on the previous one's store whenever fields repeat, as they do in real data. So the fields are counted in registers, as the C++ kernel does (NOTE: [window counters]):
+table increment per element waits on the previous one's store whenever fields repeat, as they do in real data. So
+the fields are counted in registers, as the C++ kernel does (NOTE: [window counters]):
   - residues: each element adds 1 << 4 * (field mod 16) to one of LANES 64-bit words, a word taking one element of
     each of GROUP_ROWS rows of a group (a 4-bit counter holds 15); the row loop has a constant trip count, so LLVM
     unrolls it and vectorises the lane loop with the words in registers. At the end of a group the nibbles are spread
@@ -153,20 +154,20 @@ def _block_sumsq_impl(block):
 
 
 # NOTE: [float64 squares]
-# The sum of squares is the most expensive pass of a 16-bit block. What it must pay is one float32-to-float64
-# conversion and one fused multiply-add per element (8 to a vector), the floor of any float64 sum: each element is
-# widened to the float32 of the same value in 32-bit lanes (bfloat16: its bits moved up by one constant shift; float16,
-# subnormals included: LLVM's conversion from half, float32_of_float16_bits, F16C's vcvtph2ps, exact whatever the
-# float mode), converted to float64 and squared into the sum by one FMA. A square of any bfloat16 or float16 value is
-# exact in float64 (a significand of at most 11 bits, so at most 22 in the square; exponents within [-298, 256]), so
-# the FMA rounds exactly as a float64 square and add would: the sum is the one _scan_exact gives, with no range
-# to check first and no float32 subnormal made (a flush-to-zero mode cannot change it). The sign is not cleared: it
-# does not change a square. Measured on one hot block of N(0, 0.02), one core of a 2-core AMD EPYC (Zen 4, AVX-512),
-# per element: bfloat16 0.110 -> 0.090 ns, float16 0.111 -> 0.094 ns against the squares taken in float32 first (exact
-# while they stayed normal float32 values, else the float64 square) and then converted: a float32 multiply and an
-# `and` more per vector. On Zen 5 those float32 squares had measured 0.065 ns (bfloat16) and 0.08 ns (float16), the
-# float64 squares before them 0.10 ns; this form was not measured there. An exact integer sum needs 64-bit lanes per
-# element (a square's bits and its shift) and measured slower (0.14 ns for float8).
+# The sum of squares is the most expensive pass of a 16-bit block. What it must pay is one float32-to-float64 conversion
+# and one fused multiply-add per element (8 to a vector), the floor of any float64 sum: each element is widened to the
+# float32 of the same value in 32-bit lanes (bfloat16: its bits moved up by one constant shift; float16, subnormals
+# included: LLVM's conversion from half, float32_of_float16_bits, F16C's vcvtph2ps, exact whatever the float mode),
+# converted to float64 and squared into the sum by one FMA. A square of any bfloat16 or float16 value is exact in
+# float64 (a significand of at most 11 bits, so at most 22 in the square, between 2**-266 and 2**256), so the FMA rounds
+# only the sum, as a float64 square and a separate add would: no range to check first, and no float32 or float64
+# subnormal made (a flush-to-zero mode cannot change it). The sign is not cleared: it does not change a square. Measured
+# on one hot block of N(0, 0.02), one core of a 2-core AMD EPYC (Zen 4, AVX-512), per element: bfloat16 0.110 -> 0.090
+# ns, float16 0.111 -> 0.094 ns against the squares taken in float32 first (exact while they stayed normal float32
+# values, else the float64 square) and then converted: a float32 multiply and an `and` more per vector. On Zen 5 those
+# float32 squares had measured 0.065 ns (bfloat16) and 0.08 ns (float16), the float64 squares before them 0.10 ns; this
+# form was not measured there. An exact integer sum needs 64-bit lanes per element (a square's bits and its shift) and
+# measured slower (0.14 ns for float8).
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
