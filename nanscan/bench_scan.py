@@ -4,8 +4,9 @@ checks, on float32, bfloat16, float16 and then float8_e4m3fn and float8_e5m2 ten
 imports torch).
 
 It prints a table per dtype and ratio lines, among them a read-limit line per dtype and backend (`cpu/read_limit =
-0.78` for float32, `bfloat16 numba/read_limit = 0.31`, `cpu/isfinite_loop = 14.2x`), and with --json writes the
-same to a file. `nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
+0.78` for float32, `bfloat16 numba/read_limit = 0.31`, `cpu/isfinite_loop = 14.2x`) and the fallback beside the
+kernel per dtype (`bfloat16 numba/cpu = 0.74x`, fallback_ratio), and with --json writes the same to a file.
+`nanscan bench` and benchmarks/bench_scan.py run it; run it alone:
 `flock /tmp/nanscan-bench.lock .venv/bin/python benchmarks/bench_scan.py --json benchmarks/results/bench_scan.json`
 (`--scale 0.1` shrinks every tensor tenfold for a quick run). Before anything is timed, the backends' records are
 checked against the reference scan on a slice of every tensor, and one scan's peak memory is measured: it must not
@@ -342,7 +343,17 @@ def dtype_ratio_lines(results: list[dict], backend_names: list[str], dtype: torc
         r = by_name[f"nanscan {b}"]
         ratios[f"{prefix} {b}/read_limit"] = r["fraction_of_read_limit"]
         ratios[f"{prefix} {b}/{baseline.replace(' ', '_')}"] = by_name[baseline]["seconds"] / r["seconds"]
+    ratios.update(fallback_ratio(by_name, backend_names, f"{prefix} "))
     return ratios
+
+
+def fallback_ratio(by_name: dict[str, dict], backend_names: list[str], prefix: str = "") -> dict[str, float]:
+    """`numba/cpu`: how fast the fallback is beside the C++ kernel, both timed in the same rounds. Unlike the
+    read-limit lines it does not move with the read probe, whose median on one set has swung by half between runs
+    of the same hour on a shared 2-core machine (10.3 and 15.9 ms for the same 0.5 GB)."""
+    if not {"cpu", "numba"} <= set(backend_names):
+        return {}
+    return {f"{prefix}numba/cpu": by_name["nanscan cpu"]["seconds"] / by_name["nanscan numba"]["seconds"]}
 
 
 def ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, float]:
@@ -354,6 +365,7 @@ def ratio_lines(results: list[dict], backend_names: list[str]) -> dict[str, floa
         for other, key in (("isfinite loop", "isfinite_loop"), ("_foreach_norm", "foreach_norm"),
                            ("log2 histc loop", "log2_histc_loop")):
             ratios[f"{b}/{key}"] = by_name[other]["seconds"] / r["seconds"]
+    ratios.update(fallback_ratio(by_name, backend_names))
     return ratios
 
 

@@ -309,7 +309,8 @@ def test_scan_benchmark_runs_end_to_end(native, tmp_path, capsys):
             "float8_e5m2 cpu/read_limit", "float8_e5m2 cpu/float_isfinite_loop"]
     if "numba" in data["validation"]["backends"]:  # the fallback's lines beside the kernel's, for every dtype
         keys += ["numba/read_limit", "bfloat16 numba/read_limit", "float16 numba/read_limit",
-                 "float8_e4m3fn numba/read_limit", "float8_e5m2 numba/read_limit"]
+                 "float8_e4m3fn numba/read_limit", "float8_e5m2 numba/read_limit", "numba/cpu", "bfloat16 numba/cpu",
+                 "float16 numba/cpu", "float8_e4m3fn numba/cpu", "float8_e5m2 numba/cpu"]
     for key in keys:
         assert data["ratios"][key] > 0
         assert f"{key} = " in printed
