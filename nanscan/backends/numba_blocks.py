@@ -154,12 +154,12 @@ def add_slots(w0, w1, w2, w3, even, odd):
 # Where the CPU rotates each 64-bit lane by its own count in one instruction (AVX-512's vprolvq: ROTATES), a word is
 # first masked to its elements' four low field bits and shifted once, so that element j's 4 * (field mod 16) sits at
 # bits 16 j + 2 .. 16 j + 5 (32 j for float32) with nothing between: 1 rotated left by (that >> 16 j) lands in its
-# nibble, since a rotation reads the count's low 6 bits only. That is one mask and one shift a word in place of one
-# each per element: 13 operations per word of four instead of 16. Hot
-# Gaussian blocks of 1920 elements, one core of a 2-core AMD EPYC (Zen 4, AVX-512): bfloat16 and float16 0.093 ->
-# 0.076 ns per element, float32 0.100 -> 0.086. AVX2 has no such rotation (LLVM makes it of two shifts and an or:
-# the byte path's rotation measured 0.22 ns against the mask's 0.12 on Zen 3), so there each element keeps its own
-# mask. Both forms count the same: tests/test_numba_residues.py runs each on every CPU.
+# nibble, since a rotation reads the count's low 6 bits only. That is one mask and one shift a word in place of one each
+# per element: 13 operations per word of four instead of 16. Hot Gaussian blocks of 1920 elements, one core of a 2-core
+# AMD EPYC (Zen 4, AVX-512): bfloat16 and float16 0.093 -> 0.076 ns per element, float32 0.100 -> 0.086. The byte path
+# counts its words the same way (rotated_words, rotated_count) on every CPU. AVX2 has no such rotation (LLVM makes it of
+# two shifts and an or: 16-bit words counted by rotation measured 0.22 ns against the mask's 0.12 on Zen 3), so there
+# each element keeps its own mask. Both forms count the same: tests/test_numba_residues.py runs each on every CPU.
 WORD_LANES = 8
 _WORD16_GROUP = WORD_LANES * GROUP_ROWS  # words of a group: 4 * 8 * 15 = 480 elements
 _WORD32_LANES = 2 * WORD_LANES
@@ -183,12 +183,14 @@ ROTATES = host_rotates()
 
 
 @njit(cache=True, inline="always")
-def _rotated_words(q, lanes, shift):
+def rotated_words(q, lanes, shift):
+    """A word masked to its elements' low field bits (`lanes`) and shifted once, for rotated_count (NOTE: [rotated
+    counts]); the byte path (NOTE: [numba bytes]) counts its words so on every CPU."""
     return (q & lanes) >> shift
 
 
 @njit(cache=True, inline="always")
-def _rotated_count(p, at):
+def rotated_count(p, at):
     """1 in the nibble of the element whose 4 * (field mod 16) sits at bit `at` of the masked word `p`."""
     return rotate_left(np.uint64(1), p >> at)
 
@@ -203,6 +205,21 @@ def _masked_count(p, at):
     return np.uint64(1) << ((p >> at) & np.uint64(0x3C))
 
 
+@njit(cache=True, inline="always")
+def four_counts(group, lane, stride, words_of, count, lanes, shift, at0, at1, at2, at3):
+    """The residues of four elements of each of the GROUP_ROWS words of one lane of a group (`stride` words a row),
+    those at bits at0 .. at3 of a word made by `words_of` (NOTE: [rotated counts]), as spread_nibbles' two words of
+    8-bit counters (15 per element position: no carries)."""
+    c0 = c1 = c2 = c3 = np.uint64(0)
+    for row in range(GROUP_ROWS):
+        p = words_of(group[row * stride + lane], lanes, shift)
+        c0 += count(p, at0)
+        c1 += count(p, at1)
+        c2 += count(p, at2)
+        c3 += count(p, at3)
+    return spread_nibbles(c0, c1, c2, c3)
+
+
 def _words16(words_of, count):
     """count_residues of a 16-bit block (NOTE: [16-bit words]) with a word's counts made by `words_of` and `count`
     (NOTE: [rotated counts])."""
@@ -214,14 +231,8 @@ def _words16(words_of, count):
         for g in range(words.size // _WORD16_GROUP):
             group = words[g * _WORD16_GROUP:(g + 1) * _WORD16_GROUP]
             for lane in range(WORD_LANES):
-                c0 = c1 = c2 = c3 = np.uint64(0)
-                for row in range(GROUP_ROWS):
-                    p = words_of(group[row * WORD_LANES + lane], lanes, shift)
-                    c0 += count(p, np.uint64(0))
-                    c1 += count(p, np.uint64(16))
-                    c2 += count(p, np.uint64(32))
-                    c3 += count(p, np.uint64(48))
-                even, odd = spread_nibbles(c0, c1, c2, c3)
+                even, odd = four_counts(group, lane, WORD_LANES, words_of, count, lanes, shift, np.uint64(0),
+                                        np.uint64(16), np.uint64(32), np.uint64(48))
                 w0, w1, w2, w3 = add_slots(w0, w1, w2, w3, even, odd)
         return w0, w1, w2, w3
     return residues
@@ -251,7 +262,7 @@ def _words32(words_of, count):
 
 
 # count_residues' word forms by element width and by whether they rotate (NOTE: [rotated counts]).
-_WORD_FORMS = {False: (_masked_words, _masked_count), True: (_rotated_words, _rotated_count)}
+_WORD_FORMS = {False: (_masked_words, _masked_count), True: (rotated_words, rotated_count)}
 WORD_RESIDUES = {(bits, rotates): make(*_WORD_FORMS[rotates])
                  for bits, make in ((16, _words16), (32, _words32)) for rotates in (False, True)}
 

@@ -64,8 +64,8 @@ from numba.extending import overload
 from nanscan import _layout as L
 from nanscan.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
 from nanscan.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES, add_slots,
-                                          byte_words, count_residues_wide, float64_of_bits, pointer_at,
-                                          prefetch_lines, rotate_left, spread_nibbles, wide_counts)
+                                          byte_words, count_residues_wide, float64_of_bits, four_counts, pointer_at,
+                                          prefetch_lines, rotated_count, rotated_words, wide_counts)
 
 _BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
 _BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
@@ -200,30 +200,18 @@ def _below_window(block, field_lo, n, mant_bits, zeros):
 def _word_residues(words, shift, mask):
     """count_residues over 8-byte words (NOTE: [numba bytes]), inlined where `shift` and `mask` are constants: byte j
     of a word masked to its field's low 4 bits, the word shifted right by 8 * j + `shift`, has 4 * (field mod 16) in
-    its low 6 bits (zeros below), and the rotation by it ignores the bits above."""
-    one = np.uint64(1)
+    its low 6 bits (zeros below), and the rotation by it ignores the bits above (rotated_words and rotated_count,
+    NOTE: [rotated counts])."""
     w0 = w1 = w2 = w3 = np.uint64(0)
     for g in range(words.size // _WORD_GROUP):
         group = words[g * _WORD_GROUP:(g + 1) * _WORD_GROUP]
         for lane in range(WORD_LANES):
             # Bytes 0-3 and 4-7 of the rows in two loops: a row loop of all eight is too long for LLVM to unroll,
             # and then it vectorises the row loop (gathers) in place of the lane loop.
-            c0 = c1 = c2 = c3 = np.uint64(0)
-            for row in range(GROUP_ROWS):
-                q = group[row * WORD_LANES + lane] & mask
-                c0 += rotate_left(one, q >> shift)
-                c1 += rotate_left(one, q >> (shift + np.uint64(8)))
-                c2 += rotate_left(one, q >> (shift + np.uint64(16)))
-                c3 += rotate_left(one, q >> (shift + np.uint64(24)))
-            even, odd = spread_nibbles(c0, c1, c2, c3)
-            c0 = c1 = c2 = c3 = np.uint64(0)
-            for row in range(GROUP_ROWS):
-                q = group[row * WORD_LANES + lane] & mask
-                c0 += rotate_left(one, q >> (shift + np.uint64(32)))
-                c1 += rotate_left(one, q >> (shift + np.uint64(40)))
-                c2 += rotate_left(one, q >> (shift + np.uint64(48)))
-                c3 += rotate_left(one, q >> (shift + np.uint64(56)))
-            even_high, odd_high = spread_nibbles(c0, c1, c2, c3)
+            even, odd = four_counts(group, lane, WORD_LANES, rotated_words, rotated_count, mask, shift,
+                                    np.uint64(0), np.uint64(8), np.uint64(16), np.uint64(24))
+            even_high, odd_high = four_counts(group, lane, WORD_LANES, rotated_words, rotated_count, mask, shift,
+                                              np.uint64(32), np.uint64(40), np.uint64(48), np.uint64(56))
             # 8 x 15 = 120 per 8-bit counter: no carries; then the 8-bit counters are spread into 16-bit ones.
             w0, w1, w2, w3 = add_slots(w0, w1, w2, w3, even + even_high, odd + odd_high)
     return w0, w1, w2, w3
