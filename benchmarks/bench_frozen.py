@@ -1,6 +1,6 @@
 """What do frozen weights cost a check and a bundle? A small GPT-2 (transformers.GPT2Config, nothing downloaded) with
 PEFT LoRA adapters (the base frozen, the adapters trained by AdamW) checked by a Monitor that reads its frozen
-weights only when they change (the default, nanscan.plans NOTE: [frozen records]) and by one that reads them at
+weights only when they change (the default, nanscan.engine.plans NOTE: [frozen records]) and by one that reads them at
 every check (`source=ModelScanPlan(frozen_period=0)`, the behaviour before), side by side in one run:
 
     check_time(frozen carried / read every check) = <r>x      (median check() time, adjacent blocks)
@@ -37,8 +37,8 @@ from nanscan._atomic import write_results_json
 from nanscan.bundle import load_bundle
 from nanscan.bundle.format import STATE
 from nanscan.bundle.frozen import tensor_sha256
-from nanscan.monitor import Monitor, NonFiniteError
-from nanscan.plans import ModelScanPlan
+from nanscan.runtime.monitor import Monitor, NonFiniteError
+from nanscan.engine.plans import ModelScanPlan
 
 GPT2 = {"vocab_size": 2000, "n_positions": 64, "n_embd": 256, "n_layer": 4, "n_head": 4}
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["c_attn", "c_proj"], "fan_in_fan_out": True}

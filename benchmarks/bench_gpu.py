@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanscan
-from nanscan import _layout as L
-from nanscan.inputs import prepare
+from nanscan.engine import _layout as L
+from nanscan.engine.inputs import prepare
 
 TARGETS = {"cuda/read_limit": 0.85, "cuda/isfinite_loop": 10.0, "cuda/foreach_norm": 1.0,
            "monitor_async_overhead_pct": 1.0}
@@ -140,7 +140,7 @@ def time_host(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[f
 def validate(backend, named: dict[str, torch.Tensor], subset: list[str]) -> dict:
     """The scan must find one planted NaN exactly, report a clean set as clean, and match the reference backend
     slot for slot on `subset` (every slot but the float64 sum of squares, which may differ in its last bits)."""
-    from nanscan.backends.reference import ReferenceBackend
+    from nanscan.engine.backends.reference import ReferenceBackend
 
     inputs = [prepare(name, t) for name, t in named.items()]
     target_name = next(n for n in named if n.startswith("grad:") and "c_fc.weight" in n)
@@ -200,7 +200,7 @@ def plan(args) -> dict:
 
 def run(args) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
-    from nanscan.backends.cuda import CudaBackend
+    from nanscan.engine.backends.cuda import CudaBackend
 
     backend = CudaBackend()
     shapes = gpt_shapes(scale=args.scale)
@@ -320,7 +320,7 @@ class TrainingStep:
     optimizer takes (a non-finite step's update would be skipped on the GPU)."""
 
     def __init__(self, args, device: torch.device, bundle_dir: Path):
-        from nanscan.monitor import Monitor
+        from nanscan.runtime.monitor import Monitor
 
         torch.manual_seed(0)
         self.model = GPT(**GPT2_MEDIUM).to(device)

@@ -33,7 +33,7 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.format import HistoryEntry
 from nanscan.bundle.history import decode_records, history_payload
 from nanscan.demo import run_demo
-from nanscan.history import DeviceRecords, HistoryRing
+from nanscan.runtime.history import DeviceRecords, HistoryRing
 
 GPT2 = {"n_layer": 12, "d_model": 768, "vocab": 50257, "n_ctx": 1024}
 STEPS = 64

@@ -36,10 +36,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan import demo as D
 from nanscan._atomic import write_results_json
-from nanscan.backends.reference import scan_one
+from nanscan.engine.backends.reference import scan_one
 
 try:
     from nanscan import _C

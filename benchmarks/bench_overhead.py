@@ -12,7 +12,7 @@ without the check, interleaved in one run, reported as median step times and one
 More variants run in the same rotation, each its own Monitor on the same model with its own step counter, and are
 reported as ratio lines against the default Monitor's adjacent blocks: `nospikes` (spikes=None, so the second line
 above is the cost of spike detection, on by default), `noupdate` (post_update=False: the third to fifth lines are
-the cost of the default post-update check on this float32 model, dated updates, nanscan.monitor_update NOTE:
+the cost of the default post-update check on this float32 model, dated updates, nanscan.runtime.update NOTE:
 [dated updates]; the fourth is the difference of the median optimizer.step() times, which hold the whole of its
 hook, the fifth adds check()), `scan` (post_update="scan", the default for float16/bfloat16 parameters, NOTE:
 [post-update check]: the last two lines) and, with TensorBoard export (on
@@ -55,10 +55,10 @@ import torch
 
 from nanscan import backend_info
 from nanscan import demo as D
-from nanscan import monitor as monitor_module
+from nanscan.runtime import monitor as monitor_module
 from nanscan._atomic import write_results_json
 from nanscan.bench_scan import cpu_model
-from nanscan.monitor import Monitor
+from nanscan.runtime.monitor import Monitor
 
 MODES = ("plain", "check")
 # Variants compared with the default Monitor ("check"): the Monitor options each adds.

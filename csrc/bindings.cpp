@@ -138,7 +138,7 @@ py::dict build_info_py() {
   codes["float8_e4m3fnuz"] = static_cast<int>(kFloat8E4M3FNUZ);
   codes["float8_e5m2fnuz"] = static_cast<int>(kFloat8E5M2FNUZ);
   info["dtype_codes"] = codes;
-  // Each format's traits (classify.h, FloatFormat), by dtype code: nanscan/_layout.py's FORMATS mirrors them.
+  // Each format's traits (classify.h, FloatFormat), by dtype code: nanscan/engine/_layout.py's FORMATS mirrors them.
   py::dict formats;
   for (int32_t code = 0; code < kNumDTypes; ++code) {
     with_format(code, [&](auto format) {
@@ -315,8 +315,8 @@ PYBIND11_MODULE(_C, m) {
         "The CUDA compaction's contract over host addresses: uint32 counts into `capacity` slots when they fit.");
   m.def("build_info", &build_info_py, "How the extension was built.");
   m.def("batch_leaves", &plan::batch_leaves, py::arg("batch"), py::arg("loss"), py::arg("plan"),
-        "The per-step check of nanscan.inputs.BatchPlan: (the scanned leaves and the loss, their data pointers), or "
-        "None if the batch's structure changed.");
+        "The per-step check of nanscan.engine.plans.BatchPlan: (the scanned leaves and the loss, their data pointers), "
+        "or None if the batch's structure changed.");
   m.def("tensor_stamps", &plan::tensor_stamps, py::arg("tensors"), py::arg("tensor_access"),
         "Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None.");
   py::class_<plan::ScanTable>(m, "ScanTable",
@@ -328,7 +328,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("numels"), py::arg("dtypes"))
       .def("__len__", &plan::ScanTable::size);
   py::class_<plan::PlanCheck>(m, "PlanCheck",
-                              "The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at "
+                              "The per-step check of nanscan.engine.plans.ModelScanPlan (NOTE: [plan check]), built at "
                               "its rebuild.")
       .def(py::init<py::list, py::list, py::list, py::list, py::list, py::list, py::list, py::list,
                     py::array_t<int64_t, py::array::c_style | py::array::forcecast>, py::list,

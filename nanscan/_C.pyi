@@ -40,7 +40,8 @@ def build_info() -> dict[str, Any]:
     layout and dtype codes it uses."""
 
 def batch_leaves(batch: object, loss: object, plan: tuple[Any, ...]) -> tuple[list[Any], list[int]] | None:
-    """The per-step check of nanscan.inputs.BatchPlan: (scanned leaves and loss, data pointers), or None if changed."""
+    """The per-step check of nanscan.engine.plans.BatchPlan: (scanned leaves and loss, data pointers), or None if
+    changed."""
 
 def tensor_stamps(tensors: list[Any], tensor_access: object) -> npt.NDArray[np.int64] | None:
     """Each tensor's (version counter, data pointer, scalar type) as an (n, 3) int64 array, or None."""
@@ -53,7 +54,7 @@ class ScanTable:
     def __len__(self) -> int: ...
 
 class PlanCheck:
-    """The per-step check of nanscan.scan.ModelScanPlan (NOTE: [plan check]), built at its rebuild."""
+    """The per-step check of nanscan.engine.plans.ModelScanPlan (NOTE: [plan check]), built at its rebuild."""
 
     def __init__(
         self,
@@ -94,7 +95,7 @@ class PlanCheck:
         carried: (stable indices, stamps, records) standing in for tensors whose stamps did not move, or a list of
         such parts (a later one's row wins); a part (stable indices, stamps, records, True) is standing: its
         arrays are refreshed in place with the stamps and records of what this call scanned (NOTE: [frozen
-        records] in nanscan/plans.py)."""
+        records] in nanscan/engine/plans.py)."""
 
     def check_scan_summary(
         self,

@@ -1,8 +1,9 @@
 """nanscan: catch the first non-finite training step cheaply, preserve the evidence, and find its cause.
 
-The public face. The layers below it (ARCHITECTURE.md): the scan engine (inputs, plans, dispatch, backends/,
-pending, stats), the in-loop runtime (monitor, amp, spikes, history, snapshot, distributed, incident), the evidence (bundle/)
-and the workflow tools (report, replay/, ablate, triage, preflight, data/, export, demo, cli).
+The public face. The layers below it, each its folders (ARCHITECTURE.md): the scan engine (engine/: inputs, plans,
+dispatch, backends/, pending, stats, headroom; with scan and incident here), the in-loop runtime (runtime/: monitor,
+amp, spikes, history, snapshot, distributed; integrations/), the evidence (bundle/, entry) and the workflow tools
+(replay/, review/, data/, preflight, demo, testing), with the command line (cli/) on top.
 
 Every public name is loaded on first use (module __getattr__, PEP 562): most of them need torch, and importing
 torch and the backends costs seconds, which `nanscan --help` and the subcommands' help must not pay.
@@ -16,18 +17,20 @@ from nanscan._lazy import lazy_names
 
 # public name -> the module that defines it
 _HOMES = {
-    "BackendUnavailable": "nanscan.backends", "backend_info": "nanscan.backends",
+    "BackendUnavailable": "nanscan.engine.backends", "backend_info": "nanscan.engine.backends",
     "Bundle": "nanscan.bundle", "BundleError": "nanscan.bundle", "HistoryEntry": "nanscan.bundle",
     "load_bundle": "nanscan.bundle",
     "ReplaySpec": "nanscan.entry",
-    "headroom": "nanscan.headroom",
+    "headroom": "nanscan.engine.headroom",
     "NonFiniteError": "nanscan.incident", "NonFiniteWarning": "nanscan.incident", "SpikeWarning": "nanscan.incident",
     "SnapshotWarning": "nanscan.incident", "GradientWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
-    "UnsupportedTensorError": "nanscan.inputs",
-    "Monitor": "nanscan.monitor", "check": "nanscan.default_monitor", "first_invalid": "nanscan.default_monitor",
+    "UnsupportedTensorError": "nanscan.engine.inputs",
+    "Monitor": "nanscan.runtime.monitor",
+    "check": "nanscan.runtime.default", "first_invalid": "nanscan.runtime.default",
     "scan": "nanscan.scan",
-    "Spike": "nanscan.spikes", "SpikeRule": "nanscan.spikes",
-    "PendingReport": "nanscan.stats", "ScanReport": "nanscan.stats", "TensorStats": "nanscan.stats",
+    "Spike": "nanscan.runtime.spikes", "SpikeRule": "nanscan.runtime.spikes",
+    "PendingReport": "nanscan.engine.stats", "ScanReport": "nanscan.engine.stats",
+    "TensorStats": "nanscan.engine.stats",
 }
 
 __all__ = [
@@ -38,19 +41,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
-    from nanscan.backends import BackendUnavailable, backend_info
+    from nanscan.engine.backends import BackendUnavailable, backend_info
     from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
     from nanscan.entry import ReplaySpec, replay_entry
-    from nanscan.headroom import headroom
+    from nanscan.engine.headroom import headroom
     from nanscan.incident import GradientWarning, NonFiniteError, NonFiniteWarning, SnapshotWarning
-    from nanscan.inputs import UnsupportedTensorError
-    from nanscan.default_monitor import check, first_invalid
-    from nanscan.monitor import Monitor
+    from nanscan.engine.inputs import UnsupportedTensorError
+    from nanscan.runtime.default import check, first_invalid
+    from nanscan.runtime.monitor import Monitor
     from nanscan.scan import scan
-    from nanscan.stats import PendingReport, ScanReport, TensorStats
+    from nanscan.engine.stats import PendingReport, ScanReport, TensorStats
 
 
-lazy_names(__name__, _HOMES, __all__, functions_named_like_modules=("scan", "headroom"))
+lazy_names(__name__, _HOMES, __all__, functions_named_like_modules=("scan",))
 
 
 try:

@@ -1,5 +1,5 @@
 """Public names loaded on first use (module __getattr__, PEP 562), for nanscan and its packages whose names need
-torch: `import nanscan` and the subcommands' help must not pay for it (NOTE: [fast help] in nanscan/cli.py).
+torch: `import nanscan` and the subcommands' help must not pay for it (NOTE: [fast help] in nanscan/cli/main.py).
 
 A package calls `lazy_names(__name__, HOMES, __all__)` with a table of public name -> the module defining it, and
 keeps a TYPE_CHECKING block importing the same names for editors and type checkers.

@@ -1,6 +1,6 @@
 """The scan benchmark's measurements: nanscan's CPU backends against the machine's read limit and the per-tensor torch
 checks, on float32, bfloat16, float16 and then float8_e4m3fn and float8_e5m2 tensors shaped like GPT-2 small
-(nanscan.bench_options says what is measured, in the words of --help, and parses the arguments before this module
+(nanscan.cli.bench_options says what is measured, in the words of --help, and parses the arguments before this module
 imports torch).
 
 It prints a table per dtype and ratio lines, among them a read-limit line per dtype and backend (`cpu/read_limit =
@@ -32,12 +32,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nanscan import _layout as L
-from nanscan import backends
+from nanscan.engine import _layout as L
+from nanscan.engine import backends
 from nanscan._atomic import write_results_json
-from nanscan.backends.reference import scan_one
-from nanscan.bench_options import parse_args
-from nanscan.inputs import prepare_all
+from nanscan.engine.backends.reference import scan_one
+from nanscan.cli.bench_options import parse_args
+from nanscan.engine.inputs import prepare_all
 from nanscan.scan import scan
 
 # GPT-2 small (124M parameters): vocabulary, context, width, depth.
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The whole benchmark, for parsed arguments (nanscan.bench_options.parse_args); 0 when every check passed."""
+    """The whole benchmark, for parsed arguments (nanscan.cli.bench_options.parse_args); 0 when every check passed."""
     from rich.console import Console  # noqa: PLC0415 - only the command needs it
 
     console = Console(soft_wrap=True)

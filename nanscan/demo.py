@@ -6,7 +6,7 @@ weight. One record's weights were exported as 3.4028235e+38, the float32 maximum
 missing value. Each weight is finite, so the batch passes an input check, but weight x token loss overflows float32
 in the loss: the loss is inf and every gradient jumps to ~1e35. The Monitor sees a non-finite loss computed from
 finite values, one input of which, `input:weights`, lies beyond float32's safe range (NOTE: [overflow] in
-nanscan/headroom.py), and files the incident as `input` (reason input_overflow) naming it; the bundle keeps the
+nanscan/engine/headroom.py), and files the incident as `input` (reason input_overflow) naming it; the bundle keeps the
 batch and its record ids.
 
 The workflow runs as ordered stages (STAGES); later stages (replay, ablation, data checks) append to that list.
@@ -16,7 +16,7 @@ warm-up that never ends (the rate grows 5% a step and nobody capped it). The los
 well over a hundred steps before the first NaN; the Monitor's SpikeWarning names the step they left their range,
 and the spike bundle written then, while the weights were still sound, is where the diagnosis starts.
 
-The subcommand and what it prints are nanscan.demo_cli, which imports this module only when it runs.
+The subcommand and what it prints are nanscan.cli.demo, which imports this module only when it runs.
 """
 
 from __future__ import annotations
@@ -351,9 +351,9 @@ class DemoContext:
     losses: list[float] = field(default_factory=list)
     error: Any = None  # the NonFiniteError the Monitor raised
     bundle: Any = None  # the loaded nanscan.bundle.Bundle
-    summary: dict | None = None  # nanscan.report.summarize(bundle)
+    summary: dict | None = None  # nanscan.review.report.summarize(bundle)
     replay: Any = None  # nanscan.replay.ReplayResult
-    ablation: Any = None  # nanscan.ablate.AblationResult
+    ablation: Any = None  # nanscan.replay.ablate.AblationResult
     data_check: dict | None = None
     conclusion: str | None = None
 
@@ -385,7 +385,7 @@ def stage_data(ctx: DemoContext) -> StageResult:
 
 def stage_detect(ctx: DemoContext) -> StageResult:
     """Train with the Monitor checking every step, as a user's training loop would."""
-    from nanscan.monitor import Monitor, NonFiniteError
+    from nanscan.runtime.monitor import Monitor, NonFiniteError
 
     config = ctx.config
     log_path = ctx.out_dir / LOG_FILE
@@ -431,7 +431,7 @@ def stage_detect(ctx: DemoContext) -> StageResult:
 def stage_preserve(ctx: DemoContext) -> StageResult:
     """Load the bundle back the way a colleague would, which validates the manifest and every file's sha256."""
     from nanscan.bundle import load_bundle
-    from nanscan.provenance import normalize_config
+    from nanscan.bundle.provenance import normalize_config
 
     if ctx.error is None:
         return StageResult("preserve", False, "no incident, so no bundle")
@@ -448,7 +448,7 @@ def stage_preserve(ctx: DemoContext) -> StageResult:
 
 
 def stage_report(ctx: DemoContext) -> StageResult:
-    from nanscan.report import summarize
+    from nanscan.review.report import summarize
 
     if ctx.bundle is None:
         return StageResult("report", False, "no bundle to report on")
@@ -483,7 +483,7 @@ def stage_localize(ctx: DemoContext) -> StageResult:
 
 def stage_ablate(ctx: DemoContext) -> StageResult:
     """Change one factor at a time from the same state and batch; keep every row, helpful or not."""
-    from nanscan.ablate import ablate, record_ablation
+    from nanscan.replay.ablate import ablate, record_ablation
 
     if ctx.bundle is None:
         return StageResult("ablate", False, "no bundle to ablate")
@@ -678,7 +678,7 @@ def run_diverging(out_dir: str | os.PathLike = "nanscan-demo", *,
     import warnings  # noqa: PLC0415
 
     from nanscan.incident import NonFiniteError, SpikeWarning  # noqa: PLC0415
-    from nanscan.monitor import Monitor  # noqa: PLC0415
+    from nanscan.runtime.monitor import Monitor  # noqa: PLC0415
 
     echo = echo or (lambda _line: None)
     out = Path(out_dir).resolve()

@@ -108,7 +108,7 @@ _RECORDED_DIRS = (("the run's working directory (recorded in the bundle)", "work
 def entry_search_dirs(environment: Mapping | None = None, *, trust_bundle_paths: bool = False) -> ImportSearch:
     """Where a command-line tool may look for a module that is not importable as is: the current directory
     (`python -m pkg.train` puts it on sys.path), then, with trust_bundle_paths, the recorded run's working and
-    script directories (nanscan.provenance.environment records them in the bundle; NOTE: [trust rule])."""
+    script directories (nanscan.bundle.provenance.environment records them in the bundle; NOTE: [trust rule])."""
     env = environment or {}
     recorded = tuple((label, env[key]) for label, key in _RECORDED_DIRS if isinstance(env.get(key), str) and env[key])
     here = (("the current directory", os.getcwd()),)

@@ -1,6 +1,6 @@
 """The incident taxonomy, in one place: the tensor-name convention, the failure categories in the order they are
 decided, what each category means, the error and warning a non-finite step raises, and the warning of a spike
-(the early warning before it, nanscan.spikes).
+(the early warning before it, nanscan.runtime.spikes).
 
 Every module that names, parses or orders scanned tensors or categories asks here (the Monitor, distributed
 agreement, the bundle, report, replay, preflight), so a new kind or category is added once.
@@ -8,7 +8,7 @@ agreement, the bundle, report, replay, preflight), so a new kind or category is 
 NOTE: [tensor names]
 The Monitor names what it scans by kind: `input:<path>` (the batch's floating tensors), `loss`, `param:<name>`,
 `grad:<name>` and `optim:<param name>.<state key>`. FSDP2 shards add `@shard<i>/<n>` after the parameter name
-(nanscan.distributed). Anything else (tensors given to nanscan.scan) is of kind "other".
+(nanscan.runtime.distributed). Anything else (tensors given to nanscan.scan) is of kind "other".
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 # non-finite loss makes every gradient non-finite too.
 CATEGORIES = ("input", "parameter", "optimizer_state", "loss", "gradient")
 # A step can also go bad only in optimizer.step(): replay sees it, and so does the Monitor's post-update check
-# (nanscan.monitor_update NOTE: [post-update check]), which dates it to the step whose update wrote it.
+# (nanscan.runtime.update NOTE: [post-update check]), which dates it to the step whose update wrote it.
 UPDATE = "update"
 STEP_CATEGORIES = (*CATEGORIES, UPDATE)
 # A report whose non-finite tensors follow no convention (nanscan.scan of the user's own tensors).
@@ -33,19 +33,20 @@ OTHER = "other"
 # were not).
 OTHER_RANK = "other_rank"
 # The category of an early-warning bundle: every value was finite, but the loss or the gradient norm jumped far out
-# of its recent range (nanscan.spikes NOTE: [spike statistic]). Never a failure category: a spike is not the run's
-# first invalid step, and nothing non-finite decides it.
+# of its recent range (nanscan.runtime.spikes NOTE: [spike statistic]). Never a failure category: a spike is not the
+# run's first invalid step, and nothing non-finite decides it.
 SPIKE = "spike"
 # Kinds of tensor in the order of the categories; a category names its own kind.
 KINDS = (*CATEGORIES, OTHER)
 
 # Why a step is an incident: a non-finite value at that step, or under a GradScaler a streak of overflow skips
-# (nanscan.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
+# (nanscan.runtime.amp NOTE: [overflow skips]): the expected event OVERFLOW_SKIP, one skip, is no incident.
 NONFINITE = "nonfinite"
 SKIP_STREAK = "skip_streak"
 OPTIMIZER_UPDATE = "optimizer_update"  # non-finite right after optimizer.step(), seen by the post-update check
-# A batch tensor held finite values beyond the range the step computes in (NOTE: [overflow] in nanscan/headroom.py)
-# and the step then went non-finite in the loss or the gradients: category "input", the tensors those inputs.
+# A batch tensor held finite values beyond the range the step computes in (NOTE: [overflow] in
+# nanscan/engine/headroom.py) and the step then went non-finite in the loss or the gradients: category "input", the
+# tensors those inputs.
 INPUT_OVERFLOW = "input_overflow"
 REASONS = (NONFINITE, SKIP_STREAK, OPTIMIZER_UPDATE, INPUT_OVERFLOW)
 OVERFLOW_SKIP = "overflow_skip"
@@ -224,11 +225,11 @@ class SnapshotWarning(UserWarning):
 
 class SpikeWarning(UserWarning):
     """A step whose loss or gradient norm jumped far outside its recent range while every value was finite: the
-    early warning before a divergence (nanscan.spikes). Issued by Monitor.check with spikes="warn", "bundle" or
+    early warning before a divergence (nanscan.runtime.spikes). Issued by Monitor.check with spikes="warn", "bundle" or
     "skip", raised with spikes="raise".
 
     `step`: the spiking step. `quantity`: what spiked most ("loss" or "grad_norm"). `spike`: the full
-    nanscan.spikes.Spike (every quantity past the rule, how far out, the first-moving tensors by layer).
+    nanscan.runtime.spikes.Spike (every quantity past the rule, how far out, the first-moving tensors by layer).
     `bundle_path`: the spike bundle (category SPIKE) when one was written for it, else None.
     """
 

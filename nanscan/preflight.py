@@ -8,8 +8,8 @@ optimizer: a normal batch with a NaN injected into an input (or, when no input c
 masks it, into a parameter). The scan must catch it; that proves the checks are live. Nothing the canary touches
 is used afterwards.
 
-The subcommand and its GO / NO-GO view are nanscan.preflight_cli, which imports this module only when it runs; the
-defaults both use are nanscan.preflight_options.
+The subcommand and its GO / NO-GO view are nanscan.cli.preflight, which imports this module only when it runs; the
+defaults both use are nanscan.cli.preflight_options.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan.entry import EntryError, ReplaySpec, build_spec, entry_search_dirs, locate_entry
-from nanscan.headroom import headroom
+from nanscan.engine.headroom import headroom
 from nanscan.incident import shown_names
-from nanscan.preflight_options import DEFAULT_SAMPLE_BATCHES, DEFAULT_STEPS
+from nanscan.cli.preflight_options import DEFAULT_SAMPLE_BATCHES, DEFAULT_STEPS
 from nanscan.replay.step import StepOutcome, run_step
 from nanscan.replay.traps import BREAKS, optimizer_traps
-from nanscan.stats import ScanReport
+from nanscan.engine.stats import ScanReport
 
 # Warn when the largest value is this close (in binades, i.e. factors of two) to a low-precision format's maximum.
 HEADROOM_WARN_BINADES = 2

@@ -1,6 +1,7 @@
 """The scan entry points: `scan(tensors)` for any set of tensors, `scan_inputs` for prepared ones and
-`model_inputs` for a model's. The data flows one way: nanscan.inputs prepares, nanscan.dispatch sends each device's
-inputs to its backend, the records come back (nanscan.pending) and become a nanscan.stats.ScanReport."""
+`model_inputs` for a model's. The data flows one way: nanscan.engine.inputs prepares, nanscan.engine.dispatch sends each
+device's inputs to its backend, the records come back (nanscan.engine.pending) and become a
+nanscan.engine.stats.ScanReport."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from nanscan.dispatch import launch
-from nanscan.inputs import ScanInput, ScanInputs, as_scan_inputs, prepare_all
-from nanscan.plans import ModelScanPlan, whole_tensor
-from nanscan.stats import ScanReport
+from nanscan.engine.dispatch import launch
+from nanscan.engine.inputs import ScanInput, ScanInputs, as_scan_inputs, prepare_all
+from nanscan.engine.plans import ModelScanPlan, whole_tensor
+from nanscan.engine.stats import ScanReport
 
 
 def scan_inputs(inputs: Sequence[ScanInput], *, skipped=(), backend=None, step: int | None = None) -> ScanReport:
     """Scan prepared inputs and wait for the result; tensors on different devices go to each device's backend in
-    one call per device (nanscan.dispatch.launch, which the Monitor uses without waiting)."""
+    one call per device (nanscan.engine.dispatch.launch, which the Monitor uses without waiting)."""
     inputs = as_scan_inputs(inputs)
     started = launch(inputs, backend=backend)
     return ScanReport(inputs.identities, started.records(), skipped=skipped, backend=started.backend, step=step)
@@ -39,7 +40,7 @@ def model_inputs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     """`param:<name>`, `grad:<name>` and `optim:<name>.<key>` inputs for a model (and its optimizer), once; the
     Monitor keeps a ModelScanPlan instead, which prepares them again only when they change.
 
-    `shard(t) -> (local tensor, name suffix)` picks what this process holds of each tensor; nanscan.distributed
+    `shard(t) -> (local tensor, name suffix)` picks what this process holds of each tensor; nanscan.runtime.distributed
     passes one that scans FSDP2 shards locally and names them `param:<name>@shard<i>/<n>`.
     """
     return ModelScanPlan(shard).inputs(model, optimizer)

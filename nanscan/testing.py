@@ -16,7 +16,7 @@ import torch
 from nanscan.bundle import BundleError
 from nanscan.bundle.tree import decode_tree, load_tensors
 from nanscan.entry import build_spec
-from nanscan.provenance import restore_rng, rng_from_tensors
+from nanscan.bundle.provenance import restore_rng, rng_from_tensors
 from nanscan.replay.export import CASE_JSON, REGRESSION_SCHEMA
 from nanscan.replay.step import StepOptions, StepOutcome, map_tensors, model_device, run_localized, run_step
 

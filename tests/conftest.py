@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan import _layout as L
-from nanscan import backends
+from nanscan.engine import _layout as L
+from nanscan.engine import backends
 
 BACKENDS_UNDER_TEST = ("cpu", "numba", "cuda", "numba-cuda")
 
@@ -87,15 +87,15 @@ class BackendUnderTest:
         if self.name == "cpu":
             return backends.CpuBackend(chunk_elems=7) if tiny_chunks else backends.CpuBackend()
         if self.name == "numba":
-            from nanscan.backends.numba_cpu import NumbaBackend
+            from nanscan.engine.backends.numba_cpu import NumbaBackend
 
             return NumbaBackend(chunk_elems=5) if tiny_chunks else NumbaBackend()
         if self.name == "cuda":
-            from nanscan.backends.cuda import CudaBackend
+            from nanscan.engine.backends.cuda import CudaBackend
 
             return CudaBackend(chunk_bytes=16) if tiny_chunks else CudaBackend()
         if self.name == "numba-cuda":
-            from nanscan.backends.numba_cuda import NumbaCudaBackend
+            from nanscan.engine.backends.numba_cuda import NumbaCudaBackend
 
             return NumbaCudaBackend(threads=32, blocks=2, piece_elems=7) if tiny_chunks else NumbaCudaBackend()
         raise ValueError(f"no backend under test called {self.name!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 
 
 def adversarial_records() -> np.ndarray:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanscan.entry import ReplaySpec, build_spec, replay_entry
-from nanscan.monitor import Monitor, NonFiniteError
+from nanscan.runtime.monitor import Monitor, NonFiniteError
 
 MODULE = Path(__file__).stem  # importable as a top-level module: pytest puts tests/ on sys.path
 BATCH_SIZE = 16

@@ -20,7 +20,7 @@ from torch import nn
 
 from nanscan import demo as D
 from nanscan.incident import NonFiniteError, SpikeWarning
-from nanscan.monitor import Monitor
+from nanscan.runtime.monitor import Monitor
 
 LEAD = 5  # a diverging run must be warned about at least this many steps before its first non-finite step
 HEALTHY_STEPS = 320

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 import replay_entries as E
-from nanscan.ablate import FACTOR_KEYS, ablate, record_ablation, select_factors
+from nanscan.replay.ablate import FACTOR_KEYS, ablate, record_ablation, select_factors
 from nanscan.bundle import load_bundle
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.entry import ReplaySpec, replay_entry
 from nanscan.replay import ReplayError
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 import nanscan
 from conftest import FLOAT8_DTYPES, SUMSQ_REL_TOL, assert_records_match
-from nanscan import _layout as L
-from nanscan import backends
+from nanscan.engine import _layout as L
+from nanscan.engine import backends
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-NUMBA_BLOCK = 1920  # nanscan.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
+NUMBA_BLOCK = 1920  # nanscan.engine.backends.numba_cpu._BLOCK_ELEMS: the segments below line up with its blocks
 
 
 @pytest.fixture(params=[False, True], ids=["default-chunks", "tiny-chunks"])
@@ -344,7 +344,7 @@ def test_cpu_records_are_bit_identical_for_any_thread_count(cpu_backend):
 def test_numba_records_are_bit_identical_for_any_thread_count(numba_backend):
     import numba
 
-    from nanscan.backends.numba_cpu import NumbaBackend
+    from nanscan.engine.backends.numba_cpu import NumbaBackend
 
     tensors = big_mixed_tensors()
     one = nanscan.scan(tensors, backend=NumbaBackend(num_threads=1)).records
@@ -357,7 +357,7 @@ NUMBA_THREADS_PROBE = """
 import sys, torch
 torch.set_num_threads(1)
 import nanscan
-from nanscan.backends.numba_cpu import NumbaBackend
+from nanscan.engine.backends.numba_cpu import NumbaBackend
 import numba
 nanscan.scan([torch.randn(300_000), torch.randn(5000).bfloat16()], backend=NumbaBackend())
 print(torch.get_num_threads(), numba.get_num_threads())
@@ -379,7 +379,7 @@ def test_numba_scan_runs_on_torchs_threads_and_leaves_their_number(numba_backend
 def test_numba_thread_groups_split_the_chunks_into_balanced_runs(numba_backend, per_task, threads, data):
     """Each thread's run of chunks ends within one chunk of its share of the elements, and a segment (one partial
     record) never spans two tensors or two threads."""
-    from nanscan.backends.numba_cpu import thread_groups
+    from nanscan.engine.backends.numba_cpu import thread_groups
 
     chunk_task = np.repeat(np.arange(len(per_task)), per_task).astype(np.int64)
     chunk_numels = np.array(data.draw(st.lists(st.integers(1, 100), min_size=chunk_task.size,
@@ -442,7 +442,8 @@ def test_cpu_low_tally(cpu_backend, dtype):
     assert int((report["chunk"].exp_hist > 0).sum()) == 15 + depth + 1
 
 
-NUMBA_GROUP = 960  # nanscan.backends.numba_cpu._GROUP_ELEMS: residue words count whole groups, the rest by tables
+# nanscan.engine.backends.numba_cpu._GROUP_ELEMS: residue words count whole groups, the rest by tables
+NUMBA_GROUP = 960
 
 
 def residue_window_blocks(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -476,7 +477,7 @@ def residue_window_blocks(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_numba_residue_windows(numba_backend, dtype):
-    from nanscan.backends.numba_cpu import NumbaBackend  # numba is optional: only this test needs the module
+    from nanscan.engine.backends.numba_cpu import NumbaBackend  # numba is optional: only this test needs the module
 
     tensors = residue_window_blocks(dtype)
     report = numba_backend.check(tensors)

@@ -1,6 +1,6 @@
 """Mixed precision under the real torch.amp.GradScaler on CPU (fp16 autocast), in both Monitor modes: overflow skips
 are recorded, never bundled; a streak of them is a gradient incident naming its first step; inputs are incidents as
-without a scaler; gradient statistics are unscaled exactly (nanscan.stats NOTE: [unscaled gradients])."""
+without a scaler; gradient statistics are unscaled exactly (nanscan.engine.stats NOTE: [unscaled gradients])."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from torch import nn
 
 import nanscan
 from nanscan import Monitor, NonFiniteError, load_bundle
-from nanscan import _layout as L
-from nanscan.amp import MAX_SKIPS, MIN_SCALE
+from nanscan.engine import _layout as L
+from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE
 from nanscan.incident import SKIP_STREAK
-from nanscan.report import summarize
-from nanscan.stats import Scaling, TensorStats, unscaled_hist
+from nanscan.review.report import summarize
+from nanscan.engine.stats import Scaling, TensorStats, unscaled_hist
 
 MODES = ("sync", "async")
 STEPS = 30

@@ -1,7 +1,7 @@
 """Monitor(mode="async"): the verdict for step s is read at step s+1's check (or flush()/close()) and still names
 step s with step s's evidence; report.found_inf skips a fused optimizer's update; the history ring stays bounded.
 
-On CPU the scans complete at once (nanscan.pending.CompletedScan) but go through the same one-step-late path as
+On CPU the scans complete at once (nanscan.engine.pending.CompletedScan) but go through the same one-step-late path as
 GPU scans. Tests marked `cuda` run the GPU side (CUDA kernel, device ring, no host sync) and skip without a GPU."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 import nanscan
-from nanscan import compact
+from nanscan.engine import compact
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
-from nanscan import _layout as L
-from nanscan.history import HistoryRing
+from nanscan.engine import _layout as L
+from nanscan.runtime.history import HistoryRing
 from nanscan.incident import CATEGORIES
-from nanscan.pending import CompletedScan, ScanPart, StepScan
-from nanscan.stats import PendingReport, ScannedTensor, ScanReport
+from nanscan.engine.pending import CompletedScan, ScanPart, StepScan
+from nanscan.engine.stats import PendingReport, ScannedTensor, ScanReport
 from test_monitor import EXPECTED_TENSORS, FAULT_STEP, forward_backward, make_batch, make_model, plant
 
 try:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan import _layout as L
-from nanscan import backends
+from nanscan.engine import _layout as L
+from nanscan.engine import backends
 
 
 def loads(name: str) -> bool:
@@ -94,7 +94,7 @@ def test_an_unavailable_backend_raises_with_the_original_error(clean_backend_sta
 
 def test_importing_the_numba_backend_without_numba_fails_loudly(clean_backend_state, monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # what `import numba` sees where it is not installed
-    monkeypatch.delitem(sys.modules, "nanscan.backends.numba_cpu", raising=False)
+    monkeypatch.delitem(sys.modules, "nanscan.engine.backends.numba_cpu", raising=False)
     with pytest.raises(nanscan.BackendUnavailable, match="numba") as info:
         backends.load("numba")
     assert isinstance(info.value.__cause__, ImportError)
@@ -117,7 +117,7 @@ def test_a_backend_for_another_device_is_refused(clean_backend_state):
 def test_numba_backend_checks_its_arguments():
     if not loads("numba"):
         pytest.skip("needs the numba backend")
-    from nanscan.backends.numba_cpu import NumbaBackend
+    from nanscan.engine.backends.numba_cpu import NumbaBackend
 
     with pytest.raises(ValueError, match="chunk_elems must be a number of elements from 1"):
         NumbaBackend(chunk_elems=0)
@@ -190,7 +190,7 @@ def run_info(env_backend: str | None) -> dict:
 def invoke_info(monkeypatch, env_backend: str | None, *args: str):
     from click.testing import CliRunner
 
-    from nanscan.cli import main
+    from nanscan.cli.main import main
 
     if env_backend is not None:
         monkeypatch.setenv("NANSCAN_BACKEND", env_backend)
@@ -256,7 +256,7 @@ def test_a_command_that_meets_an_unusable_backend_ends_with_a_message(clean_back
     traceback."""
     from click.testing import CliRunner
 
-    from nanscan.cli import main
+    from nanscan.cli.main import main
 
     monkeypatch.setenv("NANSCAN_BACKEND", "bogus")
     result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "bogus")])

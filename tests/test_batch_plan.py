@@ -1,4 +1,4 @@
-"""The Monitor's batch inputs (nanscan.plans.BatchPlan, NOTE: [batch plan]): reused while the batch keeps its
+"""The Monitor's batch inputs (nanscan.engine.plans.BatchPlan, NOTE: [batch plan]): reused while the batch keeps its
 structure, prepared again as soon as it does not, and always equal to preparing every tensor from scratch.
 
 Each test feeds a plan the batches a training loop would (same structure every step, then a change) and compares
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanscan._native import tensor_access
-from nanscan.inputs import ScanInputs, iter_batch_tensors, prepare
-from nanscan.plans import BatchPlan
+from nanscan.engine._native import tensor_access
+from nanscan.engine.inputs import ScanInputs, iter_batch_tensors, prepare
+from nanscan.engine.plans import BatchPlan
 from nanscan.scan import scan_inputs
 
 

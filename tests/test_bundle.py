@@ -33,9 +33,9 @@ import nanscan.bundle.format as F
 import nanscan.bundle.read as R
 from nanscan import BundleError, Monitor, NonFiniteWarning, load_bundle
 from nanscan._atomic import atomic_directory, remove_dead_writers_temps
-from nanscan.cli import main as cli_main
+from nanscan.cli.main import main as cli_main
 from nanscan.entry import EntryWarning
-from nanscan.provenance import capture_rng
+from nanscan.bundle.provenance import capture_rng
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +206,7 @@ def _capture_incident(monkeypatch, tmp_path) -> tuple[B.Incident, Path]:
         captured.append(incident)
         return real(incident, bundle_dir)
 
-    monkeypatch.setattr("nanscan.monitor_verdict.write_bundle", spy)  # where the Monitor writes its incidents
+    monkeypatch.setattr("nanscan.runtime.verdict.write_bundle", spy)  # where the Monitor writes its incidents
     run = Run(tmp_path)
     return captured[0], run.path
 

@@ -14,14 +14,14 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 import nanscan
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan._atomic import json_bytes
 from nanscan.bundle.format import BundleError, HistoryEntry
 from nanscan.bundle.history import (RECORDS_FORMAT, decode_records, encode_records, history_from_payload,
                                     history_payload)
 from nanscan.bundle.tree import load_tensors, reading_tensors
 from nanscan.demo import DEFAULT_CONFIG, build_model
-from nanscan.stats import ScannedTensor, ScanReport
+from nanscan.engine.stats import ScannedTensor, ScanReport
 from record_cases import adversarial_records, random_records
 
 # Written by the dense writer (nanscan.bundle.history at commit 06e20bb) from dense_fixture_entries().

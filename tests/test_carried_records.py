@@ -1,5 +1,5 @@
 """The post-update scan's records stand in for the next check's weights and optimizer state only while nothing wrote
-them (nanscan.monitor_update NOTE: [carried records]): a run's records are the same with and without the carry, and
+them (nanscan.runtime.update NOTE: [carried records]): a run's records are the same with and without the carry, and
 every kind of write between optimizer.step() and the check is seen at that check."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanscan.monitor import Monitor
+from nanscan.runtime.monitor import Monitor
 from nanscan.scan import scan
 
 

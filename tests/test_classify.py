@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import FLOAT8_DTYPES
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 
 try:
     from nanscan import _C

@@ -1,4 +1,4 @@
-"""Help answers at once (NOTE: [fast help] in nanscan/cli.py): `import nanscan`, `nanscan --help` and every
+"""Help answers at once (NOTE: [fast help] in nanscan/cli/main.py): `import nanscan`, `nanscan --help` and every
 subcommand's help do not import torch, and the packages' public names still load, lazily."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import nanscan
-from nanscan.cli import SUBCOMMANDS, command_summary, main
+from nanscan.cli.main import SUBCOMMANDS, command_summary, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ def modules_after(code: str) -> set[str]:
 
 
 def help_modules(*args: str) -> set[str]:
-    return modules_after("import sys\nfrom nanscan.cli import main\nsys.argv = ['nanscan', *%r]\n"
+    return modules_after("import sys\nfrom nanscan.cli.main import main\nsys.argv = ['nanscan', *%r]\n"
                          "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code" % (list(args),))
 
 
@@ -56,7 +56,7 @@ def test_every_public_name_loads_lazily():
     for name in nanscan.__all__:
         assert getattr(nanscan, name) is not None
     assert set(nanscan.__all__) <= set(dir(nanscan))
-    from nanscan.monitor import Monitor
+    from nanscan.runtime.monitor import Monitor
 
     assert nanscan.Monitor is Monitor
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -76,9 +76,9 @@ def test_the_packages_names_load_lazily(package):
 
 
 def test_functions_named_like_their_modules_stay_functions():
-    """nanscan.scan, nanscan.headroom and nanscan.replay.localize are functions even after their submodules are
-    imported."""
-    loaded = modules_after("import nanscan.scan, nanscan.headroom, nanscan\n"
+    """nanscan.scan and nanscan.replay.localize are functions even after their submodules are imported; so is
+    nanscan.headroom once its module, nanscan.engine.headroom, is."""
+    loaded = modules_after("import nanscan.scan, nanscan.engine.headroom, nanscan\n"
                            "assert callable(nanscan.scan) and callable(nanscan.headroom), "
                            "(nanscan.scan, nanscan.headroom)\n"
                            "from nanscan.scan import scan\nassert nanscan.scan is scan")

@@ -14,13 +14,13 @@ import torch
 
 import nanscan
 from nanscan import Monitor
-from nanscan import _layout as L
-from nanscan import compact
+from nanscan.engine import _layout as L
+from nanscan.engine import compact
 from nanscan.demo import (TokenRecords, batches, build_model, build_optimizer, demo_config, make_records, step_fn,
                           write_dataset)
-from nanscan.history import DEVICE_BINS_PER_ROW, DeviceRecords, HistoryRing
-from nanscan.pending import CompletedScan, ScanPart, StepScan
-from nanscan.stats import ScannedTensor
+from nanscan.runtime.history import DEVICE_BINS_PER_ROW, DeviceRecords, HistoryRing
+from nanscan.engine.pending import CompletedScan, ScanPart, StepScan
+from nanscan.engine.stats import ScannedTensor
 from record_cases import adversarial_records, random_records
 
 try:
@@ -232,7 +232,7 @@ def test_cuda_compaction_of_many_rows_crosses_the_offset_chunks():
 
 def test_without_a_compaction_for_the_device_the_dense_records_are_kept(monkeypatch):
     """A build without the device's compaction (no CUDA part beside a GPU scan): exact, only larger."""
-    monkeypatch.setattr("nanscan.history.native_function", lambda name: None)
+    monkeypatch.setattr("nanscan.runtime.history.native_function", lambda name: None)
     records = adversarial_records()
     kept = DeviceRecords(len(records), torch.device("cpu"))
     kept.launch(torch.from_numpy(records.copy()), None)

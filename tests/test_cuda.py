@@ -14,10 +14,10 @@ import torch
 
 import nanscan
 from conftest import FLOAT8_DTYPES
-from nanscan import _layout as L
-from nanscan.backends.cuda import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
-from nanscan.backends.reference import ReferenceBackend
-from nanscan.inputs import prepare
+from nanscan.engine import _layout as L
+from nanscan.engine.backends.cuda import CHUNK_META_DTYPE, build_chunk_table, scan_records_on_host
+from nanscan.engine.backends.reference import ReferenceBackend
+from nanscan.engine.inputs import prepare
 
 try:
     from nanscan import _C
@@ -313,7 +313,7 @@ def test_host_run_rejects_a_bad_table():
 
 @pytest.fixture
 def cuda_backend():
-    from nanscan.backends.cuda import CudaBackend
+    from nanscan.engine.backends.cuda import CudaBackend
     return CudaBackend()
 
 
@@ -321,8 +321,8 @@ def cuda_backend():
 def block_sizes(request, monkeypatch):
     """As shipped (these small inputs fit one block), and with tiny shares, so that many blocks split each tensor."""
     if request.param == "many blocks":
-        monkeypatch.setattr("nanscan.backends.cuda.MIN_BLOCK_BYTES", 1024)
-        monkeypatch.setattr("nanscan.backends.cuda.PIECE_COST_BYTES", 64)
+        monkeypatch.setattr("nanscan.engine.backends.cuda.MIN_BLOCK_BYTES", 1024)
+        monkeypatch.setattr("nanscan.engine.backends.cuda.PIECE_COST_BYTES", 64)
     return request.param
 
 

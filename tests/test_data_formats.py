@@ -21,7 +21,7 @@ from PIL import Image
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.data import check_paths
 
 

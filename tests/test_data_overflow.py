@@ -20,10 +20,10 @@ from safetensors.torch import save_file as save_torch
 
 import nanscan.data
 from nanscan import demo as D
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.data import arrays, check_paths, columnar, numeric, records
 from nanscan.data import checker as checker_module
-from nanscan.headroom import OVERFLOW_MIN
+from nanscan.engine.headroom import OVERFLOW_MIN
 
 BELOW = float(np.nextafter(2.0 ** 64, 0))  # the largest float64 below 2**64: not an overflow value
 F32_MAX = float(np.finfo(np.float32).max)

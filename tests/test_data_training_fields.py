@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.data import TrainingFields, check, check_paths
 from nanscan.data.records import digest_object
 

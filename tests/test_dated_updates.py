@@ -1,5 +1,5 @@
 """An update that writes non-finite weights is dated to it by the next check, from stamps the update's hook took
-(nanscan.monitor_update NOTE: [dated updates]): the same incident as the post-update scan's, one check later, and
+(nanscan.runtime.update NOTE: [dated updates]): the same incident as the post-update scan's, one check later, and
 never for a write that came after the update."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 import real_failures as R
 from test_carried_records import train_step as step  # one checked step, then its update
 from nanscan.bundle import load_bundle
-from nanscan.monitor import Monitor, NonFiniteError
+from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.replay import replay
 
 NOT_SPECIFIC = "not sample-specific"

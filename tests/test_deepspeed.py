@@ -28,7 +28,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 
 from nanscan import load_bundle  # noqa: E402
 from nanscan.bundle import BundleSet  # noqa: E402
-from nanscan.cli import main  # noqa: E402
+from nanscan.cli.main import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -262,7 +262,7 @@ def test_a_plain_monitor_refuses_an_engine_and_names_the_adapter(zero):
 
 def test_import_nanscan_does_not_import_deepspeed():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = "import sys, nanscan, nanscan.monitor, nanscan.integrations\nprint('deepspeed' in sys.modules)"
+    code = "import sys, nanscan, nanscan.runtime.monitor, nanscan.integrations\nprint('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          timeout=120).stdout
     assert out.split()[-1] == "False"

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from nanscan import demo as D
 from nanscan.bundle import load_bundle
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.entry import build_spec
 
 ROOT = Path(__file__).resolve().parents[1]

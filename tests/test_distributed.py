@@ -28,12 +28,12 @@ from spawn_ranks import spawn
 
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan.bundle import BundleError
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.bundle import BundleSet
 from nanscan.bundle.rank_set import INDEX
 from nanscan.incident import OTHER_RANK
 from nanscan.entry import ReplaySpec, replay_entry as marked_entry
-from nanscan.triage import triage
+from nanscan.review.triage import triage
 
 FAULT_RANK = 1
 FAULT_STEP = 7
@@ -505,7 +505,7 @@ def test_process_group_without_torch_distributed_is_refused():
 def test_a_monitor_closed_by_an_exception_still_waits_for_its_last_collective(caplog):
     """A collective in flight when the process group is destroyed can abort the process (gloo), so discarding the
     unread async verdict waits for it, bounded; a failure there is logged, never raised over the loop's error."""
-    from nanscan.distributed import DISCARD_WAIT, Agreement, _Pending
+    from nanscan.runtime.distributed import DISCARD_WAIT, Agreement, _Pending
 
     class Work:
         def __init__(self, error=None):

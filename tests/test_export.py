@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import replay_entries as E
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.replay import ReplayError, export_regression, record_replay, replay
 from nanscan.testing import RegressionCaseError, assert_step_finite, load_regression_case
 

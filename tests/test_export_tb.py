@@ -27,14 +27,14 @@ from tensorboard.util.tensor_util import make_ndarray  # noqa: E402
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 import nanscan  # noqa: E402
-from nanscan import _layout as L  # noqa: E402
+from nanscan.engine import _layout as L  # noqa: E402
 from nanscan.integrations import live  # noqa: E402
 from nanscan.bundle import load_bundle  # noqa: E402
-from nanscan.cli import main  # noqa: E402
+from nanscan.cli.main import main  # noqa: E402
 from nanscan.integrations.tensorboard import (  # noqa: E402
     HISTOGRAM_DESCRIPTION, EventFile, TensorBoardExport, TensorBoardSink, histogram_tag,
 )
-from nanscan.monitor import Monitor  # noqa: E402
+from nanscan.runtime.monitor import Monitor  # noqa: E402
 
 import export_runs  # noqa: E402
 from export_runs import FAIL_AT, small_model  # noqa: E402

@@ -21,10 +21,10 @@ import pytest
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
-from nanscan import _layout as L  # noqa: E402
+from nanscan.engine import _layout as L  # noqa: E402
 from nanscan.integrations.live import group_of  # noqa: E402
 from nanscan.integrations.wandb import WandbExport  # noqa: E402
-from nanscan.monitor import Monitor  # noqa: E402
+from nanscan.runtime.monitor import Monitor  # noqa: E402
 
 import export_runs  # noqa: E402
 from export_runs import FAIL_AT, small_model  # noqa: E402

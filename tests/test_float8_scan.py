@@ -17,7 +17,7 @@ import torch
 
 import nanscan
 from conftest import FLOAT8_DTYPES, BitTables, assert_records_match
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 
 BLOCK = 4096  # kBlockBytes: a block of float8 is 4096 elements
 
@@ -51,8 +51,9 @@ def scan_both(tensors: dict[str, torch.Tensor], backend, label: str) -> nanscan.
 
 def backend_for(name: str, chunk: int | None):
     if name == "cpu":
-        return nanscan.backends.CpuBackend() if chunk is None else nanscan.backends.CpuBackend(chunk_elems=chunk)
-    from nanscan.backends.numba_cpu import NumbaBackend
+        return (nanscan.engine.backends.CpuBackend() if chunk is None
+                else nanscan.engine.backends.CpuBackend(chunk_elems=chunk))
+    from nanscan.engine.backends.numba_cpu import NumbaBackend
 
     return NumbaBackend() if chunk is None else NumbaBackend(chunk_elems=chunk)
 
@@ -138,7 +139,8 @@ def test_records_do_not_depend_on_threads(dtype):
     pytest.importorskip("nanscan._C")
     rng = np.random.default_rng(8)
     tensors = {"gauss": BitTables.tensor(background(dtype, 40 * BLOCK + 3, rng), dtype)}
-    runs = [nanscan.scan(tensors, backend=nanscan.backends.CpuBackend(chunk_elems=3 * BLOCK, num_threads=n)).records
+    runs = [nanscan.scan(tensors,
+                         backend=nanscan.engine.backends.CpuBackend(chunk_elems=3 * BLOCK, num_threads=n)).records
             for n in (1, 2, 5)]
     for records in runs[1:]:
         assert np.array_equal(records, runs[0])
@@ -183,7 +185,7 @@ def test_subnormals_at_step_edges(byte_backend, dtype, chunk):
     assert report["a special block with subnormals"].nan + report["a special block with subnormals"].posinf == 1
 
 
-NUMBA_GROUP, NUMBA_BYTE_BLOCK = 960, 3840  # nanscan.backends.numba_blocks.GROUP_ELEMS, numba_bytes._BYTE_BLOCK
+NUMBA_GROUP, NUMBA_BYTE_BLOCK = 960, 3840  # nanscan.engine.backends.numba_blocks.GROUP_ELEMS, numba_bytes._BYTE_BLOCK
 
 
 @pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=str)

@@ -14,7 +14,7 @@ from torch import nn
 from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.format import MANIFEST, STATE
 from nanscan.bundle.frozen import tensor_sha256
-from nanscan.monitor import Monitor, NonFiniteError
+from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.replay import Replayer
 from nanscan.replay.export import export_regression
 from nanscan.replay.step import ReplayError

@@ -1,5 +1,5 @@
 """A real PEFT LoRA model (a tiny GPT-2 built from its config, nothing downloaded): its frozen base is carried
-between checks with records equal to a fresh scan's (nanscan.plans NOTE: [frozen records]), and its bundle
+between checks with records equal to a fresh scan's (nanscan.engine.plans NOTE: [frozen records]), and its bundle
 references every frozen weight by sha256 (nanscan.bundle.frozen NOTE: [frozen references])."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from integration_models import VOCAB, tiny_gpt2
 
 from nanscan.bundle import load_bundle
 from nanscan.bundle.frozen import tensor_sha256
-from nanscan.monitor import Monitor, NonFiniteError
-from nanscan.plans import BatchPlan, ModelScanPlan
+from nanscan.runtime.monitor import Monitor, NonFiniteError
+from nanscan.engine.plans import BatchPlan, ModelScanPlan
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
 

@@ -1,6 +1,6 @@
 """Frozen parameters are read when they change and at a period, their last records standing in otherwise
-(nanscan.plans NOTE: [frozen records]): a run's records are the same as a fresh scan's at every check, every write
-that moves a stamp is seen at the next check, a NaN written through `.data` is still named at that check, and
+(nanscan.engine.plans NOTE: [frozen records]): a run's records are the same as a fresh scan's at every check, every
+write that moves a stamp is seen at the next check, a NaN written through `.data` is still named at that check, and
 parameters frozen or unfrozen between steps are handled."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from nanscan.monitor import Monitor
-from nanscan.plans import BatchPlan, ModelScanPlan
+from nanscan.runtime.monitor import Monitor
+from nanscan.engine.plans import BatchPlan, ModelScanPlan
 from nanscan.scan import scan
 
 

@@ -1,4 +1,4 @@
-"""nanscan.headroom on hand-built exponent histograms (binades that overflow, turn subnormal or flush to zero in
+"""nanscan.engine.headroom on hand-built exponent histograms (binades that overflow, turn subnormal or flush to zero in
 float16, bfloat16 and the float8 formats) and against torch's own casts: float32 values from every binade, random
 data of several scales with the formats' edges planted, and every float16 and bfloat16 pattern, scanned and then
 cast; the two agree except for the values the headroom module docstring lists, and those are checked to be
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan import _layout as L
-from nanscan.headroom import FORMATS
+from nanscan.engine import _layout as L
+from nanscan.engine.headroom import FORMATS
 
 
 def hist_of(*binades: int, count: int = 1) -> np.ndarray:

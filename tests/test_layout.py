@@ -1,6 +1,6 @@
 """The package's structure holds: no import cycle among nanscan's modules (imports inside functions counted), no
-module importing another's private name, every module opening with a purpose line, and the layers importing one
-way only (tools -> runtime -> evidence -> engine; ARCHITECTURE.md)."""
+module importing another's private name, every module opening with a purpose line, and the layers, each its
+folders, importing one way only (tools -> runtime -> evidence -> engine; ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 
-# Each layer may import its own modules and those of the layers after it, never those before it.
+# Each layer may import its own modules and those of the layers after it, never those before it. A layer is its
+# folders (and the few public-face modules at the package's top that belong to it).
 LAYERS = {
-    "tools": ("cli", "_cli", "demo", "demo_cli", "report", "replay", "ablate", "triage", "preflight", "preflight_cli",
-              "preflight_options", "data", "testing", "bench_scan", "bench_cli", "bench_options", "export", "__main__"),
-    # integrations: adapters for other frameworks; at the runtime's level, beside the Monitor, which opens the
-    # TensorBoard export, and which the trainer adapters drive
-    "runtime": ("monitor", "default_monitor", "monitor_verdict", "monitor_update", "spikes", "distributed", "snapshot", "history", "amp",
-                "integrations"),
-    "evidence": ("bundle", "provenance", "entry"),
-    "engine": ("incident", "scan", "plans", "dispatch", "inputs", "backends", "pending", "stats", "headroom",
-               "compact", "_native", "_layout", "_atomic", "_lazy"),
+    # the workflow before and after a run, and the command line
+    "tools": ("cli", "replay", "review", "data", "demo", "preflight", "testing", "bench_scan", "__main__"),
+    # the every-step path; integrations: adapters for other frameworks, at the runtime's level, beside the Monitor,
+    # which opens the TensorBoard export, and which the trainer adapters drive
+    "runtime": ("runtime", "integrations"),
+    "evidence": ("bundle", "entry"),
+    # incident: the vocabulary every layer shares; scan: the nanscan.scan entry point
+    "engine": ("engine", "incident", "scan", "_atomic", "_lazy"),
 }
 ORDER = list(LAYERS)
 
@@ -153,11 +153,27 @@ def _layer(name: str) -> str:
     raise AssertionError(f"{name} belongs to no layer: add it to LAYERS in tests/test_layout.py and ARCHITECTURE.md")
 
 
+def _upward(name: str, edges: dict[str, set[str]]) -> list[str]:
+    """What `name` imports from a layer above its own."""
+    mine = ORDER.index(_layer(name))
+    return sorted(target for target in edges[name] if target != "nanscan" and ORDER.index(_layer(target)) < mine)
+
+
 @pytest.mark.parametrize("name", [n for n in MODULES if n != "nanscan"])
 def test_imports_point_down_the_layers(name):
-    mine = ORDER.index(_layer(name))
-    upward = [target for target in _edges()[name] if target != "nanscan" and ORDER.index(_layer(target)) < mine]
-    assert upward == [], f"{name} ({ORDER[mine]}) imports from a layer above it"
+    assert _upward(name, _edges()) == [], f"{name} ({_layer(name)}) imports from a layer above it"
+
+
+def test_an_upward_import_is_found():
+    edges = {"nanscan.engine.stats": {"nanscan.runtime.monitor", "nanscan.incident"},
+             "nanscan.bundle.write": {"nanscan.engine.stats"}}
+    assert _upward("nanscan.engine.stats", edges) == ["nanscan.runtime.monitor"]
+    assert _upward("nanscan.bundle.write", edges) == []
+
+
+def test_every_package_folder_belongs_to_a_layer():
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders == {top for tops in LAYERS.values() for top in tops if (PACKAGE / top).is_dir()}
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan import _layout as L
-from nanscan import backends
+from nanscan.engine import _layout as L
+from nanscan.engine import backends
 from nanscan import demo as D
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -1,4 +1,4 @@
-"""Checks per micro-batch under gradient accumulation (nanscan.monitor_verdict NOTE: [micro-batch checks]): steps
+"""Checks per micro-batch under gradient accumulation (nanscan.runtime.verdict NOTE: [micro-batch checks]): steps
 count optimizer steps, a NaN is the incident of its step at its micro-batch with that micro-batch as the batch,
 healthy accumulation raises no alarm, and under DDP's no_sync() the rank whose micro-batch went bad is named."""
 

@@ -18,8 +18,8 @@ from torch import nn
 import nanscan
 from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
 from nanscan.incident import CATEGORIES, categorize
-import nanscan.default_monitor as defaults
-from nanscan.default_monitor import default_monitor
+import nanscan.runtime.default as defaults
+from nanscan.runtime.default import default_monitor
 
 FAULT_STEP = 3
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from conftest import assert_records_match
-from nanscan import _layout as L
-from nanscan.backends import CpuBackend
+from nanscan.engine import _layout as L
+from nanscan.engine.backends import CpuBackend
 from nanscan.bench_scan import peak_extra_bytes
-from nanscan.inputs import prepare_all
+from nanscan.engine.inputs import prepare_all
 from nanscan.scan import scan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CODES = {torch.float16: L.FLOAT16, torch.bfloat16: L.BFLOAT16, torch.float32: L.FLOAT32, torch.float64: L.FLOAT64}
 
 
-# -- the extension and nanscan/_layout.py describe one layout ------------------------------------------------------
+# -- the extension and nanscan/engine/_layout.py describe one layout ---------------------------------------------------
 
 def test_build_info_matches_layout(native):
     info = native.build_info()
@@ -414,7 +414,7 @@ sys.path.insert(0, {tests!r})
 import numpy as np, torch
 import nanscan
 from nanscan import _C
-from nanscan.backends import CpuBackend
+from nanscan.engine.backends import CpuBackend
 from test_native_build import kernel_path_tensors, DTYPES
 from conftest import assert_records_match
 for dtype in DTYPES:
@@ -460,7 +460,7 @@ def test_portable_kernel_matches_the_reference(tmp_path, arch):
     if arch != "0":
         if not {"avx2", "popcnt", "bmi1", "bmi2", "fma", "f16c"} <= cpu_flags():
             pytest.skip(f"this CPU cannot run code built for {arch}")
-        from nanscan._native import native_module
+        from nanscan.engine._native import native_module
         try:
             native_float8 = native_module().build_info()["cpu_float8"]
         except ImportError:

@@ -21,10 +21,10 @@ import torch
 
 import nanscan
 from conftest import FLOAT8_DTYPES, BitTables, assert_records_match
-from nanscan import _layout as L
-from nanscan.backends import numba_cuda as B
-from nanscan.backends.reference import ReferenceBackend
-from nanscan.inputs import prepare
+from nanscan.engine import _layout as L
+from nanscan.engine.backends import numba_cuda as B
+from nanscan.engine.backends.reference import ReferenceBackend
+from nanscan.engine.inputs import prepare
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ CASES = _cases()
 SIMULATE = """
 import json, sys
 import numpy as np
-from nanscan.backends import numba_cuda as B
+from nanscan.engine.backends import numba_cuda as B
 calls = json.loads(open(sys.argv[1]).read())
 arrays = np.load(sys.argv[2], allow_pickle=False)
 out = {}

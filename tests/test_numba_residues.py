@@ -1,5 +1,5 @@
 """The numba backend's residue counters (NOTE: [16-bit words], NOTE: [rotated counts] in
-nanscan/backends/numba_blocks.py) against counts taken with numpy: both word forms, the rotating one that AVX-512
+nanscan/engine/backends/numba_blocks.py) against counts taken with numpy: both word forms, the rotating one that AVX-512
 machines run and the masked one of AVX2 machines, on every CPU, so the form this machine does not run is checked too.
 Counts are compared with `==`, on random bits (signs, NaNs, infinities and subnormals included: the counters see
 bits only) and on every 16-bit pattern.
@@ -12,7 +12,7 @@ import pytest
 
 numba = pytest.importorskip("numba", reason="the numba backend is optional")
 
-from nanscan.backends import numba_blocks as B  # noqa: E402  (after the importorskip)
+from nanscan.engine.backends import numba_blocks as B  # noqa: E402  (after the importorskip)
 
 # (element width in bits, numpy type, mantissa bits of the formats that use it)
 WIDTHS = [(16, np.uint16, 7), (16, np.uint16, 10), (32, np.uint32, 23)]

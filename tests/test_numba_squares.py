@@ -13,14 +13,14 @@ import torch
 import nanscan
 from conftest import FLOAT8_DTYPES, assert_records_match
 
-NUMBA_BLOCK = 1920  # nanscan.backends.numba_cpu._BLOCK_ELEMS
-NUMBA_GROUP = 960  # nanscan.backends.numba_blocks.GROUP_ELEMS
+NUMBA_BLOCK = 1920  # nanscan.engine.backends.numba_cpu._BLOCK_ELEMS
+NUMBA_GROUP = 960  # nanscan.engine.backends.numba_blocks.GROUP_ELEMS
 LENGTHS = (NUMBA_GROUP - 1, NUMBA_GROUP + 1, NUMBA_BLOCK, NUMBA_BLOCK + NUMBA_GROUP + 7, 3 * NUMBA_BLOCK + 5)
 
 
 def agree(numba_backend, tensors: dict[str, torch.Tensor]) -> None:
     """The default backend and ones with chunks that end inside a group and on a block, against the reference."""
-    from nanscan.backends.numba_cpu import NumbaBackend  # numba is optional: only these tests need the module
+    from nanscan.engine.backends.numba_cpu import NumbaBackend  # numba is optional: only these tests need the module
 
     numba_backend.check(tensors)
     want = nanscan.scan(tensors, backend="reference").records
@@ -98,7 +98,7 @@ def test_float16_normal_blocks_counted_on_their_own_fields(numba_backend, lo_exp
 def float8_window(dtype: torch.dtype, field_lo: int, field_hi: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """n one-byte values whose exponent fields span [field_lo, field_hi] exactly (field 0: subnormals), a third
     of them zeros, signs mixed; none is NaN or inf."""
-    from nanscan import _layout as L
+    from nanscan.engine import _layout as L
 
     f = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]]
     fields = torch.randint(field_lo, field_hi + 1, (n,), generator=gen)
@@ -121,7 +121,7 @@ def test_float8_field_windows(numba_backend, dtype):
     """Blocks whose fields span 1, 15, 16 and 17 fields from each start, with and without subnormals: 5-bit fields
     are counted in one residue word when they span fewer than 16 (zeros taken out of residue 0), in the two-word
     window otherwise; lengths leave tails past the last whole group."""
-    from nanscan import _layout as L
+    from nanscan.engine import _layout as L
 
     exp_bits = L.FORMATS[L.DTYPE_CODES[str(dtype).removeprefix("torch.")]].exp_bits
     top = (1 << exp_bits) - 1

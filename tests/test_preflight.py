@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nanscan import _layout as L
-from nanscan.cli import main
+from nanscan.engine import _layout as L
+from nanscan.cli.main import main
 from nanscan.entry import EntryError, build_spec
 from nanscan.preflight import headroom_report, run_canary, run_preflight
 

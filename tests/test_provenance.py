@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from nanscan import _atomic, provenance
-from nanscan.provenance import (ConfigError, capture_rng, config_sha256, normalize_config, restore_rng,
-                                rng_from_tensors, rng_to_tensors)
+from nanscan import _atomic
+from nanscan.bundle import provenance
+from nanscan.bundle.provenance import (ConfigError, capture_rng, config_sha256, normalize_config, restore_rng,
+                                       rng_from_tensors, rng_to_tensors)
 
 
 def _git(repo: Path, *args: str) -> str:

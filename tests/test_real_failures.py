@@ -16,11 +16,11 @@ from click.testing import CliRunner
 from torch import nn
 
 from nanscan.bundle import load_bundle
-from nanscan.cli import main
-from nanscan.monitor import Monitor, NonFiniteError
+from nanscan.cli.main import main
+from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.preflight import run_preflight
 from nanscan.replay import record_replay, replay
-from nanscan.report import summarize
+from nanscan.review.report import summarize
 
 SOURCE = Path(R.__file__).read_text().splitlines()
 NOT_SPECIFIC = "not sample-specific"
@@ -193,7 +193,7 @@ def test_preflight_flags_an_eps_that_is_zero_in_the_parameters_dtype():
                                                        (False, (1, "parameter"), "at step 1")])
 def test_post_update_auto_dates_float32_updates(post_update, caught, seen, tmp_path):
     # float32 weights, a step so large it overflows: "auto" dates float32 updates at the next check, which scans
-    # them anyway (nanscan.monitor_update NOTE: [dated updates]); True scans right after the update
+    # them anyway (nanscan.runtime.update NOTE: [dated updates]); True scans right after the update
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e38)
     monitor = Monitor(model, optimizer, bundle_dir=tmp_path, spikes=None, post_update=post_update)

@@ -16,7 +16,7 @@ from rich.console import Console
 from torch import nn
 
 from nanscan.bundle import load_bundle
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.replay import (Replayer, ReplayError, StepOptions, StepOutcome, bisect_samples, ddmin, localize,
                             record_replay, replay, run_step, select_samples)
 from nanscan.replay.cli import print_replay
@@ -343,11 +343,11 @@ def test_not_reproduced_from_inexact_conditions_does_not_blame_hardware(tmp_path
 
 
 def test_without_recorded_rng_every_replay_draws_the_same(tmp_path, monkeypatch):
-    import nanscan.monitor
-    import nanscan.monitor_verdict
+    import nanscan.runtime.monitor
+    import nanscan.runtime.verdict
 
-    # at the step's start (the Monitor's forward pre-hook) and at the incident (nanscan.monitor_verdict)
-    for module in (nanscan.monitor, nanscan.monitor_verdict):
+    # at the step's start (the Monitor's forward pre-hook) and at the incident (nanscan.runtime.verdict)
+    for module in (nanscan.runtime.monitor, nanscan.runtime.verdict):
         monkeypatch.setattr(module, "capture_rng", lambda *args, **kwargs: {})
     path = E.train("poisoned_sample", tmp_path)
     monkeypatch.undo()

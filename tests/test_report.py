@@ -20,13 +20,13 @@ from PIL import Image
 from safetensors.torch import load_file, save
 from torch import nn
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan import demo as D
 from nanscan.bundle import load_bundle
 from nanscan.bundle.history import history_payload
-from nanscan.cli import main
-from nanscan.monitor import Monitor, NonFiniteError
-from nanscan.report import render_html, split_name, summarize
+from nanscan.cli.main import main
+from nanscan.runtime.monitor import Monitor, NonFiniteError
+from nanscan.review.report import render_html, split_name, summarize
 
 
 def strict_json(text: str):

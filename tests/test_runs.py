@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.data.runs import check_runs
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import nanscan
-from nanscan import backends
-from nanscan.inputs import prepare
+from nanscan.engine import backends
+from nanscan.engine.inputs import prepare
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The Monitor's every-step inputs (nanscan.plans.ModelScanPlan, NOTE: [model scan plan]): reused while nothing
+"""The Monitor's every-step inputs (nanscan.engine.plans.ModelScanPlan, NOTE: [model scan plan]): reused while nothing
 changed, rebuilt as soon as anything did, and always equal to preparing every tensor from scratch.
 
 Each test changes the model or optimizer the way training code does (a layer replaced, weights cast, state
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 import nanscan
-import nanscan.monitor as monitor_module
+import nanscan.runtime.monitor as monitor_module
 from conftest import native_extension_expected
-from nanscan import backends
-from nanscan.backends import BackendUnavailable
-from nanscan.inputs import ScanInputs, UnsupportedTensorError, prepare
-from nanscan.dispatch import select_for_part
-from nanscan.plans import ModelScanPlan
+from nanscan.engine import backends
+from nanscan.engine.backends import BackendUnavailable
+from nanscan.engine.inputs import ScanInputs, UnsupportedTensorError, prepare
+from nanscan.engine.dispatch import select_for_part
+from nanscan.engine.plans import ModelScanPlan
 from nanscan.scan import model_inputs, scan_inputs
 
 
@@ -331,7 +331,7 @@ def test_the_plan_does_not_keep_gradients_alive(new_plan):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("value", [2.5, -0.0, -3.0e-5, 65504.0, float("nan"), float("-inf")])
 def test_host_scalar_reads_the_loss_as_item_does(dtype, value):
-    from nanscan.inputs import prepare
+    from nanscan.engine.inputs import prepare
 
     t = torch.tensor(value, dtype=dtype)
     read = prepare("loss", t).host_scalar()
@@ -432,7 +432,7 @@ def test_one_call_falls_back_to_launch_for_another_backend():
 
 def test_tensor_reads_through_torch_are_used_only_for_the_torch_they_were_built_for(monkeypatch):
     """nanscan._torch_access reads torch's objects by their C++ layout: built for another torch, it is not used."""
-    import nanscan._native as native_module
+    import nanscan.engine._native as native_module
 
     access = pytest.importorskip("nanscan._torch_access")
     if native_extension_expected():

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from nanscan import _layout as L
-from nanscan.backends.cpu import CpuBackend
-from nanscan.monitor import Monitor
-from nanscan.plans import BatchPlan, ModelScanPlan
+from nanscan.engine import _layout as L
+from nanscan.engine.backends.cpu import CpuBackend
+from nanscan.runtime.monitor import Monitor
+from nanscan.engine.plans import BatchPlan, ModelScanPlan
 
 
 def test_the_table_refuses_what_a_scan_refuses(native):

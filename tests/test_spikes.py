@@ -17,13 +17,13 @@ from torch import nn
 import nanscan
 from nanscan import demo as D
 from nanscan import load_bundle
-from nanscan.cli import main as cli_main
+from nanscan.cli.main import main as cli_main
 from nanscan.incident import SPIKE, SpikeWarning, layer_of
-from nanscan.monitor import Monitor
-from nanscan.report import summarize
-from nanscan.spikes import (QUANTITIES, DeviceStats, HostStats, Rows, SpikeRule, device_log_values, log_values,
-                            scores_from_verdict)
-from nanscan.triage import triage
+from nanscan.runtime.monitor import Monitor
+from nanscan.review.report import summarize
+from nanscan.runtime.spikes import (QUANTITIES, DeviceStats, HostStats, Rows, SpikeRule, device_log_values, log_values,
+                                    scores_from_verdict)
+from nanscan.review.triage import triage
 
 import spike_runs as R
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from nanscan import _layout as L
-from nanscan import compact
-from nanscan.inputs import read_host_scalar
-from nanscan.monitor import Monitor
-from nanscan.pending import HostScan
-from nanscan.plans import BatchPlan, ModelScanPlan
-from nanscan.spikes import Rows, log_values, logs_of_sums
-from nanscan.stats import Scaling, ScannedTensor
+from nanscan.engine import _layout as L
+from nanscan.engine import compact
+from nanscan.engine.inputs import read_host_scalar
+from nanscan.runtime.monitor import Monitor
+from nanscan.engine.pending import HostScan
+from nanscan.engine.plans import BatchPlan, ModelScanPlan
+from nanscan.runtime.spikes import Rows, log_values, logs_of_sums
+from nanscan.engine.stats import Scaling, ScannedTensor
 
 LOSS_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # Loss values that matter: ordinary, negative, signed zeros, subnormal in float16, huge, inf, NaN.
@@ -47,7 +47,7 @@ def python_summary(host: HostScan) -> tuple:
     rows = Rows.of(host.tensors)
     sumsq = records[:, L.REC_SUMSQ].view(np.float64)
     grad = 0.0
-    for r in rows.grad:  # row order, from 0.0, as nanscan.spikes.log_values adds them
+    for r in rows.grad:  # row order, from 0.0, as nanscan.runtime.spikes.log_values adds them
         grad += float(sumsq[r])
     loss = float(sumsq[rows.loss[0]]) if len(rows.loss) else None
     return compact.encode_reference(records), grad, loss
@@ -191,7 +191,7 @@ def adversarial_batch() -> dict[str, torch.Tensor]:
 def test_the_summary_of_corner_records_is_the_reference_compaction(native, tmp_path, chunk_elems):
     """Records of one chunk and merged from many, of empty tensors, zeros, NaNs and every bfloat16 pattern compact
     in the summary exactly as the reference compacts them."""
-    from nanscan.backends.cpu import CpuBackend
+    from nanscan.engine.backends.cpu import CpuBackend
 
     model, optimizer = model_and_optimizer()
     x = torch.randn(5, 6)

@@ -1,4 +1,4 @@
-"""Monitor(source=...) (nanscan.plans NOTE: [tensor source]): a source that keeps a model's tensors outside its
+"""Monitor(source=...) (nanscan.engine.plans NOTE: [tensor source]): a source that keeps a model's tensors outside its
 parameters, here named views into one flat buffer, is scanned in place of the module's own, a NaN in the buffer is
 named by the view that holds it, and the bundle stores the source's state."""
 
@@ -9,8 +9,8 @@ import torch
 
 from nanscan import Monitor, NonFiniteError, load_bundle
 from nanscan.incident import tensor_name
-from nanscan.inputs import ScanInputs, prepare
-from nanscan.plans import as_step_inputs
+from nanscan.engine.inputs import ScanInputs, prepare
+from nanscan.engine.plans import as_step_inputs
 
 
 class FlatSource:

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("lightning.pytorch")
 
 import nanscan  # noqa: E402
-from nanscan.ablate import ablate  # noqa: E402
+from nanscan.replay.ablate import ablate  # noqa: E402
 from nanscan.bundle import load_bundle  # noqa: E402
 from nanscan.integrations.lightning import NanscanCallback as LightningCallback  # noqa: E402
 from nanscan.integrations.rebuild import NUM_ITEMS, select_rows  # noqa: E402

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 import replay_entries as E
 from nanscan.bundle import load_bundle
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.replay import record_replay, replay
-from nanscan.triage import NOT_REPLAYED, find_bundle_dirs, triage
+from nanscan.review.triage import NOT_REPLAYED, find_bundle_dirs, triage
 
 
 def _incidents(root):

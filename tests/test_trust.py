@@ -18,10 +18,10 @@ from click.testing import CliRunner
 
 import nanscan
 import replay_entries as E
-from nanscan.cli import main
+from nanscan.cli.main import main
 from nanscan.entry import (EntryWarning, UntrustedError, build_spec, is_marked_entry, load_entry, replay_entry)
 from nanscan.integrations.rebuild import RECIPE_KEY, REPLAY_ENTRY
-from nanscan.provenance import config_sha256
+from nanscan.bundle.provenance import config_sha256
 from nanscan.replay import Replayer
 from nanscan.replay.export import export_regression
 from nanscan.replay.reproduce import replay

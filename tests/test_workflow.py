@@ -21,16 +21,16 @@ from click.testing import CliRunner
 from torch import nn
 
 import nanscan
-from nanscan.ablate import ablate, record_ablation
+from nanscan.replay.ablate import ablate, record_ablation
 from nanscan.bundle import BundleError, load_bundle
-from nanscan.cli import main
-from nanscan.default_monitor import default_monitor
+from nanscan.cli.main import main
+from nanscan.runtime.default import default_monitor
 from nanscan.entry import EntryError, EntryWarning, entry_search_dirs, locate_entry
 from nanscan.replay import replay
 from nanscan.replay.export import export_regression
 from nanscan.replay.localize import ValueSummary
 from nanscan.replay.reproduce import record_replay
-from nanscan.triage import triage
+from nanscan.review.triage import triage
 
 TESTS_DIR = Path(__file__).resolve().parent
 README = TESTS_DIR.parent / "README.md"
@@ -306,7 +306,8 @@ def test_the_readme_preflight_example_runs_as_written(tmp_path):
     (tmp_path / "mypkg" / "train.py").write_text(_readme_entry_example())
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"id": i, "text": "a b c"}) + "\n" for i in range(8)))
     # the console script's way: the current directory is not on sys.path, nanscan adds it for the entry
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.path.pop(0); from nanscan.cli import main; main()",
+    run = subprocess.run([sys.executable, "-c",
+                          "import sys; sys.path.pop(0); from nanscan.cli.main import main; main()",
                           *argv, "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={**__import__("os").environ,
                               "PYTHONPATH": str(Path(nanscan.__file__).resolve().parent.parent)})

@@ -27,7 +27,7 @@ from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOGS, MANIFEST, RNG, STATE,
                                    STATE_STRUCTURE)
 from nanscan.bundle.write import BundleFiles
-from nanscan.cli import main
+from nanscan.cli.main import main
 
 WRITER = Path(__file__).resolve().parent / "fault_writer.py"
 ERRORS = {errno.ENOSPC: "No space left on device", errno.EIO: "Input/output error"}

@@ -17,9 +17,9 @@ namespace nanscan {
 namespace plan {
 
 // NOTE: [plan check]
-// The per-step check of nanscan.scan.ModelScanPlan (NOTE: [model scan plan] in nanscan/scan.py), done here because
-// in a training step the same check in Python cost more than the scan of a small model: between two checks the
-// forward and backward passes evict the interpreter's code and data from the caches, so each Python function on
+// The per-step check of nanscan.engine.plans.ModelScanPlan (NOTE: [model scan plan] in nanscan/engine/plans.py), done
+// here because in a training step the same check in Python cost more than the scan of a small model: between two checks
+// the forward and backward passes evict the interpreter's code and data from the caches, so each Python function on
 // the path costs tens of microseconds. Only identities are compared (the plan holds every object it compares
 // with, so no id can have been reused). Tensors are read through nanscan._torch_access's functions when the caller
 // passes them (NOTE: [tensor access] in csrc/torch/tensor_access.cpp), else through the methods it passes
@@ -152,7 +152,7 @@ bool same_extent(PyObject* tensor, PyObject* expected_dtype, int64_t expected_nb
 
 // NOTE: [scan table]
 // The Monitor's every-step call on the CPU (check_scan_summary) scans a table that changes only when the batch's
-// structure does: the batch's and the loss's inputs, then the model's. So the table is made once (nanscan.plans
+// structure does: the batch's and the loss's inputs, then the model's. So the table is made once (nanscan.engine.plans
 // keeps it with the joined identities) and checked once, and the call takes it whole instead of two arrays that
 // pybind11 checks and converts again at every call, and makes the records array itself instead of being handed
 // one from np.empty. Inside a step of the demo model (caches cold, ~500 us a check) those two had taken 17 us (the
@@ -210,7 +210,7 @@ bool host_value(int64_t address, int32_t code, double& value) {
       value = (bits & 0x8000) ? -magnitude : magnitude;
       return true;
     }
-    default:  // float8: read in Python (nanscan.inputs.read_host_scalar)
+    default:  // float8: read in Python (nanscan.engine.inputs.read_host_scalar)
       return false;
   }
 }
@@ -265,11 +265,11 @@ py::object PlanCheck::check_and_scan(const py::object& optimizer_state, const py
 // What the Monitor reads of a step's records on every check, taken in the call that wrote them while they are in
 // cache: their compact form for the history ring (NOTE: [compact records]), the sums of squares the spike
 // statistic takes the logs of (the loss row's, and the gradient rows' added in row order from 0.0, as
-// nanscan.spikes.log_values adds them), and a one-element loss's value, for the history. Measured inside a real
+// nanscan.runtime.spikes.log_values adds them), and a one-element loss's value, for the history. Measured inside a real
 // step of the demo model, the same work in Python after the call cost about 70 us a check (a second native call
 // for the compaction and its wrapper, a memoryview sum, a ctypes read), all of it in cold caches (NOTE: [cold
-// check path] in nanscan/spikes.py); here it is a pass over records the scan just wrote: the compaction takes about
-// 22 us of the call, the sums and the value under a microsecond.
+// check path] in nanscan/runtime/spikes.py); here it is a pass over records the scan just wrote: the compaction takes
+// about 22 us of the call, the sums and the value under a microsecond.
 py::object PlanCheck::check_scan_summary(const py::object& optimizer_state, const py::list& extra_ptrs,
                                          const ScanTable& table, int64_t chunk_elems, int num_threads,
                                          const py::object& carried, int64_t loss_row) const {
@@ -340,7 +340,7 @@ int64_t PlanCheck::scan_step(const py::object& optimizer_state, const py::list& 
     for (const Reuse& r : reused)
       std::memcpy(out + r.row * record::kWidth, r.record, sizeof(int64_t) * record::kWidth);
   }
-  // NOTE: [frozen records] in nanscan/plans.py: what was scanned now stands in next time
+  // NOTE: [frozen records] in nanscan/engine/plans.py: what was scanned now stands in next time
   for (const Standing& s : standing) {
     if (!s.readable || !(s.moved || whole)) continue;  // nothing reused: every row was scanned now
     std::memcpy(s.stamp, s.now, sizeof(s.now));

@@ -1,6 +1,7 @@
 // plan_check.h: the Monitor's per-step plan checks in C++ (NOTE: [plan check] in plan_check.cpp): PlanCheck for
-// nanscan.scan.ModelScanPlan, batch_leaves for nanscan.inputs.BatchPlan, and the checks of numpy scan arguments that
-// they share with csrc/bindings.cpp. Python-facing: they compare Python objects, through pybind11 and the C API.
+// nanscan.engine.plans.ModelScanPlan, batch_leaves for nanscan.engine.plans.BatchPlan, and the checks of numpy scan
+// arguments that they share with csrc/bindings.cpp. Python-facing: they compare Python objects, through pybind11 and
+// the C API.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -63,11 +64,11 @@ class ScanTable {
 // inputs, parameters, present gradients and state tensors, in that order, and the present gradients.
 // check_and_scan() instead scans them when nothing changed, the check running on the calling thread inside the
 // scan's parallel region (NOTE: [wake overlap] in csrc/cpu/scan_cpu.cpp), and returns None or the number of
-// tensors that hold a NaN or an infinity; records `carried` from a scan since (nanscan.monitor_update NOTE:
+// tensors that hold a NaN or an infinity; records `carried` from a scan since (nanscan.runtime.update NOTE:
 // [carried records]) stand in for the tensors whose stamps did not move, unless the step is non-finite.
 // `carried` is None, one part (stable indices, stamps, records) or a list of parts, a later part's row winning
 // over an earlier one's for the same tensor; a part given as (stable indices, stamps, records, True) is a
-// standing one (nanscan.plans NOTE: [frozen records]): its own arrays are refreshed in place with the stamps and
+// standing one (nanscan.engine.plans NOTE: [frozen records]): its own arrays are refreshed in place with the stamps and
 // records of the tensors this call scanned (those whose stamps moved, or all of them when the step was scanned
 // whole), so it stands in again at the next call. check_scan_summary() is check_and_scan() over a ScanTable's
 // inputs, into records it makes, that also returns them and the step's summary (NOTE: [step summary] in
@@ -93,7 +94,7 @@ class PlanCheck {
                                 int64_t loss_row) const;
 
  private:
-  // A carried record (nanscan.monitor_update NOTE: [carried records]): the table row it fills and its 2 KiB.
+  // A carried record (nanscan.runtime.update NOTE: [carried records]): the table row it fills and its 2 KiB.
   struct Reuse {
     int64_t row;
     const int64_t* record;
@@ -148,8 +149,8 @@ class PlanCheck {
   py::ssize_t num_params_ = 0, num_state_ = 0, num_grads_ = 0;
 };
 
-// The per-step check of nanscan.inputs.BatchPlan (NOTE: [batch plan] in nanscan/inputs.py): whether `batch` and
-// `loss` have the structure of the batch the plan prepared, given as the tuple (kind, keys, dtypes, nbytes,
+// The per-step check of nanscan.engine.plans.BatchPlan (NOTE: [batch plan] in nanscan/engine/plans.py): whether `batch`
+// and `loss` have the structure of the batch the plan prepared, given as the tuple (kind, keys, dtypes, nbytes,
 // tensor_type, tensor_access, loss_dtype, loss_nbytes): kind 0 no batch, 1 one tensor, 2 a dict with `keys` in
 // this order, 3 a list, 4 a tuple; per leaf its dtype object and, for a scanned one, its size in bytes (-1 for a
 // skipped one); leaves and the loss of exactly type tensor_type (torch.Tensor); loss_dtype None for no loss.

@@ -12,10 +12,10 @@
 
 // NOTE: [tensor access]
 // The per-step plan check reads every parameter's, gradient's and optimizer state tensor's data pointer, dtype, size
-// and contiguity, and the batch plan (nanscan/inputs.py) each batch tensor's. Through Python each read is a method call
-// or attribute lookup (about 0.1 us, several times that in a training step, where the interpreter's caches are cold):
-// 465 of them cost 89 us of a 0.45 ms check on the demo model, against 42 us for the same reads here. The price is
-// torch's ABI: the object layouts below (THPVariable, THPDtype, TensorImpl) change between torch releases, so
+// and contiguity, and the batch plan (nanscan/engine/plans.py) each batch tensor's. Through Python each read is a
+// method call or attribute lookup (about 0.1 us, several times that in a training step, where the interpreter's caches
+// are cold): 465 of them cost 89 us of a 0.45 ms check on the demo model, against 42 us for the same reads here. The
+// price is torch's ABI: the object layouts below (THPVariable, THPDtype, TensorImpl) change between torch releases, so
 // nanscan.scan uses this module only when `torch_version` equals the running torch.__version__ (a rebuild of nanscan
 // fixes a mismatch), and otherwise reads through Python. The objects given are the plan's own tensors (torch.Tensor
 // instances, subclasses included) and gradients (which torch's .grad setter keeps tensors); a read torch refuses (a

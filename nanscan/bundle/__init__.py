@@ -5,7 +5,7 @@ frozen (frozen weights by reference), write, read (validation, the Bundle), rank
 
 Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: reading and writing
 bundles needs torch, which `nanscan note --help` and the other subcommands' help must not import (NOTE: [fast help]
-in nanscan/cli.py). format, the names and JSON helpers, needs neither torch nor numpy.
+in nanscan/cli/main.py). format, the names and JSON helpers, needs neither torch nor numpy.
 """
 
 from __future__ import annotations

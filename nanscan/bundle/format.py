@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from nanscan.incident import NONFINITE
 
-if TYPE_CHECKING:  # annotations only: this module stays free of torch and numpy (NOTE: [fast help] in nanscan/cli.py)
-    from nanscan.provenance import SourceInfo
-    from nanscan.stats import ScanReport
+# annotations only: this module stays free of torch and numpy (NOTE: [fast help] in nanscan/cli/main.py)
+if TYPE_CHECKING:
+    from nanscan.bundle.provenance import SourceInfo
+    from nanscan.engine.stats import ScanReport
 
 SCHEMA = "nanscan.bundle/1"
 
@@ -160,19 +161,20 @@ class Incident:
     state_note: str = ""
     logs: Sequence[dict] = ()  # from read_log_tail
     replay_entry: str | None = None
-    # One rank's part of a distributed incident (nanscan.distributed): written to step-<N>/rank-<r>/, with the
+    # One rank's part of a distributed incident (nanscan.runtime.distributed): written to step-<N>/rank-<r>/, with the
     # `distributed` mapping stored in the manifest.
     rank: int | None = None
     distributed: Mapping | None = None
     # Why the step is an incident (nanscan.incident REASONS): a non-finite value, or a streak of GradScaler overflow
-    # skips starting at `step`; `mixed_precision`: autocast, the scaler's state and skips (nanscan.amp), or None.
+    # skips starting at `step`; `mixed_precision`: autocast, the scaler's state and skips (nanscan.runtime.amp), or
+    # None.
     reason: str = NONFINITE
     mixed_precision: Mapping | None = None
-    # The run's spikes up to this step (nanscan.spikes.Spike.to_dict), stored as the manifest's "spikes". A bundle
-    # of category "spike" is the early warning at the last of them: every value finite, and its
+    # The run's spikes up to this step (nanscan.runtime.spikes.Spike.to_dict), stored as the manifest's "spikes". A
+    # bundle of category "spike" is the early warning at the last of them: every value finite, and its
     # "first_invalid_step" is the spike's step (the run's first invalid step came later, if at all).
     spikes: Sequence[Mapping] = ()
-    # The micro-batch of `step` whose check found it, under gradient accumulation (nanscan.monitor NOTE:
+    # The micro-batch of `step` whose check found it, under gradient accumulation (nanscan.runtime.monitor NOTE:
     # [micro-batch checks]); None for the step's own check.
     micro_batch: int | None = None
     # The model-state keys of frozen parameters (requires_grad=False), which the bundle holds by reference: dtype,

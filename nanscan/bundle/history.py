@@ -4,7 +4,7 @@ before these keys load as without a scaler).
 
 NOTE: [sparse history records]
 The records are stored as RECORDS_FORMAT: the compact records of every kept step (NOTE: [compact records] in
-csrc/include/nanscan/compact.h; nanscan.compact), not the dense int64 (rows, RECORD_WIDTH) array (2.1 KB per
+csrc/include/nanscan/compact.h; nanscan.engine.compact), not the dense int64 (rows, RECORD_WIDTH) array (2.1 KB per
 tensor-step). history.safetensors holds
   "scalars"      int64 (rows, REC_HIST): the slots before the histogram, as they are;
   "hist_ranges"  int16 (rows, 2): each row's first occupied bin and width ((0, 0) for an empty histogram);
@@ -22,10 +22,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from nanscan import _layout as L
-from nanscan import compact
+from nanscan.engine import _layout as L
+from nanscan.engine import compact
 from nanscan.bundle.format import HISTORY_INDEX, BundleError, HistoryEntry, float_from_json, is_int, json_float
-from nanscan.stats import ScannedTensor, ScanReport, Scaling
+from nanscan.engine.stats import ScannedTensor, ScanReport, Scaling
 
 
 def history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -88,7 +88,7 @@ def _stored_records(tensors: Mapping[str, torch.Tensor], index: Mapping) -> np.n
 
 def _scaler_fields(report: ScanReport) -> dict:
     """A step's GradScaler keys (none without a scaler): the records stay scaled, the reader unscales them again
-    (NOTE: [unscaled gradients] in nanscan.stats)."""
+    (NOTE: [unscaled gradients] in nanscan.engine.stats)."""
     if report.scaling is None:
         return {}
     return {"scale": json_float(report.scaling.scale), "grads_scaled": report.scaling.scaled,

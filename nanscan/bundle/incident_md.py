@@ -8,7 +8,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
-from nanscan.headroom import FORMATS, headroom_by_kind
+from nanscan.engine.headroom import FORMATS, headroom_by_kind
 from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, SPIKE,
                               explain_category, is_kind, reason_title)
 
@@ -28,7 +28,7 @@ def _fmt(value: Any, missing: str = "n/a") -> str:
 
 
 def grad_norm_text(norm: float | None, nonfinite_gradients: int) -> str:
-    """The gradient norm in words. The recorded norm sums only the finite values (nanscan.stats), so for a step
+    """The gradient norm in words. The recorded norm sums only the finite values (nanscan.engine.stats), so for a step
     whose gradients hold NaN or inf it is not the gradient norm, and is never shown as one."""
     if nonfinite_gradients:
         finite_part = f"; {_fmt(norm)} over their finite values" if norm is not None else ""

@@ -35,7 +35,7 @@ from nanscan.bundle.history import history_from_payload
 from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
 from nanscan.bundle.tree import decode_tree, load_tensors, reading_tensors
 from nanscan.incident import SPIKE
-from nanscan.provenance import config_sha256, restore_rng, rng_from_tensors
+from nanscan.bundle.provenance import config_sha256, restore_rng, rng_from_tensors
 
 try:
     import fcntl
@@ -343,7 +343,7 @@ class Bundle:
 
     @property
     def spikes(self) -> list[dict]:
-        """The run's spikes up to this bundle's step (nanscan.spikes.Spike.to_dict); [] from before spikes."""
+        """The run's spikes up to this bundle's step (nanscan.runtime.spikes.Spike.to_dict); [] from before spikes."""
         return list(self.manifest.get("spikes", []))
 
     @property
@@ -435,7 +435,7 @@ class Bundle:
         return model, optimizer
 
     def rng_state(self) -> dict | None:
-        """RNG states as nanscan.provenance.capture_rng returns them, or None if none were recorded."""
+        """RNG states as nanscan.bundle.provenance.capture_rng returns them, or None if none were recorded."""
         info = self.manifest["rng"]
         if not info.get("file"):
             return None

@@ -34,7 +34,7 @@ from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding,
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
 from nanscan.incident import SPIKE, tensor_kind
-from nanscan.provenance import SourceInfo, config_sha256, rng_to_tensors
+from nanscan.bundle.provenance import SourceInfo, config_sha256, rng_to_tensors
 
 log = logging.getLogger("nanscan")
 

@@ -17,14 +17,14 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan.data.checker import Checker, file_ref
 from nanscan.data.findings import EMPTY, NONFINITE, OVERFLOW, UNREADABLE, RecordRef, overflow_detail, sha256_hex
 from nanscan.data.numeric import (
     as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, nonfinite_mask, overflow_mask,
     scan_tensors,
 )
-from nanscan.headroom import OVERFLOW_EXPONENT, overflow_count, overflow_counts
+from nanscan.engine.headroom import OVERFLOW_EXPONENT, overflow_count, overflow_counts
 
 SCAN_BYTES = 16 << 20  # array memory per core-scan call: enough for the thread team, little to re-read
 
@@ -185,7 +185,7 @@ class ArrayCheck:
 # NOTE: [locating values] A chunk the scan flags is not searched with elementwise torch ops over its whole length
 # (each allocates and writes a full-size mask). It is cut into pieces of LOCATE_ELEMS that one multi-tensor scan
 # covers; only the pieces whose record shows a non-finite value, an overflow value (NOTE: [overflow] in
-# nanscan/headroom.py), or the largest absolute value, are searched.
+# nanscan/engine/headroom.py), or the largest absolute value, are searched.
 LOCATE_ELEMS = 1 << 14
 
 

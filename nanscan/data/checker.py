@@ -29,7 +29,7 @@ from nanscan.data.findings import (
 from nanscan.data.numeric import (
     as_scannable, describe_nonfinite, describe_overflow, largest_finite_element, overflow_mask, scan_tensors,
 )
-from nanscan.headroom import overflow_counts
+from nanscan.engine.headroom import overflow_counts
 from nanscan.data.tokens import WhitespaceTokenizer, load_tokenizer
 
 DEFAULT_MAX_FINDINGS = 1000
@@ -165,7 +165,7 @@ class NumericBatch:
 
     Python floats found while walking records are pooled into one float64 array; arrays and tensors are scanned
     in place. Non-finite values become one `nonfinite` finding per (record, top-level field), overflow values
-    (NOTE: [overflow] in nanscan/headroom.py) one `overflow` finding per (record, top-level field).
+    (NOTE: [overflow] in nanscan/engine/headroom.py) one `overflow` finding per (record, top-level field).
     """
 
     MAX_ITEMS = 4096

@@ -19,7 +19,7 @@ import torch
 from nanscan.data.checker import Checker
 from nanscan.data.findings import ROOT_FIELD, RecordRef
 from nanscan.data.numeric import as_scannable, largest_finite_element, overflow_mask, scan_tensors
-from nanscan.headroom import overflow_counts
+from nanscan.engine.headroom import overflow_counts
 
 
 def _scalar_kind(t: pa.DataType) -> str | None:
@@ -283,7 +283,7 @@ class TableCheck:
 
     def _scan(self, leaves: list) -> None:
         """One core scan over every floating leaf; rows with a non-finite or an overflow value (NOTE: [overflow] in
-        nanscan/headroom.py) get the full check."""
+        nanscan/engine/headroom.py) get the full check."""
         if not leaves:
             return
         tensors, kept = [], []

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-# NOTE: [overflow] in nanscan/headroom.py: the Monitor's rule too, so data checks and incidents agree.
-from nanscan.headroom import OVERFLOW_EXPONENT
+# NOTE: [overflow] in nanscan/engine/headroom.py: the Monitor's rule too, so data checks and incidents agree.
+from nanscan.engine.headroom import OVERFLOW_EXPONENT
 
 NONFINITE = "nonfinite"
 OVERFLOW = "overflow"

@@ -1,5 +1,5 @@
 """The core scan as the dataset checks use it: the tensors it reads, and finding and describing the non-finite and
-overflow values (NOTE: [overflow] in nanscan/headroom.py) it counts.
+overflow values (NOTE: [overflow] in nanscan/engine/headroom.py) it counts.
 
 Every reader and the record check scan through `scan_tensors`; only a tensor the scan flags is searched element by
 element, with the masks and descriptions here.
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 import nanscan
-from nanscan import backends
-from nanscan.headroom import OVERFLOW_MIN
+from nanscan.engine import backends
+from nanscan.engine.headroom import OVERFLOW_MIN
 
 
 _SCANNED_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -103,8 +103,8 @@ def largest_finite_element(values: torch.Tensor) -> int:
 
 
 def overflow_mask(values: torch.Tensor) -> torch.Tensor:
-    """Which elements are overflow values (NOTE: [overflow] in nanscan/headroom.py): finite with |x| >= 2**64. A complex
-    element is one when either of its parts is."""
+    """Which elements are overflow values (NOTE: [overflow] in nanscan/engine/headroom.py): finite with |x| >= 2**64. A
+    complex element is one when either of its parts is."""
     if values.is_complex():
         return overflow_mask(torch.view_as_real(values)).any(-1)
     magnitude = values.abs()

@@ -28,7 +28,7 @@ import torch
 
 from nanscan.integrations.rebuild import RECIPE_KEY, optimizer_recipe, pretrained_model, unavailable
 from nanscan.integrations.session import StepSession, autocast_region, call_before, check_on_invalid
-from nanscan.stats import ScanReport
+from nanscan.engine.stats import ScanReport
 
 __all__ = ["AcceleratedMonitor", "monitor"]
 

@@ -7,8 +7,8 @@ they belong to, and its bundle part stores them.
 
 NOTE: [zero partitions]
 Under ZeRO a parameter's `.grad` is None when the Monitor looks (DeepSpeed reduces it into a flat partition and
-clears it) and under ZeRO-3 its `.data` has no elements, so the plain plan (nanscan.plans.ModelScanPlan) saw
-nothing. ZeroSource (a nanscan.plans.TensorSource, NOTE: [tensor source]) reads, per parameter, the pieces this
+clears it) and under ZeRO-3 its `.data` has no elements, so the plain plan (nanscan.engine.plans.ModelScanPlan) saw
+nothing. ZeroSource (a nanscan.engine.plans.TensorSource, NOTE: [tensor source]) reads, per parameter, the pieces this
 rank holds, as views (`narrow`) into DeepSpeed's own buffers, never copies, read after engine.backward() and
 before engine.step(), which frees them:
   - ZeRO-1/2 (DeepSpeedZeroOptimizer) and the bf16 optimizer of stage 0: the parameter's `_hp_mapping` (a
@@ -55,16 +55,16 @@ import torch
 from deepspeed import comm as ds_comm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from nanscan.amp import MAX_SKIPS
-from nanscan.distributed import SHARD_SUFFIX
+from nanscan.runtime.amp import MAX_SKIPS
+from nanscan.runtime.distributed import SHARD_SUFFIX
 from nanscan.incident import GradientWarning, tensor_name, warn_user
-from nanscan.inputs import ScanInputs, prepare
-from nanscan.monitor import Monitor
-from nanscan.plans import ModelScanPlan, StepInputs, as_step_inputs
+from nanscan.engine.inputs import ScanInputs, prepare
+from nanscan.runtime.monitor import Monitor
+from nanscan.engine.plans import ModelScanPlan, StepInputs, as_step_inputs
 
 __all__ = ["DeepSpeedMonitor", "ZeroSource", "DeepSpeedSkipWarning", "DEFAULT_MAX_SKIPS", "zero_tensors"]
 
-DEFAULT_MAX_SKIPS = MAX_SKIPS  # the GradScaler default (nanscan.amp NOTE: [overflow skips])
+DEFAULT_MAX_SKIPS = MAX_SKIPS  # the GradScaler default (nanscan.runtime.amp NOTE: [overflow skips])
 MASTER = "master"  # the state key of the fp32 master weights in `optim:` names
 
 
@@ -194,7 +194,7 @@ def _partitioned(engine: Any) -> bool:
 
 
 class ZeroSource:
-    """A nanscan.plans.TensorSource (NOTE: [tensor source]) over what this rank holds of a DeepSpeed engine
+    """A nanscan.engine.plans.TensorSource (NOTE: [tensor source]) over what this rank holds of a DeepSpeed engine
     (NOTE: [zero partitions]). An engine whose optimizer keeps nothing in partitions (stage 0, fp32 or fp16 with
     a torch optimizer) is scanned by a ModelScanPlan of its module and optimizer."""
 
@@ -253,7 +253,7 @@ class ZeroSource:
 
 class DeepSpeedMonitor(Monitor):
     """nanscan.Monitor for a DeepSpeed engine (deepspeed.initialize's first result): each rank scans what it holds
-    (NOTE: [zero partitions]) and the ranks agree as under DDP (nanscan.distributed). Call `check(batch=...,
+    (NOTE: [zero partitions]) and the ranks agree as under DDP (nanscan.runtime.distributed). Call `check(batch=...,
     loss=...)` after engine.backward(loss) and before engine.step(), at every gradient accumulation boundary
     (`engine.is_gradient_accumulation_boundary()`), once per optimizer step.
 
@@ -264,7 +264,7 @@ class DeepSpeedMonitor(Monitor):
     read from `engine.skipped_steps` at each check) before a DeepSpeedSkipWarning says every update is dropped.
 
     fp16 (dynamic loss scaling): an overflow skip is DeepSpeed's expected event, but the ranks' agreement has no
-    notion of one yet (nanscan.distributed), so a step whose scaled fp16 gradients overflowed is reported as an
+    notion of one yet (nanscan.runtime.distributed), so a step whose scaled fp16 gradients overflowed is reported as an
     incident of category "gradient" like any other; pass on_invalid="warn" (or a callable) for fp16 runs, where
     the skip streak warning above tells a run stuck in overflow from one that recovers.
     """

@@ -51,11 +51,11 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from nanscan import _layout as L
-from nanscan import compact
+from nanscan.engine import _layout as L
+from nanscan.engine import compact
 from nanscan.incident import LOSS, owner_module, tensor_kind
-from nanscan.pending import HostCopy, StepScan, completed_scan
-from nanscan.stats import ScannedTensor, gradient_rows
+from nanscan.engine.pending import HostCopy, StepScan, completed_scan
+from nanscan.engine.stats import ScannedTensor, gradient_rows
 
 log = logging.getLogger("nanscan")
 
@@ -228,8 +228,8 @@ class LiveExport:
     tensors: fnmatch patterns of the tensor names to draw histograms of (default: all), e.g. ("grad:*",
         "param:blocks.0.*"); at most `max_tensors` of them, the first in scan order.
     No host sync of its own: a host scan's records are taken at once; a GPU scan's are copied to pinned memory
-    behind the scan (nanscan.pending.HostCopy) and step s is taken when they are back, at the Monitor's next check
-    (whose wait for step s's verdict already covers the copy) or at flush() and close().
+    behind the scan (nanscan.engine.pending.HostCopy) and step s is taken when they are back, at the Monitor's next
+    check (whose wait for step s's verdict already covers the copy) or at flush() and close().
     """
 
     def __init__(self, sinks: Sequence[Sink], *, log_every: int = DEFAULT_LOG_EVERY,

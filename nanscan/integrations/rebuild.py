@@ -31,8 +31,8 @@ import torch
 
 from nanscan.entry import EntryError, ReplaySpec, UntrustedError, load_bundle_class
 from nanscan.entry import replay_entry as marked_entry
-from nanscan.inputs import batch_size, take_rows
-from nanscan.provenance import ConfigError, normalize_config
+from nanscan.engine.inputs import batch_size, take_rows
+from nanscan.bundle.provenance import ConfigError, normalize_config
 
 __all__ = ["MICRO_BATCHES", "RECIPE_KEY", "REPLAY_ENTRY", "RebuildError", "class_path", "lightning_model",
            "optimizer_recipe", "pretrained_model", "replay_entry", "select_rows", "step_loss", "unavailable",

@@ -22,13 +22,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from nanscan.bundle import load_bundle
-from nanscan.headroom import overflowing_inputs, range_limit_text
+from nanscan.engine.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import NonFiniteError, tensor_name
-from nanscan.inputs import batch_size, iter_batch_tensors
+from nanscan.engine.inputs import batch_size, iter_batch_tensors
 from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_loss, with_recipe
-from nanscan.monitor import Monitor
+from nanscan.runtime.monitor import Monitor
 from nanscan.scan import scan
-from nanscan.stats import ScanReport
+from nanscan.engine.stats import ScanReport
 
 __all__ = ["LOG_KEYS", "ON_INVALID", "StepSession", "autocast_region", "check_on_invalid", "micro_batch_finding"]
 
@@ -61,7 +61,7 @@ def check_on_invalid(policy: Any) -> None:
 def micro_batch_finding(micro_batches: list, losses: list, compute_dtype: str | None = None) -> tuple[str, str, dict]:
     """(title, markdown, record) of the finding that says which micro-batches of the step held a non-finite input,
     a finite input beyond the range the step computes in (`compute_dtype`, the autocast dtype; NOTE: [overflow] in
-    nanscan/headroom.py), or a non-finite loss (read once, at the incident)."""
+    nanscan/engine/headroom.py), or a non-finite loss (read once, at the incident)."""
     rows = []
     for index, (inputs, loss) in enumerate(zip(micro_batches, losses)):
         named = [(tensor_name("input", f"{MICRO_BATCHES}.{index}.{path}"), t) for path, t in iter_batch_tensors(inputs)
@@ -229,7 +229,7 @@ class StepSession:
 
     def check_micro_batch(self, *, step: int | None = None) -> ScanReport:
         """Check the latest micro-batch on its own, after its backward and before the step's last one
-        (Monitor.check(micro_batch=True), nanscan.monitor_verdict NOTE: [micro-batch checks]): its inputs and loss,
+        (Monitor.check(micro_batch=True), nanscan.runtime.verdict NOTE: [micro-batch checks]): its inputs and loss,
         the gradients accumulated so far; under DDP's no_sync() still this rank's own. The step's check still gets
         every micro-batch."""
         index = len(self._inputs) - 1

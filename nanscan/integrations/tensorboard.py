@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan.integrations.live import (
     DEFAULT_LOG_EVERY,
     DEFAULT_MAX_TENSORS,

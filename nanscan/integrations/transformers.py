@@ -80,7 +80,7 @@ class NanscanCallback(TrainerCallback):
     for bisection and taken out of the model's inputs (TrainingArguments(remove_unused_columns=False) keeps it).
     micro_batches: under gradient accumulation, also check each micro-batch but the last after its backward
     (on_substep_end; under DDP inside no_sync()), so that the micro-batch and the rank that went bad first are
-    named (nanscan.monitor_verdict NOTE: [micro-batch checks]); with on_invalid "raise" or "warn". Not under
+    named (nanscan.runtime.verdict NOTE: [micro-batch checks]); with on_invalid "raise" or "warn". Not under
     DeepSpeed, whose partitions are filled at the step's last micro-batch only.
     `monitor` and `session` are the current train() call's, from on_train_begin on.
     """

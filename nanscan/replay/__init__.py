@@ -9,7 +9,7 @@ handling), replayer (a bundle's step rebuilt), bisect (ddmin over samples), repr
 finding), export (regression cases), cli (the subcommands).
 
 Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: they need torch,
-which the subcommands' help must not import (NOTE: [fast help] in nanscan/cli.py).
+which the subcommands' help must not import (NOTE: [fast help] in nanscan/cli/main.py).
 """
 
 from __future__ import annotations

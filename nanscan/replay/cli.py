@@ -1,5 +1,5 @@
 """The `nanscan replay` and `nanscan export-regression` subcommands. The replay itself is imported when a command
-runs, so that their help does not import torch (NOTE: [fast help] in nanscan/cli.py)."""
+runs, so that their help does not import torch (NOTE: [fast help] in nanscan/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nanscan._cli import cli_errors, entry_options, json_out
+from nanscan.cli.errors import cli_errors, entry_options, json_out
 from nanscan.replay.options import DEFAULT_MAX_STATE_MB, DEFAULT_RUNS
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ def print_replay(result: ReplayResult, console) -> None:
     from rich.markup import escape  # noqa: PLC0415 - errors, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
 
-    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
 
     style = "green" if not result.reproduced else ("red" if result.verdict == "persistent" else "yellow")
     console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, "
@@ -85,7 +85,7 @@ def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record
 
     Exits 0 when the step ran, reproduced or not; an optional phase (localization, bisection) that fails is
     reported as a warning line (in --json: phase_errors) beside what the other phases found."""
-    from nanscan.cli import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
     from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
 
     console = cli_console(stderr=as_json)
@@ -124,7 +124,7 @@ def export_regression_command(bundle, dest, entry, trust_bundle_paths, samples, 
         except ValueError:
             raise click.BadParameter(f"{samples!r} is not a comma-separated list of row numbers",
                                      param_hint="--samples") from None
-    from nanscan.replay.export import export_regression  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli.py
+    from nanscan.replay.export import export_regression  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
 
     with cli_errors():
         result = export_regression(bundle, dest, entry, samples=rows, with_state=with_state, overwrite=overwrite,

@@ -16,8 +16,8 @@ import torch
 from nanscan._atomic import atomic_directory, atomic_write_bytes, json_bytes
 from nanscan.bundle import Bundle, plain_json
 from nanscan.bundle.tree import TreeEncoder, for_saving
-from nanscan.inputs import iter_batch_tensors
-from nanscan.provenance import rng_to_tensors
+from nanscan.engine.inputs import iter_batch_tensors
+from nanscan.bundle.provenance import rng_to_tensors
 from nanscan.replay.bisect import bisect_samples
 from nanscan.replay.options import DEFAULT_MAX_STATE_MB
 from nanscan.replay.replayer import Replayer

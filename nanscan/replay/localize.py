@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from nanscan.bundle import json_float
-from nanscan.inputs import iter_batch_tensors
+from nanscan.engine.inputs import iter_batch_tensors
 from nanscan.scan import scan
-from nanscan.stats import ScanReport
+from nanscan.engine.stats import ScanReport
 
 
 @dataclass(frozen=True)

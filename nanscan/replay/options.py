@@ -2,7 +2,7 @@
 precisions by name) and the defaults of replay() and export_regression().
 
 They live apart from the modules that run the step so that `nanscan replay --help`, `nanscan export-regression
---help` and `nanscan ablate --help` show them without importing torch (NOTE: [fast help] in nanscan/cli.py);
+--help` and `nanscan ablate --help` show them without importing torch (NOTE: [fast help] in nanscan/cli/main.py);
 nanscan.replay.step maps each precision to its torch dtype.
 """
 

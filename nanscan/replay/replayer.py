@@ -16,7 +16,7 @@ from nanscan.bundle.frozen import compare, shown
 from nanscan.bundle.rank_set import require_full_state
 from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, entry_search_dirs, locate_entry
 from nanscan.integrations.rebuild import MICRO_BATCHES
-from nanscan.provenance import restore_rng
+from nanscan.bundle.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
                                  model_device, prepare_batch, run_localized, run_step, select_samples)
 

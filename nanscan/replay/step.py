@@ -17,17 +17,17 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from nanscan import _layout as L
+from nanscan.engine import _layout as L
 from nanscan.bundle import json_float
 from nanscan.entry import ReplaySpec
-from nanscan.headroom import overflowing_inputs, range_limit_text
+from nanscan.engine.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import is_kind, owner_module, tensor_name
-from nanscan.inputs import batch_size, iter_batch_tensors, map_tensors, take_rows
+from nanscan.engine.inputs import batch_size, iter_batch_tensors, map_tensors, take_rows
 from nanscan.replay.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
 from nanscan.replay.ops import OpSite, OpTracer
 from nanscan.replay.options import PRECISION_NAMES, StepOptions
 from nanscan.scan import model_inputs, scan, scan_inputs
-from nanscan.stats import ScanReport
+from nanscan.engine.stats import ScanReport
 
 # Each precision's autocast dtype ("float32": autocast off); StepOptions checks the names without torch.
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -248,7 +248,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         localization = first_bad(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
     compute_dtype = seen_autocast[0] if seen_autocast else None
     huge = overflowing_inputs(batch_report.stats, compute_dtype) if category in ("loss", "gradient") else []
-    if huge:  # as the Monitor decides (NOTE: [overflow] in nanscan/headroom.py); the localization says where
+    if huge:  # as the Monitor decides (NOTE: [overflow] in nanscan/engine/headroom.py); the localization says where
         largest = max(s.absmax for s in batch_report.stats if s.name in huge)
         notes.append(f"likely cause: the batch's {', '.join(huge[:3])} held finite values beyond the step's range "
                      f"({range_limit_text(compute_dtype)}; largest |x| {largest:.4g}), which the model turned "

@@ -16,8 +16,8 @@
 
 namespace nanscan {
 
-// Dtype codes shared with Python (nanscan/_layout.py). Stable: they travel in metadata tables and bundles, so new
-// formats are appended and no code is ever renumbered.
+// Dtype codes shared with Python (nanscan/engine/_layout.py). Stable: they travel in metadata tables and bundles, so
+// new formats are appended and no code is ever renumbered.
 enum DType : int32_t {
   kFloat16 = 0,
   kBFloat16 = 1,

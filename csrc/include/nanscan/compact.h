@@ -10,7 +10,7 @@
 //   counts   the bins of those ranges, concatenated in row order, as unsigned integers.
 // Decoding puts every count back at its bin and zeros elsewhere, so it gives exactly the int64 records (counts are
 // never negative). The ranges are always trimmed to the first and last nonzero bin, so the same records give the
-// same arrays. nanscan/compact.py holds the numpy reference of both directions.
+// same arrays. nanscan/engine/compact.py holds the numpy reference of both directions.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@
 // format: for non-negative finite IEEE values integer order equals numeric order, so max/min (and CUDA's integer
 // atomicMax/atomicMin) on the bits is exact; Python turns them into doubles once. kAbsMinNone means "no finite
 // non-zero value". sumsq holds the bits of a double (the only slot whose merge order can change the last bits).
-// Python mirrors these constants in nanscan/_layout.py; a test checks that they agree.
+// Python mirrors these constants in nanscan/engine/_layout.py; a test checks that they agree.
 #pragma once
 
 #include <cstdint>

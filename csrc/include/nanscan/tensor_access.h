@@ -16,11 +16,11 @@ struct TensorAccess {
   int (*stable)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
   // A gradient: sets *address and returns 1 when it is contiguous (and readable this way), else 0. Never raises.
   int (*contiguous)(PyObject* tensor, int64_t* address);
-  // A batch or loss tensor (NOTE: [batch plan] in nanscan/inputs.py): returns 1 when it has `dtype` and, for one
+  // A batch or loss tensor (NOTE: [batch plan] in nanscan/engine/plans.py): returns 1 when it has `dtype` and, for one
   // that is scanned (nbytes >= 0), `nbytes` bytes in one contiguous, strided run of CPU memory without a lazy
   // negation, setting *address; else 0. Never raises.
   int (*batch_leaf)(PyObject* tensor, PyObject* dtype, int64_t nbytes, int64_t* address);
-  // What a write to a tensor changes (nanscan.monitor_update NOTE: [carried records]): sets out[0] to its autograd
+  // What a write to a tensor changes (nanscan.runtime.update NOTE: [carried records]): sets out[0] to its autograd
   // version counter, out[1] to its data pointer and out[2] to its scalar type, and returns 1; 0 (nothing set) when
   // it cannot be read this way. Never raises.
   int (*stamp)(PyObject* tensor, int64_t* out);

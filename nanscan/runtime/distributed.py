@@ -1,0 +1,568 @@
+"""Distributed training (torch.distributed, DDP and FSDP2): every rank scans what it holds, the ranks agree on each
+step's verdict through one small all-reduce, and a failing step leaves one bundle set: a part per rank plus an
+index written by rank 0.
+
+A Monitor created while torch.distributed is initialized agrees over the world group (or the `process_group=` it
+is given); nothing here runs for a single process.
+
+Agreement. At every check each rank all-reduces (MAX) four int64 values: its non-finite flag, the step, minus the
+step and minus its rank when its flag is set. One collective tells every rank whether any rank saw NaN/inf at this
+step, which rank was the lowest to see it, and whether all ranks checked the same step. Every rank then applies the
+same `on_invalid` at the same step, so no rank is left waiting in a collective that the others never join.
+
+- agreement="sync" (default): the all-reduce is issued and waited for inside the check. Every rank decides step s
+  before its optimizer.step(): with on_invalid="raise" all ranks raise NonFiniteError naming step s, and step s's
+  update is never applied; with "skip" every rank drops step s's gradients. The cost is one tiny collective per
+  step (on CPU/gloo about the latency of one round trip), on top of the host synchronisation the scan already does.
+- agreement="async": the all-reduce is issued with async_op=True and the host does not wait for it; its result is
+  read at the next check (or at Monitor.flush() / close()). The verdict for step s therefore arrives at step s+1's
+  check and names step s, after every rank has already applied step s's update (and run step s+1's forward and
+  backward). A rank that sees NaN/inf itself writes its part at once, at step s; ranks whose own tensors were
+  finite write theirs when the verdict arrives, with the state of step s+1's check (the part's manifest says so).
+  Where step s's update must not happen, call `mon.flush()` before `optimizer.step()` (on every rank): it waits
+  for step s's verdict and applies on_invalid then, exactly as in sync mode.
+
+The report check() returns has the agreed `ok`, the same on every rank at every check, so a loop that branches on
+it (`if not report.ok: continue`) keeps the ranks in lockstep; `report.local_ok` (nanscan.runtime.distributed.
+AgreedScanReport) is the rank's own answer where the two differ. In sync mode `ok` is False on every rank at the
+failing step, also where the rank's own tensors were finite. In async mode it is False from the check where the
+verdict arrives; until then a rank that saw NaN/inf itself gets `ok` True like the others, which do not know yet.
+
+Names. Under DDP each rank scans whole parameters under their unwrapped names (the Monitor unwraps
+DistributedDataParallel, so the names and the stored state match the single-process model). Under FSDP2
+(`fully_shard`) parameters, gradients and optimizer state are DTensors: each rank scans its local shard and names it
+with the global parameter name and its shard index, e.g. `param:layers.0.weight@shard1/4` (shard 1 of 4 along the
+mesh dimension that shards it).
+
+Bundle set. On the first failing step every rank writes its part, `<bundle_dir>/<run_id>/step-<s>/rank-<r>/` (an
+ordinary bundle whose manifest has a `distributed` section); then the ranks gather one summary each (a collective
+on the failure path only) and rank 0 writes `step-<s>/index.json`, naming the first bad rank(s) and their tensors.
+"First" orders the ranks by how early in the step their non-finite values appeared (input, parameter, optimizer
+state, loss, gradient: the order of the Monitor's categories), then by rank: under DDP a NaN in rank 1's batch makes
+every rank's gradients NaN through the gradient all-reduce, but only rank 1's batch was non-finite. Ranks that tie
+are all named. `load_bundle(step-dir)` returns a nanscan.bundle.BundleSet: the first bad rank's part (so report, replay and notes
+work on it unchanged) with every other part and the index beside it. Its `state()` joins FSDP shards from all parts
+into full tensors, so the failing rank's step can be replayed in a single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanscan.bundle import BundleError, Incident, bundle_path, write_bundle
+from nanscan.bundle.format import MANIFEST
+from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, write_index
+from nanscan.bundle.tree import map_tree, tree_items
+from nanscan.incident import OTHER_RANK, NonFiniteError, categorize, category_rank, shown_names, warn_user
+from nanscan.engine.plans import ModelScanPlan
+from nanscan.engine.stats import ScanReport
+
+log = logging.getLogger("nanscan")
+
+# How long a Monitor closed by an exception waits for its last agreement collective (Agreement.discard).
+DISCARD_WAIT = datetime.timedelta(seconds=60)
+
+AGREEMENTS = ("sync", "async")
+SHARD_SUFFIX = "@shard"
+NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every one is in the rank's own manifest
+# Payload slots of the per-step all-reduce (MAX); see the module docstring.
+_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
+
+
+# -- DTensor shards -----------------------------------------------------------------------------------------------
+
+def _dtensor_type() -> type | None:
+    """DTensor, if torch.distributed.tensor has been imported: no DTensor can exist before that, and importing it
+    just to ask costs about a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def shard_suffix(t: torch.Tensor) -> str:
+    """`@shard<i>/<n>` for a DTensor sharded along a mesh dimension of size n (i: this rank's coordinate there;
+    several sharded mesh dimensions are joined with ','); "" for a replicated DTensor or a plain tensor."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return ""
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
+    parts = [f"{coordinate[d]}/{mesh.size(d)}" for d, p in enumerate(t.placements) if p.is_shard()]
+    return SHARD_SUFFIX + ",".join(parts) if parts else ""
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor (no copy, no communication); anything else as it is."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def has_dtensors(model: torch.nn.Module) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """What this rank holds of a tensor, and the name suffix saying which shard it is."""
+    return local_tensor(t), shard_suffix(t)
+
+
+def local_scan_plan() -> ModelScanPlan:
+    """nanscan.engine.plans.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with
+    the global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
+    Plain tensors get exactly the names a plain plan gives them."""
+    return ModelScanPlan(local_shard)
+
+
+def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
+    """What BundleSet.state() needs to join the parts of a sharded state again: ({path in the stored state
+    ("model/<key>", "optimizer/state/<index>/<key>"): layout}, shard groups).
+
+    A tensor sharded along exactly one mesh dimension (FSDP; HSDP, whose other dimension replicates) records the
+    tensor dimension it is split along and its shard group: the global ranks holding its pieces, in order, stored
+    once per group in the second value (a group can span the whole world, and every parameter shares it). Other
+    layouts record their placements only, and cannot be joined in one process.
+    """
+    dtensor = _dtensor_type()
+    layout: dict[str, dict] = {}
+    groups: dict[tuple[int, ...], int] = {}
+    if dtensor is None:
+        return layout, []
+    for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
+        for path, t in tree_items(tree, (root,)):
+            if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
+                continue
+            entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
+            sharded = [(m, p.dim) for m, p in enumerate(t.placements) if p.is_shard()]
+            if len(sharded) == 1 and not any(p.is_partial() for p in t.placements):
+                mesh_dim, entry["dim"] = sharded[0]
+                where: list = list(t.device_mesh.get_coordinate())
+                where[mesh_dim] = slice(None)
+                owners = tuple(t.device_mesh.mesh[tuple(where)].tolist())
+                entry["group"] = groups.setdefault(owners, len(groups))
+            layout[path] = entry
+    return layout, [list(owners) for owners in groups]
+
+
+def localize_state(tree: Any) -> Any:
+    """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
+    return map_tree(tree, lambda _path, t: local_tensor(t).detach())
+
+
+# -- the process group ------------------------------------------------------------------------------------------
+
+def distributed_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: NCCL wants the current CUDA device, gloo and MPI the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_json(value: Any, group, device: torch.device) -> list:
+    """Every rank's JSON value, in rank order (two collectives: the lengths, then the padded bytes). JSON rather
+    than all_gather_object, which pickles."""
+    data = np.frombuffer(json.dumps(value, allow_nan=False).encode("utf-8"), dtype=np.uint8)
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.from_numpy(data.copy())
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes)]
+
+
+# -- verdicts ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed about one step. `lowest_bad_rank`: the lowest rank that saw NaN/inf (None when ok).
+    On the first failing step `first_bad_ranks` and `bad_ranks` come from the gathered summaries (see the module
+    docstring for "first"); later failing steps only carry lowest_bad_rank."""
+
+    step: int
+    ok: bool
+    lowest_bad_rank: int | None = None
+    first_bad_ranks: tuple[int, ...] = ()
+    bad_ranks: tuple[int, ...] = ()
+
+
+class AgreedScanReport(ScanReport):
+    """This rank's scan of a step, whose `ok` is the ranks' agreed answer rather than this rank's own
+    (`local_ok`), so that every rank's loop takes the same branch.
+
+    Returned where the two differ: on every rank of a step agreed non-finite (`ok` False, also where this rank's
+    tensors were finite), and in async mode on a rank that saw NaN/inf itself before the others know (`ok` True:
+    no rank has decided yet; the verdict comes at the next check). `verdict`: the verdict read at this check (in
+    async mode the previous step's), None before any.
+    """
+
+    def __init__(self, report: ScanReport, verdict: Verdict | None, *, ok: bool):
+        super().__init__(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
+                         step=report.step)
+        self.verdict = verdict
+        self._agreed_ok = ok
+
+    @property
+    def ok(self) -> bool:
+        return self._agreed_ok
+
+    @property
+    def local_ok(self) -> bool:
+        return ScanReport.ok.fget(self)
+
+
+class DistributedNonFiniteError(NonFiniteError):
+    """NonFiniteError raised on every rank at the same step. `category` and `tensors` are the first bad rank's;
+    `rank` is this process's rank, `local_category` its own category at that step, `first_bad_ranks` and
+    `bad_ranks` as in the bundle set's index. `bundle_path` is the set (the step-<s> directory)."""
+
+    def __init__(self, message: str, *, rank: int, local_category: str, verdict: Verdict, **fields):
+        super().__init__(message, **fields)
+        self.rank = rank
+        self.local_category = local_category
+        self.first_bad_ranks = list(verdict.first_bad_ranks)
+        self.bad_ranks = list(verdict.bad_ranks)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An issued, not yet read all-reduce (async mode) and the evidence of its step."""
+
+    work: Any
+    payload: torch.Tensor
+    step: int
+    report: ScanReport
+    batch: Any
+    sample_ids: Any
+    started: bool
+
+
+class MonitorSide(Protocol):
+    """What the agreement uses of its Monitor (nanscan.runtime.monitor.Monitor is one): the settings the ranks must
+    share, the incident state it keeps for the ranks (the first invalid step, the later ones' count, where the set
+    went), and `incident(...)`, which gathers one step's evidence for this rank's part. Nothing else of the Monitor's is
+    read or changed here."""
+
+    on_invalid: Any
+    run_id: str
+    bundle_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    first_invalid_step: int | None
+    invalid_steps: int
+    bundle_path: Path | None
+    bundle_error: BaseException | None
+
+    def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                 sample_ids: Any, started: bool) -> Incident: ...
+
+
+class Agreement:
+    """The Monitor's side of the distributed protocol (see the module docstring). Created by Monitor when a process
+    group is in effect; every method that runs a collective is reached by every rank in the same order."""
+
+    def __init__(self, monitor: MonitorSide, process_group=None, mode: str = "sync", *, run_id_given: bool):
+        if mode not in AGREEMENTS:
+            raise ValueError(f"agreement={mode!r}: use 'sync' (decide each step before optimizer.step()) or 'async' "
+                             "(the verdict arrives one step later)")
+        if not distributed_ready():
+            raise ValueError("process_group was given but torch.distributed is not initialized: call "
+                             "torch.distributed.init_process_group first, or pass process_group=False")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.mode = mode
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the process_group given to the Monitor; pass a group "
+                             "it belongs to (or process_group=False)")
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        self.device = _collective_device(self.group)
+        self.verdict: Verdict | None = None
+        self._pending: _Pending | None = None
+        self._early: tuple[int, Path | None, BaseException | None] | None = None  # async: part written at once
+        self._first_bad: tuple[str, list[str]] | None = None  # category and tensors of the first bad rank
+        self._agree_on_settings(monitor, run_id_given)
+
+    def _agree_on_settings(self, monitor: MonitorSide, run_id_given: bool) -> None:
+        """One gather at start-up: every rank must write into the same run and react the same way, else one rank
+        would raise while another waits for it in the next collective."""
+        policy = monitor.on_invalid if isinstance(monitor.on_invalid, str) else "callable"
+        mine = {"run_id": monitor.run_id if run_id_given else None, "proposed": monitor.run_id,
+                "on_invalid": policy, "agreement": self.mode}
+        everyone = _all_gather_json(mine, self.group, self.device)
+        for key in ("on_invalid", "agreement"):
+            values = sorted({str(e[key]) for e in everyone})
+            if len(values) > 1:
+                raise ValueError(f"the ranks created their Monitors with different {key} ({', '.join(values)}): "
+                                 f"pass the same {key} on every rank, else one rank stops while another waits for it")
+        given = {e["run_id"] for e in everyone}
+        if len(given) > 1:
+            shown = ", ".join(sorted(str(g) for g in given))
+            raise ValueError(f"the ranks passed different run_ids ({shown}): pass the same run_id on every rank "
+                             "(or none, and rank 0's is used), so that their parts land in one bundle set")
+        monitor.run_id = everyone[0]["run_id"] or everyone[0]["proposed"]
+
+    # -- every step ------------------------------------------------------------------------------------------------
+    def _issue(self, report: ScanReport, step: int):
+        bad = not report.ok
+        payload = torch.tensor([int(bad), step, -step, -(self.rank if bad else self.world_size)],
+                               dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return work, payload
+
+    def _read(self, work, payload: torch.Tensor, step: int) -> Verdict:
+        work.wait()
+        values = payload.tolist()
+        last, first = values[_STEP], -values[_NEG_STEP]
+        if last != first:
+            raise RuntimeError(f"nanscan: the ranks checked different steps in one agreement (steps {first} to {last}, "
+                               f"this rank {step}): call Monitor.check exactly once per training step on every rank "
+                               "of the group, with the same step= if you pass one")
+        bad = values[_FLAG] > 0
+        return Verdict(step, not bad, -values[_NEG_BAD_RANK] if bad else None)
+
+    def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
+        """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
+        if self.mode == "sync":
+            work, payload = self._issue(report, step)
+            verdict = self._read(work, payload, step)
+            self.verdict = verdict
+            if verdict.ok:
+                return report
+            verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, late=False)
+            return self._apply_policy(monitor, verdict, report, report, late=False)
+
+        pending, self._pending = self._pending, None
+        outcome = None
+        if pending is not None:
+            verdict = self._read(pending.work, pending.payload, pending.step)
+            self.verdict = verdict
+            if not verdict.ok:
+                verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
+                                       pending.started, late=True)
+                # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.
+                outcome = self._apply_policy(monitor, verdict, pending.report, report, late=True)
+        if outcome is None and not report.ok and monitor.first_invalid_step is None and self._early is None:
+            # This rank knows now, the others learn it at the next check. Its evidence is exact only now, before
+            # optimizer.step() changes the weights, and writing it involves no other rank.
+            self._early = (step, *self._write_part(monitor, report, step, batch, sample_ids, started, late=False))
+        work, payload = self._issue(report, step)
+        self._pending = _Pending(work, payload, step, report, batch, sample_ids, started)
+        if outcome is not None:
+            return outcome
+        return report if report.ok else AgreedScanReport(report, self.verdict, ok=True)
+
+    def flush(self, monitor: MonitorSide) -> Verdict | None:
+        """Async mode: wait for the last checked step's verdict and act on it now (see the module docstring).
+        Returns the latest verdict (None before the first check)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self.verdict
+        verdict = self._read(pending.work, pending.payload, pending.step)
+        self.verdict = verdict
+        if not verdict.ok:
+            # Still before this step's optimizer.step(): the evidence is that of the failing check itself.
+            verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
+                                   pending.started, late=False)
+            self._apply_policy(monitor, verdict, pending.report, pending.report, late=False)
+        return self.verdict
+
+    def discard(self) -> None:
+        """Forget an unread verdict (the Monitor is closed by an exception). Every rank issued that collective, so
+        waiting for it blocks no rank; it is waited for all the same, because a collective still in flight when the
+        process group is destroyed or the process exits can abort the process (gloo's worker threads then still
+        hold the work: "terminate called without an active exception")."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.work.wait(timeout=DISCARD_WAIT)  # bounded: a rank that died before issuing it never will
+            except Exception as exc:  # noqa: BLE001 - the loop's own exception is the one leaving; keep it
+                log.warning("nanscan: the last agreement collective failed while the Monitor closed: %s", exc)
+
+    # -- the failure path ------------------------------------------------------------------------------------------
+    def _failed(self, monitor: MonitorSide, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,
+                *, late: bool) -> Verdict:
+        """On the first failing step: write this rank's part, gather every rank's summary and let rank 0 write the
+        index; returns the verdict with the rank lists. Later failing steps are only counted."""
+        if monitor.first_invalid_step is not None:
+            monitor.invalid_steps += 1
+            return verdict
+        monitor.first_invalid_step = verdict.step
+        if self._early is not None and self._early[0] == verdict.step:
+            _, path, error = self._early
+        else:
+            # A late part's step-start captures (RNG, snapshot) already belong to the next step: take them now.
+            path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started and not late,
+                                           late=late)
+        summaries = _all_gather_json(self._summary(report, path, error), self.group, self.device)
+        first, bad = first_bad_ranks(summaries)
+        verdict = dataclasses.replace(verdict, first_bad_ranks=tuple(first), bad_ranks=tuple(bad))
+        self.verdict = verdict
+        if first:
+            row = next(s for s in summaries if s["rank"] == first[0])
+            self._first_bad = (row["category"], list(row["category_tensors"]))
+        set_dir = bundle_path(monitor.bundle_dir, monitor.run_id, verdict.step)
+        status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            try:
+                write_index(set_dir, self._index(monitor, verdict, summaries))
+                status.fill_(1)
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the broadcast below
+                log.error("nanscan: could not write the bundle set index in %s: %s: %s", set_dir,
+                          type(exc).__name__, exc)
+        dist.broadcast(status, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if status.item():
+            monitor.bundle_path, monitor.bundle_error = set_dir, error
+        else:
+            monitor.bundle_path = path
+            monitor.bundle_error = error or BundleError(f"rank 0 could not write {set_dir / INDEX} (see its log); "
+                                                        f"this rank's part is {path}")
+        return verdict
+
+    def _write_part(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
+                    late: bool) -> tuple[Path | None, BaseException | None]:
+        try:
+            category, tensors = categorize(report)
+            incident = monitor.incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
+            model, optimizer = monitor.model, monitor.optimizer
+            layout, groups = {}, []
+            if has_dtensors(model):  # placements are static, so the live state describes a snapshot's too
+                layout, groups = shard_layout(model.state_dict(),
+                                              optimizer.state_dict() if optimizer is not None else None)
+            incident.model_state = localize_state(incident.model_state)
+            incident.optimizer_state = localize_state(incident.optimizer_state)
+            incident.history = [e for e in incident.history if e.step <= step]
+            if late:
+                incident.state_pre_step = False
+                incident.state_note = (f"written one step late (agreement='async'): this rank's tensors were finite "
+                                       f"at step {step}, so it wrote its part when the ranks' verdict arrived at the "
+                                       f"next check; the state includes step {step}'s update")
+            incident.rank = self.rank
+            incident.distributed = {
+                "rank": self.rank, "global_rank": self.global_rank, "world_size": self.world_size,
+                "backend": self.backend, "agreement": self.mode, "host": socket.gethostname(),
+                "index": f"../{INDEX}", "written": "one_step_late" if late else "at_check",
+                "sharded": bool(layout), "shards": layout, "shard_groups": groups,
+            }
+            return write_bundle(incident, monitor.bundle_dir), None
+        except Exception as exc:  # noqa: BLE001 - a failed write must not keep this rank out of the gather
+            log.error("nanscan: rank %d could not write its part of the bundle for step %d: %s: %s", self.rank, step,
+                      type(exc).__name__, exc)
+            return None, exc
+
+    def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None) -> dict:
+        """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that
+        were kept (the same incident written again) comes out identical."""
+        row = {"rank": self.rank, "global_rank": self.global_rank, "host": socket.gethostname(), "dir": None,
+               "error": None if error is None else f"{type(error).__name__}: {error}"}
+        manifest = None
+        if path is not None:
+            try:
+                manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+                row["dir"] = Path(path).name
+            except (OSError, ValueError) as exc:
+                row["error"] = f"cannot read back {path}: {exc}"
+        if manifest is not None:
+            rows = manifest.get("nonfinite_tensors", [])
+            row.update(category=manifest["category"], category_tensors=manifest.get("category_tensors", []),
+                       detected_at=manifest.get("detected_at"))
+        else:
+            category, tensors = categorize(report)
+            rows = [{"name": s.name, "nan": s.nan, "posinf": s.posinf, "neginf": s.neginf, "numel": s.numel}
+                    for s in report.stats if not s.ok]
+            row.update(category=category or OTHER_RANK, category_tensors=tensors, detected_at=None)
+        row["nonfinite_count"] = len(rows)
+        row["nonfinite_tensors"] = [{k: r[k] for k in ("name", "nan", "posinf", "neginf", "numel")}
+                                    for r in rows[:NONFINITE_LISTED]]
+        return row
+
+    def _index(self, monitor: MonitorSide, verdict: Verdict, summaries: list[dict]) -> dict:
+        first = [s for s in summaries if s["rank"] in verdict.first_bad_ranks]
+        return {
+            "schema": INDEX_SCHEMA, "run_id": monitor.run_id, "first_invalid_step": verdict.step,
+            "world_size": self.world_size, "backend": self.backend, "agreement": self.mode,
+            "first_bad_ranks": list(verdict.first_bad_ranks), "bad_ranks": list(verdict.bad_ranks),
+            "category": first[0]["category"] if first else OTHER_RANK,
+            "category_tensors": {str(s["rank"]): s["category_tensors"] for s in first},
+            "detected_at": next((s["detected_at"] for s in first if s["detected_at"]), None),
+            "ranks": sorted(summaries, key=lambda s: s["rank"]),
+        }
+
+    # -- the policy ------------------------------------------------------------------------------------------------
+    def _apply_policy(self, monitor: MonitorSide, verdict: Verdict, failing: ScanReport, current: ScanReport, *,
+                      late: bool) -> ScanReport:
+        """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
+        what check returns for the `current` step."""
+        first = monitor.first_invalid_step == verdict.step
+        local_category = categorize(failing)[0] or OTHER_RANK
+        if first and self._first_bad is not None:
+            category, tensors = self._first_bad
+        else:  # a later failing step: no summaries were gathered, this rank speaks for itself
+            category, tensors = local_category, categorize(failing)[1]
+        message = self._message(monitor, verdict, category, tensors, local_category, late)
+        policy = monitor.on_invalid
+        if policy == "raise":
+            raise DistributedNonFiniteError(message, rank=self.rank, local_category=local_category, verdict=verdict,
+                                            bundle_path=monitor.bundle_path, step=verdict.step, category=category,
+                                            tensors=tensors) from monitor.bundle_error
+        agreed = AgreedScanReport(current, verdict, ok=False)
+        if policy == "skip":
+            for p in monitor.model.parameters():
+                p.grad = None
+        if policy in ("warn", "skip"):
+            if first:
+                warn_user(message)
+        else:
+            policy(agreed, monitor.bundle_path)
+        return agreed
+
+    def _message(self, monitor: MonitorSide, verdict: Verdict, category: str, tensors: list[str], local_category: str,
+                 late: bool) -> str:
+        shown = shown_names(tensors)
+        if verdict.first_bad_ranks:
+            ranks = ", ".join(map(str, verdict.first_bad_ranks))
+            who = f"rank{'s' if len(verdict.first_bad_ranks) > 1 else ''} {ranks} first ({category}: {shown})"
+        else:
+            who = f"rank {verdict.lowest_bad_rank} (and maybe others)"
+        text = (f"nanscan: non-finite values at step {verdict.step} on {who}; every rank of the group stops at this "
+                f"step (this is rank {self.rank}: {local_category})")
+        if late:
+            text += (f"; agreement='async': the verdict arrived at the next check, after step {verdict.step}'s "
+                     "update (call Monitor.flush() before optimizer.step() to decide each step before its update)")
+        if monitor.bundle_path is not None:
+            return f"{text}; evidence in {monitor.bundle_path} (see `nanscan report {monitor.bundle_path}`)"
+        if monitor.bundle_error is not None:
+            return f"{text}; the evidence could not be written: {monitor.bundle_error}"
+        return text
+
+
+def first_bad_ranks(summaries: list[dict]) -> tuple[list[int], list[int]]:
+    """(first bad ranks, every bad rank): the ranks whose non-finite values appeared earliest in the step (by the
+    Monitor's category order), and all ranks that saw any."""
+    bad = [s for s in summaries if s["category"] != OTHER_RANK]
+    if not bad:
+        return [], []
+    earliest = min(category_rank(s["category"]) for s in bad)
+    return (sorted(s["rank"] for s in bad if category_rank(s["category"]) == earliest),
+            sorted(s["rank"] for s in bad))

@@ -1,0 +1,464 @@
+"""The Monitor's verdict on a step that is not finite, apart from its every-step path (nanscan.runtime.monitor):
+the incident's evidence (report, history, batch, step-start RNG states, state), the bundle, the on_invalid policy,
+GradScaler overflow skips and their streaks (nanscan.runtime.amp NOTE: [overflow skips]), and the spikes' warnings
+and bundles (nanscan.runtime.spikes NOTE: [spike statistic]); with what a checked step keeps for them (StepStart,
+PendingStep, SkipEvidence, retained).
+
+StepVerdicts is a part of nanscan.runtime.monitor.Monitor (its base class): its methods read and set the Monitor's
+state (model, optimizer, run_id, the history ring, the scaler watch, the spike watch, the bundle path), which
+Monitor.__init__ sets up. nanscan.runtime.distributed's Agreement calls `incident` for each rank's part.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+import torch
+
+from nanscan.bundle import Incident, read_log_tail, unsaved_parts, write_bundle
+from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
+from nanscan.engine.headroom import overflowing_inputs
+from nanscan.engine.pending import StepScan
+from nanscan.engine.stats import PendingReport, ScanReport
+from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
+                              SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
+from nanscan.runtime.amp import Streak, mixed_precision_record
+from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.spikes import EPISODE_GAP, Spike
+from nanscan.runtime.update import broken_by_update
+
+log = logging.getLogger("nanscan")
+
+_RNG_KEYS = {"torch": "torch_cpu", "numpy": "numpy", "python": "python"}  # a source's key in capture_rng's dict
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def scanned_report(host: Any, scan: Any, skipped: Any, step: int, scaling: Any) -> ScanReport:
+    """A sync check's ScanReport: from the one-call host scan (a nanscan.engine.pending.HostScan), else from the
+    launched StepScan (its flag on the device for a device scan)."""
+    if host is not None:
+        return ScanReport(host.tensors, host.records, skipped=skipped, backend=host.backend, step=step,
+                          any_nonfinite=host.nonfinite, scaling=scaling)
+    on_host = scan.on_host
+    return ScanReport(scan.tensors, scan.records(), skipped=skipped, backend=scan.backend, step=step,
+                      found_inf=None if on_host else scan.found_inf,
+                      any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
+
+
+def retained(value: Any) -> Any:
+    """A batch (or sample ids) as kept until the verdict of its step arrives one step later: CPU tensors and numpy
+    arrays are copied (cheap, and the loop may refill its buffers in place), GPU tensors are kept by reference,
+    not copied (a copy would cost GPU memory and bandwidth every step), so they must not be modified in place
+    before the next check. Containers are rebuilt as the bundle stores them: mappings as dicts, tuples as tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.device.type == "cpu" else value.detach()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, Mapping):
+        return {k: retained(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(retained(v) for v in value)
+    if isinstance(value, list):
+        return [retained(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kept = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(kept, f.name, retained(getattr(value, f.name)))
+        return kept
+    return value
+
+
+class StepStart(NamedTuple):
+    """What the forward pre-hook captured at a step's start (the RNG states, the snapshot holding the state); a
+    tuple, made at every check (UpdateContext's reason)."""
+
+    rng: dict | None
+    snapshot: CpuSnapshot | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A checked step whose verdict has not been read yet (mode="async"), with what its bundle needs."""
+
+    step: int
+    report: PendingReport
+    scan: StepScan
+    slot: int  # its slot in the history ring
+    batch: Any
+    sample_ids: Any
+    started: bool
+    start: StepStart
+    dated: Any = None  # the update before it, when dated by its verdict (nanscan.runtime.update.DatedUpdate)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipEvidence:
+    """What a streak of overflow skips keeps of its first step, for the bundle if the streak becomes an incident."""
+
+    report: ScanReport
+    batch: Any
+    sample_ids: Any
+    started: bool
+    rng: dict | None
+
+
+class StepVerdicts:
+    """The incident, overflow-skip and spike half of nanscan.runtime.monitor.Monitor (see the module docstring)."""
+
+    # -- the incident ---------------------------------------------------------------------------------------
+    def _invalid(self, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
+                 start: StepStart | None = None, read_at: str | None = None, slot: int | None = None) -> ScanReport:
+        """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
+        check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures).
+        Under a GradScaler an overflow skip goes to _overflow_skip instead (slot: the step's in the history)."""
+        if self._scaler is not None and self._scaler.is_skip(report):
+            return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
+        category, tensors = categorize(report)
+        reason = NONFINITE
+        huge = overflowing_inputs(report.stats, (self._autocast or {}).get("dtype")) \
+            if category in ("loss", "gradient") else []
+        if huge:  # the step went bad computing on finite inputs it cannot hold: name them (NOTE: [overflow])
+            category, tensors, reason = "input", huge, INPUT_OVERFLOW
+        first = self.first_invalid_step is None
+        if first:
+            self.first_invalid_step = step
+            try:
+                incident = self.incident(report, step, category, tensors, batch, sample_ids, started, start=start,
+                                         read_at=read_at)
+                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason), self.bundle_dir)
+            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
+                self.bundle_error = exc
+                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                          type(exc).__name__, exc)
+        else:
+            self.invalid_steps += 1
+        self._apply_policy(report, step, category, tensors, first, read_at=read_at,
+                           why=reason_title(reason, step).lstrip(", ") or None)
+        return report
+
+    def update_incident(self, report: ScanReport, context: Any, *, tensors: list[str] | None = None,
+                        seen_at: int | None = None) -> None:
+        """Bundle a non-finite optimizer update (nanscan.runtime.update NOTE: [post-update check]) as the incident
+        of the step whose check it followed, and apply on_invalid (raising from inside optimizer.step() in
+        mode="sync"). `report`: the scan after the update, or (seen_at: that check's step) the next check's
+        scan, whose non-finite `tensors` only the update wrote (NOTE: [dated updates]); `context`: the
+        check's UpdateContext."""
+        step, tensors = context.step, broken_by_update(report) if tensors is None else tensors
+        read_at = "next_check" if self.mode == "async" else None
+        self.first_invalid_step = step
+        try:
+            incident = self.incident(report, step, UPDATE, tensors, context.batch, context.sample_ids,
+                                     context.started, start=context.start, read_at=read_at)
+            if not incident.state_pre_step:
+                incident = dataclasses.replace(incident, state_note=(
+                    "snapshot='none': the weights and optimizer state are those the update wrote (non-finite), "
+                    "not the ones it read; snapshot='cpu' keeps the pre-step state, from which replay reruns the "
+                    "update"))
+            if seen_at is not None:
+                incident = dataclasses.replace(incident, state_note=(
+                    f"{incident.state_note}; " if incident.state_note else "") + (
+                    f"dated at the check of step {seen_at}: the gradients and statistics are that step's, computed "
+                    f"from the weights the update of step {step} wrote"))
+            self.bundle_path = write_bundle(dataclasses.replace(incident, reason=OPTIMIZER_UPDATE), self.bundle_dir)
+        except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
+            self.bundle_error = exc
+            log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                      type(exc).__name__, exc)
+        self._apply_policy(report, step, UPDATE, tensors, True, read_at=read_at, update=True, seen_at=seen_at)
+
+    def _dated_incident(self, report: ScanReport, dated: Any, step: int) -> bool:
+        """Whether the non-finite check of `step` is the incident of the update before it (NOTE: [dated updates]),
+        which is then bundled and acted on."""
+        if self.first_invalid_step is not None:  # mode="async": an earlier step's verdict was the incident
+            return False
+        broken = dated.broken(report)
+        if broken:
+            self.update_incident(ScanReport(report.tensors, report.records, skipped=report.skipped,
+                                            backend=report.backend, step=dated.context.step, any_nonfinite=True,
+                                            scaling=report.scaling), dated.context, tensors=broken, seen_at=step)
+        return bool(broken)
+
+    def _keep_start_snapshot(self) -> None:
+        """Keep the step-start snapshot just taken past the next step's start (a verdict or a dated update read
+        at the next check needs it), by capturing the next one into the other buffer."""
+        if self._snapshot is not None:
+            spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
+            self._snapshot, self._spare_snapshot = spare, self._snapshot
+
+    def _check_micro(self, host: Any, scan: Any, skipped: tuple, step: int, batch: Any, sample_ids: Any,
+                     started: bool, scaling: Any, dated: Any, micro: int) -> ScanReport:
+        """Decide a micro-batch's check at once: no history, spike statistic, export or armed update; a GradScaler's
+        overflow is left to the step's own check, whose skip it is.
+
+        NOTE: [micro-batch checks]
+        Under gradient accumulation the step's own check, after the last micro-batch, sees gradients summed over
+        every micro-batch and, under DDP's no_sync(), already averaged over the ranks: the micro-batch and the
+        rank that went bad first are lost (every rank's gradients are non-finite, the last micro-batch's batch and
+        loss are finite). check(micro_batch=True) after each earlier micro-batch's backward scans the same inputs
+        (that micro-batch, its loss, the gradients so far, the weights and state) and decides at once, so a
+        non-finite one is the incident of the step being accumulated, at that micro-batch (its index in the
+        bundle's manifest and INCIDENT.md), with that micro-batch as the batch. Under a process group the ranks
+        agree on each micro-batch check as on a step's (every rank makes the same checks in lockstep), and
+        before the all-reduce each rank's gradients are its own, so the first bad rank is the one whose
+        micro-batch went bad. It is no step: the step counter, the history ring and the spike statistic (whose
+        gradient norms a partial sum would skew) see only the step's own check; a GradScaler overflow at a
+        micro-batch is left to that check, whose skip it is; and in mode="async" the pending step's verdict is
+        read first and the micro-batch's scan is waited for (a host sync per micro-batch: a diagnostic's cost)."""
+        report = scanned_report(host, scan, skipped, step, scaling)
+        self._deciding_micro = micro
+        try:
+            if self._agreement is not None:
+                return self._agreement.decide(self, report, step, batch, sample_ids, started)
+            if report.ok or (self._scaler is not None and self._scaler.is_skip(report)):
+                return report
+            if dated is not None and self._dated_incident(report, dated, step):
+                return report
+            return self._invalid(report, step, batch, sample_ids, started)
+        finally:
+            self._deciding_micro = None
+
+    # -- GradScaler overflow skips (nanscan.runtime.amp NOTE: [overflow skips]) ----------------------------------------
+    def _finite_step(self) -> None:
+        if self._scaler is not None:
+            self._scaler.end_streak()
+
+    def _overflow_skip(self, report: ScanReport, batch: Any, sample_ids: Any, started: bool, *,
+                       start: StepStart | None, read_at: str | None, slot: int | None) -> ScanReport:
+        """Record an expected overflow skip; bundle its streak, from the streak's first step, once the streak has
+        become an incident, and apply on_invalid to it then. Only a streak's first step is kept: its batch as
+        retained keeps a pending step's (an async verdict's batch is already retained)."""
+        report.overflow_skip = True
+        if slot is not None:
+            self._ring.mark_overflow_skip(slot)
+        evidence = None
+        if self._scaler.streak is None:
+            rng = (start.rng if start is not None else self._rng) if started else None
+            evidence = SkipEvidence(report, batch if read_at else retained(batch),
+                                     sample_ids if read_at else retained(sample_ids), started, rng)
+        streak = self._scaler.record_skip(report, evidence)
+        if streak is None:
+            return report
+        first, step = streak.first, streak.first_step
+        category, tensors = categorize(first.report)
+        if self.first_invalid_step is None:
+            self.first_invalid_step = step
+            try:
+                self.bundle_path = write_bundle(self._streak_incident(streak, category, tensors, read_at),
+                                                self.bundle_dir)
+            except Exception as exc:  # noqa: BLE001 - a failed write must not hide the streak; reported below
+                self.bundle_error = exc
+                log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
+                          type(exc).__name__, exc)
+            first_incident = True
+        else:
+            self.invalid_steps += 1
+            first_incident = False
+        self._apply_policy(report, step, category, tensors, first_incident, read_at=read_at, streak=streak.reason)
+        return report
+
+    def _streak_incident(self, streak: Streak, category: str, tensors: list[str], read_at: str | None) -> Incident:
+        """The incident of a streak of overflow skips: its first step's report, batch and RNG, the state now (no
+        update was applied since that step's start), the scale history."""
+        first = streak.first
+        incident = self.incident(first.report, streak.first_step, category, tensors, first.batch, first.sample_ids,
+                                 first.started, start=StepStart(first.rng, None), read_at=read_at)
+        note = (f"a streak of {len(streak.skips)} GradScaler overflow skips from step {streak.first_step}: no update "
+                f"was applied since that step's start, so weights and optimizer state are the ones it started from; "
+                "buffers updated by the forward pass (e.g. BatchNorm statistics) include the later batches")
+        return dataclasses.replace(incident, reason=SKIP_STREAK, state_note=note, state_pre_step=False,
+                                   mixed_precision=mixed_precision_record(self._scaler, self._autocast, streak))
+
+    def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                 sample_ids: Any, started: bool, *, start: StepStart | None = None,
+                 read_at: str | None = None) -> Incident:
+        """The evidence of a non-finite step as write_bundle takes it: the report, the history, the batch, the
+        step-start RNG states and the state (the snapshot's when it was taken at this step's start). Also what
+        nanscan.runtime.distributed's Agreement writes each rank's part from."""
+        model = self.model
+        if start is None:
+            start = StepStart(self._rng, self._snapshot)
+        rng = dict(start.rng) if started and start.rng is not None else {}
+        rng_at = {source: "step_start" for source in RNG_SOURCES if _RNG_KEYS[source] in rng}
+        late = tuple(source for source in RNG_SOURCES if source not in rng_at)
+        rng.update(capture_rng(late))
+        # Taken now: at the step's own check, or (async) where its verdict was read.
+        rng_at.update({source: "next_check" if read_at == "next_check" else "check" for source in late})
+        if started and start.snapshot is not None:
+            model_state, optimizer_state = start.snapshot.result()
+            pre_step, note = True, ""
+        else:
+            model_state, optimizer_state = self._plan.state(model, self.optimizer)  # NOTE: [tensor source]
+            pre_step = False
+            if self._snapshot is not None:
+                note = "snapshot='cpu' but no training forward of the model was seen since the previous check"
+            elif read_at == "next_check":
+                note = (f"mode='async', snapshot='none': the verdict arrived at the next check, so weights and "
+                        f"optimizer state include step {step}'s update unless it was skipped (report.found_inf "
+                        "given to a fused optimizer, or no optimizer.step()), and buffers updated by the forward "
+                        "pass (e.g. BatchNorm statistics) include the next batch; snapshot='cpu' keeps the exact "
+                        "pre-step state")
+            elif read_at is not None:
+                note = (f"mode='async', snapshot='none': the verdict was read at {read_at}(); weights and optimizer "
+                        f"state include step {step}'s update if optimizer.step() ran after its check; buffers "
+                        "updated by the forward pass (e.g. BatchNorm statistics) already include this batch")
+            else:
+                note = ("snapshot='none': weights and optimizer state before this step's update; buffers updated "
+                        "by the forward pass (e.g. BatchNorm statistics) already include this batch")
+        return Incident(
+            run_id=self.run_id, step=step, category=category, tensors=tensors, report=report, detected_at=_now(),
+            history=self._history_entries(), batch=batch, sample_ids=sample_ids, config=self.config,
+            source=self.source, environment=environment(report.backend), rng=rng, rng_captured_at=rng_at,
+            model_state=model_state, optimizer_state=optimizer_state, state_pre_step=pre_step, state_note=note,
+            logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
+            mixed_precision=mixed_precision_record(self._scaler, self._autocast),
+            spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
+            frozen=self._frozen_keys(model),
+        )
+
+    def _frozen_keys(self, model: torch.nn.Module) -> list[str]:
+        """What the bundle holds of the model's frozen weights by reference (Monitor(frozen_weights=...))."""
+        keys = getattr(self._plan, "frozen_keys", None)  # NOTE: [tensor source]: optional
+        return keys(model) if keys is not None and self.frozen_weights == "digest" else []
+
+    def _message(self, step: int, category: str, tensors: list[str], read_at: str | None = None,
+                 streak: str | None = None, update: bool = False, why: str | None = None,
+                 seen_at: int | None = None) -> str:
+        why = f", {why}" if why else ""
+        micro = f" at micro-batch {self._deciding_micro}" if self._deciding_micro is not None else ""
+        text = f"nanscan: non-finite values at step {step}{micro} (category {category}{why}: {shown_names(tensors)})"
+        if update:
+            text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
+                    f"{shown_names(tensors)}), right after optimizer.step(); everything checked before it was finite")
+            if seen_at is not None:  # NOTE: [dated updates]
+                text = (f"nanscan: non-finite values written by {update_message(step)} (category {category}: "
+                        f"{shown_names(tensors)}), seen at the check of step {seen_at}: they were finite at step "
+                        f"{step}'s check and nothing else wrote them since")
+        if streak:
+            text += f"; GradScaler skipped every step since: {streak}"
+        if read_at == "next_check" and seen_at is None:
+            text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
+                     "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
+                     "before optimizer.step() to decide each step before its update)")
+        if self.bundle_path is not None:
+            where = "evidence" if step == self.first_invalid_step else \
+                f"first incident at step {self.first_invalid_step}, evidence"
+            unsaved = unsaved_parts(self.bundle_path)  # NOTE: [write faults] in nanscan/bundle/write.py
+            missing = f"; not saved: {'; '.join(unsaved)}" if unsaved else ""
+            return f"{text}; {where} in {self.bundle_path} (see `nanscan report {self.bundle_path}`){missing}"
+        if self.bundle_error is not None:
+            return f"{text}; the evidence bundle could not be written: {self.bundle_error}"
+        return text
+
+    def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
+                      read_at: str | None = None, streak: str | None = None, update: bool = False,
+                      why: str | None = None, seen_at: int | None = None) -> None:
+        """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
+        update: the post-update check found it, nanscan.runtime.update; why: what the deciding tensors are, when
+        they are not the non-finite ones)."""
+        policy = self.on_invalid
+        if policy == "raise":
+            raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update, why, seen_at),
+                                 bundle_path=self.bundle_path, step=step, category=category,
+                                 tensors=tensors) from self.bundle_error
+        if policy == "skip":
+            self._drop_gradients()
+        if policy in ("warn", "skip"):
+            if first:
+                warn_user(self._message(step, category, tensors, read_at, streak, update, why, seen_at))
+            return
+        policy(report, self.bundle_path)
+
+    def _drop_gradients(self) -> None:
+        """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes
+        nothing (zeroed gradients would not do: Adam's momentum would still move the weights)."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self.optimizer is not None:  # it may also update parameters outside the model
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    # -- spikes (nanscan.runtime.spikes NOTE: [spike statistic]) ------------------------------------------------------
+    def _spike_at_check(self, report: ScanReport, step: int, batch: Any, sample_ids: Any,
+                        started: bool, summary: Any = None) -> ScanReport:
+        """Judge a finite sync step; at a spike, act on it and return the report carrying it. `summary`: the host
+        scan's StepSummary, whose sums the statistic takes instead of reading the records again."""
+        spike = self._spike_watch.observe_host(step, report, summary)
+        if spike is None:
+            return report
+        if self.on_spike == "skip":
+            self._drop_gradients()
+            report = ScanReport(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
+                                step=step, found_inf=torch.ones_like(report.found_inf), any_nonfinite=False,
+                                scaling=report.scaling)
+        report.spike = self._spike_found(spike, report, step, batch, sample_ids, started)
+        return report
+
+    def _spike_on_device(self, step: int, scan: Any, tensors: tuple, scaling: Any) -> Any:
+        """Judge an async step where its records are (no host sync); returns the found_inf its report gives: with
+        spikes="skip", the non-finite flag and the spike flag combined on the device, else None (the scan's)."""
+        if self._spike_watch is None:
+            return None
+        spiked = self._spike_watch.observe_device(step, scan, tensors, scaling)
+        return torch.maximum(scan.found_inf, spiked) if self.on_spike == "skip" else None
+
+    def _read_spike(self, pending: PendingStep, read_at: str) -> None:
+        """Read a finite async step's spike verdict (judged on the device with its scan) and act on it."""
+        read = self._spike_watch.read() if self._spike_watch is not None else None
+        if read is None or read[0] != pending.step or not read[1]:
+            return
+        spike = self._spike_watch.spike_of(pending.step, read[1])
+        self._decided_spike = self._spike_found(spike, pending.report.result(), pending.step, pending.batch,
+                                                pending.sample_ids, pending.started, start=pending.start,
+                                                read_at=read_at)
+
+    def _spike_found(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool,
+                     *, start: StepStart | None = None, read_at: str | None = None) -> Spike:
+        """Keep a spike, bundle it (the run's first; every episode's first with spikes="bundle") and warn, raise
+        or call spikes(spike, bundle_path). Spikes within EPISODE_GAP steps of the previous are one episode."""
+        new_episode = not self.spikes or step - self.spikes[-1].step > EPISODE_GAP
+        if new_episode or callable(self.on_spike):
+            spike = self._spike_watch.attributed(spike, self._ring.entries())  # copies the history: at spikes only
+        self.spikes.append(spike)
+        bundle_path = None
+        if new_episode and (self.on_spike == "bundle" or len(self.spikes) == 1):
+            bundle_path = self._spike_bundle(spike, report, step, batch, sample_ids, started, start, read_at)
+        if callable(self.on_spike):
+            self.on_spike(spike, bundle_path)
+            return spike
+        warning = SpikeWarning(self._spike_message(spike, bundle_path, read_at), step=step, quantity=spike.quantity,
+                               spike=spike, bundle_path=bundle_path)
+        if self.on_spike == "raise":
+            raise warning
+        if new_episode:
+            warn_user(warning)
+        return spike
+
+    def _spike_bundle(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any,
+                      started: bool, start: StepStart | None, read_at: str | None) -> Path | None:
+        try:
+            path = write_bundle(self.incident(report, step, SPIKE, spike.tensors, batch, sample_ids, started,
+                                              start=start, read_at=read_at), self.bundle_dir)
+        except Exception as exc:  # noqa: BLE001 - a failed write must not stop training; the warning goes out
+            log.error("nanscan: could not write the spike bundle for step %d: %s: %s", step, type(exc).__name__, exc)
+            return None
+        if self.spike_bundle_path is None:
+            self.spike_bundle_path = path
+        return path
+
+    def _spike_message(self, spike: Spike, bundle_path: Path | None, read_at: str | None) -> str:
+        text = f"nanscan: {spike.describe()}"
+        if read_at == "next_check":
+            text += "; mode='async': read at the next check (spikes='skip' skips it through report.found_inf)"
+        if bundle_path is not None:
+            text += f"; evidence in {bundle_path} (see `nanscan report {bundle_path}`)"
+        return text + ". Values are still finite: this is an early warning, not an invalid step"
