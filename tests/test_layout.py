@@ -1,6 +1,7 @@
 """The package's structure holds: no import cycle among nanscan's modules (imports inside functions counted), no
 module importing another's private name, every module opening with a purpose line, and the layers, each its
-folders, importing one way only (tools -> runtime -> evidence -> engine; ARCHITECTURE.md)."""
+folders, importing one way only (tools -> runtime -> evidence -> engine; ARCHITECTURE.md), with the command line
+(nanscan/cli/) on top of the tools."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanscan"
 # Each layer may import its own modules and those of the layers after it, never those before it. A layer is its
 # folders (and the few public-face modules at the package's top that belong to it).
 LAYERS = {
-    # the workflow before and after a run, and the command line
+    # the workflow before and after a run, the command line on top of it (test_the_command_line_is_at_the_top)
     "tools": ("cli", "replay", "review", "data", "demo", "preflight", "testing", "bench_scan", "__main__"),
     # the every-step path; integrations: adapters for other frameworks, at the runtime's level, beside the Monitor,
     # which opens the TensorBoard export, and which the trainer adapters drive
@@ -24,6 +25,9 @@ LAYERS = {
     # incident: the vocabulary every layer shares; scan: the nanscan.scan entry point
     "engine": ("engine", "incident", "scan", "_atomic", "_lazy"),
 }
+# What the tools' own subcommands (nanscan.replay.cli, report, ...) and the single-module tools share with
+# nanscan/cli/: every other module there is the program and its subcommands, which nothing stands on.
+CLI_SHARED = ("nanscan.cli", "nanscan.cli.errors", "nanscan.cli.bench_options", "nanscan.cli.preflight_options")
 ORDER = list(LAYERS)
 
 
@@ -174,6 +178,17 @@ def test_an_upward_import_is_found():
 def test_every_package_folder_belongs_to_a_layer():
     folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
     assert folders == {top for tops in LAYERS.values() for top in tops if (PACKAGE / top).is_dir()}
+
+
+def test_the_command_line_is_at_the_top():
+    """Only `python -m nanscan` imports the program (nanscan.cli.main) or a subcommand of nanscan/cli/; the rest of
+    the package takes from there only what the subcommands share (CLI_SHARED)."""
+    assert set(CLI_SHARED) <= set(MODULES)
+    top = {name for name in MODULES if name.startswith("nanscan.cli.") and name not in CLI_SHARED}
+    assert "nanscan.cli.main" in top
+    importers = sorted(f"{name} imports {target}" for name in MODULES if name != "nanscan.__main__"
+                       for target in _edges()[name] & top)
+    assert importers == []
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -63,7 +63,7 @@ def demo_command(out_dir, as_json, diverging):
     from rich.text import Text  # noqa: PLC0415
 
     from nanscan import demo  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from nanscan.review.report import render_terminal  # noqa: PLC0415
 
     console = cli_console(stderr=as_json)

@@ -1,5 +1,6 @@
 """The `nanscan` command line: one program whose subcommands follow the workflow (detect, preserve, localize,
-change one factor, check the data). Subcommands live beside the code they drive and are imported only when run.
+change one factor, check the data). Subcommands live beside the code they drive and are imported only when run;
+what they all share is nanscan.cli.errors, and no module of the package imports this one (`python -m nanscan` aside).
 """
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ import ast
 import errno
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
+
+from nanscan.cli.errors import FAILURE, USAGE, CommandFailed, console, os_error_message
 
 # subcommand -> "module:attribute" of a click command
 SUBCOMMANDS = {
@@ -40,9 +42,9 @@ SUBCOMMANDS = {
 # - the group's help reads each subcommand's one-line summary from its module's source (command_summary) instead
 #   of importing the module;
 # - the module of a subcommand (SUBCOMMANDS) imports only light modules at its top: click, and the names and
-#   formats nanscan's tools share (nanscan.bundle.format, nanscan.replay.options, nanscan.data.findings). What
-#   needs torch it imports inside the function that uses it (report, export, ablate, triage, the replay commands;
-#   so do nanscan.bundle.load_bundle and nanscan.cli.errors for its error types);
+#   formats nanscan's tools share (nanscan.cli.errors, nanscan.bundle.format, nanscan.replay.options,
+#   nanscan.data.findings). What needs torch it imports inside the function that uses it (report, export, ablate,
+#   triage, the replay commands; so do nanscan.bundle.load_bundle and nanscan.cli.errors for its error types);
 # - a tool that needs torch by its nature (a model, torch dtypes, tensors at module level) keeps its work in its
 #   own module and its subcommand in a light one, which imports the tool inside the command: cli.py in the
 #   tool's package (nanscan.replay.cli), a module of nanscan/cli/ named like a single-module tool (nanscan.cli.demo
@@ -53,48 +55,6 @@ SUBCOMMANDS = {
 #   subcommand's module.
 # tests/test_cli_help.py runs the group's help and every subcommand's, each in a fresh interpreter, and checks that
 # none imports torch.
-
-
-# Exit statuses shared by every subcommand (documented in `nanscan --help`).
-FAILURE, USAGE = 1, 2
-
-
-# How wide rich may print when the output is not a terminal (a pipe, a file, a test capturing it): rich's default
-# there is 80 columns, which folds tensor names onto two lines (`input:weigh` / `ts`). Tables still take only the
-# width of their content, so this only lifts the limit.
-PIPED_WIDTH = 4096
-
-
-def console(*, stderr: bool = False):
-    """The rich Console a subcommand prints with: the terminal's width on a terminal, else (unless COLUMNS says
-    otherwise) wide enough that no table row or tensor name is folded."""
-    from rich.console import Console  # noqa: PLC0415 - NOTE: [fast help]
-
-    out = Console(stderr=stderr)
-    if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(stderr=stderr, width=PIPED_WIDTH)
-    return out
-
-
-class CommandFailed(click.ClickException):
-    """A one-line `Error: ...` on stderr and the given exit status."""
-
-    def __init__(self, message: str, exit_code: int = FAILURE):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def os_error_message(exc: OSError) -> str:
-    """What went wrong with which path, and what to do about it."""
-    path = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None) or "a file"
-    reason = exc.strerror or str(exc)
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        advice = "check its owner and permissions, or point nanscan at a copy or a directory you may use"
-    elif exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        advice = "free some space there, or write somewhere else"
-    else:
-        advice = "check that the path is right and usable"
-    return f"cannot use {path}: {reason}; {advice}"
 
 
 def command_summary(target: str, limit: int = 45) -> str | None:

@@ -121,7 +121,7 @@ def preflight_command(entry, config_path, steps, data_paths, sample_batches, see
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        from nanscan.cli.main import console as cli_console
+        from nanscan.cli.errors import console as cli_console
 
         _render(report, cli_console())
     raise SystemExit(0 if report.go else 1)

@@ -224,7 +224,7 @@ def data_command(paths, as_json, id_field, max_tokens, tokenizer, text_fields, t
     if as_json:
         click.echo(json.dumps(report.to_dict(fail_on), indent=2))
     else:
-        from nanscan.cli.main import console as cli_console
+        from nanscan.cli.errors import console as cli_console
 
         _render(report, fail_on, cli_console())
     raise SystemExit(report.exit_code(fail_on))
@@ -247,7 +247,7 @@ def runs_command(directory, required, as_json):
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        from nanscan.cli.main import console as cli_console
+        from nanscan.cli.errors import console as cli_console
         from rich.table import Table
 
         console = cli_console()

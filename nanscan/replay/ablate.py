@@ -405,7 +405,7 @@ def print_ablation(result: AblationResult, console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_record, as_json):
     """Change one factor at a time from BUNDLE's state and batch and record the outcome of each."""
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
 
     console = cli_console(stderr=as_json)

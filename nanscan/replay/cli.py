@@ -85,7 +85,7 @@ def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record
 
     Exits 0 when the step ran, reproduced or not; an optional phase (localization, bisection) that fails is
     reported as a warning line (in --json: phase_errors) beside what the other phases found."""
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
 
     console = cli_console(stderr=as_json)

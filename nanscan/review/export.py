@@ -28,7 +28,7 @@ import numpy as np
 from nanscan.engine import _layout as L
 from nanscan._atomic import TEMP_PREFIX, atomic_directory, atomic_write_with
 from nanscan.incident import is_kind
-from nanscan.cli.main import CommandFailed, console
+from nanscan.cli.errors import CommandFailed, console
 
 STATS = ("numel", "nan", "posinf", "neginf", "zero", "subnormal", "absmax", "absmin", "sumsq")
 STEP_STATS = ("loss", "lr", "grad_norm")

@@ -320,7 +320,7 @@ def render_terminal(summary: dict, console=None) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
 
     def table(title: str, *columns: str, left: int = 1) -> Table:
         t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
@@ -828,7 +828,7 @@ def report_command(bundle_path, html_out, as_json):
     if as_json:
         click.echo(json.dumps(summary, indent=2, allow_nan=False))
         return
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
 
     console = cli_console()
     render_terminal(summary, console)

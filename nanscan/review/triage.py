@@ -189,7 +189,7 @@ def triage_command(directory, as_json):
     """Group every bundle under DIRECTORY by failure category and first bad module, with counts.
 
     Exits 1 when some bundle could not be read (it is listed, the others are counted)."""
-    from nanscan.cli.main import console as cli_console  # noqa: PLC0415
+    from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
 
 
     with cli_errors():
