@@ -51,6 +51,9 @@ Spikes (nanscan.runtime.spikes NOTE: [spike statistic]): every finite step's los
 against their recent range, from the same records. A spike warns (SpikeWarning) and the run's first one is bundled
 (category "spike"), while the weights are still sound; it is not an invalid step. spikes="skip" folds the spike into
 `report.found_inf`, so the found_inf contract above skips a spiking step's update too, on the device.
+
+check() is its stages (nanscan.runtime.stages NOTE: [check stages]): prepare, scan, count, record, spike, then
+decide and act; a new every-step feature joins as a stage.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.runtime.spikes import Spike, SpikeRule, SpikeWatch
+from nanscan.runtime.stages import CheckPath, StepCheck
 from nanscan.runtime.update import UpdateContext, UpdateWatch
 from nanscan.runtime.verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
 
@@ -536,6 +540,16 @@ class Monitor(StepVerdicts):
         Returns the ScanReport (in mode="async" a PendingReport, before the scan has finished); see the class
         docstring for what happens when it is not ok.
         """
+        step_check = self._prepare(batch, loss, sample_ids, lr, step, micro_batch)
+        micro = step_check.micro is not None
+        path = self._MICRO if micro else self._ASYNC if self.mode == "async" else self._SYNC
+        return path.run(self, step_check)  # NOTE: [check stages]
+
+    # -- check()'s stages (nanscan.runtime.stages NOTE: [check stages]) -----------------------------------------
+    def _prepare(self, batch: Any, loss: Any, sample_ids: Any, lr: Any, step: int | None,
+                 micro_batch: bool) -> StepCheck:
+        """What every path starts from: the step's number and micro-batch index, the step start this check closes,
+        the update before it, the batch plan's inputs, the GradScaler's state and the mode."""
         model = self.model
         step = self._next_step if step is None else _step_number(step)
         # Taken (and the next step's start armed) before anything can fail: a check that raises below leaves no
@@ -561,65 +575,129 @@ class Monitor(StepVerdicts):
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
-        skipped = step_inputs.skipped
         scaling = read_scaling(self.scaler, self.optimizer)  # NOTE: [overflow skips]; before the scan is enqueued
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
-        host = None  # the every-step path on the CPU: one native call, no StepScan (ModelScanPlan.scan_on_host)
-        if self.mode == "async" and micro is None:  # launched after the previous step's verdict is read
-            inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
-        else:
-            host = self._plan.scan_on_host(model, self.optimizer, extra=step_inputs, backend_for=self.backend_for,
-                                           carried=carried)
-            if host is None:
-                inputs = self._plan.inputs(model, self.optimizer, extra=step_inputs)
-                scan = launch(inputs, backend=self.backend_for(inputs.devices))
-        # counted once its inputs are read: a check that could not scan is no step, nor is a micro-batch's
-        self._next_step = step if micro is not None else step + 1
+        return StepCheck(model, step, batch, loss, sample_ids, lr, started, micro, step_inputs, scaling,
+                         carried=carried, dated=dated)
+
+    def _scan(self, check: StepCheck) -> None:
+        """Scan now: on the CPU the plans are confirmed and scanned in one native call (ModelScanPlan.scan_on_host),
+        elsewhere the inputs are launched on their backends."""
+        check.host = self._plan.scan_on_host(check.model, self.optimizer, extra=check.step_inputs,
+                                             backend_for=self.backend_for, carried=check.carried)
+        if check.host is None:
+            check.inputs = self._plan.inputs(check.model, self.optimizer, extra=check.step_inputs)
+            check.scan = launch(check.inputs, backend=self.backend_for(check.inputs.devices))
+
+    def _read_inputs(self, check: StepCheck) -> None:
+        """mode="async": the inputs only; they are launched after the previous step's verdict is read (_launch)."""
+        check.inputs = self._plan.inputs(check.model, self.optimizer, extra=check.step_inputs)
+
+    def _count(self, check: StepCheck) -> None:
+        """Count the step once its inputs are read (a check that could not scan is no step, nor is a micro-batch's),
+        warn once where it saw no gradient, and take the learning rate."""
+        step = check.step
+        self._next_step = step if check.micro is not None else step + 1
         if self._plan.no_gradients and not self._grad_warned:
             self._grad_warned = True
             warn_user(f"nanscan: the check of step {step} saw no gradient although the model has parameters that "
                       "train: check() must come after loss.backward() and before optimizer.zero_grad() (with "
                       "set_to_none=True the gradients are gone); under gradient accumulation, check once per "
                       "optimizer step, after the last micro-batch's backward", GradientWarning)
-        if lr is None and self.optimizer is not None and self.optimizer.param_groups:
-            lr = self.optimizer.param_groups[0].get("lr")
-        if micro is not None:
-            return self._check_micro(host, None if host is not None else scan, skipped, step, batch, sample_ids,
-                                     started, scaling, dated, micro)
-        if self.mode == "async":
-            return self._check_async(inputs, skipped, step, batch, loss, sample_ids, lr, started, scaling,
-                                     dated.seen() if dated is not None else None)
+        if check.lr is None and self.optimizer is not None and self.optimizer.param_groups:
+            check.lr = self.optimizer.param_groups[0].get("lr")
 
-        summary = host.summary if host is not None else None  # NOTE: [step summary] in csrc/plan/plan_check.cpp
+    def _record(self, check: StepCheck) -> None:
+        """mode="sync": the step's report, into the history ring and the live export (written before the verdict
+        acts: a raising incident is in the log too)."""
+        summary = check.host.summary if check.host is not None else None  # NOTE: [step summary] (plan_check.cpp)
         kept_loss = summary.loss_value if summary is not None and summary.loss_value is not None else \
-            kept_scalar(loss, step_inputs)
-        kept_lr = kept_scalar(lr)
-        report = scanned_report(host, None if host is not None else scan, skipped, step, scaling)
+            kept_scalar(check.loss, check.step_inputs)
+        kept_lr = kept_scalar(check.lr)
+        report = check.report = scanned_report(check.host, check.scan, check.skipped, check.step, check.scaling)
         tensors = report.tensors
-        if host is not None:
-            slot = self._ring.append_host(step, tensors, report.records, skipped, report.backend, loss=kept_loss,
-                                          lr=kept_lr, scaling=scaling,
-                                          compacted=summary.compact if summary is not None else None)
+        if check.host is not None:
+            check.slot = self._ring.append_host(check.step, tensors, report.records, check.skipped, report.backend,
+                                                loss=kept_loss, lr=kept_lr, scaling=check.scaling,
+                                                compacted=summary.compact if summary is not None else None)
         else:
-            slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, scaling=scaling)
-        if self._export is not None:  # written before the verdict acts: a raising incident is in the log too
-            self._export.record(step, report.records, tensors, loss=kept_loss, lr=kept_lr)
-        if self._spike_watch is not None and self._agreement is None and report.ok:  # NOTE: [spike statistic]
-            report = self._spike_at_check(report, step, batch, sample_ids, started, summary)
-        if self._agreement is not None:  # the ranks decide together (nanscan.distributed)
-            return self._agreement.decide(self, report, step, batch, sample_ids, started)
+            check.slot = self._ring.append(check.step, check.scan, tensors, check.skipped, loss=kept_loss, lr=kept_lr,
+                                           scaling=check.scaling)
+        if self._export is not None:
+            self._export.record(check.step, report.records, tensors, loss=kept_loss, lr=kept_lr)
+
+    def _spot_spike(self, check: StepCheck) -> None:
+        """mode="sync": a finite step's loss and gradient norm against their recent range (NOTE: [spike
+        statistic]); at a spike the report carries it. Not with a process group (the ranks would have to agree)."""
+        if self._spike_watch is not None and self._agreement is None and check.report.ok:
+            summary = check.host.summary if check.host is not None else None
+            check.report = self._spike_at_check(check.report, check.step, check.batch, check.sample_ids,
+                                                check.started, summary)
+
+    def _decide(self, check: StepCheck) -> ScanReport:
+        """mode="sync", last: decide the step, alone or with the other ranks (nanscan.runtime.distributed), and act
+        on a non-finite one (nanscan.runtime.verdict: the bundle, then on_invalid's raise, skip or warn)."""
+        report, step = check.report, check.step
+        if self._agreement is not None:
+            return self._agreement.decide(self, report, step, check.batch, check.sample_ids, check.started)
         if report.ok:
             self._finite_step()
             if self._updates is not None:
-                start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
-                if self._updates.expect(UpdateContext(step, batch, sample_ids, started, start), self._plan) == \
-                        "date" and started:
+                start = StepStart(self._rng, self._snapshot) if check.started else StepStart(None, None)
+                context = UpdateContext(step, check.batch, check.sample_ids, check.started, start)
+                if self._updates.expect(context, self._plan) == "date" and check.started:
                     self._keep_start_snapshot()  # read at the next check, after the next step's start
             return report
-        if dated is not None and self._dated_incident(report, dated, step):
+        if check.dated is not None and self._dated_incident(report, check.dated, step):
             return report
-        return self._invalid(report, step, batch, sample_ids, started, slot=slot)
+        return self._invalid(report, step, check.batch, check.sample_ids, check.started, slot=check.slot)
+
+    def _decide_pending(self, check: StepCheck) -> None:
+        """mode="async": act on the previous step's verdict now, before this step's scan is launched. The dated
+        update is stamped first (NOTE: [dated updates]): its verdict is read one step later."""
+        if check.dated is not None:
+            check.dated.seen()
+        check.decided = self._read_verdict(read_at="next_check")
+
+    def _launch(self, check: StepCheck) -> None:
+        check.scan = launch(check.inputs, backend=self.backend_for(check.inputs.devices))
+
+    def _record_pending(self, check: StepCheck) -> None:
+        """mode="async": the step into the live export and the history ring, whose verdict flag is read later (the
+        export's copies are enqueued before the flag's: back once the verdict is)."""
+        tensors = check.inputs.identities
+        kept_loss, kept_lr = kept_scalar(check.loss), kept_scalar(check.lr)
+        if self._export is not None:
+            self._export.record(check.step, check.scan, tensors, loss=kept_loss, lr=kept_lr)
+        check.slot = self._ring.append(check.step, check.scan, tensors, check.skipped, loss=kept_loss, lr=kept_lr,
+                                       verdict=True, scaling=check.scaling)
+
+    def _spot_spike_on_device(self, check: StepCheck) -> None:
+        check.found_inf = self._spike_on_device(check.step, check.scan, check.inputs.identities, check.scaling)
+
+    def _keep_pending(self, check: StepCheck) -> PendingReport:
+        """mode="async", last: keep the step until its verdict is read, and return without waiting for its scan."""
+        decided_step, decided_ok, decided_skip = check.decided
+        step, scan, started = check.step, check.scan, check.started
+        report = PendingReport(check.inputs.identities, scan, skipped=check.skipped, backend=scan.backend, step=step,
+                               ok=decided_ok, decided_step=decided_step, found_inf=check.found_inf,
+                               scaling=check.scaling, overflow_skip=decided_skip)
+        report.spike, self._decided_spike = self._decided_spike, None
+        start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
+        self._pending = PendingStep(step, report, scan, check.slot, retained(check.batch),
+                                    retained(check.sample_ids), started, start, check.dated)
+        if self._updates is not None:  # read with its verdict, later
+            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start),
+                                 self._plan)
+        if started:
+            self._keep_start_snapshot()  # the pending step's
+        return report
+
+    _SYNC = CheckPath((_scan, _count, _record, _spot_spike), _decide)
+    _ASYNC = CheckPath((_read_inputs, _count, _decide_pending, _launch, _record_pending, _spot_spike_on_device),
+                       _keep_pending)
+    _MICRO = CheckPath((_scan, _count), StepVerdicts._decide_micro)
 
     def backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping
@@ -645,32 +723,6 @@ class Monitor(StepVerdicts):
             return "sync"
         first = next(iter(model.parameters()), None)
         return "async" if first is not None and first.device.type == "cuda" else "sync"
-
-    def _check_async(self, inputs: list, skipped: list[str], step: int, batch: Any, loss: Any, sample_ids: Any,
-                     lr: Any, started: bool, scaling: Any, dated: Any) -> PendingReport:
-        """Act on the previous step's verdict, then launch this step's scan and return without waiting for it."""
-        decided_step, decided_ok, decided_skip = self._read_verdict(read_at="next_check")
-        scan = launch(inputs, backend=self.backend_for(inputs.devices))
-        tensors = inputs.identities
-        kept_loss, kept_lr = kept_scalar(loss), kept_scalar(lr)
-        if self._export is not None:  # its copies are enqueued before the flag's: back once the verdict is
-            self._export.record(step, scan, tensors, loss=kept_loss, lr=kept_lr)
-        slot = self._ring.append(step, scan, tensors, skipped, loss=kept_loss, lr=kept_lr, verdict=True,
-                                 scaling=scaling)
-        found_inf = self._spike_on_device(step, scan, tensors, scaling)
-        report = PendingReport(tensors, scan, skipped=skipped, backend=scan.backend, step=step, ok=decided_ok,
-                               decided_step=decided_step, found_inf=found_inf, scaling=scaling,
-                               overflow_skip=decided_skip)
-        report.spike, self._decided_spike = self._decided_spike, None
-        start = StepStart(self._rng, self._snapshot) if started else StepStart(None, None)
-        self._pending = PendingStep(step, report, scan, slot, retained(batch), retained(sample_ids), started,
-                                     start, dated)
-        if self._updates is not None:  # read with its verdict, later
-            self._updates.expect(UpdateContext(step, self._pending.batch, self._pending.sample_ids, started, start),
-                                 self._plan)
-        if started:
-            self._keep_start_snapshot()  # the pending step's
-        return report
 
     def _read_verdict(self, *, read_at: str) -> tuple[int | None, bool, bool]:
         """Read the pending step's verdict (waiting for its flag only) and act on it as check() does in sync mode.

@@ -2,7 +2,7 @@
 the incident's evidence (report, history, batch, step-start RNG states, state), the bundle, the on_invalid policy,
 GradScaler overflow skips and their streaks (nanscan.runtime.amp NOTE: [overflow skips]), and the spikes' warnings
 and bundles (nanscan.runtime.spikes NOTE: [spike statistic]); with what a checked step keeps for them (StepStart,
-PendingStep, SkipEvidence, retained).
+PendingStep, SkipEvidence, retained), and the micro-batch path's last stage (NOTE: [check stages]).
 
 StepVerdicts is a part of nanscan.runtime.monitor.Monitor (its base class): its methods read and set the Monitor's
 state (model, optimizer, run_id, the history ring, the scaler watch, the spike watch, the bundle path), which
@@ -31,6 +31,7 @@ from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_
 from nanscan.runtime.amp import Streak, mixed_precision_record
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import EPISODE_GAP, Spike
+from nanscan.runtime.stages import StepCheck
 from nanscan.runtime.update import broken_by_update
 
 log = logging.getLogger("nanscan")
@@ -194,10 +195,9 @@ class StepVerdicts:
             spare = self._spare_snapshot if self._spare_snapshot is not None else self._snapshot.spare()
             self._snapshot, self._spare_snapshot = spare, self._snapshot
 
-    def _check_micro(self, host: Any, scan: Any, skipped: tuple, step: int, batch: Any, sample_ids: Any,
-                     started: bool, scaling: Any, dated: Any, micro: int) -> ScanReport:
-        """Decide a micro-batch's check at once: no history, spike statistic, export or armed update; a GradScaler's
-        overflow is left to the step's own check, whose skip it is.
+    def _decide_micro(self, check: StepCheck) -> ScanReport:
+        """A micro-batch check's last stage (NOTE: [check stages]): decide it at once. No history, spike statistic,
+        export or armed update; a GradScaler's overflow is left to the step's own check, whose skip it is.
 
         NOTE: [micro-batch checks]
         Under gradient accumulation the step's own check, after the last micro-batch, sees gradients summed over
@@ -213,14 +213,15 @@ class StepVerdicts:
         gradient norms a partial sum would skew) see only the step's own check; a GradScaler overflow at a
         micro-batch is left to that check, whose skip it is; and in mode="async" the pending step's verdict is
         read first and the micro-batch's scan is waited for (a host sync per micro-batch: a diagnostic's cost)."""
-        report = scanned_report(host, scan, skipped, step, scaling)
-        self._deciding_micro = micro
+        step, batch, sample_ids, started = check.step, check.batch, check.sample_ids, check.started
+        report = scanned_report(check.host, check.scan, check.skipped, step, check.scaling)
+        self._deciding_micro = check.micro
         try:
             if self._agreement is not None:
                 return self._agreement.decide(self, report, step, batch, sample_ids, started)
             if report.ok or (self._scaler is not None and self._scaler.is_skip(report)):
                 return report
-            if dated is not None and self._dated_incident(report, dated, step):
+            if check.dated is not None and self._dated_incident(report, check.dated, step):
                 return report
             return self._invalid(report, step, batch, sample_ids, started)
         finally:
