@@ -354,9 +354,10 @@ def test_snapshot_buffers_are_reused_between_steps(tmp_path):
     optimizer = torch.optim.Adam(model.parameters())
     mon = Monitor(model, optimizer, bundle_dir=tmp_path, snapshot="cpu")
     train(mon, model, optimizer, steps=3)
-    buffers = dict(mon._snapshot._buffers)
+    buffers = list(mon._snapshot._buffers)  # matched to the state's tensors by their order in it
     train(mon, model, optimizer, steps=2)
-    assert buffers and all(mon._snapshot._buffers[k].data_ptr() == b.data_ptr() for k, b in buffers.items())
+    assert buffers and len(mon._snapshot._buffers) == len(buffers)
+    assert all(now.data_ptr() == b.data_ptr() for now, b in zip(mon._snapshot._buffers, buffers))
 
 
 def test_rng_captured_at_step_start_replays_dropout(tmp_path):
