@@ -281,6 +281,25 @@ def test_ddp_every_rank_stops_at_the_failing_step_and_the_index_names_rank_1(ddp
     assert load_bundle(set_dir.parent).set_path == set_dir
 
 
+def test_ddp_each_rank_keeps_its_own_window(ddp):
+    """The run's window (nanscan.runtime.window) is kept per rank: each part holds its own rank's batches, and the
+    state kept at step 0 (the same on every rank, as DDP keeps them)."""
+    out, _ = ddp
+    bundle = load_bundle(_set_dir(out, "ddp-sync"))
+    kept = []
+    for rank in range(4):
+        part = bundle.part(rank)
+        records = part.window_records()
+        assert [r.step for r in records] == list(range(FAULT_STEP + 1))
+        for r in records:
+            want = make_batch(rank, r.step, "x")["x"]
+            assert torch.equal(r.batch["x"].nan_to_num(7.0), want.nan_to_num(7.0)), (rank, r.step)
+            assert r.sample_ids == sample_ids(rank, r.step)
+        assert [s["step"] for s in part.window["states"]] == [0]
+        kept.append(part.window_state(0)[0])
+    assert all(torch.equal(kept[0][k], other[k]) for other in kept[1:] for k in kept[0])
+
+
 def test_ddp_rewriting_the_same_incident_changes_nothing(ddp):
     out, ranks = ddp
     rerun = ranks[0]["rerun"]

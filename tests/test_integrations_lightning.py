@@ -64,6 +64,10 @@ def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
     assert error.tensors == ["input:micro_batches.1.0"]
     bundle = load_bundle(error.bundle_path)
     assert bundle.batch(nested=True)["batch_indices"] == [4, 5]
+    # the run's window: every optimizer step's micro-batches since the run's first step, and its state then
+    records = bundle.window_records()
+    assert [r.step for r in records] == [0, 1, 2] and [s["step"] for s in bundle.window["states"]] == [0]
+    assert [r.batch["batch_indices"] for r in records] == [[0, 1], [2, 3], [4, 5]]
     finding = next(f for f in bundle.findings() if f["key"] == "micro_batches")
     assert finding["record"]["first_bad"] == 1
     result = replay(error.bundle_path, runs=2)

@@ -86,6 +86,10 @@ def test_a_nan_in_one_micro_batch_is_caught_at_its_step_and_replayed(tmp_path):
     assert finding["record"]["first_bad"] == 1 and finding["record"]["micro_batches"] == 2
     assert "micro-batch 1 of 2" in (Path(error.bundle_path) / "INCIDENT.md").read_text()
     assert [len(b["pixel_values"]) for b in bundle.batch(nested=True)["micro_batches"]] == [2, 2]
+    # the run's window: every optimizer step's micro-batches since the run's first step, and its state then
+    records = bundle.window_records()
+    assert [r.step for r in records] == [1, 2, 3] and [s["step"] for s in bundle.window["states"]] == [1]
+    assert all(len(r.batch["micro_batches"]) == 2 for r in records) and records[0].lrs[0] is not None
 
     result = replay(error.bundle_path, runs=2)
     assert result.entry == "nanscan.integrations.rebuild:replay_entry"

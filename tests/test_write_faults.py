@@ -25,15 +25,18 @@ import nanscan.bundle.read as bundle_read
 from fault_writer import train
 from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.format import (BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOGS, MANIFEST, RNG, STATE,
-                                   STATE_STRUCTURE)
+                                   STATE_STRUCTURE, WINDOW_STEPS, WINDOW_STEPS_INDEX)
 from nanscan.bundle.write import BundleFiles
 from nanscan.cli.main import main
 
 WRITER = Path(__file__).resolve().parent / "fault_writer.py"
 ERRORS = {errno.ENOSPC: "No space left on device", errno.EIO: "Input/output error"}
 # file -> the manifest part it belongs to; None: the core, without which no bundle is renamed into place
+# (the window's: its state kept at step 0, the run's first, and its steps; nanscan.runtime.window)
 FILES = {BATCH: "batch", RNG: "rng", HISTORY: "history", HISTORY_INDEX: "history", STATE: "state",
-         STATE_STRUCTURE: "state", f"{LOGS}/train.log": "logs", LEDGER: None, INCIDENT: None, MANIFEST: None}
+         STATE_STRUCTURE: "state", f"{LOGS}/train.log": "logs", "window/state-0.safetensors": "window",
+         "window/state-0.json": "window", WINDOW_STEPS: "window", WINDOW_STEPS_INDEX: "window", LEDGER: None,
+         INCIDENT: None, MANIFEST: None}
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -69,6 +72,7 @@ def _complete(path: Path) -> None:
     bundle = load_bundle(path)
     assert not bundle.manifest.get("write_errors"), bundle.manifest.get("write_errors")
     assert bundle.manifest["state"]["file"] and bundle.manifest["batch"]["file"] and bundle.history()
+    assert bundle.window is not None and bundle.window_records()
     assert "not saved" not in (path / INCIDENT).read_text()
 
 
@@ -110,10 +114,10 @@ def test_a_core_file_failing_once_leaves_the_core_alone(tmp_path, monkeypatch, n
     assert error.bundle_path is not None
     bundle = load_bundle(error.bundle_path)
     parts = [e["part"] for e in bundle.manifest["write_errors"] if e["part"] != "source_diff"]  # a dirty checkout's
-    assert parts == ["batch", "rng", "history", "state", "logs"]
+    assert parts == ["batch", "rng", "history", "state", "logs", "window"]
     assert all(f"the whole bundle failed first (OSError: [Errno {code}]" in e["error"]
                for e in bundle.manifest["write_errors"])
-    assert "not saved: " in str(error) and "batch, rng, history, state, logs: not written" in str(error)
+    assert "not saved: " in str(error) and "batch, rng, history, state, logs, window: not written" in str(error)
     assert _leftovers(tmp_path / "b") == []
     _complete(Path(train(tmp_path / "b", "r").bundle_path))
 

@@ -17,6 +17,10 @@ Layout (schema "nanscan.bundle/1"):
                        state.frozen (NOTE: [frozen references] in nanscan.bundle.frozen)
   source.diff          uncommitted changes (`git diff HEAD`), when the work tree was dirty and the diff is small
   logs/                the last lines of each log file
+  window/              the run's window (nanscan.runtime.window NOTE: [run window]), when the Monitor kept one:
+                       state-<S>.safetensors and state-<S>.json, the state kept at step S's start, as state.*;
+                       steps.safetensors and steps.json, every step's batches, RNG states, learning rates, loss
+                       scale and precision since the oldest kept state
   ledger.jsonl         one JSON record per automatic finding and reviewer note
   INCIDENT.md          the incident note: "Automatic findings" and "Reviewer notes", rendered from the ledger
 
@@ -78,6 +82,11 @@ SOURCE_DIFF = "source.diff"
 LOGS = "logs"
 
 
+WINDOW = "window"
+WINDOW_STEPS = "window/steps.safetensors"
+WINDOW_STEPS_INDEX = "window/steps.json"
+
+
 PENDING_PREFIX = ".pending-"
 
 
@@ -132,6 +141,47 @@ class HistoryEntry:
     report: ScanReport = dataclasses.field(repr=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowState:
+    """A state the window kept (nanscan.runtime.window NOTE: [run window]): the model's (frozen parameters left out:
+    the bundle holds them by reference) and the optimizer's, at the start of `step` (or at its check, before the
+    update, where `pre_step` is False)."""
+
+    step: int
+    model_state: Mapping
+    optimizer_state: Mapping | None
+    pre_step: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowStep:
+    """One check the window recorded: its step (and micro-batch, under check(micro_batch=True)), batch, sample ids,
+    each param group's learning rate, the GradScaler's scale, the autocast region of the step's forward
+    ({"device_type", "dtype"} or None) and the torch generators' state at the step's start (None where no step start
+    was seen); `note` says why the batch is None where the window lost it."""
+
+    step: int
+    micro_batch: int | None
+    batch: Any
+    sample_ids: Any
+    lrs: Sequence[Any]
+    loss_scale: Any
+    autocast: Mapping | None
+    rng: Mapping | None
+    note: str | None = None  # why the batch is missing (the loop overwrote it after the check)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunWindow:
+    """The window of the run up to an incident: `steps` and `every` as the Monitor kept it, its states (oldest first)
+    and every check since the oldest (`records`)."""
+
+    steps: int
+    every: int
+    states: Sequence[WindowState]
+    records: Sequence[WindowStep]
+
+
 @dataclasses.dataclass
 class Incident:
     """Everything a bundle records about one non-finite step; `write_bundle` turns it into files.
@@ -180,6 +230,8 @@ class Incident:
     # The model-state keys of frozen parameters (requires_grad=False), which the bundle holds by reference: dtype,
     # shape and sha256, not bytes (nanscan.bundle.frozen NOTE: [frozen references]); empty: every tensor is copied.
     frozen: Sequence[str] = ()
+    # The run's window (nanscan.runtime.window NOTE: [run window]), or None when the Monitor kept none.
+    window: RunWindow | None = None
 
 
 def json_float(value: float | None) -> float | str | None:

@@ -29,7 +29,7 @@ import torch
 from nanscan._atomic import TEMP_PREFIX, atomic_write_bytes, fsync_dir, is_temp_name, json_bytes, sha256_file
 from nanscan.bundle.format import (HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, MANIFEST, PENDING_PREFIX, REQUIRED_KEYS,
                                    RNG_METADATA_KEY, SCHEMA, STATE_STRUCTURE, STEP_DIR, BundleError, HistoryEntry,
-                                   is_int, plain_json, read_json, refuse_link)
+                                   WindowStep, float_from_json, is_int, plain_json, read_json, refuse_link)
 from nanscan.bundle.frozen import reference_errors
 from nanscan.bundle.history import history_from_payload
 from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
@@ -155,6 +155,7 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
             ("batch", "file"), ("rng", "file"), ("history", "file"), ("history", "index"), ("state", "file"),
             ("state", "structure"), ("source", "diff_file")) if not optional(manifest[part].get(key), str)]
         errors += reference_errors(manifest["state"].get("frozen"))
+    errors += _window_type_errors(manifest.get("window"))
     rows = manifest["nonfinite_tensors"]
     if not isinstance(rows, list) or not all(
             isinstance(r, dict) and isinstance(r.get("name"), str)
@@ -170,6 +171,30 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
             and is_int(e.get("bytes")) and e["bytes"] >= 0 for e in files.values()):
         errors.append("files (an object mapping each file name to its sha256 and bytes)")
     return errors
+
+
+def _window_type_errors(window: Any) -> list[str]:
+    """The window's fields (nanscan.runtime.window NOTE: [run window]) the readers cannot use; none without one."""
+    if window is None:
+        return []
+    if not isinstance(window, dict):
+        return ["window (an object)"]
+    states = window.get("states")
+    errors = [] if isinstance(states, list) and all(
+        isinstance(e, dict) and is_int(e.get("step")) and isinstance(e.get("file"), str)
+        and isinstance(e.get("structure"), str) for e in states) else \
+        ["window.states (a list of {step, file, structure})"]
+    errors += [f"window.{key} (a file name or null)" for key in ("file", "index")
+               if not (window.get(key) is None or isinstance(window.get(key), str))]
+    return errors
+
+
+def window_files(window: Any) -> list[str]:
+    """The files a manifest's window names (none without one)."""
+    if not isinstance(window, dict):
+        return []
+    return [window.get("file"), window.get("index"),
+            *[name for e in window.get("states") or () for name in (e["file"], e["structure"])]]
 
 
 def _read_manifest(root: Path) -> dict:
@@ -258,7 +283,8 @@ def _check_files(root: Path, manifest: Mapping, only: Sequence[str] | None = Non
     referenced = [manifest["incident"], manifest["ledger"], manifest["batch"].get("file"),
                   manifest["rng"].get("file"), manifest["history"].get("file"), manifest["history"].get("index"),
                   manifest["state"].get("file"), manifest["state"].get("structure"),
-                  manifest["source"].get("diff_file"), *[e.get("file") for e in manifest.get("logs", [])]]
+                  manifest["source"].get("diff_file"), *[e.get("file") for e in manifest.get("logs", [])],
+                  *window_files(manifest.get("window"))]
     for name in referenced:
         if name and name not in manifest["files"]:
             raise BundleError(f"{root / MANIFEST} refers to {name} but lists no sha256 for it; "
@@ -433,6 +459,51 @@ class Bundle:
             optimizer = structure.get("optimizer")
             optimizer = decode_tree(optimizer, tensors) if optimizer is not None else None
         return model, optimizer
+
+    # -- the run's window (nanscan.runtime.window NOTE: [run window]) ------------------------------------------------
+    @property
+    def window(self) -> dict | None:
+        """The window's description (steps, every, states, records, span), None when the run kept no window or it
+        could not be written (then manifest["window"]["error"] says why)."""
+        info = self.manifest.get("window")
+        return info if isinstance(info, dict) and info.get("file") else None
+
+    def window_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """(model state, optimizer state or None) the window kept at `step`'s start: the model's frozen parameters
+        are not in it (frozen_references() names them, state() does not hold them either)."""
+        window = self._window_or_error()
+        entry = next((e for e in window["states"] if e["step"] == step), None)
+        if entry is None:
+            raise BundleError(f"{self.path}'s window keeps no state at step {step}; it keeps "
+                              f"{[e['step'] for e in window['states']] or 'none'}")
+        tensors, structure, pair = self._tensors_with_json(entry["file"], entry["structure"])
+        with reading_tensors(pair):
+            model = decode_tree(structure["model"], tensors)
+            optimizer = structure.get("optimizer")
+            return model, (decode_tree(optimizer, tensors) if optimizer is not None else None)
+
+    def window_records(self) -> list[WindowStep]:
+        """Every check the window recorded, oldest first, its batch rebuilt as check() received it."""
+        window = self._window_or_error()
+        tensors, index, pair = self._tensors_with_json(window["file"], window["index"])
+        with reading_tensors(pair):
+            return [WindowStep(step=int(r["step"]), micro_batch=r.get("micro_batch"),
+                               batch=decode_tree(r["batch"], tensors), sample_ids=r.get("sample_ids"),
+                               lrs=[float_from_json(lr) for lr in r.get("lr") or ()],
+                               loss_scale=float_from_json(r.get("loss_scale")), autocast=r.get("autocast"),
+                               rng=decode_tree(r["rng"], tensors) if r.get("rng") is not None else None,
+                               note=r.get("note"))
+                    for r in index["records"]]
+
+    def _window_or_error(self) -> dict:
+        window = self.window
+        if window is None:
+            info = self.manifest.get("window")
+            why = info.get("error") if isinstance(info, dict) else None
+            raise BundleError(f"{self.path} holds no window of the run"
+                              + (f" (it could not be written: {why})" if why else
+                                 " (the Monitor kept none: Monitor(window=...))"))
+        return window
 
     def rng_state(self) -> dict | None:
         """RNG states as nanscan.bundle.provenance.capture_rng returns them, or None if none were recorded."""

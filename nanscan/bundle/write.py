@@ -26,7 +26,8 @@ from typing import Any, Sequence
 from nanscan._atomic import atomic_directory, json_bytes, sha256_file
 from nanscan.bundle.format import (DETECT_FINDING, BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOG_TAIL_BYTES, LOG_TAIL_LINES,
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
-                                   BundleError, HistoryEntry, Incident, bundle_path, json_float, plain_json)
+                                   WINDOW, WINDOW_STEPS, WINDOW_STEPS_INDEX, BundleError, HistoryEntry, Incident,
+                                   RunWindow, bundle_path, json_float, plain_json)
 from nanscan.bundle.frozen import split_frozen
 from nanscan.bundle.history import history_payload
 from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding, unsaved_lines, ledger_bytes, mixed_precision_finding, render_incident,
@@ -205,6 +206,9 @@ def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None 
     manifest["state"] = part("state", (STATE, STATE_STRUCTURE), lambda: _write_state(files, inc), structure=None,
                              pre_step=False, optimizer=False)
     manifest["logs"] = part("logs", (LOGS,), lambda: _write_logs(files, inc.logs), as_list=True)
+    if inc.window is not None:
+        manifest["window"] = part("window", (WINDOW,), lambda: _write_window(files, inc.window), states=[],
+                                  index=None, records=0, span=None)
     manifest["replay_entry"] = inc.replay_entry
     manifest["spikes"] = plain_json(list(inc.spikes), "spikes")
     if inc.distributed is not None:
@@ -268,12 +272,17 @@ def _write_source(files: BundleFiles, source: SourceInfo | None, part: _Parts) -
 
 
 def _sample_ids(inc: Incident) -> Any:
-    if inc.sample_ids is None:
+    return _json_ids(inc.sample_ids)
+
+
+def _json_ids(ids: Any) -> Any:
+    """Sample ids as JSON: as they are where JSON holds them, else as strings."""
+    if ids is None:
         return None
     try:
-        return plain_json(inc.sample_ids, "sample_ids")
+        return plain_json(ids, "sample_ids")
     except TypeError:
-        return [str(i) for i in inc.sample_ids] if isinstance(inc.sample_ids, (list, tuple)) else str(inc.sample_ids)
+        return [str(i) for i in ids] if isinstance(ids, (list, tuple)) else str(ids)
 
 
 def _write_batch(files: BundleFiles, inc: Incident) -> dict:
@@ -314,17 +323,49 @@ def _write_state(files: BundleFiles, inc: Incident) -> dict:
     model_state, frozen = dict(inc.model_state), {}
     if inc.frozen and inc.distributed is None:  # NOTE: [frozen references]: a rank's shards are kept whole
         model_state, frozen = split_frozen(model_state, inc.frozen)
-    encoder = TreeEncoder("/")
-    structure = {"model": encoder.encode(model_state, ("model",)),
-                 "optimizer": (encoder.encode(inc.optimizer_state, ("optimizer",))
-                               if inc.optimizer_state is not None else None)}
-    files.write_tensors(STATE, encoder.tensors)
-    files.write_bytes(STATE_STRUCTURE, json_bytes(structure))
+    _write_state_files(files, STATE, STATE_STRUCTURE, model_state, inc.optimizer_state)
     written = {"file": STATE, "structure": STATE_STRUCTURE, "pre_step": inc.state_pre_step,
                "optimizer": inc.optimizer_state is not None, "note": inc.state_note}
     if frozen:
         written["frozen"] = frozen
     return written
+
+
+def _write_state_files(files: BundleFiles, tensors_name: str, structure_name: str, model_state: Any,
+                       optimizer_state: Any) -> None:
+    """A model and optimizer state as a safetensors file and the JSON of its structure (state.*, the window's)."""
+    encoder = TreeEncoder("/")
+    structure = {"model": encoder.encode(model_state, ("model",)),
+                 "optimizer": (encoder.encode(optimizer_state, ("optimizer",))
+                               if optimizer_state is not None else None)}
+    files.write_tensors(tensors_name, encoder.tensors)
+    files.write_bytes(structure_name, json_bytes(structure))
+
+
+def _write_window(files: BundleFiles, window: RunWindow | None) -> dict | None:
+    """The run's window (nanscan.runtime.window NOTE: [run window]): each kept state as state.* is written, and every
+    recorded step's batch and torch RNG state in one safetensors file, indexed by a JSON file."""
+    if window is None:
+        return None
+    (files.root / WINDOW).mkdir()
+    states = []
+    for kept in window.states:
+        name = f"{WINDOW}/state-{int(kept.step)}"
+        _write_state_files(files, f"{name}.safetensors", f"{name}.json", kept.model_state, kept.optimizer_state)
+        states.append({"step": int(kept.step), "file": f"{name}.safetensors", "structure": f"{name}.json",
+                       "pre_step": bool(kept.pre_step), "optimizer": kept.optimizer_state is not None})
+    encoder = TreeEncoder(".")
+    records = [{"step": int(r.step), "micro_batch": r.micro_batch, "batch": encoder.encode(r.batch, (str(i), "batch")),
+                "sample_ids": _json_ids(r.sample_ids), "lr": [json_float(lr) for lr in r.lrs],
+                "loss_scale": json_float(r.loss_scale), "autocast": plain_json(r.autocast, "autocast"),
+                "rng": encoder.encode(r.rng, (str(i), "rng")) if r.rng is not None else None, "note": r.note}
+               for i, r in enumerate(window.records)]
+    files.write_tensors(WINDOW_STEPS, encoder.tensors)
+    files.write_bytes(WINDOW_STEPS_INDEX, json_bytes({"records": records}))
+    steps = [r["step"] for r in records]
+    return {"dir": WINDOW, "steps": int(window.steps), "every": int(window.every), "states": states,
+            "file": WINDOW_STEPS, "index": WINDOW_STEPS_INDEX, "records": len(records),
+            "span": [min(steps), max(steps)] if steps else None}
 
 
 def _write_logs(files: BundleFiles, logs: Sequence[dict]) -> list[dict]:

@@ -148,7 +148,44 @@ def summarize(bundle, history: list | None = None) -> dict:
         "spikes": [{"step": s["step"], "quantity": s["quantity"], "ratio": s["scores"][0]["ratio"]}
                    for s in manifest.get("spikes", [])],
         "spike": _spike_summary(manifest, step) if category == SPIKE else None,
+        "size": _size_summary(manifest),
     }
+
+
+def _size_summary(manifest: dict) -> dict:
+    """The bundle's bytes and its window's (nanscan.runtime.window NOTE: [run window]): span, kept states, bytes."""
+    files = manifest.get("files", {})
+    total = sum(int(e.get("bytes", 0)) for e in files.values())
+    info = manifest.get("window")
+    if not isinstance(info, dict):
+        return {"bytes": total, "window": None}
+    prefix = f"{info.get('dir') or 'window'}/"
+    window = {"span": info.get("span"), "states": [e.get("step") for e in info.get("states") or ()],
+              "records": info.get("records", 0), "steps": info.get("steps"), "every": info.get("every"),
+              "bytes": sum(int(e.get("bytes", 0)) for name, e in files.items() if name.startswith(prefix)),
+              "error": info.get("error")}
+    return {"bytes": total, "window": window}
+
+
+def size_text(size: dict | None) -> str:
+    """One line: the bundle's size and its window's span."""
+    if not size:
+        return ""
+    text = f"bundle: {_mib(size['bytes'])}"
+    window = size.get("window")
+    if window is None:
+        return text + "; no window of the run (Monitor(window=None), or a bundle from before windows)"
+    if window.get("error"):
+        return text + f"; the window could not be written ({window['error']})"
+    span = window.get("span")
+    states = window.get("states") or []
+    where = f"steps {span[0]}-{span[1]}" if span else "no step"
+    kept = f"states at step {', '.join(map(str, states))}" if states else "no kept state"
+    return text + f"; window: {where} ({window['records']} checks, {kept}), {_mib(window['bytes'])}"
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.2f} MiB" if size >= 1 << 16 else f"{size:,} bytes"
 
 
 def _mixed_precision(record: dict | None, history: list, failing) -> dict | None:
@@ -342,6 +379,8 @@ def render_terminal(summary: dict, console=None) -> None:
     if not summary["history"]["steps"]:
         console.print("[yellow]this bundle holds no history steps:[/yellow] no loss, gradient norm, batch statistics "
                       "or headroom to show")
+    if summary.get("size"):
+        console.print(_literal(size_text(summary["size"]))[0], highlight=False)
     steps = table("around the failure", "", "step", "loss", "lr", "grad norm", "non-finite tensors")
     at_step = "spike" if category == SPIKE else "first invalid"
     for label, values in (("last finite", summary["last_finite"]), (at_step, summary["failing"])):
@@ -703,7 +742,8 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
              f"<p><span class='bad'>first invalid step {summary['first_invalid_step']}</span>, category "
              f"<b>{esc(str(summary['category']))}</b>: {esc(summary['category_meaning'])}</p>",
              f"<p class='muted'>bundle {esc(summary['bundle'])}; history of {summary['history']['steps']} steps "
-             f"({summary['history']['first']}..{summary['history']['last']})</p>"]
+             f"({summary['history']['first']}..{summary['history']['last']}); "
+             f"{esc(size_text(summary.get('size')))}</p>"]
 
     if summary.get("distributed"):
         parts.append(f"<h2>{esc(_ranks_title(summary['distributed'], summary['first_invalid_step']))}</h2>")

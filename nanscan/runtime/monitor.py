@@ -91,6 +91,7 @@ from nanscan.runtime.spikes import Spike, SpikeRule, SpikeWatch
 from nanscan.runtime.stages import CheckPath, StepCheck
 from nanscan.runtime.update import UpdateContext, UpdateWatch
 from nanscan.runtime.verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
+from nanscan.runtime.window import Window, WindowKeeper, window_setting
 
 log = logging.getLogger("nanscan")
 
@@ -268,6 +269,13 @@ class Monitor(StepVerdicts):
         checking them (nanscan.bundle.frozen NOTE: [frozen references]); "copy": their bytes too. A frozen weight
         that is non-finite is always copied. Checks read frozen weights only when they change (nanscan.engine.plans
         NOTE: [frozen records]).
+    window: what of the run the Monitor keeps to rerun the steps before an incident (nanscan.runtime.window NOTE:
+        [run window]): a nanscan.runtime.window.Window(steps, every, max_bytes), a number of steps, or None (keep
+        none). The default, Window(steps=32, every=32), copies the model's and optimizer's state every 32 steps into
+        a ring of 2 host copies (6 times the trainable parameters' bytes under Adam; at most a quarter of the
+        machine's memory, else fewer, said once) and holds every check's batch, sample ids, learning rates, loss
+        scale, precision and RNG state since the oldest; a bundle holds it. Not with a TensorSource (source=),
+        whose tensors are not the module's state.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -283,7 +291,7 @@ class Monitor(StepVerdicts):
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
                  log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None,
-                 frozen_weights: str = "digest"):
+                 frozen_weights: str = "digest", window: Window | int | None | str = "default"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
@@ -375,6 +383,13 @@ class Monitor(StepVerdicts):
         self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink),
                                                   ("wandb", wandb, wandb_export.as_sink)])
 
+        if window == "default":
+            window = Window() if source is None else None
+        elif window is not None and source is not None:
+            raise ValueError("window= with a TensorSource (source=): the framework keeps the model's tensors outside "
+                             "the module's state, which the window copies; pass window=None")
+        setting = window_setting(window)
+        self._window = WindowKeeper(setting) if setting is not None else None
         self._plan: TensorSource = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
@@ -387,6 +402,8 @@ class Monitor(StepVerdicts):
             self._plan = distributed.local_scan_plan()  # FSDP2 shards are DTensors: scan the local part
             if self._snapshot is not None and distributed.has_dtensors(model):
                 self._snapshot = CpuSnapshot(local=distributed.local_tensor)  # and copy the local part
+            if self._window is not None and distributed.has_dtensors(model):
+                self._window = WindowKeeper(self._window.window, local=distributed.local_tensor)  # each rank's own
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.runtime.distributed import Agreement  # noqa: PLC0415
 
@@ -524,6 +541,8 @@ class Monitor(StepVerdicts):
         self._autocast = (autocast_state("cuda") or autocast_state("cpu")) if autocast == "current" else autocast
         if self._snapshot is not None:
             self._snapshot.capture(model, self.optimizer)
+        if self._window is not None:  # NOTE: [run window]: a state every `every` steps
+            self._window.begin(model, self.optimizer)
 
     def check(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, lr: float | None = None,
               step: int | None = None, *, micro_batch: bool = False) -> ScanReport:
@@ -694,10 +713,18 @@ class Monitor(StepVerdicts):
             self._keep_start_snapshot()  # the pending step's
         return report
 
-    _SYNC = CheckPath((_scan, _count, _record, _spot_spike), _decide)
-    _ASYNC = CheckPath((_read_inputs, _count, _decide_pending, _launch, _record_pending, _spot_spike_on_device),
-                       _keep_pending)
-    _MICRO = CheckPath((_scan, _count), StepVerdicts._decide_micro)
+    def _keep_window(self, check: StepCheck) -> None:
+        """The step into the run's window (NOTE: [run window]): its batch and settings, and a state when one is due;
+        after an async check's decision on the step before it, so that step's bundle does not hold this one."""
+        if self._window is not None:
+            self._window.keep(model=check.model, optimizer=self.optimizer, step=check.step, micro=check.micro,
+                              started=check.started, batch=check.batch, sample_ids=check.sample_ids,
+                              scaling=check.scaling, autocast=self._autocast, rng=self._rng)
+
+    _SYNC = CheckPath((_scan, _count, _keep_window, _record, _spot_spike), _decide)
+    _ASYNC = CheckPath((_read_inputs, _count, _decide_pending, _keep_window, _launch, _record_pending,
+                        _spot_spike_on_device), _keep_pending)
+    _MICRO = CheckPath((_scan, _count, _keep_window), StepVerdicts._decide_micro)
 
     def backend_for(self, devices: tuple[str, ...]) -> Any:
         """The backend for a check's inputs on `devices`: the one Backend of a check on one device, or a mapping

@@ -5,13 +5,14 @@ NOTE: [check stages]
 A check prepares (its step number, the step start it closes, the update before it, the batch plan's inputs, the
 GradScaler's state, the mode), then takes one of three paths, each a tuple of stages over one StepCheck and a last
 stage that decides the step and acts on the verdict:
-  sync   scan (plans confirmed and scanned in one native call on the CPU, else launched), count, record (the
-         history ring and the live export), spike (a finite step against its recent range)
+  sync   scan (plans confirmed and scanned in one native call on the CPU, else launched), count, window (the
+         run's window, nanscan.runtime.window NOTE: [run window]), record (the history ring and the live export),
+         spike (a finite step against its recent range)
          -> decide alone or with the other ranks, and act: raise, skip or warn (nanscan.runtime.verdict)
-  async  read the inputs, count, decide the pending step (the previous check's verdict, acted on now), launch,
-         record, spike on the device
+  async  read the inputs, count, decide the pending step (the previous check's verdict, acted on now), window,
+         launch, record, spike on the device
          -> keep the step pending, return its PendingReport
-  micro  scan, count
+  micro  scan, count, window
          -> decide at once (nanscan.runtime.verdict NOTE: [micro-batch checks])
 Stages run in their path's order, once each; each reads and fills the StepCheck and returns nothing, the last returns
 what check() returns. A new every-step feature (a window of kept states, a replica comparison, a rollback) is a

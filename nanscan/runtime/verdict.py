@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -55,25 +55,32 @@ def scanned_report(host: Any, scan: Any, skipped: Any, step: int, scaling: Any) 
                       any_nonfinite=scan.nonfinite_on_host if on_host else None, scaling=scaling)
 
 
-def retained(value: Any) -> Any:
+def _keep_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone() if tensor.device.type == "cpu" else tensor.detach()
+
+
+def retained(value: Any, keep: Callable[[torch.Tensor], torch.Tensor] = _keep_tensor) -> Any:
     """A batch (or sample ids) as kept until the verdict of its step arrives one step later: CPU tensors and numpy
     arrays are copied (cheap, and the loop may refill its buffers in place), GPU tensors are kept by reference,
     not copied (a copy would cost GPU memory and bandwidth every step), so they must not be modified in place
-    before the next check. Containers are rebuilt as the bundle stores them: mappings as dicts, tuples as tuples."""
+    before the next check. Containers are rebuilt as the bundle stores them: mappings as dicts, tuples as tuples.
+    `keep`: how a tensor is kept (nanscan.runtime.window copies GPU tensors to host buffers)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone() if value.device.type == "cpu" else value.detach()
+        return keep(value)
+    if type(value) is dict:  # the usual batch, before the slower abstract-class checks
+        return {k: retained(v, keep) for k, v in value.items()}
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, Mapping):
-        return {k: retained(v) for k, v in value.items()}
+        return {k: retained(v, keep) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(retained(v) for v in value)
+        return tuple(retained(v, keep) for v in value)
     if isinstance(value, list):
-        return [retained(v) for v in value]
+        return [retained(v, keep) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         kept = copy.copy(value)
         for f in dataclasses.fields(value):
-            object.__setattr__(kept, f.name, retained(getattr(value, f.name)))
+            object.__setattr__(kept, f.name, retained(getattr(value, f.name), keep))
         return kept
     return value
 
@@ -322,7 +329,7 @@ class StepVerdicts:
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
             mixed_precision=mixed_precision_record(self._scaler, self._autocast),
             spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
-            frozen=self._frozen_keys(model),
+            frozen=self._frozen_keys(model), window=self._window.record(step) if self._window is not None else None,
         )
 
     def _frozen_keys(self, model: torch.nn.Module) -> list[str]:
