@@ -59,10 +59,13 @@ from nanscan.runtime import monitor as monitor_module
 from nanscan._atomic import write_results_json
 from nanscan.bench_scan import cpu_model
 from nanscan.runtime.monitor import Monitor
+from nanscan.runtime.window import Window
 
 MODES = ("plain", "check")
 # Variants compared with the default Monitor ("check"): the Monitor options each adds.
 SPIKE_MODES = {"nospikes": {"spikes": None}, "noupdate": {"post_update": False}, "scan": {"post_update": "scan"}}
+# The run's window (nanscan.runtime.window NOTE: [run window]): the default keeps one; off, and a larger one
+WINDOW_MODES = {"nowindow": {"window": None}, "bigwindow": {"window": Window(steps=64, every=4)}}
 TB_MODES = {"tb100": 100, "tb1": 1}  # the Monitor with TensorBoard export, by log_every
 
 
@@ -92,7 +95,7 @@ class Trainer:
                                run_id="bench-overhead", on_invalid="raise", **monitor_kwargs)
         # variant -> the Monitor it checks with; the TensorBoard ones count their own steps (log_every applies)
         self.monitors = {"check": self.monitor}
-        variants = dict(SPIKE_MODES)
+        variants = {**SPIKE_MODES, **WINDOW_MODES}
         if tensorboard:
             variants.update({v: {"tensorboard": bundle_dir / v, "log_every": every} for v, every in TB_MODES.items()})
         for variant, options in variants.items():
@@ -100,6 +103,13 @@ class Trainer:
                                              run_id=f"bench-overhead-{variant}", on_invalid="raise",
                                              **options, **monitor_kwargs)
         self.steps = dict.fromkeys(self.monitors, 0)
+        # The window's work, timed where it runs, per Monitor: its state copies at a step's start (the forward
+        # pre-hook, begin) and its stage inside check() (keep); spread over the Monitor's checks.
+        self.window_seconds = {v: {"begin": 0.0, "keep": 0.0} for v in self.monitors}
+        for variant, monitor in self.monitors.items():
+            if monitor._window is not None:
+                for part in ("begin", "keep"):
+                    setattr(monitor._window, part, self._window_timed(variant, part, getattr(monitor._window, part)))
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
         self.update_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
@@ -113,6 +123,15 @@ class Trainer:
         plan.scan_on_host = self._timed(plan.scan_on_host)
         plan.inputs = self._timed(plan.inputs)
         monitor_module.launch = self._timed(monitor_module.launch)
+
+    def _window_timed(self, variant: str, part: str, call):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.window_seconds[variant][part] += time.perf_counter() - start
+        return timed
 
     def _timed(self, call):
         """`call`, its time added to the running check's scan time (other checks' calls are not timed)."""
@@ -188,12 +207,13 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-") as tmp:
         trainer = Trainer(config, {"history": history, "snapshot": snapshot}, Path(tmp), tensorboard=tensorboard)
         scanned = validate(trainer, batches[0])
-        modes = (*MODES, *SPIKE_MODES, *(TB_MODES if tensorboard else ()))
+        modes = (*MODES, *SPIKE_MODES, *WINDOW_MODES, *(TB_MODES if tensorboard else ()))
         for i in range(warmup):
             mode = modes[i % len(modes)]
             trainer.train_step(batches[i % len(batches)], checked=mode != "plain" and mode)
         for seconds in [*trainer.check_seconds.values(), *trainer.update_seconds.values(), trainer.scan_seconds]:
             seconds.clear()
+        trainer.window_seconds = {v: dict.fromkeys(parts, 0.0) for v, parts in trainer.window_seconds.items()}
         times: dict[str, list[float]] = {mode: [] for mode in modes}
         pair_ratios = []  # per repetition: median checked step / median plain step of its two adjacent blocks
         # per variant: median step / the default Monitor's in the same round
@@ -257,6 +277,14 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
                                                   / statistics.median(variant_ratios["noupdate"]) - 1.0),
         "post_update_scan_net_cost_pct": 100.0 * (_step_and_check(trainer, "scan")
                                                   - _step_and_check(trainer, "noupdate")) / plain,
+        # the window's cost per step: what it adds inside check() (median check against window=None) plus its
+        # state copies at the steps' starts, spread over the Monitor's checks; as shares of a plain step
+        "window_cost_pct": {v: _window_cost(trainer, v, plain) for v in ("check", "bigwindow")},
+        "window": {v: {"steps": m._window.window.steps, "every": m._window.window.every,
+                       "states": m._window.window.states, "state_bytes": sum(k.snapshot.nbytes()
+                                                                             for k in m._window._states)}
+                   for v, m in trainer.monitors.items() if v in ("check", "bigwindow")},
+        "window_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["nowindow"]) - 1.0),
         "median_check_ms": check_alone * 1e3,
         # the default check split: its scan (in place, see Trainer) and the rest, as shares of a plain step
         "median_scan_in_check_ms": statistics.median(trainer.scan_seconds) * 1e3,
@@ -271,6 +299,18 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
         "cpu": cpu_model(), "profile": profile_text,
     }
+
+
+def _window_cost(trainer: Trainer, variant: str, plain: float) -> dict:
+    """The window's time per check of a Monitor (its stage inside check(), its state copies at the steps' starts),
+    timed where it runs, as shares of a plain step; and the check's median against window=None's."""
+    checks = len(trainer.check_seconds[variant])
+    seconds = trainer.window_seconds[variant]
+    in_check, states = seconds["keep"] / checks, seconds["begin"] / checks
+    median_diff = statistics.median(trainer.check_seconds[variant]) - statistics.median(
+        trainer.check_seconds["nowindow"])
+    return {"in_check": 100.0 * in_check / plain, "state_copies": 100.0 * states / plain,
+            "total": 100.0 * (in_check + states) / plain, "check_median_diff": 100.0 * median_diff / plain}
 
 
 def _step_and_check(trainer: Trainer, variant: str) -> float:
@@ -353,6 +393,14 @@ def main(argv=None) -> int:
     print(f"post_update_scan_net_cost = {result['post_update_scan_net_cost_pct']:+.2f}% of a plain step (check() + "
           f"optimizer.step() with the scan vs without, medians; optimizer.step() "
           f"{result['median_update_ms']['scan']:.3f} ms)")
+    for variant, cost in result["window_cost_pct"].items():
+        window = result["window"][variant]
+        print(f"window_cost(steps={window['steps']}, every={window['every']}) = {cost['total']:.2f}% of a plain step "
+              f"(its stage in check() {cost['in_check']:.2f}%, state copies at step starts {cost['state_copies']:.2f}%;"
+              f" {window['states']} states of {window['state_bytes'] / max(window['states'], 1) / 1024:.0f} KiB; "
+              f"median check vs window=None {cost['check_median_diff']:+.2f}%)")
+    print(f"window_overhead = {result['window_overhead_pct']:.1f}% of a checked step (the default window vs "
+          "window=None, adjacent blocks)")
     for every, pct in result["tensorboard_overhead_pct"].items():
         print(f"tensorboard_overhead(log_every={every}) = {pct:+.1f}% of the Monitor's step (median over rounds)")
     for every, pct in result["tensorboard_check_cost_pct"].items():
