@@ -425,6 +425,33 @@ def train(name: str, bundle_dir: Path, *, config: dict | None = None, steps: int
     raise AssertionError(f"entry {name} trained {steps} steps without a non-finite value")
 
 
+# -- a learning rate too large for its warm-up: the weights diverge over many steps ------------------------------
+
+WARMUP_STEPS = 10
+
+
+def warmup_lr(step: int, peak: float) -> float:
+    """The loop's schedule, set by hand each step as nanoGPT does: linear warm-up to `peak`."""
+    return peak * min(1.0, (step + 1) / WARMUP_STEPS)
+
+
+def regression_batch(config: dict, step: int) -> dict:
+    g = _generator(config, step)
+    x = torch.randn(BATCH_SIZE, 8, generator=g)
+    return {"x": x, "y": x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(BATCH_SIZE, 1, generator=g)}
+
+
+@replay_entry
+def warmup_regression(config: dict) -> ReplaySpec:
+    """Linear regression by SGD; the loop's learning rate (warmup_lr) decides whether it diverges. Nothing in any
+    one batch is wrong."""
+    config = _config(config)
+    torch.manual_seed(config["seed"])
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    return ReplaySpec(model, lambda m: torch.optim.SGD(m.parameters(), lr=config["lr"]),
+                      lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+
+
 def unmarked_poisoned_sample(config: dict) -> ReplaySpec:
     """poisoned_sample without the @replay_entry mark: a bundle naming it replays only with --entry (NOTE: [trust
     rule] in nanscan/entry.py)."""

@@ -112,6 +112,9 @@ DETECT_FINDING = "detect"
 REPLAY_FINDING = "replay"
 
 
+WINDOW_REPLAY_FINDING = "replay:window"
+
+
 ABLATE_FINDING_PREFIX = "ablate:"
 
 

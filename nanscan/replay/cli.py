@@ -79,16 +79,23 @@ def print_replay(result: ReplayResult, console) -> None:
               help="How many times to replay the step (persistent/transient needs at least 2).")
 @click.option("--no-bisect", is_flag=True, help="Do not bisect the batch to the fewest failing samples.")
 @click.option("--no-record", is_flag=True, help="Do not add the result to the bundle's ledger and INCIDENT.md.")
+@click.option("--window", is_flag=True,
+              help="Rerun the bundle's window of the run instead: every step from its oldest kept state as "
+                   "recorded, compared with the recorded history.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record, as_json):
+def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record, window, as_json):
     """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module and op, fewest samples.
 
+    With --window, rerun the steps that led to it from the window's oldest kept state instead.
     Exits 0 when the step ran, reproduced or not; an optional phase (localization, bisection) that fails is
     reported as a warning line (in --json: phase_errors) beside what the other phases found."""
     from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from nanscan.replay.reproduce import record_replay, replay  # noqa: PLC0415 - NOTE: [fast help]
 
     console = cli_console(stderr=as_json)
+    if window:
+        _replay_window(bundle, entry, trust_bundle_paths, no_record, as_json, console)
+        return
     with cli_errors():
         with console.status("replaying") as status:
             result = replay(bundle, entry, runs=runs, bisect=not no_bisect, trust_bundle_paths=trust_bundle_paths,
@@ -98,6 +105,32 @@ def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record
         json_out({**result.to_dict(), "recorded": changed})
         return
     print_replay(result, console)
+    if changed is not None:
+        console.print(f"recorded in {Path(result.bundle) / 'INCIDENT.md'}" if changed
+                      else "the same result is already recorded in the bundle; nothing changed", markup=False)
+
+
+def _replay_window(bundle, entry, trust_bundle_paths, no_record, as_json, console) -> None:
+    """`replay --window` (nanscan.replay.window NOTE: [window replay])."""
+    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+    from nanscan.replay.window import record_window_replay, replay_window  # noqa: PLC0415
+
+    with cli_errors():
+        with console.status("rerunning the window"):
+            result = replay_window(bundle, entry, trust_bundle_paths=trust_bundle_paths)
+        changed = None if no_record else record_window_replay(result)
+    if as_json:
+        json_out({**result.to_dict(), "recorded": changed})
+        return
+    console.print(result.headline(), highlight=False, markup=False)
+    console.print(result.departure_text(), highlight=False, markup=False)
+    for s in result.steps:
+        console.print(f"  step {s.step}: loss {fmt_value(s.loss)} (recorded {fmt_value(s.recorded_loss)}), grad "
+                      f"norm {fmt_value(s.grad_norm)} (recorded {fmt_value(s.recorded_grad_norm)})"
+                      f"{'  <- departs' if s.departs else ''}{'' if s.finite else '  <- non-finite'}",
+                      highlight=False, markup=False)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
     if changed is not None:
         console.print(f"recorded in {Path(result.bundle) / 'INCIDENT.md'}" if changed
                       else "the same result is already recorded in the bundle; nothing changed", markup=False)

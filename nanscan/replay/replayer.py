@@ -129,35 +129,8 @@ class Replayer:
     def prepare(self, options: StepOptions = StepOptions(), *, samples: Sequence[int] | None = None,
                 batch: Any = None) -> tuple[ReplaySpec, torch.optim.Optimizer, Any]:
         """A fresh (spec, optimizer, batch) with the bundle's state loaded and `options` applied; RNGs restored."""
-        spec = self.build()
+        spec, optimizer = self.build_at(self.model_state, self.optimizer_state, options)
         model = spec.model
-        if self.frozen:  # before a precision change: the references are of the weights as the entry loads them
-            self._take_frozen(model)
-        if options.precision is not None:
-            for t in [*model.parameters(), *model.buffers()]:
-                if t.dtype in HALF_DTYPES:
-                    t.data = t.data.float()
-        if self.model_state is not None:
-            try:
-                model.load_state_dict(self.model_state)
-            except RuntimeError as exc:
-                raise ReplayError(f"the model built by {self.entry!r} does not match the state stored in "
-                                  f"{self.bundle.path}: {exc}; use the entry (and config) of the run that wrote the "
-                                  "bundle") from None
-        try:
-            optimizer = spec.make_optimizer()
-        except EntryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - as in build(): the user's factory failing is named as such
-            raise ReplayError(f"the optimizer factory of replay entry {self.entry!r} raised {type(exc).__name__}: "
-                              f"{exc}") from exc
-        if self.optimizer_state is not None:
-            try:
-                # a deep copy: load_state_dict may keep our tensors, and optimizer.step() updates them in place
-                optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise ReplayError(f"the optimizer built by {self.entry!r} does not match the optimizer state in "
-                                  f"{self.bundle.path}: {exc}") from None
         if options.lr_scale != 1.0:
             for group in optimizer.param_groups:
                 if "lr" in group:  # an optimizer without a learning rate: run() says the factor was not in effect
@@ -169,6 +142,45 @@ class Replayer:
         step_batch = prepare_batch(step_batch, model_device(model), options)
         self._restore_rng()
         return spec, optimizer, step_batch
+
+    def build_at(self, model_state: dict | None, optimizer_state: dict | None,
+                 options: StepOptions = StepOptions()) -> tuple[ReplaySpec, torch.optim.Optimizer]:
+        """A fresh spec and optimizer with `model_state` and `optimizer_state` loaded (the bundle's, or a state its
+        window kept, which leaves the frozen parameters out: they are taken, checked, from the model the entry
+        builds) and `options`' precision applied."""
+        spec = self.build()
+        model = spec.model
+        if self.frozen:  # before a precision change: the references are of the weights as the entry loads them
+            self._take_frozen(model)
+        if options.precision is not None:
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.dtype in HALF_DTYPES:
+                    t.data = t.data.float()
+        if model_state is not None:
+            # a window's state leaves the frozen parameters out: the bundle's state has them (or, by reference,
+            # the entry's model, checked above)
+            frozen = {key: value for key, value in (self.model_state or {}).items() if key not in model_state}
+            try:
+                model.load_state_dict({**model_state, **frozen})
+            except RuntimeError as exc:
+                raise ReplayError(f"the model built by {self.entry!r} does not match the state stored in "
+                                  f"{self.bundle.path}: {exc}; use the entry (and config) of the run that wrote the "
+                                  "bundle") from None
+        try:
+            optimizer = spec.make_optimizer()
+        except EntryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in build(): the user's factory failing is named as such
+            raise ReplayError(f"the optimizer factory of replay entry {self.entry!r} raised {type(exc).__name__}: "
+                              f"{exc}") from exc
+        if optimizer_state is not None:
+            try:
+                # a deep copy: load_state_dict may keep our tensors, and optimizer.step() updates them in place
+                optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise ReplayError(f"the optimizer built by {self.entry!r} does not match the optimizer state in "
+                                  f"{self.bundle.path}: {exc}") from None
+        return spec, optimizer
 
     def _take_frozen(self, model: torch.nn.Module) -> None:
         """Check the frozen tensors the bundle holds by reference against those of the model the entry built, and

@@ -1,0 +1,225 @@
+"""`replay --window`: run the bundle's window of the run again (nanscan.runtime.window NOTE: [run window]) from its
+oldest kept state, each step with its recorded batch, learning rates, precision and RNG state, and say whether the
+failure comes back at the recorded step and where the rerun first departs from the recorded history.
+
+NOTE: [window replay]
+A failure that built up over many steps (a learning rate too large for its warm-up) cannot be judged on the failing
+step alone: its starting state already holds the damage. The window's replay starts where the damage had not
+begun (the oldest kept state whose steps all kept their batches) and runs every step since as the run did: the
+recorded batch, each param group's recorded learning rate (times the options' lr_scale), the recorded autocast
+dtype (unless the options name a precision), the torch generators' state at the step's start, the optimizer's
+update. Each step's loss and gradient norm are compared with the history the bundle holds (the yardstick): the
+first step where either differs by more than DEPART_REL_TOL (relative) is where the rerun departs; on the CPU a
+faithful rerun matches to the last bits. It is "reproduced over the window" when the rerun goes non-finite at the
+recorded step. What it cannot rebuild is said, not papered over: a GradScaler's scaling (the rerun's gradients are
+unscaled and skip nothing), steps checked per micro-batch (not replayed), updates the run skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from nanscan.bundle import Bundle
+from nanscan.bundle.format import WINDOW_REPLAY_FINDING, WindowStep, json_float
+from nanscan.replay.replayer import Replayer, open_bundle
+from nanscan.replay.step import (PRECISIONS, ReplayError, StepOptions, StepOutcome, model_device, prepare_batch,
+                                 run_step)
+
+DEPART_REL_TOL = 1e-4
+_PRECISION_OF = {str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items() if dtype is not None}
+
+
+@dataclass
+class WindowStepResult:
+    """One rerun step beside its record: the replayed and recorded loss and gradient norm."""
+
+    step: int
+    finite: bool
+    category: str | None
+    loss: float | None
+    grad_norm: float | None
+    recorded_loss: float | None
+    recorded_grad_norm: float | None
+    departs: str | None = None  # "loss" or "grad_norm" where this step differs from the record beyond the tolerance
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "finite": self.finite, "category": self.category,
+                "loss": json_float(self.loss), "grad_norm": json_float(self.grad_norm),
+                "recorded_loss": json_float(self.recorded_loss),
+                "recorded_grad_norm": json_float(self.recorded_grad_norm), "departs": self.departs,
+                "error": self.error}
+
+
+@dataclass
+class WindowReplay:
+    """The window's rerun (NOTE: [window replay])."""
+
+    bundle: str
+    step: int  # the recorded failing step
+    bundle_category: str
+    entry: str
+    start: int  # the kept state the rerun started from
+    options: StepOptions
+    steps: list[WindowStepResult]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def first_nonfinite(self) -> WindowStepResult | None:
+        return next((s for s in self.steps if not s.finite), None)
+
+    @property
+    def first_departure(self) -> WindowStepResult | None:
+        return next((s for s in self.steps if s.departs is not None), None)
+
+    @property
+    def reproduced(self) -> bool:
+        bad = self.first_nonfinite
+        return bad is not None and bad.error is None and bad.step == self.step
+
+    def headline(self) -> str:
+        span = f"steps {self.start}-{self.steps[-1].step}" if self.steps else f"from step {self.start}"
+        bad = self.first_nonfinite
+        if self.reproduced:
+            return (f"reproduced over the window: rerun from the state kept at step {self.start}, {span}, it went "
+                    f"non-finite again at step {self.step} ({bad.category})")
+        if bad is not None and bad.error is not None:
+            return f"the window's rerun stopped at step {bad.step}: {bad.error}"
+        if bad is not None:
+            return (f"the window's rerun went non-finite at step {bad.step} ({bad.category}), not at the recorded "
+                    f"step {self.step}")
+        return (f"not reproduced over the window: rerun from the state kept at step {self.start}, {span} stayed "
+                "finite")
+
+    def departure_text(self) -> str:
+        first = self.first_departure
+        if first is None:
+            return "the rerun matches the recorded loss and gradient norm at every step it could compare"
+        replayed, recorded = (first.loss, first.recorded_loss) if first.departs == "loss" else \
+            (first.grad_norm, first.recorded_grad_norm)
+        return (f"the rerun first departs from the record at step {first.step}: {first.departs} {replayed:.6g} "
+                f"against {recorded:.6g} recorded")
+
+    def to_dict(self) -> dict:
+        first = self.first_departure
+        return {"bundle": self.bundle, "step": self.step, "bundle_category": self.bundle_category,
+                "entry": self.entry, "start": self.start, "options": self.options.to_dict(),
+                "reproduced": self.reproduced, "headline": self.headline(),
+                "first_nonfinite": self.first_nonfinite.step if self.first_nonfinite else None,
+                "first_departure": first.step if first else None,
+                "steps": [s.to_dict() for s in self.steps], "notes": list(self.notes)}
+
+
+def _start(bundle: Bundle, records: list[WindowStep]) -> int:
+    """The oldest kept state from which every step up to the failing one kept its batch."""
+    lost = [r for r in records if r.batch is None and r.step <= bundle.step]
+    kept = [s["step"] for s in bundle.window["states"]
+            if s["step"] <= bundle.step and all(r.step < s["step"] for r in lost)]
+    if kept:
+        return kept[0]
+    if lost:
+        why = f"the window lost the batches of steps {[r.step for r in lost]} ({lost[0].note})"
+    else:
+        why = "it keeps no state (it was kept within Window(max_bytes=), which holds none)"
+    raise ReplayError(f"{bundle.path}'s window cannot be rerun: {why}")
+
+
+def _recorded(history: list) -> dict[int, tuple[float | None, float | None]]:
+    return {entry.step: (entry.loss, entry.grad_norm) for entry in history}
+
+
+def _departs(replayed: float | None, recorded: float | None) -> bool:
+    if replayed is None or recorded is None or not (math.isfinite(replayed) and math.isfinite(recorded)):
+        return False
+    return not math.isclose(replayed, recorded, rel_tol=DEPART_REL_TOL, abs_tol=1e-12)
+
+
+def replay_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, *,
+                  options: StepOptions = StepOptions(), trust_bundle_paths: bool = False) -> WindowReplay:
+    """Rerun the bundle's window (NOTE: [window replay]) under `options` (the defaults: as recorded); the replay
+    entry is chosen as for `nanscan replay` (NOTE: [trust rule] in nanscan/entry.py)."""
+    replayer = Replayer(open_bundle(bundle), entry, trust_bundle_paths=trust_bundle_paths)
+    target = replayer.bundle
+    if target.window is None:
+        target.window_records()  # raises the BundleError that says why there is none
+    records = target.window_records()
+    if any(r.micro_batch is not None for r in records):
+        raise ReplayError(f"{target.path}'s window was checked per micro-batch (check(micro_batch=True)): its "
+                          "micro-batches' losses are scaled inside the loop, which the replay entry does not see, so "
+                          "the window is not rerun; `nanscan replay` without --window replays the failing step")
+    start = _start(target, records)
+    model_state, optimizer_state = target.window_state(start)
+    spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
+    model = spec.model
+    device = model_device(model)
+    recorded = _recorded(target.history())
+    notes = list(replayer.notes)
+    if any(r.loss_scale is not None for r in records):
+        notes.append("the run used a GradScaler: the rerun's gradients are unscaled and it skips no update, so steps "
+                     "the run skipped for overflow are applied here")
+    results = []
+    for record in (r for r in records if start <= r.step <= target.step):
+        _set_learning_rates(optimizer, record.lrs, options.lr_scale)
+        _restore_torch_rng(record.rng)
+        step_options = options
+        if options.precision is None and record.autocast:
+            step_options = replace(options, precision=_PRECISION_OF.get(record.autocast.get("dtype")))
+        outcome = run_step(model, optimizer, spec.step_fn, prepare_batch(record.batch, device, step_options),
+                           options=step_options)
+        results.append(_result(record.step, outcome, recorded.get(record.step), last=record.step == target.step))
+        if not outcome.finite:
+            break
+    return WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
+                        entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
+
+
+def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool) -> WindowStepResult:
+    """`last`: the recorded failing step, whose recorded gradient norm leaves its non-finite values out, so only
+    its loss is compared."""
+    loss, grad_norm = recorded if recorded is not None else (None, None)
+    departs = "loss" if _departs(outcome.loss, loss) else \
+        "grad_norm" if not last and _departs(outcome.grad_norm, grad_norm) else None
+    return WindowStepResult(step=step, finite=outcome.finite, category=outcome.category, loss=outcome.loss,
+                            grad_norm=outcome.grad_norm, recorded_loss=loss, recorded_grad_norm=grad_norm,
+                            departs=departs, error=outcome.error)
+
+
+def _set_learning_rates(optimizer: torch.optim.Optimizer, lrs: list, scale: float) -> None:
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None and "lr" in group:
+            group["lr"] = lr * scale
+
+
+def _restore_torch_rng(rng: Any) -> None:
+    if not rng:
+        return
+    torch.set_rng_state(rng["torch_cpu"])
+    cuda = rng.get("torch_cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def window_markdown(result: WindowReplay) -> str:
+    lines = [f"{result.headline()}.", "", f"{result.departure_text()}.", "",
+             "| step | loss | recorded | grad norm | recorded |", "| --- | --- | --- | --- | --- |"]
+    for s in result.steps:
+        cells = [_cell(s.loss), _cell(s.recorded_loss), _cell(s.grad_norm), _cell(s.recorded_grad_norm)]
+        lines.append(f"| {s.step}{' (departs)' if s.departs else ''} | " + " | ".join(cells) + " |")
+    lines += [f"- note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.6g}"
+
+
+def record_window_replay(result: WindowReplay, bundle: Bundle | None = None) -> bool:
+    """Add the window's rerun to the bundle's ledger and INCIDENT.md, once; True when the bundle changed."""
+    target = bundle or open_bundle(result.bundle)
+    return target.add_finding(WINDOW_REPLAY_FINDING, f"Replay of the window: {result.headline()}",
+                              window_markdown(result), result.to_dict())

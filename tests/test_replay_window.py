@@ -1,0 +1,131 @@
+"""`nanscan replay --window` (nanscan.replay.window NOTE: [window replay]): the bundle's window rerun from its oldest
+kept state reproduces a divergence that built up over many steps at its recorded step, matching the recorded
+history on the way; a factor applied over the window (the learning rate) keeps it finite; a fault outside the
+replay entry is not reproduced, and says so; what the window cannot rerun is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from nanscan import Monitor, NonFiniteError, load_bundle
+from nanscan.bundle import BundleError
+from nanscan.cli.main import main
+from nanscan.entry import build_spec
+from nanscan.replay.step import ReplayError, StepOptions
+from nanscan.replay.window import record_window_replay, replay_window
+from nanscan.runtime.window import Window
+from replay_entries import MODULE, _config, regression_batch, warmup_lr
+
+ENTRY = f"{MODULE}:warmup_regression"
+# the diverging runs warn of their spike two steps before the NaN, as they should (nanscan.runtime.spikes)
+pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
+
+
+def diverging_run(tmp_path, *, peak: float = 0.22, steps: int = 80, window=Window(steps=16, every=8),
+                  grad_fault_at: int | None = None, micro: bool = False):
+    """The loop of a script (nanoGPT-style): the learning rate set by hand each step, a check after backward."""
+    config = {"lr": peak}
+    spec = build_spec(ENTRY, config)
+    model, optimizer = spec.model, spec.make_optimizer()
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path / "bundles", run_id="warmup", config=config,
+                  replay_entry=ENTRY, window=window)
+    full = _config(config)
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_lr(step, peak)
+        batch = regression_batch(full, step)
+        optimizer.zero_grad(set_to_none=True)
+        if micro:
+            spec.step_fn(model, batch).backward()
+            try:
+                mon.check(batch=batch, micro_batch=True)
+            except NonFiniteError as exc:
+                return exc
+        loss = spec.step_fn(model, batch)
+        loss.backward()
+        if grad_fault_at == step:  # outside the replay entry: the loop writes a NaN into one gradient
+            model[0].weight.grad[0, 0] = float("nan")
+        try:
+            mon.check(batch=batch, loss=loss)
+        except NonFiniteError as exc:
+            return exc
+        optimizer.step()
+    raise AssertionError("the run stayed finite")
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    return diverging_run(tmp_path_factory.mktemp("warmup"))
+
+
+def test_a_learning_rate_too_large_for_its_warm_up_is_reproduced_over_the_window(diverged):
+    bundle = load_bundle(diverged.bundle_path)
+    assert diverged.step > 16  # it built up over many steps: the window reaches back before the damage
+    result = replay_window(bundle)
+    assert result.start == bundle.window["states"][0]["step"] <= diverged.step - 16
+    assert result.reproduced and result.first_nonfinite.step == diverged.step
+    assert [s.step for s in result.steps] == list(range(result.start, diverged.step + 1))
+    # on the CPU a faithful rerun matches the recorded loss and gradient norm at every step before the failure
+    assert result.first_departure is None, result.departure_text()
+    for s in result.steps[:-1]:
+        assert s.finite and math.isclose(s.loss, s.recorded_loss, rel_tol=1e-6)
+        assert math.isclose(s.grad_norm, s.recorded_grad_norm, rel_tol=1e-6)
+    assert result.headline().startswith("reproduced over the window: rerun from the state kept at step")
+
+
+def test_a_smaller_learning_rate_over_the_window_keeps_it_finite(diverged):
+    result = replay_window(diverged.bundle_path, options=StepOptions(lr_scale=0.1))
+    assert not result.reproduced and result.first_nonfinite is None
+    assert result.steps[-1].step == diverged.step and all(s.finite for s in result.steps)
+    assert result.first_departure is not None  # a different run from the first step on
+    assert result.headline().startswith("not reproduced over the window")
+    # on the failing step alone, from its damaged state, the same factor cannot help: why the window is needed
+    from nanscan.replay.replayer import Replayer
+
+    alone = Replayer(diverged.bundle_path).run(StepOptions(lr_scale=0.1))
+    assert not alone.finite
+
+
+def test_the_rerun_is_recorded_once_and_shown_by_the_command(diverged, tmp_path):
+    out = CliRunner().invoke(main, ["replay", str(diverged.bundle_path), "--window"])
+    assert out.exit_code == 0, out.output
+    assert "reproduced over the window" in out.output and "matches the recorded loss" in out.output
+    assert f"recorded in {diverged.bundle_path}" in out.output
+    again = CliRunner().invoke(main, ["replay", str(diverged.bundle_path), "--window"])
+    assert "nothing changed" in again.output
+    finding = next(f for f in load_bundle(diverged.bundle_path).findings() if f["key"] == "replay:window")
+    assert finding["record"]["reproduced"] and finding["record"]["first_nonfinite"] == diverged.step
+    data = json.loads(CliRunner().invoke(main, ["replay", str(diverged.bundle_path), "--window", "--json",
+                                               "--no-record"]).stdout)
+    assert data["reproduced"] is True and data["first_nonfinite"] == diverged.step and data["recorded"] is None
+    assert "Replay of the window: reproduced over the window" in (diverged.bundle_path / "INCIDENT.md").read_text()
+
+
+def test_a_fault_outside_the_replay_entry_is_not_reproduced_and_says_so(tmp_path):
+    error = diverging_run(tmp_path, peak=0.01, steps=30, grad_fault_at=20)
+    assert error.step == 20 and error.category == "gradient"
+    result = replay_window(error.bundle_path)
+    assert not result.reproduced and all(s.finite for s in result.steps)
+    assert result.steps[-1].step == 20 and result.first_departure is None
+    assert "not reproduced over the window" in result.headline()
+
+
+def test_a_window_checked_per_micro_batch_or_absent_is_refused_with_the_reason(tmp_path):
+    error = diverging_run(tmp_path, micro=True)
+    with pytest.raises(ReplayError, match="checked per micro-batch"):
+        replay_window(error.bundle_path)
+    error = diverging_run(tmp_path / "none", window=None)
+    with pytest.raises(BundleError, match="holds no window"):
+        replay_window(error.bundle_path)
+
+
+def test_record_window_replay_changes_nothing_the_second_time(tmp_path):
+    error = diverging_run(tmp_path)
+    result = replay_window(error.bundle_path)
+    assert record_window_replay(result) is True and record_window_replay(result) is False
+    assert torch.isfinite(torch.tensor(result.steps[0].loss))
