@@ -448,8 +448,9 @@ def warmup_regression(config: dict) -> ReplaySpec:
     config = _config(config)
     torch.manual_seed(config["seed"])
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    held_out = [regression_batch(config, 10_000 + i) for i in range(4)]  # steps the run never saw
     return ReplaySpec(model, lambda m: torch.optim.SGD(m.parameters(), lr=config["lr"]),
-                      lambda m, b: F.mse_loss(m(b["x"]), b["y"]))
+                      lambda m, b: F.mse_loss(m(b["x"]), b["y"]), held_out)
 
 
 def unmarked_poisoned_sample(config: dict) -> ReplaySpec:

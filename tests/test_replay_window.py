@@ -129,3 +129,52 @@ def test_record_window_replay_changes_nothing_the_second_time(tmp_path):
     result = replay_window(error.bundle_path)
     assert record_window_replay(result) is True and record_window_replay(result) is False
     assert torch.isfinite(torch.tensor(result.steps[0].loss))
+
+
+# -- ablate --window (nanscan.replay.ablate_window NOTE: [window ablation]) ---------------------------------------
+
+def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_factor(diverged):
+    from nanscan.replay.ablate_window import CONFIRMED, ablate_window, lr_summary
+
+    result = ablate_window(diverged.bundle_path)
+    assert result.baseline.verdict == "reproduced"
+    rows = {r.factor.key: r for r in result.rows}
+    assert rows["lr-x0.5"].verdict == CONFIRMED and "lr-x0.1" not in rows  # the ladder stops at the first fix
+    assert rows["lr-x0.5"].beyond_run == 16 and rows["lr-x0.5"].window.steps[-1].step == diverged.step
+    assert "at most 0.11" in rows["lr-x0.5"].factor.label
+    summary = lr_summary(result)
+    assert summary.startswith("learning rate x0.5 (at most 0.11) stays finite over steps")
+    # the run was float32: the half-precision autocasts are tried, judged by the same rule, and fix nothing
+    for key in ("bf16-autocast", "fp16-autocast"):
+        assert rows[key].verdict != CONFIRMED, rows[key].detail
+    assert "fp32" not in rows
+    assert [r.factor.key for r in result.fixes if "autocast" in r.factor.key or r.factor.key == "fp32"] == []
+
+
+def test_the_single_step_ablation_cannot_see_the_learning_rate(diverged):
+    """Why the window is needed: from the failing step's own state no learning rate helps."""
+    from nanscan.replay.ablate import ablate
+
+    single = ablate(diverged.bundle_path, factors=["lr-x0.1", "lr-x0.01"], holdout=0)
+    assert not single.fixes and all(not r.outcome.finite for r in single.rows)
+
+
+def test_a_factor_that_only_postpones_the_divergence_delays_it(diverged):
+    from nanscan.replay.ablate_window import DELAYS, gaining
+
+    assert gaining([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]) == pytest.approx(7.0)
+    assert gaining([1.0, 2.0, 1.5, 3.0, 2.5, 4.0, 3.0, 5.0]) is None  # noisy, not step after step
+    assert gaining([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]) is None  # rising, but less than 2 binades
+    assert gaining([1.0, 2.0, 4.0]) is None  # too few steps to say
+    assert DELAYS == "delays, does not fix"
+
+
+def test_ablate_window_command_records_every_row_once(diverged):
+    out = CliRunner().invoke(main, ["ablate", str(diverged.bundle_path), "--window", "--beyond", "8"])
+    assert out.exit_code == 0, out.output
+    assert "confirmed fix" in out.output and "learning rate x0.5" in out.output
+    assert "recorded" in out.output
+    again = CliRunner().invoke(main, ["ablate", str(diverged.bundle_path), "--window", "--beyond", "8"])
+    assert "nothing changed" in again.output
+    keys = [f["key"] for f in load_bundle(diverged.bundle_path).findings() if f["key"].startswith("ablate:window:")]
+    assert "ablate:window:baseline" in keys and "ablate:window:lr-x0.5" in keys and "ablate:window:clip-1.0" in keys

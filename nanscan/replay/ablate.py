@@ -402,13 +402,23 @@ def print_ablation(result: AblationResult, console) -> None:
 @click.option("--holdout", default=DEFAULT_HOLDOUT, show_default=True, type=click.IntRange(0, 100),
               help="Held-out batches that confirm a factor which fixes the step (0: no confirmation).")
 @click.option("--no-record", is_flag=True, help="Do not add the rows to the bundle's ledger and INCIDENT.md.")
+@click.option("--window", is_flag=True,
+              help="Change each factor over the bundle's window of the run instead, from its oldest kept state, and "
+                   "judge it past the failing step on held-out batches.")
+@click.option("--beyond", default=16, show_default=True, type=click.IntRange(0, 1000),
+              help="With --window: held-out steps run past the failing step to confirm a fix.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_record, as_json):
-    """Change one factor at a time from BUNDLE's state and batch and record the outcome of each."""
+def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_record, window, beyond, as_json):
+    """Change one factor at a time from BUNDLE's state and batch and record the outcome of each.
+
+    With --window, each factor is applied over the window of the run that led to the failure."""
     from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
 
     console = cli_console(stderr=as_json)
+    if window:
+        _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console)
+        return
     with cli_errors():
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                       transient=True) as bar:
@@ -428,6 +438,25 @@ def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_recor
         json_out({**result.to_dict(), "recorded_changes": changed})
         return
     print_ablation(result, console)
+    if changed is not None:
+        console.print(f"recorded {changed} new or changed row(s) in {Path(result.bundle) / 'INCIDENT.md'}"
+                      if changed else "the same rows are already recorded in the bundle; nothing changed", markup=False)
+
+
+def _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console) -> None:
+    """`ablate --window` (nanscan.replay.ablate_window NOTE: [window ablation])."""
+    from nanscan.replay.ablate_window import (ablate_window, print_window_ablation,  # noqa: PLC0415
+                                              record_window_ablation)
+
+    with cli_errors():
+        with console.status("changing one factor at a time over the window") as status:
+            result = ablate_window(bundle, entry, beyond=beyond, trust_bundle_paths=trust_bundle_paths,
+                                   progress=lambda label: status.update(f"over the window: {label}"))
+        changed = None if no_record else record_window_ablation(result)
+    if as_json:
+        json_out({**result.to_dict(), "recorded_changes": changed})
+        return
+    print_window_ablation(result, console)
     if changed is not None:
         console.print(f"recorded {changed} new or changed row(s) in {Path(result.bundle) / 'INCIDENT.md'}"
                       if changed else "the same rows are already recorded in the bundle; nothing changed", markup=False)

@@ -143,7 +143,22 @@ def replay_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
                   options: StepOptions = StepOptions(), trust_bundle_paths: bool = False) -> WindowReplay:
     """Rerun the bundle's window (NOTE: [window replay]) under `options` (the defaults: as recorded); the replay
     entry is chosen as for `nanscan replay` (NOTE: [trust rule] in nanscan/entry.py)."""
-    replayer = Replayer(open_bundle(bundle), entry, trust_bundle_paths=trust_bundle_paths)
+    return rerun_window(Replayer(open_bundle(bundle), entry, trust_bundle_paths=trust_bundle_paths), options).result
+
+
+@dataclass
+class WindowRun:
+    """A rerun window and what it leaves to go on with: the model (spec.model) and optimizer after its last step,
+    and the learning rates of the recorded failing step."""
+
+    result: WindowReplay
+    spec: Any
+    optimizer: torch.optim.Optimizer
+    last_lrs: list
+
+
+def rerun_window(replayer: Replayer, options: StepOptions = StepOptions()) -> WindowRun:
+    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor)."""
     target = replayer.bundle
     if target.window is None:
         target.window_records()  # raises the BundleError that says why there is none
@@ -155,27 +170,36 @@ def replay_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     start = _start(target, records)
     model_state, optimizer_state = target.window_state(start)
     spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
-    model = spec.model
-    device = model_device(model)
+    device = model_device(spec.model)
     recorded = _recorded(target.history())
-    notes = list(replayer.notes)
+    # what the replayer says of the failing step's own state and RNG does not concern the window, which has its own
+    notes = [note for note in replayer.notes if not note.startswith(("state:", "rng:", "optimizer:"))]
     if any(r.loss_scale is not None for r in records):
         notes.append("the run used a GradScaler: the rerun's gradients are unscaled and it skips no update, so steps "
                      "the run skipped for overflow are applied here")
-    results = []
+    results, lrs = [], []
     for record in (r for r in records if start <= r.step <= target.step):
-        _set_learning_rates(optimizer, record.lrs, options.lr_scale)
+        lrs = record.lrs
+        set_learning_rates(optimizer, lrs, options.lr_scale)
         _restore_torch_rng(record.rng)
         step_options = options
         if options.precision is None and record.autocast:
             step_options = replace(options, precision=_PRECISION_OF.get(record.autocast.get("dtype")))
-        outcome = run_step(model, optimizer, spec.step_fn, prepare_batch(record.batch, device, step_options),
+        outcome = run_step(spec.model, optimizer, spec.step_fn, prepare_batch(record.batch, device, step_options),
                            options=step_options)
         results.append(_result(record.step, outcome, recorded.get(record.step), last=record.step == target.step))
         if not outcome.finite:
             break
-    return WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
-                        entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
+    result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
+                          entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
+    return WindowRun(result, spec, optimizer, list(lrs))
+
+
+def recorded_precision(bundle: Bundle) -> str | None:
+    """The autocast dtype the window's steps recorded, as a StepOptions precision ("float32": none)."""
+    dtypes = {(r.autocast or {}).get("dtype") for r in bundle.window_records()}
+    found = [_PRECISION_OF.get(d) for d in dtypes if d]
+    return found[0] if found else "float32"
 
 
 def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool) -> WindowStepResult:
@@ -189,7 +213,8 @@ def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bo
                             departs=departs, error=outcome.error)
 
 
-def _set_learning_rates(optimizer: torch.optim.Optimizer, lrs: list, scale: float) -> None:
+def set_learning_rates(optimizer: torch.optim.Optimizer, lrs: list, scale: float) -> None:
+    """Each param group's learning rate: the recorded one (None: left as it is) times `scale`."""
     for group, lr in zip(optimizer.param_groups, lrs):
         if lr is not None and "lr" in group:
             group["lr"] = lr * scale

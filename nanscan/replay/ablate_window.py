@@ -1,0 +1,248 @@
+"""`nanscan ablate BUNDLE --window`: change one factor at a time over the window of the run, from its oldest kept
+state on, and judge each by whether the run stays finite past the failing step (NOTE: [window ablation]).
+
+NOTE: [window ablation]
+A cause that builds up over many steps is judged where it builds up. Each factor is applied to every step of the
+window's rerun (nanscan.replay.window NOTE: [window replay]), from the oldest kept state, and the run then goes on
+for `beyond` steps on the replay entry's held-out batches (ReplaySpec.batches), at the failing step's learning
+rates as the factor sets them. The verdicts:
+  - confirmed fix: the window and those steps stay finite, and the gradient norm no longer gains binades step after
+    step (it is "gaining" when, over its last GROWTH_STEPS finite steps, it rose at all but one and by at least
+    GROWTH_MIN binades in all);
+  - delays, does not fix: finite past the recorded step, but non-finite later, or still gaining binades;
+  - stays finite over the window, not confirmed: the entry gives no held-out batches to go on with;
+  - no effect: non-finite at the recorded step again; fails earlier: non-finite before it.
+Precision factors are judged by the same rule as any other: a dtype that merely rounds one step differently is
+not a fix when the run still diverges. The learning rate is tried down a ladder (LR_LADDER), from the largest
+scale, stopping at the first confirmed fix, which is named with the learning rate it means. Every row is
+recorded, the ones that did not help included. A failure that the unchanged window does not reproduce has no
+factor to credit: then every row says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nanscan.bundle import Bundle
+from nanscan.bundle.format import ABLATE_FINDING_PREFIX
+from nanscan.replay.replayer import Replayer, open_bundle
+from nanscan.replay.step import StepOptions, model_device, prepare_batch, run_step
+from nanscan.replay.window import WindowReplay, recorded_precision, rerun_window, set_learning_rates
+
+DEFAULT_BEYOND = 16
+LR_LADDER = (0.5, 0.1, 0.01, 0.001)
+GROWTH_STEPS = 8
+GROWTH_MIN = 2.0  # binades
+FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
+
+CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED = (
+    "confirmed fix", "delays, does not fix", "stays finite over the window, not confirmed", "no effect",
+    "fails earlier", "not judged")
+
+
+@dataclass(frozen=True)
+class WindowFactor:
+    key: str
+    label: str
+    options: StepOptions
+
+
+@dataclass
+class WindowRow:
+    """One factor over the window: its rerun, the steps past it, and the verdict."""
+
+    factor: WindowFactor
+    verdict: str
+    window: WindowReplay | None
+    beyond_run: int = 0  # held-out steps run past the failing step
+    beyond_nonfinite: int | None = None  # the held-out step (1-based) that went non-finite
+    gaining: float | None = None  # binades the gradient norm gained over its last GROWTH_STEPS steps, if gaining
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        w = self.window
+        return {"factor": self.factor.key, "label": self.factor.label, "options": self.factor.options.to_dict(),
+                "verdict": self.verdict, "detail": self.detail, "beyond_run": self.beyond_run,
+                "beyond_nonfinite": self.beyond_nonfinite, "gaining_binades": self.gaining,
+                "first_nonfinite": w.first_nonfinite.step if w and w.first_nonfinite else None,
+                "window": [w.start, w.steps[-1].step] if w and w.steps else None}
+
+
+@dataclass
+class WindowAblation:
+    bundle: str
+    step: int
+    entry: str
+    baseline: WindowRow
+    rows: list[WindowRow]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fixes(self) -> list[WindowRow]:
+        return [r for r in self.rows if r.verdict == CONFIRMED]
+
+    def row(self, key: str) -> WindowRow:
+        return next(r for r in [self.baseline, *self.rows] if r.factor.key == key)
+
+    def to_dict(self) -> dict:
+        return {"bundle": self.bundle, "step": self.step, "entry": self.entry, "baseline": self.baseline.to_dict(),
+                "rows": [r.to_dict() for r in self.rows], "fixes": [r.factor.key for r in self.fixes],
+                "notes": list(self.notes)}
+
+
+BASELINE = WindowFactor("baseline", "as recorded (no change)", StepOptions())
+OTHER_FACTORS = (WindowFactor("clip-1.0", "gradient norm clipped at 1.0", StepOptions(clip_grad_norm=1.0)),)
+PRECISION_FACTORS = {
+    "float32": WindowFactor("fp32", "precision: float32, autocast off", StepOptions(precision="float32")),
+    "bfloat16": WindowFactor("bf16-autocast", "precision: bfloat16 autocast", StepOptions(precision="bfloat16")),
+    "float16": WindowFactor("fp16-autocast", "precision: float16 autocast", StepOptions(precision="float16")),
+}
+
+
+def gaining(grad_norms: list[float | None]) -> float | None:
+    """The binades the gradient norm gained over its last GROWTH_STEPS steps, when it rose at all but one of them
+    by GROWTH_MIN binades or more in all; None when it is not gaining (or too few steps were finite)."""
+    tail = [math.log2(g) for g in grad_norms[-GROWTH_STEPS:] if g is not None and 0 < g < math.inf]
+    if len(tail) < GROWTH_STEPS:
+        return None
+    rises = sum(b > a for a, b in zip(tail, tail[1:]))
+    gain = tail[-1] - tail[0]
+    return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
+
+
+def _judge(replayer: Replayer, factor: WindowFactor, held_out: list[Any], beyond: int) -> WindowRow:
+    run = rerun_window(replayer, factor.options)
+    window = run.result
+    bad = window.first_nonfinite
+    if bad is not None:
+        if bad.error is not None:
+            return WindowRow(factor, NOT_JUDGED, window, detail=f"the rerun raised an error: {bad.error}")
+        verdict = NO_EFFECT if bad.step == window.step else EARLIER if bad.step < window.step else DELAYS
+        return WindowRow(factor, verdict, window, detail=f"non-finite at step {bad.step} ({bad.category})")
+    norms = [s.grad_norm for s in window.steps]
+    if not held_out:
+        return WindowRow(factor, UNCONFIRMED, window, gaining=gaining(norms),
+                         detail="the replay entry gives no ReplaySpec.batches to go on with past the failing step")
+    model, optimizer = run.spec.model, run.optimizer
+    set_learning_rates(optimizer, run.last_lrs, factor.options.lr_scale)
+    device = model_device(model)
+    for i, batch in enumerate(itertools.islice(itertools.cycle(held_out), beyond)):
+        outcome = run_step(model, optimizer, run.spec.step_fn, prepare_batch(batch, device, factor.options),
+                           options=factor.options)
+        if not outcome.finite:
+            return WindowRow(factor, DELAYS, window, beyond_run=i + 1, beyond_nonfinite=i + 1,
+                             detail=f"finite over the window, non-finite {i + 1} held-out step(s) past it "
+                                    f"({outcome.category})")
+        norms.append(outcome.grad_norm)
+    growth = gaining(norms)
+    if growth is not None:
+        return WindowRow(factor, DELAYS, window, beyond_run=beyond, gaining=growth,
+                         detail=f"finite, but the gradient norm still gains binades: {growth:.1f} over its last "
+                                f"{GROWTH_STEPS} steps")
+    return WindowRow(factor, CONFIRMED, window, beyond_run=beyond,
+                     detail=f"finite over steps {window.start}-{window.step} and {beyond} held-out steps past them, "
+                            "the gradient norm no longer gaining")
+
+
+def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, beyond: int = DEFAULT_BEYOND,
+                  trust_bundle_paths: bool = False,
+                  progress: Callable[[str], None] | None = None) -> WindowAblation:
+    """Rerun the window as recorded, then once per factor (NOTE: [window ablation]); nothing is written (see
+    record_window_ablation)."""
+    replayer = Replayer(open_bundle(bundle), entry, trust_bundle_paths=trust_bundle_paths)
+    say = progress or (lambda _description: None)
+    spec = replayer.build()
+    held_out = list(itertools.islice(spec.batches, beyond)) if spec.batches is not None and beyond > 0 else []
+    say("the window as recorded")
+    baseline = _judge(replayer, BASELINE, [], 0)
+    notes = list(baseline.window.notes) if baseline.window else []
+    reproduced = baseline.window is not None and baseline.window.reproduced
+    baseline.verdict = "reproduced" if reproduced else "not reproduced"
+    baseline.detail = baseline.window.headline() if baseline.window else baseline.detail
+    if not reproduced:
+        notes.append("the unchanged window does not reproduce the failure, so no factor can be credited with fixing "
+                     "it; `nanscan replay --window` shows where the rerun departs")
+    rows = []
+    peak = max((lr for r in replayer.bundle.window_records() for lr in r.lrs if lr is not None), default=None)
+    for scale in LR_LADDER:
+        factor = WindowFactor(f"lr-x{scale:g}", f"learning rate x{scale:g}" +
+                              (f" (at most {peak * scale:.3g})" if peak is not None else ""),
+                              StepOptions(lr_scale=scale))
+        say(factor.label)
+        row = _judge(replayer, factor, held_out, beyond) if reproduced else WindowRow(factor, NOT_JUDGED, None)
+        rows.append(row)
+        if row.verdict == CONFIRMED:
+            break
+    precision = recorded_precision(replayer.bundle)
+    others = [*OTHER_FACTORS, *(f for name, f in PRECISION_FACTORS.items()
+                                if (name == "float32") == (precision != "float32"))]
+    for factor in others:
+        say(factor.label)
+        rows.append(_judge(replayer, factor, held_out, beyond) if reproduced else WindowRow(factor, NOT_JUDGED, None))
+    if not held_out:
+        notes.append("the replay entry gives no ReplaySpec.batches: a factor that keeps the window finite cannot be "
+                     "confirmed past the failing step; return some held-out batches there")
+    return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes)
+
+
+def lr_summary(result: WindowAblation) -> str | None:
+    """The learning-rate finding in one line, when a scale is a confirmed fix."""
+    fix = next((r for r in result.rows if r.factor.key.startswith("lr-") and r.verdict == CONFIRMED), None)
+    if fix is None:
+        return None
+    w = fix.window
+    lrs = [r.lrs[0] for r in open_bundle(result.bundle).window_records()
+           if w.start <= r.step <= w.step and r.lrs and r.lrs[0] is not None]
+    rising = len(lrs) > 1 and lrs[-1] > lrs[0]
+    return (f"{fix.factor.label} stays finite over steps {w.start}-{w.step} and {fix.beyond_run} held-out steps: "
+            "the learning rate is too large for this point of the run"
+            + (f" (still in its warm-up: the recorded rate rose from {lrs[0]:.3g} to {lrs[-1]:.3g})" if rising
+               else ""))
+
+
+def _title(row: WindowRow) -> str:
+    return f"Ablation over the window: {row.factor.label}: {row.verdict}"
+
+
+def _markdown(row: WindowRow, result: WindowAblation) -> str:
+    lines = [f"Applied to every step of the window's rerun with `{result.entry}`, from its oldest kept state, then "
+             "past the failing step on the entry's held-out batches (NOTE: [window ablation]).", "",
+             f"- verdict: {row.verdict}"]
+    if row.detail:
+        lines.append(f"- {row.detail}")
+    return "\n".join(lines)
+
+
+def record_window_ablation(result: WindowAblation, bundle: Bundle | None = None) -> int:
+    """One finding per row ("ablate:window:<factor>"); the same rows again change nothing. Returns how many
+    changed."""
+    target = bundle or open_bundle(result.bundle)
+    return sum(target.add_finding(f"{FINDING_PREFIX}{row.factor.key}", _title(row), _markdown(row, result),
+                                  row.to_dict())
+               for row in [result.baseline, *result.rows])
+
+
+def print_window_ablation(result: WindowAblation, console) -> None:
+    from rich.markup import escape  # noqa: PLC0415 - paths and labels are not markup
+    from rich.table import Table  # noqa: PLC0415
+
+    console.print(f"[bold]{escape(result.bundle)}[/bold] (step {result.step}): {escape(result.baseline.detail)}")
+    table = Table(title="one factor at a time over the window (rows that do not fix it are evidence too)")
+    for column in ("factor", "verdict", "detail"):
+        table.add_column(column, overflow="fold")
+    colors = {CONFIRMED: "green", NO_EFFECT: "red", EARLIER: "red", DELAYS: "yellow"}
+    for row in result.rows:
+        color = colors.get(row.verdict, "white")
+        table.add_row(escape(row.factor.label), f"[{color}]{escape(row.verdict)}[/{color}]", escape(row.detail))
+    console.print(table)
+    summary = lr_summary(result)
+    if summary:
+        console.print(summary, highlight=False, markup=False)
+    elif not result.fixes:
+        console.print("no single factor is a confirmed fix over the window", highlight=False, markup=False)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
