@@ -177,22 +177,28 @@ def test_async_mode_bundles_the_window_up_to_the_failing_step(tmp_path):
     assert bundle.window["span"] == [4, 13] and [s["step"] for s in bundle.window["states"]] == [4, 8, 12]
 
 
-def test_without_a_step_start_the_state_is_kept_at_the_check_and_says_so(tmp_path):
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="nohook", window=Window(steps=2, every=2))
-    mon._hook.remove()  # no forward pre-hook: no step start is seen
-    for step in range(5):
+def fail_at(mon: Monitor, model: nn.Module, optimizer, fault_step: int):
+    """A plain loop up to the check of `fault_step`, whose batch holds an infinity; the bundle's path."""
+    for step in range(fault_step + 1):
         batch = make_batch(step)
-        if step == 4:
+        if step == fault_step:
             batch["x"][0, 0] = float("inf")
         nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
         try:
             mon.check(batch=batch)
         except NonFiniteError as exc:
-            path = exc.bundle_path
+            return exc.bundle_path
         optimizer.step()
         optimizer.zero_grad()
+    raise AssertionError("the planted infinity was not caught")
+
+
+def test_without_a_step_start_the_state_is_kept_at_the_check_and_says_so(tmp_path):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="nohook", window=Window(steps=2, every=2))
+    mon._hook.remove()  # no forward pre-hook: no step start is seen
+    path = fail_at(mon, model, optimizer, 4)
     states = load_bundle(path).window["states"]
     assert [s["step"] for s in states] == [2, 4] and not any(s["pre_step"] for s in states)  # R = 2
     assert all(r.rng is None for r in load_bundle(path).window_records())
@@ -219,18 +225,7 @@ def test_frozen_parameters_are_not_copied_into_the_windows_states(tmp_path):
     model[0].weight.requires_grad_(False)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="frozen", window=Window(steps=2, every=1))
-    for step in range(3):
-        batch = make_batch(step)
-        if step == 2:
-            batch["x"][0, 0] = float("nan")
-        nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
-        try:
-            mon.check(batch=batch)
-        except NonFiniteError as exc:
-            path = exc.bundle_path
-        optimizer.step()
-        optimizer.zero_grad()
-    bundle = load_bundle(path)
+    bundle = load_bundle(fail_at(mon, model, optimizer, 2))
     model_state, _ = bundle.window_state(2)
     assert "0.weight" not in model_state and "0.bias" in model_state
     assert "0.weight" in bundle.frozen_references()

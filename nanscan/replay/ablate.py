@@ -19,7 +19,7 @@ import click
 from nanscan.cli.errors import cli_errors, entry_options, json_out
 from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
-from nanscan.replay.options import StepOptions
+from nanscan.replay.options import BASELINE, FACTOR_KEYS, FACTORS, Factor, StepOptions
 
 # The replay is imported by the functions that run it: it needs torch, which `nanscan ablate --help` must not import
 # (NOTE: [fast help] in nanscan/cli/main.py).
@@ -33,33 +33,6 @@ DEFAULT_HOLDOUT = 3
 FINDING_PREFIX = ABLATE_FINDING_PREFIX
 
 
-@dataclass(frozen=True)
-class Factor:
-    """One change to the replayed step. `drops_samples`: the change is to leave out the suspicious samples (found
-    by bisection), which the options cannot express."""
-
-    key: str
-    label: str
-    options: StepOptions = StepOptions()
-    drops_samples: bool = False
-
-    def to_dict(self) -> dict:
-        return {"key": self.key, "label": self.label, "options": self.options.to_dict(),
-                "drops_samples": self.drops_samples}
-
-
-BASELINE = Factor("baseline", "as recorded (no change)")
-FACTORS: tuple[Factor, ...] = (
-    Factor("lr-x0.1", "learning rate x0.1", StepOptions(lr_scale=0.1)),
-    Factor("lr-x0.01", "learning rate x0.01", StepOptions(lr_scale=0.01)),
-    Factor("fp32", "precision: float32, autocast off", StepOptions(precision="float32")),
-    Factor("bf16-autocast", "precision: bfloat16 autocast", StepOptions(precision="bfloat16")),
-    Factor("fp16-autocast", "precision: float16 autocast", StepOptions(precision="float16")),
-    Factor("clip-1.0", "gradient norm clipped at 1.0", StepOptions(clip_grad_norm=1.0)),
-    Factor("drop-suspicious", "suspicious samples dropped", drops_samples=True),
-    Factor("deterministic", "deterministic algorithms on", StepOptions(deterministic=True)),
-)
-FACTOR_KEYS = tuple(f.key for f in FACTORS)
 
 
 @dataclass
@@ -434,13 +407,7 @@ def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_recor
             result = ablate(bundle, entry, factors=factors or None, holdout=holdout, progress=progress,
                             trust_bundle_paths=trust_bundle_paths)
         changed = None if no_record else record_ablation(result)
-    if as_json:
-        json_out({**result.to_dict(), "recorded_changes": changed})
-        return
-    print_ablation(result, console)
-    if changed is not None:
-        console.print(f"recorded {changed} new or changed row(s) in {Path(result.bundle) / 'INCIDENT.md'}"
-                      if changed else "the same rows are already recorded in the bundle; nothing changed", markup=False)
+    _show(result, changed, as_json, console, print_ablation)
 
 
 def _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console) -> None:
@@ -453,10 +420,15 @@ def _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json
             result = ablate_window(bundle, entry, beyond=beyond, trust_bundle_paths=trust_bundle_paths,
                                    progress=lambda label: status.update(f"over the window: {label}"))
         changed = None if no_record else record_window_ablation(result)
+    _show(result, changed, as_json, console, print_window_ablation)
+
+
+def _show(result, changed: int | None, as_json: bool, console, printer) -> None:
+    """An ablation's rows (printer(result, console)) or its JSON, and what recording them changed."""
     if as_json:
         json_out({**result.to_dict(), "recorded_changes": changed})
         return
-    print_window_ablation(result, console)
+    printer(result, console)
     if changed is not None:
         console.print(f"recorded {changed} new or changed row(s) in {Path(result.bundle) / 'INCIDENT.md'}"
                       if changed else "the same rows are already recorded in the bundle; nothing changed", markup=False)

@@ -30,7 +30,8 @@ from typing import Any, Callable
 from nanscan.bundle import Bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
 from nanscan.replay.replayer import Replayer, open_bundle
-from nanscan.replay.step import StepOptions, model_device, prepare_batch, run_step
+from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
+from nanscan.replay.step import model_device, prepare_batch, run_step
 from nanscan.replay.window import WindowReplay, recorded_precision, rerun_window, set_learning_rates
 
 DEFAULT_BEYOND = 16
@@ -44,18 +45,11 @@ CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED = (
     "fails earlier", "not judged")
 
 
-@dataclass(frozen=True)
-class WindowFactor:
-    key: str
-    label: str
-    options: StepOptions
-
-
 @dataclass
 class WindowRow:
     """One factor over the window: its rerun, the steps past it, and the verdict."""
 
-    factor: WindowFactor
+    factor: Factor
     verdict: str
     window: WindowReplay | None
     beyond_run: int = 0  # held-out steps run past the failing step
@@ -85,22 +79,17 @@ class WindowAblation:
     def fixes(self) -> list[WindowRow]:
         return [r for r in self.rows if r.verdict == CONFIRMED]
 
-    def row(self, key: str) -> WindowRow:
-        return next(r for r in [self.baseline, *self.rows] if r.factor.key == key)
-
     def to_dict(self) -> dict:
         return {"bundle": self.bundle, "step": self.step, "entry": self.entry, "baseline": self.baseline.to_dict(),
                 "rows": [r.to_dict() for r in self.rows], "fixes": [r.factor.key for r in self.fixes],
                 "notes": list(self.notes)}
 
 
-BASELINE = WindowFactor("baseline", "as recorded (no change)", StepOptions())
-OTHER_FACTORS = (WindowFactor("clip-1.0", "gradient norm clipped at 1.0", StepOptions(clip_grad_norm=1.0)),)
-PRECISION_FACTORS = {
-    "float32": WindowFactor("fp32", "precision: float32, autocast off", StepOptions(precision="float32")),
-    "bfloat16": WindowFactor("bf16-autocast", "precision: bfloat16 autocast", StepOptions(precision="bfloat16")),
-    "float16": WindowFactor("fp16-autocast", "precision: float16 autocast", StepOptions(precision="float16")),
-}
+# the single-step ablation's factors that apply to every step alike (dropping samples is the failing batch's)
+_FACTORS = {factor.key: factor for factor in FACTORS}
+OTHER_FACTORS = (_FACTORS["clip-1.0"],)
+PRECISION_FACTORS = {"float32": _FACTORS["fp32"], "bfloat16": _FACTORS["bf16-autocast"],
+                     "float16": _FACTORS["fp16-autocast"]}
 
 
 def gaining(grad_norms: list[float | None]) -> float | None:
@@ -114,7 +103,7 @@ def gaining(grad_norms: list[float | None]) -> float | None:
     return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
 
 
-def _judge(replayer: Replayer, factor: WindowFactor, held_out: list[Any], beyond: int) -> WindowRow:
+def _judge(replayer: Replayer, factor: Factor, held_out: list[Any], beyond: int) -> WindowRow:
     run = rerun_window(replayer, factor.options)
     window = run.result
     bad = window.first_nonfinite
@@ -169,7 +158,7 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     rows = []
     peak = max((lr for r in replayer.bundle.window_records() for lr in r.lrs if lr is not None), default=None)
     for scale in LR_LADDER:
-        factor = WindowFactor(f"lr-x{scale:g}", f"learning rate x{scale:g}" +
+        factor = Factor(f"lr-x{scale:g}", f"learning rate x{scale:g}" +
                               (f" (at most {peak * scale:.3g})" if peak is not None else ""),
                               StepOptions(lr_scale=scale))
         say(factor.label)

@@ -1,5 +1,6 @@
 """What a replay can be asked to do, without torch: the options a replayed step runs under (StepOptions, the
-precisions by name) and the defaults of replay() and export_regression().
+precisions by name), the ablations' factors (Factor, FACTORS) and the defaults of replay() and
+export_regression().
 
 They live apart from the modules that run the step so that `nanscan replay --help`, `nanscan export-regression
 --help` and `nanscan ablate --help` show them without importing torch (NOTE: [fast help] in nanscan/cli/main.py);
@@ -40,3 +41,32 @@ class StepOptions:
     def to_dict(self) -> dict:
         return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
                 "deterministic": self.deterministic}
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One change to the replayed step. `drops_samples`: the change is to leave out the suspicious samples (found
+    by bisection), which the options cannot express."""
+
+    key: str
+    label: str
+    options: StepOptions = StepOptions()
+    drops_samples: bool = False
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "label": self.label, "options": self.options.to_dict(),
+                "drops_samples": self.drops_samples}
+
+
+BASELINE = Factor("baseline", "as recorded (no change)")
+FACTORS: tuple[Factor, ...] = (
+    Factor("lr-x0.1", "learning rate x0.1", StepOptions(lr_scale=0.1)),
+    Factor("lr-x0.01", "learning rate x0.01", StepOptions(lr_scale=0.01)),
+    Factor("fp32", "precision: float32, autocast off", StepOptions(precision="float32")),
+    Factor("bf16-autocast", "precision: bfloat16 autocast", StepOptions(precision="bfloat16")),
+    Factor("fp16-autocast", "precision: float16 autocast", StepOptions(precision="float16")),
+    Factor("clip-1.0", "gradient norm clipped at 1.0", StepOptions(clip_grad_norm=1.0)),
+    Factor("drop-suspicious", "suspicious samples dropped", drops_samples=True),
+    Factor("deterministic", "deterministic algorithms on", StepOptions(deterministic=True)),
+)
+FACTOR_KEYS = tuple(f.key for f in FACTORS)
