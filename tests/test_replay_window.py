@@ -27,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
 
 
 def diverging_run(tmp_path, *, peak: float = 0.22, steps: int = 80, window=Window(steps=16, every=8),
-                  grad_fault_at: int | None = None, micro: bool = False):
+                  grad_fault_at: int | None = None, micro: bool = False, nan_sample_at: int | None = None):
     """The loop of a script (nanoGPT-style): the learning rate set by hand each step, a check after backward."""
     config = {"lr": peak}
     spec = build_spec(ENTRY, config)
@@ -39,6 +39,8 @@ def diverging_run(tmp_path, *, peak: float = 0.22, steps: int = 80, window=Windo
         for group in optimizer.param_groups:
             group["lr"] = warmup_lr(step, peak)
         batch = regression_batch(full, step)
+        if nan_sample_at == step:  # one bad record: row 3 of this step's batch
+            batch["x"][3, 5] = float("nan")
         optimizer.zero_grad(set_to_none=True)
         if micro:
             spec.step_fn(model, batch).backward()
@@ -51,7 +53,7 @@ def diverging_run(tmp_path, *, peak: float = 0.22, steps: int = 80, window=Windo
         if grad_fault_at == step:  # outside the replay entry: the loop writes a NaN into one gradient
             model[0].weight.grad[0, 0] = float("nan")
         try:
-            mon.check(batch=batch, loss=loss)
+            mon.check(batch=batch, loss=loss, sample_ids=[f"record-{step}-{i}" for i in range(len(batch["x"]))])
         except NonFiniteError as exc:
             return exc
         optimizer.step()
@@ -178,3 +180,18 @@ def test_ablate_window_command_records_every_row_once(diverged):
     assert "nothing changed" in again.output
     keys = [f["key"] for f in load_bundle(diverged.bundle_path).findings() if f["key"].startswith("ablate:window:")]
     assert "ablate:window:baseline" in keys and "ablate:window:lr-x0.5" in keys and "ablate:window:clip-1.0" in keys
+
+
+def test_a_bad_record_is_confirmed_by_dropping_it_over_the_window_and_no_learning_rate_fixes_it(tmp_path):
+    from nanscan.replay.ablate_window import CONFIRMED, NO_EFFECT, ablate_window
+
+    error = diverging_run(tmp_path, peak=0.01, steps=30, nan_sample_at=20)
+    assert (error.step, error.category) == (20, "input")
+    result = ablate_window(error.bundle_path, beyond=8)
+    rows = {r.factor.key: r for r in result.rows}
+    assert rows["drop-suspicious"].verdict == CONFIRMED, rows["drop-suspicious"].detail
+    assert "dropped ['record-20-3']" in rows["drop-suspicious"].detail and "at step(s) [20]" in \
+        rows["drop-suspicious"].detail
+    assert all(rows[k].verdict == NO_EFFECT for k in ("lr-x0.5", "lr-x0.1", "lr-x0.01", "lr-x0.001", "clip-1.0"))
+    assert [r.factor.key for r in result.fixes] == ["drop-suspicious"]
+

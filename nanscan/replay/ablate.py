@@ -25,7 +25,6 @@ from nanscan.replay.options import BASELINE, FACTOR_KEYS, FACTORS, Factor, StepO
 # (NOTE: [fast help] in nanscan/cli/main.py).
 if TYPE_CHECKING:
     from nanscan.bundle import Bundle
-    from nanscan.replay.bisect import BisectResult
     from nanscan.replay.replayer import Replayer
     from nanscan.replay.step import StepOutcome
 
@@ -147,19 +146,6 @@ def select_factors(keys: Sequence[str] | None) -> list[Factor]:
     return [by_key[k] for k in dict.fromkeys(keys)]
 
 
-def _suspicious_samples(replayer: Replayer) -> tuple[BisectResult | None, str]:
-    """The samples to drop: the smallest failing subset from a recorded replay, else a fresh bisection."""
-    from nanscan.replay.bisect import BisectResult, bisect_samples  # noqa: PLC0415
-    from nanscan.replay.reproduce import recorded_replay  # noqa: PLC0415
-
-    recorded = recorded_replay(replayer.bundle)
-    bisect = (recorded or {}).get("bisect") or {}
-    if bisect.get("applicable") and recorded.get("entry") == replayer.entry:
-        return BisectResult(True, list(bisect["indices"]), bisect.get("sample_ids"), bisect.get("batch_size")), \
-            "from the recorded replay's bisection"
-    return bisect_samples(replayer), "from a bisection of the batch"
-
-
 def _holdout_batches(replayer: Replayer, count: int) -> tuple[list[Any], str]:
     if count <= 0:
         return [], "held-out confirmation turned off"
@@ -237,12 +223,13 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
 
 
 def _run_factor(replayer: Replayer, factor: Factor, baseline: StepOutcome) -> AblationRow:
+    from nanscan.replay.reproduce import suspicious_samples  # noqa: PLC0415
     from nanscan.replay.step import sample_ids_of  # noqa: PLC0415
 
     if factor.drops_samples:
         if baseline.finite:
             return AblationRow(factor, False, None, note="the unchanged step is finite: no suspicious samples")
-        found, origin = _suspicious_samples(replayer)
+        found, origin = suspicious_samples(replayer)
         if found is None or not found.applicable:
             return AblationRow(factor, False, None, note=f"no suspicious samples: {found.reason if found else ''}")
         keep = [i for i in range(replayer.sample_count) if i not in set(found.indices)]

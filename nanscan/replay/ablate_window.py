@@ -13,7 +13,9 @@ rates as the factor sets them. The verdicts:
   - stays finite over the window, not confirmed: the entry gives no held-out batches to go on with;
   - no effect: non-finite at the recorded step again; fails earlier: non-finite before it.
 Precision factors are judged by the same rule as any other: a dtype that merely rounds one step differently is
-not a fix when the run still diverges. The learning rate is tried down a ladder (LR_LADDER), from the largest
+not a fix when the run still diverges. Dropping the failing batch's suspicious samples (its bisection) leaves
+them out of every step that holds them, by sample id: a bad record is confirmed when the window and the steps past
+it stay finite without it. The learning rate is tried down a ladder (LR_LADDER), from the largest
 scale, stopping at the first confirmed fix, which is named with the learning rate it means. Every row is
 recorded, the ones that did not help included. A failure that the unchanged window does not reproduce has no
 factor to credit: then every row says so.
@@ -30,6 +32,7 @@ from typing import Any, Callable
 from nanscan.bundle import Bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
 from nanscan.replay.replayer import Replayer, open_bundle
+from nanscan.replay.reproduce import suspicious_samples
 from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
 from nanscan.replay.step import model_device, prepare_batch, run_step
 from nanscan.replay.window import WindowReplay, recorded_precision, rerun_window, set_learning_rates
@@ -40,9 +43,9 @@ GROWTH_STEPS = 8
 GROWTH_MIN = 2.0  # binades
 FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
 
-CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED = (
+CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED, NOT_APPLIED = (
     "confirmed fix", "delays, does not fix", "stays finite over the window, not confirmed", "no effect",
-    "fails earlier", "not judged")
+    "fails earlier", "not judged", "not applied")
 
 
 @dataclass
@@ -85,7 +88,7 @@ class WindowAblation:
                 "notes": list(self.notes)}
 
 
-# the single-step ablation's factors that apply to every step alike (dropping samples is the failing batch's)
+# the single-step ablation's factors, applied to every step of the window alike
 _FACTORS = {factor.key: factor for factor in FACTORS}
 OTHER_FACTORS = (_FACTORS["clip-1.0"],)
 PRECISION_FACTORS = {"float32": _FACTORS["fp32"], "bfloat16": _FACTORS["bf16-autocast"],
@@ -103,8 +106,9 @@ def gaining(grad_norms: list[float | None]) -> float | None:
     return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
 
 
-def _judge(replayer: Replayer, factor: Factor, held_out: list[Any], beyond: int) -> WindowRow:
-    run = rerun_window(replayer, factor.options)
+def _judge(replayer: Replayer, factor: Factor, held_out: list[Any], beyond: int,
+           drop: Callable | None = None) -> WindowRow:
+    run = rerun_window(replayer, factor.options, drop)
     window = run.result
     bad = window.first_nonfinite
     if bad is not None:
@@ -172,10 +176,42 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     for factor in others:
         say(factor.label)
         rows.append(_judge(replayer, factor, held_out, beyond) if reproduced else WindowRow(factor, NOT_JUDGED, None))
+    say(_FACTORS["drop-suspicious"].label)
+    rows.append(_drop_suspicious(replayer, held_out, beyond) if reproduced else
+                WindowRow(_FACTORS["drop-suspicious"], NOT_JUDGED, None))
     if not held_out:
         notes.append("the replay entry gives no ReplaySpec.batches: a factor that keeps the window finite cannot be "
                      "confirmed past the failing step; return some held-out batches there")
     return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes)
+
+
+def _drop_suspicious(replayer: Replayer, held_out: list[Any], beyond: int) -> WindowRow:
+    """The failing batch's suspicious samples (its bisection) left out of every step of the window that holds them:
+    the failing step's rows, and, where sample ids were recorded, the rows with the same ids in the other steps
+    (the same record met again in another epoch)."""
+    factor = _FACTORS["drop-suspicious"]
+    found, origin = suspicious_samples(replayer)
+    if found is None or not found.applicable:
+        return WindowRow(factor, NOT_APPLIED, None, detail=f"no suspicious samples: {found.reason if found else ''}")
+    failing = replayer.bundle.step
+    ids = found.sample_ids or []
+    met: list[int] = []
+
+    def drop(record) -> list[int]:
+        if record.step == failing:
+            rows = list(found.indices)
+        elif ids and isinstance(record.sample_ids, list):
+            rows = [i for i, sample in enumerate(record.sample_ids) if sample in ids]
+        else:
+            rows = []
+        if rows:
+            met.append(record.step)
+        return rows
+
+    row = _judge(replayer, factor, held_out, beyond, drop)
+    shown = ids if ids else found.indices
+    row.detail = f"dropped {shown} ({origin}) at step(s) {sorted(set(met))}; {row.detail}"
+    return row
 
 
 def lr_summary(result: WindowAblation) -> str | None:
@@ -231,7 +267,10 @@ def print_window_ablation(result: WindowAblation, console) -> None:
     summary = lr_summary(result)
     if summary:
         console.print(summary, highlight=False, markup=False)
-    elif not result.fixes:
+    elif result.fixes:
+        console.print("confirmed fix over the window: " + ", ".join(r.factor.label for r in result.fixes),
+                      highlight=False, markup=False)
+    else:
         console.print("no single factor is a confirmed fix over the window", highlight=False, markup=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False, markup=False)

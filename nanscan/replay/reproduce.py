@@ -277,3 +277,13 @@ def recorded_replay(bundle: Bundle) -> dict | None:
         if finding.get("key") == REPLAY_FINDING:
             return finding.get("record")
     return None
+
+
+def suspicious_samples(replayer: Replayer) -> tuple[BisectResult | None, str]:
+    """The samples to drop: the smallest failing subset from a recorded replay, else a fresh bisection."""
+    recorded = recorded_replay(replayer.bundle)
+    bisect = (recorded or {}).get("bisect") or {}
+    if bisect.get("applicable") and recorded.get("entry") == replayer.entry:
+        return BisectResult(True, list(bisect["indices"]), bisect.get("sample_ids"), bisect.get("batch_size")), \
+            "from the recorded replay's bisection"
+    return bisect_samples(replayer), "from a bisection of the batch"

@@ -20,15 +20,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nanscan.bundle import Bundle
 from nanscan.bundle.format import WINDOW_REPLAY_FINDING, WindowStep, json_float
 from nanscan.replay.replayer import Replayer, open_bundle
+from nanscan.engine.inputs import batch_size
 from nanscan.replay.step import (PRECISIONS, ReplayError, StepOptions, StepOutcome, model_device, prepare_batch,
-                                 run_step)
+                                 run_step, select_samples)
 
 DEPART_REL_TOL = 1e-4
 _PRECISION_OF = {str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items() if dtype is not None}
@@ -157,8 +158,10 @@ class WindowRun:
     last_lrs: list
 
 
-def rerun_window(replayer: Replayer, options: StepOptions = StepOptions()) -> WindowRun:
-    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor)."""
+def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
+                 drop: Callable[[WindowStep], list[int]] | None = None) -> WindowRun:
+    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor).
+    `drop(record)`: the sample rows of a recorded step left out of its batch (a suspicious record, wherever it is)."""
     target = replayer.bundle
     if target.window is None:
         target.window_records()  # raises the BundleError that says why there is none
@@ -185,7 +188,12 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions()) -> Wi
         step_options = options
         if options.precision is None and record.autocast:
             step_options = replace(options, precision=_PRECISION_OF.get(record.autocast.get("dtype")))
-        outcome = run_step(spec.model, optimizer, spec.step_fn, prepare_batch(record.batch, device, step_options),
+        batch = record.batch
+        dropped = drop(record) if drop is not None else []
+        if dropped:
+            size = batch_size(batch, record.sample_ids)
+            batch = select_samples(batch, [i for i in range(size) if i not in set(dropped)], spec, size=size)
+        outcome = run_step(spec.model, optimizer, spec.step_fn, prepare_batch(batch, device, step_options),
                            options=step_options)
         results.append(_result(record.step, outcome, recorded.get(record.step), last=record.step == target.step))
         if not outcome.finite:
