@@ -115,10 +115,10 @@ class _StepBatches:
     object wraps the address a kept step holds (torch.from_numpy over a reused array, whose writes no version
     counter sees). From the first such step on, every step's CPU tensors are copied, and the steps held by
     reference until then say their batch was overwritten (a bundle holds no batch for them, and says why). A GPU
-    tensor is
-    copied into a pinned host buffer, asynchronously (no host sync, and no GPU memory held for the window); buffers
-    come back to a pool as steps leave the window. A tensor met twice in one step (sample ids that are a column of
-    the batch) is held once. Containers are rebuilt as nanscan.runtime.verdict.retained rebuilds them."""
+    tensor is copied into a pinned host buffer, asynchronously (no host sync, and no GPU memory held for the
+    window); buffers come back to a pool as steps leave the window. A tensor met twice in one step (sample ids that
+    are a column of the batch) is held once. Containers are rebuilt as nanscan.runtime.verdict.retained rebuilds
+    them."""
 
     def __init__(self):
         self.copy_cpu = False  # set once the loop was seen to refill a batch tensor in place
@@ -130,7 +130,9 @@ class _StepBatches:
         self._seen: dict[int, torch.Tensor] = {}
 
     def keep_step(self, batch: Any, sample_ids: Any) -> tuple[Any, Any, _Held]:
-        self._held, self._seen = held, _ = _Held([], []), {}
+        """The step's batch and sample ids as held, and what they hold (for release and changed)."""
+        held = self._held = _Held([], [])
+        self._seen = {}
         if type(batch) is dict and not self.copy_cpu:
             batch = self._keep_dict(batch)
         else:
@@ -236,7 +238,7 @@ class WindowKeeper:
         self.window = window
         self._local = local
         self._states: deque[_Kept] = deque()
-        self._capacity = window.states  # lowered once if the states would not fit (NOTE: [run window])
+        self._capacity = window.states  # lowered where the states would not fit (NOTE: [run window])
         self._starting: _Kept | None = None  # taken at a step's start, not yet claimed by its check
         self._steps: deque[_Step] = deque()
         self._since_state = 0  # steps checked since the newest kept state began
