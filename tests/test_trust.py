@@ -132,6 +132,24 @@ def test_an_unmarked_entry_from_the_bundle_needs_entry(sent, tmp_path):
     assert result.reproduced and result.failing_run.category == "input"
 
 
+def test_the_window_replay_and_ablation_keep_the_trust_rule(sent, tmp_path):
+    """replay --window and ablate --window build the step through the same entry: an unmarked entry named only by
+    the bundle is refused, and a planted command in the manifest runs nothing."""
+    from nanscan.replay.ablate_window import ablate_window  # noqa: PLC0415
+    from nanscan.replay.window import replay_window  # noqa: PLC0415
+
+    crafted = _edited(sent, tmp_path, lambda m: m.update(replay_entry="replay_entries:unmarked_poisoned_sample"))
+    for rerun in (replay_window, ablate_window):
+        with pytest.raises(UntrustedError, match="--entry replay_entries:unmarked_poisoned_sample"):
+            rerun(crafted)
+    assert replay_window(crafted, "replay_entries:unmarked_poisoned_sample").reproduced
+    marker, command = _planted(tmp_path)
+    planted = _edited(sent, tmp_path / "planted", lambda m: m.update(replay_entry="subprocess:run",
+                                                                     config={"args": command}))
+    code, out = _cli("replay", planted, "--window")
+    assert code == 2 and not marker.exists(), out
+
+
 def test_the_monitor_warns_at_once_about_an_unmarked_entry():
     model = torch.nn.Linear(2, 2)
     with pytest.warns(EntryWarning, match="not marked with @nanscan.entry.replay_entry"):
