@@ -1,12 +1,15 @@
 """Replay a bundle's failing step: reproduce it deterministically, tell a persistent failure from a transient one,
 localize the first module that produced a non-finite value, bisect the batch to the fewest samples that still
-fail, and export those samples as a regression case (`nanscan replay`, `nanscan export-regression`).
+fail, and export those samples as a regression case (`nanscan replay`, `nanscan export-regression`); rerun the
+window of the run that led to it (`replay --window`); change one factor at a time, on the failing step or over the
+window (`nanscan ablate`, `ablate --window`).
 
 Everything here runs the user's step again through the bundle's replay entry (nanscan.entry). Modules, bottom up:
-options (StepOptions and the defaults, free of torch), localize (module hooks, value summaries), ops (the first bad
-op and its source line), traps (an optimizer's settings against the dtypes), step (run_step, its outcome, batch
-handling), replayer (a bundle's step rebuilt), bisect (ddmin over samples), reproduce (`replay()` and its recorded
-finding), export (regression cases), cli (the subcommands).
+options (StepOptions, the ablations' factors and the defaults, free of torch), localize (module hooks, value
+summaries), ops (the first bad op and its source line), traps (an optimizer's settings against the dtypes), step
+(run_step, its outcome, batch handling), replayer (a bundle's step rebuilt), bisect (ddmin over samples), reproduce
+(`replay()`, its recorded finding, the suspicious samples), window (the window's rerun), ablate and ablate_window
+(one factor at a time), export (regression cases), cli (the subcommands).
 
 Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: they need torch,
 which the subcommands' help must not import (NOTE: [fast help] in nanscan/cli/main.py).
