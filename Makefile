@@ -53,6 +53,7 @@ bench-all: bench
 	$(PY) benchmarks/bench_many_tensors.py --json benchmarks/results/bench_many_tensors.json
 	$(PY) benchmarks/bench_data.py --json benchmarks/results/bench_data.json
 	$(PY) benchmarks/bench_frozen.py --json benchmarks/results/bench_frozen.json
+	$(PY) benchmarks/bench_window.py --json benchmarks/results/bench_window.json
 
 gpu-check:
 	bash benchmarks/gpu_check.sh
