@@ -35,7 +35,7 @@ from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.replay.reproduce import suspicious_samples
 from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
 from nanscan.replay.step import model_device, prepare_batch, run_step
-from nanscan.replay.window import WindowReplay, recorded_precision, rerun_window, set_learning_rates
+from nanscan.replay.window import WindowEvidence, WindowReplay, rerun_window, set_learning_rates
 
 DEFAULT_BEYOND = 16
 LR_LADDER = (0.5, 0.1, 0.01, 0.001)
@@ -77,6 +77,7 @@ class WindowAblation:
     baseline: WindowRow
     rows: list[WindowRow]
     notes: list[str] = field(default_factory=list)
+    lrs: dict[int, float] = field(default_factory=dict)  # the first param group's recorded rate, by step
 
     @property
     def fixes(self) -> list[WindowRow]:
@@ -106,9 +107,9 @@ def gaining(grad_norms: list[float | None]) -> float | None:
     return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
 
 
-def _judge(replayer: Replayer, factor: Factor, held_out: list[Any], beyond: int,
+def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
            drop: Callable | None = None) -> WindowRow:
-    run = rerun_window(replayer, factor.options, drop)
+    run = rerun_window(replayer, factor.options, drop, evidence)
     window = run.result
     bad = window.first_nonfinite
     if bad is not None:
@@ -150,8 +151,9 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     say = progress or (lambda _description: None)
     spec = replayer.build()
     held_out = list(itertools.islice(spec.batches, beyond)) if spec.batches is not None and beyond > 0 else []
+    evidence = WindowEvidence.of(replayer.bundle)
     say("the window as recorded")
-    baseline = _judge(replayer, BASELINE, [], 0)
+    baseline = _judge(replayer, evidence, BASELINE, [], 0)
     notes = list(baseline.window.notes) if baseline.window else []
     reproduced = baseline.window is not None and baseline.window.reproduced
     baseline.verdict = "reproduced" if reproduced else "not reproduced"
@@ -160,32 +162,35 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
         notes.append("the unchanged window does not reproduce the failure, so no factor can be credited with fixing "
                      "it; `nanscan replay --window` shows where the rerun departs")
     rows = []
-    peak = max((lr for r in replayer.bundle.window_records() for lr in r.lrs if lr is not None), default=None)
+    peak = max((lr for r in evidence.records for lr in r.lrs if lr is not None), default=None)
     for scale in LR_LADDER:
         factor = Factor(f"lr-x{scale:g}", f"learning rate x{scale:g}" +
-                              (f" (at most {peak * scale:.3g})" if peak is not None else ""),
-                              StepOptions(lr_scale=scale))
+                        (f" (at most {peak * scale:.3g})" if peak is not None else ""), StepOptions(lr_scale=scale))
         say(factor.label)
-        row = _judge(replayer, factor, held_out, beyond) if reproduced else WindowRow(factor, NOT_JUDGED, None)
+        row = _judge(replayer, evidence, factor, held_out, beyond) if reproduced else \
+            WindowRow(factor, NOT_JUDGED, None)
         rows.append(row)
         if row.verdict == CONFIRMED:
             break
-    precision = recorded_precision(replayer.bundle)
+    precision = evidence.precision()
     others = [*OTHER_FACTORS, *(f for name, f in PRECISION_FACTORS.items()
                                 if (name == "float32") == (precision != "float32"))]
     for factor in others:
         say(factor.label)
-        rows.append(_judge(replayer, factor, held_out, beyond) if reproduced else WindowRow(factor, NOT_JUDGED, None))
+        rows.append(_judge(replayer, evidence, factor, held_out, beyond) if reproduced else
+                    WindowRow(factor, NOT_JUDGED, None))
     say(_FACTORS["drop-suspicious"].label)
-    rows.append(_drop_suspicious(replayer, held_out, beyond) if reproduced else
+    rows.append(_drop_suspicious(replayer, evidence, held_out, beyond) if reproduced else
                 WindowRow(_FACTORS["drop-suspicious"], NOT_JUDGED, None))
     if not held_out:
         notes.append("the replay entry gives no ReplaySpec.batches: a factor that keeps the window finite cannot be "
                      "confirmed past the failing step; return some held-out batches there")
-    return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes)
+    lrs = {r.step: r.lrs[0] for r in evidence.records if r.lrs and r.lrs[0] is not None}
+    return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes,
+                          lrs)
 
 
-def _drop_suspicious(replayer: Replayer, held_out: list[Any], beyond: int) -> WindowRow:
+def _drop_suspicious(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any], beyond: int) -> WindowRow:
     """The failing batch's suspicious samples (its bisection) left out of every step of the window that holds them:
     the failing step's rows, and, where sample ids were recorded, the rows with the same ids in the other steps
     (the same record met again in another epoch)."""
@@ -208,7 +213,7 @@ def _drop_suspicious(replayer: Replayer, held_out: list[Any], beyond: int) -> Wi
             met.append(record.step)
         return rows
 
-    row = _judge(replayer, factor, held_out, beyond, drop)
+    row = _judge(replayer, evidence, factor, held_out, beyond, drop)
     shown = ids if ids else found.indices
     row.detail = f"dropped {shown} ({origin}) at step(s) {sorted(set(met))}; {row.detail}"
     return row
@@ -220,8 +225,7 @@ def lr_summary(result: WindowAblation) -> str | None:
     if fix is None:
         return None
     w = fix.window
-    lrs = [r.lrs[0] for r in open_bundle(result.bundle).window_records()
-           if w.start <= r.step <= w.step and r.lrs and r.lrs[0] is not None]
+    lrs = [lr for step, lr in sorted(result.lrs.items()) if w.start <= step <= w.step]
     rising = len(lrs) > 1 and lrs[-1] > lrs[0]
     return (f"{fix.factor.label} stays finite over steps {w.start}-{w.step} and {fix.beyond_run} held-out steps: "
             "the learning rate is too large for this point of the run"

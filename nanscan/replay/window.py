@@ -130,8 +130,23 @@ def _start(bundle: Bundle, records: list[WindowStep]) -> int:
     raise ReplayError(f"{bundle.path}'s window cannot be rerun: {why}")
 
 
-def _recorded(history: list) -> dict[int, tuple[float | None, float | None]]:
-    return {entry.step: (entry.loss, entry.grad_norm) for entry in history}
+@dataclass(frozen=True)
+class WindowEvidence:
+    """What a rerun starts from and is compared with, read from the bundle once (an ablation reruns the window once
+    per factor): the window's checks, and the recorded (loss, gradient norm) of each step of the history."""
+
+    records: list[WindowStep]
+    history: dict[int, tuple[float | None, float | None]]
+
+    @classmethod
+    def of(cls, bundle: Bundle) -> "WindowEvidence":
+        records = bundle.window_records()  # a BundleError saying why, for a bundle that holds no window
+        return cls(records, {entry.step: (entry.loss, entry.grad_norm) for entry in bundle.history()})
+
+    def precision(self) -> str:
+        """The autocast dtype the window's steps recorded, as a StepOptions precision ("float32": none)."""
+        found = [_PRECISION_OF.get(r.autocast.get("dtype")) for r in self.records if r.autocast]
+        return next((p for p in found if p), "float32")
 
 
 def _departs(replayed: float | None, recorded: float | None) -> bool:
@@ -159,13 +174,14 @@ class WindowRun:
 
 
 def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
-                 drop: Callable[[WindowStep], list[int]] | None = None) -> WindowRun:
-    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor).
-    `drop(record)`: the sample rows of a recorded step left out of its batch (a suspicious record, wherever it is)."""
+                 drop: Callable[[WindowStep], list[int]] | None = None,
+                 evidence: WindowEvidence | None = None) -> WindowRun:
+    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor, with
+    the evidence it read once). `drop(record)`: the sample rows of a recorded step left out of its batch (a
+    suspicious record, wherever it is)."""
     target = replayer.bundle
-    if target.window is None:
-        target.window_records()  # raises the BundleError that says why there is none
-    records = target.window_records()
+    evidence = evidence or WindowEvidence.of(target)
+    records = evidence.records
     if any(r.micro_batch is not None for r in records):
         raise ReplayError(f"{target.path}'s window was checked per micro-batch (check(micro_batch=True)): its "
                           "micro-batches' losses are scaled inside the loop, which the replay entry does not see, so "
@@ -174,7 +190,6 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
     model_state, optimizer_state = target.window_state(start)
     spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
     device = model_device(spec.model)
-    recorded = _recorded(target.history())
     # what the replayer says of the failing step's own state and RNG does not concern the window, which has its own
     notes = [note for note in replayer.notes if not note.startswith(("state:", "rng:", "optimizer:"))]
     if any(r.loss_scale is not None for r in records):
@@ -195,19 +210,13 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
             batch = select_samples(batch, [i for i in range(size) if i not in set(dropped)], spec, size=size)
         outcome = run_step(spec.model, optimizer, spec.step_fn, prepare_batch(batch, device, step_options),
                            options=step_options)
-        results.append(_result(record.step, outcome, recorded.get(record.step), last=record.step == target.step))
+        results.append(_result(record.step, outcome, evidence.history.get(record.step),
+                               last=record.step == target.step))
         if not outcome.finite:
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
     return WindowRun(result, spec, optimizer, list(lrs))
-
-
-def recorded_precision(bundle: Bundle) -> str | None:
-    """The autocast dtype the window's steps recorded, as a StepOptions precision ("float32": none)."""
-    dtypes = {(r.autocast or {}).get("dtype") for r in bundle.window_records()}
-    found = [_PRECISION_OF.get(d) for d in dtypes if d]
-    return found[0] if found else "float32"
 
 
 def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool) -> WindowStepResult:
