@@ -42,6 +42,8 @@ class ReplaySpec:
     select_samples: optional `select_samples(batch, indices) -> batch` that keeps only the given sample rows;
         when absent, nanscan slices every tensor in the batch along dimension 0.
     extras: the entry's own objects (a tokenizer, a scheduler); nanscan carries them and never reads them.
+    clip_grad_norm: the loop's own gradient clipping (the max norm it gives clip_grad_norm_ between backward and the
+        update), which replay then applies as the loop did; None: the loop does not clip.
     The model is built on the device it should run on; replay moves the batch and the bundle's state there.
     """
 
@@ -51,6 +53,7 @@ class ReplaySpec:
     batches: Iterable[Any] | None = None
     select_samples: Callable[[Any, list[int]], Any] | None = None
     extras: dict = field(default_factory=dict)
+    clip_grad_norm: float | None = None
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer, built by the factory when one was given."""

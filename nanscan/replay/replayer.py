@@ -18,7 +18,7 @@ from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, en
 from nanscan.integrations.rebuild import MICRO_BATCHES
 from nanscan.bundle.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
-                                 model_device, prepare_batch, run_localized, run_step, select_samples)
+                                 loop_options, model_device, prepare_batch, run_localized, run_step, select_samples)
 
 
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
@@ -147,7 +147,7 @@ class Replayer:
                  options: StepOptions = StepOptions()) -> tuple[ReplaySpec, torch.optim.Optimizer]:
         """A fresh spec and optimizer with `model_state` and `optimizer_state` loaded (the bundle's, or a state its
         window kept, which leaves the frozen parameters out: they are taken, checked, from the model the entry
-        builds) and `options`' precision applied."""
+        builds) and `options`' precision and eps applied."""
         spec = self.build()
         model = spec.model
         if self.frozen:  # before a precision change: the references are of the weights as the entry loads them
@@ -180,6 +180,10 @@ class Replayer:
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise ReplayError(f"the optimizer built by {self.entry!r} does not match the optimizer state in "
                                   f"{self.bundle.path}: {exc}") from None
+        if options.eps is not None:  # after the state, whose param groups carry the run's eps
+            for group in optimizer.param_groups:
+                if "eps" in group:
+                    group["eps"] = options.eps
         return spec, optimizer
 
     def _take_frozen(self, model: torch.nn.Module) -> None:
@@ -215,7 +219,8 @@ class Replayer:
         def attempt(backward_module_hooks: bool) -> StepOutcome:
             spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
             learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
-            return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=options, localize=localize,
+            return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=loop_options(spec, options),
+                            localize=localize,
                             backward_module_hooks=backward_module_hooks, trace_ops=trace_ops)
 
         result = run_localized(attempt) if localize else attempt(True)

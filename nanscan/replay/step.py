@@ -11,7 +11,7 @@ import contextlib
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -37,6 +37,31 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 class ReplayError(RuntimeError):
     """A bundle that cannot be replayed (no replay entry, no batch, a model that does not match the state)."""
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """One optimizer step over several micro-batches, as a loop with gradient accumulation runs it (NOTE: [replayed
+    accumulation]): `before(i)`, when given, runs before micro-batch i's forward (the window restores the RNG state
+    recorded at that forward's start).
+
+    NOTE: [replayed accumulation]
+    Each micro-batch's loss is divided by their count and backpropagated into the same gradients, then one update
+    follows: the mean, as nanoGPT's loop (loss / gradient_accumulation_steps) and the trainers (HF, Lightning,
+    accelerate) accumulate. The step's loss is that mean. A loop that sums its micro-batches' losses instead gets
+    gradients N times larger than the rerun's, which the window's replay shows as a departure in the gradient norm
+    at the first accumulated step."""
+
+    batches: list
+    before: Callable[[int], None] | None = None
+
+
+def loop_options(spec: ReplaySpec, options: StepOptions) -> StepOptions:
+    """The options a step runs under with the loop's own clipping (ReplaySpec.clip_grad_norm) where the options
+    name none: a replay reruns the loop's step, clipping included, and a clipping factor replaces it."""
+    if options.clip_grad_norm is None and spec.clip_grad_norm is not None:
+        return replace(options, clip_grad_norm=spec.clip_grad_norm)
+    return options
 
 
 @dataclass
@@ -187,7 +212,9 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(batch)])
+        parts = batch.batches if isinstance(batch, Accumulation) else [batch]
+        shown = parts if isinstance(batch, Accumulation) else batch  # a step's micro-batches: input:<i>.<path>
+        batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(shown)])
         state_report = scan_inputs(model_inputs(model, optimizer))
         if not state_report.ok:
             bad = state_report.nonfinite
@@ -202,24 +229,32 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             result.start_nonfinite = True
             return result
 
-        try:
-            with autocast_context(options, device_type), tracer or contextlib.nullcontext():
-                loss = step_fn(model, batch)
-        except Exception as exc:  # noqa: BLE001 - the user's step failing is a result to report
-            return outcome("loss", [], error=f"step_fn raised {type(exc).__name__}: {exc}")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
-            return outcome("loss", [], error=f"step_fn returned {what}; it must return the scalar loss tensor")
-        loss_value = float(loss.detach().float())
+        loss_value = 0.0
+        for index, part in enumerate(parts):  # one part, or a step's micro-batches (NOTE: [replayed accumulation])
+            if isinstance(batch, Accumulation) and batch.before is not None:
+                batch.before(index)
+            try:
+                with autocast_context(options, device_type), tracer or contextlib.nullcontext():
+                    loss = step_fn(model, part)
+            except Exception as exc:  # noqa: BLE001 - the user's step failing is a result to report
+                return outcome("loss", [], error=f"step_fn raised {type(exc).__name__}: {exc}")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else \
+                    f"a tensor of shape {tuple(loss.shape)}"
+                return outcome("loss", [], error=f"step_fn returned {what}; it must return the scalar loss tensor")
+            if len(parts) > 1:
+                loss = loss / len(parts)
+            loss_value += float(loss.detach().float())
+            try:
+                loss.backward()
+            except Exception as exc:  # noqa: BLE001
+                return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
-        try:
-            loss.backward()
-        except Exception as exc:  # noqa: BLE001
-            return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
+        # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
+        grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                            options.clip_grad_norm)
-        grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
         update_report = None
         if optimizer is not None:
             try:

@@ -11,8 +11,11 @@ dtype (unless the options name a precision), the torch generators' state at the 
 update. Each step's loss and gradient norm are compared with the history the bundle holds (the yardstick): the
 first step where either differs by more than DEPART_REL_TOL (relative) is where the rerun departs; on the CPU a
 faithful rerun matches to the last bits. It is "reproduced over the window" when the rerun goes non-finite at the
-recorded step. What it cannot rebuild is said, not papered over: a GradScaler's scaling (the rerun's gradients are
-unscaled and skip nothing), steps checked per micro-batch (not replayed), updates the run skipped.
+recorded step. A step checked per micro-batch is rerun as its micro-batches, each from the RNG state at its
+forward's start, their losses averaged (nanscan.replay.step NOTE: [replayed accumulation]); the loop's own
+clipping is applied when the entry states it (ReplaySpec.clip_grad_norm). What it cannot rebuild is said, not
+papered over: a GradScaler's scaling (the rerun's gradients are unscaled and skip nothing), updates the run
+skipped.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from nanscan.bundle import Bundle
 from nanscan.bundle.format import WINDOW_REPLAY_FINDING, WindowStep, json_float
 from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.engine.inputs import batch_size
-from nanscan.replay.step import (PRECISIONS, ReplayError, StepOptions, StepOutcome, model_device, prepare_batch,
-                                 run_step, select_samples)
+from nanscan.replay.step import (PRECISIONS, Accumulation, ReplayError, StepOptions, StepOutcome, loop_options,
+                                 model_device, prepare_batch, run_step, select_samples)
 
 DEPART_REL_TOL = 1e-4
 _PRECISION_OF = {str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items() if dtype is not None}
@@ -182,10 +185,6 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
     target = replayer.bundle
     evidence = evidence or WindowEvidence.of(target)
     records = evidence.records
-    if any(r.micro_batch is not None for r in records):
-        raise ReplayError(f"{target.path}'s window was checked per micro-batch (check(micro_batch=True)): its "
-                          "micro-batches' losses are scaled inside the loop, which the replay entry does not see, so "
-                          "the window is not rerun; `nanscan replay` without --window replays the failing step")
     start = _start(target, records)
     model_state, optimizer_state = target.window_state(start)
     spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
@@ -195,23 +194,28 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
     if any(r.loss_scale is not None for r in records):
         notes.append("the run used a GradScaler: the rerun's gradients are unscaled and it skips no update, so steps "
                      "the run skipped for overflow are applied here")
+    steps = _optimizer_steps([r for r in records if start <= r.step <= target.step])
+    if any(len(parts) > 1 for parts in steps):
+        notes.append("the run was checked per micro-batch: each step's micro-batches are rerun with their losses "
+                     "averaged (NOTE: [replayed accumulation]), and compared with the record by gradient norm (the "
+                     "loss the loop passed is its own scaling of the last micro-batch's)")
     results, lrs = [], []
-    for record in (r for r in records if start <= r.step <= target.step):
+    for parts in steps:
+        record = parts[-1]  # the step's own check; its micro-batches' checks come before it
         lrs = record.lrs
         set_learning_rates(optimizer, lrs, options.lr_scale)
-        _restore_torch_rng(record.rng)
         step_options = options
         if options.precision is None and record.autocast:
             step_options = replace(options, precision=_PRECISION_OF.get(record.autocast.get("dtype")))
-        batch = record.batch
-        dropped = drop(record) if drop is not None else []
-        if dropped:
-            size = batch_size(batch, record.sample_ids)
-            batch = select_samples(batch, [i for i in range(size) if i not in set(dropped)], spec, size=size)
-        outcome = run_step(spec.model, optimizer, spec.step_fn, prepare_batch(batch, device, step_options),
-                           options=step_options)
+        batches = [prepare_batch(_kept_rows(part, drop, spec), device, step_options) for part in parts]
+        if len(parts) > 1:
+            batch = Accumulation(batches, before=lambda i, parts=parts: _restore_torch_rng(parts[i].rng))
+        else:
+            batch = batches[0]
+            _restore_torch_rng(record.rng)
+        outcome = run_step(spec.model, optimizer, spec.step_fn, batch, options=loop_options(spec, step_options))
         results.append(_result(record.step, outcome, evidence.history.get(record.step),
-                               last=record.step == target.step))
+                               last=record.step == target.step, loss_comparable=len(parts) == 1))
         if not outcome.finite:
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
@@ -219,11 +223,32 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
     return WindowRun(result, spec, optimizer, list(lrs))
 
 
-def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool) -> WindowStepResult:
+def _optimizer_steps(records: list[WindowStep]) -> list[list[WindowStep]]:
+    """The records grouped by optimizer step, in order: a step's micro-batch checks, then its own check."""
+    steps: list[list[WindowStep]] = []
+    for record in records:
+        if steps and steps[-1][-1].step == record.step and steps[-1][-1].micro_batch is not None:
+            steps[-1].append(record)
+        else:
+            steps.append([record])
+    return steps
+
+
+def _kept_rows(record: WindowStep, drop: Callable[[WindowStep], list[int]] | None, spec: Any) -> Any:
+    """The record's batch without the rows `drop` names."""
+    dropped = set(drop(record)) if drop is not None else set()
+    if not dropped:
+        return record.batch
+    size = batch_size(record.batch, record.sample_ids)
+    return select_samples(record.batch, [i for i in range(size) if i not in dropped], spec, size=size)
+
+
+def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool,
+            loss_comparable: bool = True) -> WindowStepResult:
     """`last`: the recorded failing step, whose recorded gradient norm leaves its non-finite values out, so only
-    its loss is compared."""
+    its loss is compared. `loss_comparable`: False for an accumulated step (NOTE: [replayed accumulation])."""
     loss, grad_norm = recorded if recorded is not None else (None, None)
-    departs = "loss" if _departs(outcome.loss, loss) else \
+    departs = "loss" if loss_comparable and _departs(outcome.loss, loss) else \
         "grad_norm" if not last and _departs(outcome.grad_norm, grad_norm) else None
     return WindowStepResult(step=step, finite=outcome.finite, category=outcome.category, loss=outcome.loss,
                             grad_norm=outcome.grad_norm, recorded_loss=loss, recorded_grad_norm=grad_norm,
