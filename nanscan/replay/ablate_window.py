@@ -5,10 +5,11 @@ NOTE: [window ablation]
 A cause that builds up over many steps is judged where it builds up. Each factor is applied to every step of the
 window's rerun (nanscan.replay.window NOTE: [window replay]), from the oldest kept state, and the run then goes on
 for `beyond` steps on the replay entry's held-out batches (ReplaySpec.batches), at the failing step's learning
-rates as the factor sets them. The verdicts:
+rates as the factor sets them (a longer warm-up climbs back: see below). The verdicts:
   - confirmed fix: the window and those steps stay finite, and the gradient norm no longer gains binades step after
     step (it is "gaining" when, over its last GROWTH_STEPS finite steps, it rose at all but one and by at least
-    GROWTH_MIN binades in all);
+    GROWTH_MIN binades in all), nor does the weights' norm over the steps past the failing one (a decoupled weight
+    decay times a rate above 2 makes the weights grow every step while LayerNorm keeps the gradients in range);
   - delays, does not fix: finite past the recorded step, but non-finite later, or still gaining binades;
   - stays finite over the window, not confirmed: the entry gives no held-out batches to go on with;
   - no effect: non-finite at the recorded step again; fails earlier: non-finite before it.
@@ -16,7 +17,15 @@ Precision factors are judged by the same rule as any other: a dtype that merely 
 not a fix when the run still diverges. Dropping the failing batch's suspicious samples (its bisection) leaves
 them out of every step that holds them, by sample id: a bad record is confirmed when the window and the steps past
 it stay finite without it. The learning rate is tried down a ladder (LR_LADDER), from the largest
-scale, stopping at the first confirmed fix, which is named with the learning rate it means. Every row is
+scale, stopping at the first confirmed fix, which is named with the learning rate it means. Where the recorded
+rate was still rising at the failing step (a warm-up), a WARMUP_STRETCH times longer warm-up is tried: a linear
+warm-up that long reaches 1/WARMUP_STRETCH of the rate at the same step, so every step of the window runs at that
+fraction, and past the failing step the rate climbs on at the stretched slope until it is back at the failing
+step's recorded rate, then `beyond` steps more (at most WARMUP_MAX_BEYOND in all): a longer warm-up only fixes the
+run if the rate it was heading for is then safe, and short of it the row says how far it got. The clipping factor
+is not applied when the loop already clips at that norm or below (ReplaySpec.clip_grad_norm). Where an update
+trap points at the optimizer's eps (nanscan.replay.traps), it is raised to the smallest normal of the trapped dtype
+over the window. Every row is
 recorded, the ones that did not help included. A failure that the unchanged window does not reproduce has no
 factor to credit: then every row says so.
 """
@@ -29,16 +38,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from nanscan.bundle import Bundle
 from nanscan.bundle.format import ABLATE_FINDING_PREFIX
 from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.replay.reproduce import suspicious_samples
 from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
-from nanscan.replay.step import model_device, prepare_batch, run_step
+from nanscan.replay.traps import optimizer_traps
+from nanscan.replay.step import loop_options, model_device, prepare_batch, run_step
 from nanscan.replay.window import WindowEvidence, WindowReplay, rerun_window, set_learning_rates
 
 DEFAULT_BEYOND = 16
 LR_LADDER = (0.5, 0.1, 0.01, 0.001)
+WARMUP_STRETCH = 2
+WARMUP_MAX_BEYOND = 128
 GROWTH_STEPS = 8
 GROWTH_MIN = 2.0  # binades
 FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
@@ -107,8 +121,24 @@ def gaining(grad_norms: list[float | None]) -> float | None:
     return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
 
 
+def _warmup_factor() -> Factor:
+    return Factor(f"warmup-x{WARMUP_STRETCH}", f"warm-up {WARMUP_STRETCH}x longer",
+                  StepOptions(lr_scale=1 / WARMUP_STRETCH))
+
+
+def _climb(failing: int, beyond: int) -> list[float]:
+    """A longer warm-up's rate past the failing step, as a fraction of the failing step's recorded rate: the
+    stretched linear warm-up ((step + 1) / (WARMUP_STRETCH x (failing + 1))) up to 1, then `beyond` steps at 1,
+    at most WARMUP_MAX_BEYOND steps in all."""
+    ramp = [(failing + 2 + j) / (WARMUP_STRETCH * (failing + 1)) for j in range(WARMUP_MAX_BEYOND)]
+    ramp = [r for r in ramp if r < 1.0]
+    return (ramp + [1.0] * beyond)[:WARMUP_MAX_BEYOND]
+
+
 def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
-           drop: Callable | None = None) -> WindowRow:
+           drop: Callable | None = None, climb: list[float] | None = None) -> WindowRow:
+    """`climb`: the learning rate past the failing step by held-out step, as a fraction of the failing step's
+    (a longer warm-up's); None: the factor's lr_scale throughout."""
     run = rerun_window(replayer, factor.options, drop, evidence)
     window = run.result
     bad = window.first_nonfinite
@@ -122,24 +152,46 @@ def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_ou
         return WindowRow(factor, UNCONFIRMED, window, gaining=gaining(norms),
                          detail="the replay entry gives no ReplaySpec.batches to go on with past the failing step")
     model, optimizer = run.spec.model, run.optimizer
-    set_learning_rates(optimizer, run.last_lrs, factor.options.lr_scale)
+    scales = climb if climb is not None else [factor.options.lr_scale] * beyond
+    weights: list[float | None] = []  # past the failing step: a weight decay too strong for its rate shows there
     device = model_device(model)
-    for i, batch in enumerate(itertools.islice(itertools.cycle(held_out), beyond)):
+    for i, (batch, scale) in enumerate(zip(itertools.cycle(held_out), scales)):
+        set_learning_rates(optimizer, run.last_lrs, scale)
         outcome = run_step(model, optimizer, run.spec.step_fn, prepare_batch(batch, device, factor.options),
-                           options=factor.options)
+                           options=loop_options(run.spec, factor.options))
         if not outcome.finite:
             return WindowRow(factor, DELAYS, window, beyond_run=i + 1, beyond_nonfinite=i + 1,
                              detail=f"finite over the window, non-finite {i + 1} held-out step(s) past it "
-                                    f"({outcome.category})")
+                                    f"({outcome.category}{_rate_reached(climb, i)})")
         norms.append(outcome.grad_norm)
-    growth = gaining(norms)
-    if growth is not None:
-        return WindowRow(factor, DELAYS, window, beyond_run=beyond, gaining=growth,
-                         detail=f"finite, but the gradient norm still gains binades: {growth:.1f} over its last "
-                                f"{GROWTH_STEPS} steps")
-    return WindowRow(factor, CONFIRMED, window, beyond_run=beyond,
-                     detail=f"finite over steps {window.start}-{window.step} and {beyond} held-out steps past them, "
-                            "the gradient norm no longer gaining")
+        weights.append(_weight_norm(outcome))
+    for what, values in (("gradient norm", norms), ("weights' norm", weights)):
+        growth = gaining(values)
+        if growth is not None:
+            return WindowRow(factor, DELAYS, window, beyond_run=len(scales), gaining=growth,
+                             detail=f"finite, but the {what} still gains binades: {growth:.1f} over its last "
+                                    f"{GROWTH_STEPS} steps")
+    if climb is not None and climb[-1] < 1.0:
+        return WindowRow(factor, UNCONFIRMED, window, beyond_run=len(scales),
+                         detail=f"finite over steps {window.start}-{window.step} and {len(scales)} held-out steps, "
+                                f"but the longer warm-up's rate had climbed back only to {climb[-1]:.2g}x the "
+                                "failing step's")
+    return WindowRow(factor, CONFIRMED, window, beyond_run=len(scales),
+                     detail=f"finite over steps {window.start}-{window.step} and {len(scales)} held-out steps past "
+                            "them, the gradient norm no longer gaining" +
+                            (" (the rate climbed back to the failing step's and held there for "
+                             f"{scales.count(1.0)} steps)" if climb is not None else ""))
+
+
+def _weight_norm(outcome) -> float | None:
+    """The norm of the model's weights after the step's update (its scan of the updated state)."""
+    if outcome.updated is None:
+        return None
+    return math.sqrt(sum(s.sumsq for s in outcome.updated.stats if s.name.startswith("param:")))
+
+
+def _rate_reached(climb: list[float] | None, index: int) -> str:
+    return "" if climb is None else f"; the rate at {climb[index]:.2g}x the failing step's"
 
 
 def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, beyond: int = DEFAULT_BEYOND,
@@ -172,11 +224,18 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
         rows.append(row)
         if row.verdict == CONFIRMED:
             break
+    rows.append(_longer_warmup(replayer, evidence, held_out, beyond, reproduced, say))
+    rows.append(_safe_eps(replayer, evidence, held_out, beyond, reproduced, say))
     precision = evidence.precision()
     others = [*OTHER_FACTORS, *(f for name, f in PRECISION_FACTORS.items()
                                 if (name == "float32") == (precision != "float32"))]
     for factor in others:
         say(factor.label)
+        clip = factor.options.clip_grad_norm
+        if clip is not None and spec.clip_grad_norm is not None and spec.clip_grad_norm <= clip:
+            rows.append(WindowRow(factor, NOT_APPLIED, None, detail=f"the loop already clips the gradient norm at "
+                                                                    f"{spec.clip_grad_norm:g}"))
+            continue
         rows.append(_judge(replayer, evidence, factor, held_out, beyond) if reproduced else
                     WindowRow(factor, NOT_JUDGED, None))
     say(_FACTORS["drop-suspicious"].label)
@@ -185,9 +244,51 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     if not held_out:
         notes.append("the replay entry gives no ReplaySpec.batches: a factor that keeps the window finite cannot be "
                      "confirmed past the failing step; return some held-out batches there")
-    lrs = {r.step: r.lrs[0] for r in evidence.records if r.lrs and r.lrs[0] is not None}
+    lrs = _first_group_rates(evidence.records)
     return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes,
                           lrs)
+
+
+def _longer_warmup(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any], beyond: int,
+                   reproduced: bool, say: Callable[[str], None]) -> WindowRow:
+    """The warm-up WARMUP_STRETCH times longer, where the recorded rate was still rising at the failing step."""
+    factor = _warmup_factor()
+    say(factor.label)
+    if not _rising(_first_group_rates(evidence.records), replayer.bundle.step):
+        return WindowRow(factor, NOT_APPLIED, None, detail="the recorded learning rate was not rising at the failing "
+                                                           "step (no warm-up to lengthen)")
+    if not reproduced:
+        return WindowRow(factor, NOT_JUDGED, None)
+    climb = _climb(replayer.bundle.step, beyond) if held_out else None
+    return _judge(replayer, evidence, factor, held_out, beyond, climb=climb)
+
+
+def _safe_eps(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any], beyond: int, reproduced: bool,
+              say: Callable[[str], None]) -> WindowRow:
+    """The optimizer's eps raised to the smallest normal of the dtypes where it is a trap (nanscan.replay.traps
+    NOTE: [update traps]), when the run's settings hold one."""
+    _, optimizer = replayer.build_at(replayer.model_state, replayer.optimizer_state)
+    traps = [t for t in optimizer_traps(optimizer) if t.setting == "eps"]
+    if not traps:
+        return WindowRow(Factor("eps", "optimizer eps raised"), NOT_APPLIED, None,
+                         detail="no update trap points at the optimizer's eps")
+    safe = max(torch.finfo(getattr(torch, t.dtype)).smallest_normal for t in traps)
+    factor = Factor("eps", f"optimizer eps {safe:.3g} ({traps[0].dtype}'s smallest normal; the run's "
+                           f"{traps[0].value:g} is a trap)", StepOptions(eps=safe))
+    say(factor.label)
+    return _judge(replayer, evidence, factor, held_out, beyond) if reproduced else \
+        WindowRow(factor, NOT_JUDGED, None)
+
+
+def _first_group_rates(records: list) -> dict[int, float]:
+    """The first param group's recorded learning rate, by step."""
+    return {r.step: r.lrs[0] for r in records if r.lrs and r.lrs[0] is not None}
+
+
+def _rising(rates: dict[int, float], failing: int) -> bool:
+    """Whether the recorded rate was still rising at the failing step (a warm-up not yet over)."""
+    before = [rate for step, rate in sorted(rates.items()) if step < failing]
+    return failing in rates and bool(before) and rates[failing] > before[-1]
 
 
 def _drop_suspicious(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any], beyond: int) -> WindowRow:
@@ -226,11 +327,10 @@ def lr_summary(result: WindowAblation) -> str | None:
         return None
     w = fix.window
     lrs = [lr for step, lr in sorted(result.lrs.items()) if w.start <= step <= w.step]
-    rising = len(lrs) > 1 and lrs[-1] > lrs[0]
     return (f"{fix.factor.label} stays finite over steps {w.start}-{w.step} and {fix.beyond_run} held-out steps: "
             "the learning rate is too large for this point of the run"
-            + (f" (still in its warm-up: the recorded rate rose from {lrs[0]:.3g} to {lrs[-1]:.3g})" if rising
-               else ""))
+            + (f" (still in its warm-up: the recorded rate rose from {lrs[0]:.3g} to {lrs[-1]:.3g})"
+               if _rising(result.lrs, w.step) else f" (the recorded rate was {lrs[-1]:.3g} there)" if lrs else ""))
 
 
 def _title(row: WindowRow) -> str:

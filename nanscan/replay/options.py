@@ -26,13 +26,15 @@ class StepOptions:
     lr_scale: multiplies every param group's learning rate. precision: None (as recorded), "float32" (weights and
     batch in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
     clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
-    algorithms (warn-only where an operation has none) and deterministic cuDNN.
+    algorithms (warn-only where an operation has none) and deterministic cuDNN. eps: the optimizer's eps in every
+    param group that has one (Adam's, where an update trap points at it: nanscan.replay.traps).
     """
 
     lr_scale: float = 1.0
     precision: str | None = None
     clip_grad_norm: float | None = None
     deterministic: bool = False
+    eps: float | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISION_NAMES:
@@ -40,7 +42,7 @@ class StepOptions:
 
     def to_dict(self) -> dict:
         return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
-                "deterministic": self.deterministic}
+                "deterministic": self.deterministic, "eps": self.eps}
 
 
 @dataclass(frozen=True)
