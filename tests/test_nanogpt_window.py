@@ -1,0 +1,100 @@
+"""nanoGPT's loop (tests/nanogpt_runs.py: the learning rate set by hand, a warm-up, gradient accumulation checked per
+micro-batch, bf16 autocast on the CPU, clipping) with a learning rate too large for its warm-up: caught at the step
+an independent isfinite check finds, the window rerun micro-batch by micro-batch matching the record, and the
+ablation over the window naming the learning rate, never a precision factor (nanscan.replay.ablate_window NOTE:
+[window ablation]); a longer warm-up to the same peak only delays it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanogpt_runs as N
+from nanscan.replay.ablate_window import CONFIRMED, DELAYS, NOT_APPLIED, ablate_window, lr_summary
+from nanscan.replay.window import DEPART_REL_TOL, replay_window
+from nanscan.runtime.window import Window
+
+# the divergence is warned about before it goes non-finite, as it should be (nanscan.runtime.spikes)
+pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
+WINDOW = Window(steps=32, every=8)
+
+
+def first_nonfinite_without_nanscan(config: dict, iters: int) -> int | None:
+    """The same loop with no Monitor: the first iteration whose loss, gradients or weights hold a NaN or inf."""
+    c = N.full_config(config)
+    model = N.build_model(c)
+    optimizer = N.configure_optimizer(model, c)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=c["dtype"] == "bfloat16")
+    for it in range(iters):
+        for group in optimizer.param_groups:
+            group["lr"] = N.get_lr(it, c)
+        finite = True
+        for micro in range(c["accum"]):
+            batch = N.get_batch(c, it, micro)
+            with autocast:
+                loss = model(batch["x"], batch["y"])[1] / c["accum"]
+            loss.backward()
+            finite &= bool(torch.isfinite(loss))
+        finite &= all(bool(torch.isfinite(p).all()) and (p.grad is None or bool(torch.isfinite(p.grad).all()))
+                      for p in model.parameters())
+        if not finite:
+            return it
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return None
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def diverged(request, tmp_path_factory):
+    config = {**N.DIVERGING, "dtype": request.param}
+    run = N.train(config, tmp_path_factory.mktemp(request.param), iters=60, window=WINDOW)
+    return config, run
+
+
+def test_caught_at_the_step_an_independent_isfinite_check_finds(diverged):
+    config, run = diverged
+    assert run.nonfinite_step is not None and run.bundle is not None
+    assert run.nonfinite_step == first_nonfinite_without_nanscan(config, 60)
+    assert run.nonfinite_step == {"bfloat16": 29, "float32": 28}[config["dtype"]]
+
+
+def test_the_window_reruns_every_micro_batch_and_matches_the_record(diverged):
+    config, run = diverged
+    result = replay_window(run.bundle, N.ENTRY)
+    assert result.reproduced, result.headline()
+    assert result.start == 0 and [s.step for s in result.steps] == list(range(run.nonfinite_step + 1))
+    assert result.first_departure is None, result.departure_text()
+    compared = [s for s in result.steps[:-1] if s.recorded_grad_norm is not None]
+    assert len(compared) == run.nonfinite_step  # every finite step's gradient norm, all of its micro-batches
+    assert all(abs(s.grad_norm - s.recorded_grad_norm) <= DEPART_REL_TOL * s.recorded_grad_norm for s in compared)
+    assert any("checked per micro-batch" in note for note in result.notes)
+    # bf16 autocast is taken from the record: the run's precision, not float32
+    assert result.options.precision is None
+
+
+def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_factor(diverged):
+    config, run = diverged
+    result = ablate_window(run.bundle, N.ENTRY)
+    assert result.baseline.verdict == "reproduced"
+    rows = {r.factor.key: r for r in result.rows}
+    assert [r.factor.key for r in result.fixes] == ["lr-x0.5"], [(r.factor.key, r.verdict) for r in result.rows]
+    precision = [k for k in rows if k in ("fp32", "bf16-autocast", "fp16-autocast")]
+    assert precision == (["fp32"] if config["dtype"] == "bfloat16" else ["bf16-autocast", "fp16-autocast"])
+    assert all(rows[k].verdict != CONFIRMED for k in precision)
+    # the loop clips at 1.0 already; the warm-up had ended (10 iterations) before the failing step
+    assert rows["clip-1.0"].verdict == NOT_APPLIED and "already clips" in rows["clip-1.0"].detail
+    assert rows["warmup-x2"].verdict == NOT_APPLIED
+    assert "learning rate x0.5 (at most 15)" in lr_summary(result)
+
+
+def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence_and_a_lower_rate_fixes_it(tmp_path):
+    config = {**N.DIVERGING, "learning_rate": 60.0, "warmup_iters": 60}
+    run = N.train(config, tmp_path, iters=80, window=WINDOW)
+    assert run.nonfinite_step == 43  # inside the warm-up: the rate was still rising
+    result = ablate_window(run.bundle, N.ENTRY)
+    rows = {r.factor.key: r for r in result.rows}
+    assert rows["warmup-x2"].verdict == DELAYS, rows["warmup-x2"].detail
+    assert "non-finite" in rows["warmup-x2"].detail and "the failing step's" in rows["warmup-x2"].detail
+    assert [r.factor.key for r in result.fixes] == ["lr-x0.5"]
+    assert "still in its warm-up" in lr_summary(result)
