@@ -295,7 +295,7 @@ def replay_entry(config: dict) -> ReplaySpec:
     loader = batches(dataset, config)
     healthy = [batch for batch, _ in (next(loader) for _ in range(config["replay_batches"]))]
     return ReplaySpec(model=model, optimizer=lambda m: build_optimizer(m, config), step_fn=step_fn,
-                      batches=healthy)
+                      batches=healthy, clip_grad_norm=config["grad_clip"])
 
 
 @contextlib.contextmanager
