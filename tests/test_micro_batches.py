@@ -233,3 +233,35 @@ def test_the_hf_trainer_checks_each_micro_batch_under_no_sync(tmp_path):
         assert lost is not None and lost["step"] == 2 and lost["bad_ranks"] == [0, 1]  # averaged: both bad
     part = load_bundle(Path(ranks[1]["True"]["bundle"]) / "rank-1")
     assert (part.step, part.micro_batch) == (2, 0)
+
+
+def test_snapshot_and_window_copy_the_state_once_per_optimizer_step_not_per_micro_batch(tmp_path, monkeypatch):
+    """The weights and optimizer state do not change between a step's micro-batches, so the pre-step copy is taken
+    at the first micro-batch's start only; a micro-batch that goes bad later still bundles that pre-step state."""
+    from nanscan.runtime.snapshot import CpuSnapshot
+
+    copies = []
+    capture = CpuSnapshot.capture
+    monkeypatch.setattr(CpuSnapshot, "capture", lambda self, *a, **k: (copies.append(1), capture(self, *a, **k))[1])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, snapshot="cpu", spikes=None)
+    before = None
+    with pytest.raises(NonFiniteError) as caught:
+        for step in range(3):
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            for micro in range(4):
+                x = torch.randn(2, 4)
+                if (step, micro) == (2, 2):
+                    x[0, 0] = float("nan")
+                model(x).pow(2).mean().backward()
+                mon.check(batch={"x": x}, micro_batch=micro < 3)
+            optimizer.step()
+            optimizer.zero_grad()
+    bundle = load_bundle(caught.value.bundle_path)
+    assert (bundle.step, bundle.micro_batch) == (2, 2)
+    # one snapshot copy per step started (3), plus the window's kept state at step 0
+    assert len(copies) == 3 + 1
+    state, _ = bundle.state()
+    assert all(torch.equal(state[k], before[k]) for k in before)

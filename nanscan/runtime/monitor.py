@@ -539,6 +539,11 @@ class Monitor(StepVerdicts):
         # slow enough (~0.2 ms) to be taken every step only in exact-snapshot mode, else at the incident.
         self._rng = capture_rng(RNG_SOURCES if self._snapshot is not None else ("torch",))
         self._autocast = (autocast_state("cuda") or autocast_state("cpu")) if autocast == "current" else autocast
+        if self._micro_batch:
+            # a later micro-batch of the same optimizer step: no update came since its first micro-batch's start,
+            # whose copies (snapshot, window) still hold the pre-step state, so none is taken again (a copy per
+            # micro-batch cost 1.2x a step at two micro-batches); the RNG state is each forward's own
+            return
         if self._snapshot is not None:
             self._snapshot.capture(model, self.optimizer)
         if self._window is not None:  # NOTE: [run window]: a state every `every` steps
