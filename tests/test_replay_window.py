@@ -80,6 +80,17 @@ def test_a_learning_rate_too_large_for_its_warm_up_is_reproduced_over_the_window
     assert result.headline().startswith("reproduced over the window: rerun from the state kept at step")
 
 
+def test_a_window_kept_on_disk_reruns_as_one_kept_in_memory(diverged, tmp_path):
+    """Window(directory=...) (NOTE: [spilled states]): the bundle takes the spilled files, and its rerun is the
+    same, step for step."""
+    error = diverging_run(tmp_path, window=Window(steps=16, every=8, directory=tmp_path / "spill"))
+    assert error.step == diverged.step
+    on_disk, in_memory = replay_window(error.bundle_path), replay_window(diverged.bundle_path)
+    assert on_disk.reproduced and on_disk.start == in_memory.start
+    assert [(s.step, s.loss, s.grad_norm) for s in on_disk.steps] == \
+        [(s.step, s.loss, s.grad_norm) for s in in_memory.steps]
+
+
 def test_a_smaller_learning_rate_over_the_window_keeps_it_finite(diverged):
     result = replay_window(diverged.bundle_path, options=StepOptions(lr_scale=0.1))
     assert not result.reproduced and result.first_nonfinite is None

@@ -333,3 +333,58 @@ def test_a_loop_that_trains_on_the_same_unchanged_batch_holds_it_without_copies(
         optimizer.zero_grad()
     assert not mon._window._batches.copy_cpu
     assert all(s.batch["x"] is fixed["x"] for s in mon._window._steps)
+
+
+# -- the states on disk (NOTE: [spilled states]) ------------------------------------------------------------------
+
+def _states_of(path, steps) -> dict:
+    bundle = load_bundle(path)
+    return {step: bundle.window_state(step) for step in steps}
+
+
+def test_a_window_kept_on_disk_bundles_the_same_states_and_holds_one_in_memory(tmp_path):
+    import gc
+
+    spill_dir = tmp_path / "spill"
+    mon, starts, _, path = run(tmp_path / "disk", 30, fault_step=19,
+                               window=Window(steps=8, every=4, directory=spill_dir))
+    _, _, _, memory_path = run(tmp_path / "memory", 30, fault_step=19)
+    folder = mon._window.spill.root
+    assert folder.parent == spill_dir and folder.name.startswith("nanscan-window-")
+    # the ring of R = 3 states on disk, the last kept one's buffers in memory
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"state-{s}.{ext}" for s in (8, 12, 16) for ext in ("json", "safetensors"))
+    assert mon._window.nbytes() < 2 * mon._window.spill.nbytes() + 10_000
+    disk, memory = _states_of(path, (8, 12, 16)), _states_of(memory_path, (8, 12, 16))
+    for step in (8, 12, 16):
+        want_model, _ = starts[step]
+        assert all(torch.equal(disk[step][0][k], want_model[k]) for k in want_model)
+        assert disk[step][1]["state"].keys() == memory[step][1]["state"].keys()
+        assert all(torch.equal(a, b) for k in disk[step][1]["state"]
+                   for a, b in zip(disk[step][1]["state"][k].values(), memory[step][1]["state"][k].values())
+                   if isinstance(a, torch.Tensor))
+    assert load_bundle(path).window["states"] == load_bundle(memory_path).window["states"]
+    del mon
+    gc.collect()
+    assert not folder.exists()  # the spill folder goes with the Monitor; the bundle keeps its own files
+    assert load_bundle(path).window_state(8)[0].keys() == starts[8][0].keys()
+
+
+def test_a_state_the_disk_could_not_take_is_left_out_and_said(tmp_path, monkeypatch):
+    import nanscan.runtime.spill as spill
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spill, "save_state_files", full_disk)
+    with pytest.warns(WindowWarning, match="could not write a kept state .*No space left on device"):
+        _, _, _, path = run(tmp_path, 30, fault_step=19, window=Window(steps=8, every=4, directory=tmp_path / "s"))
+    bundle = load_bundle(path)
+    assert bundle.window["states"] == [] and bundle.window["span"] == [8, 19]
+
+
+def test_a_directory_that_cannot_be_used_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="Window\\(directory=.*file'\\): cannot keep the window's states there"):
+        Monitor(make_model(), None, bundle_dir=tmp_path, window=Window(directory=blocker))

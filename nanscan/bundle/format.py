@@ -154,6 +154,10 @@ class WindowState:
     model_state: Mapping
     optimizer_state: Mapping | None
     pre_step: bool
+    # A state the window spilled to its directory (Window(directory=...)): its two files, in the bundle's format
+    # (write.save_state_files), which the bundle takes as they are; model_state and optimizer_state are then empty.
+    files: tuple[str, str] | None = None
+    has_optimizer: bool | None = None  # with `files`: whether they hold an optimizer state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanscan._atomic import atomic_directory, json_bytes, sha256_file
+from nanscan._atomic import atomic_directory, atomic_write_bytes, atomic_write_with, json_bytes, sha256_file
 from nanscan.bundle.format import (DETECT_FINDING, BATCH, HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, LOG_TAIL_BYTES, LOG_TAIL_LINES,
                                    LOGS, MANIFEST, RNG, RNG_METADATA_KEY, SCHEMA, SOURCE_DIFF, STATE, STATE_STRUCTURE,
                                    WINDOW, WINDOW_STEPS, WINDOW_STEPS_INDEX, BundleError, HistoryEntry, Incident,
@@ -74,7 +74,8 @@ class BundleWriteError(BundleError, OSError):
 
 
 class BundleFiles:
-    """The one way a file enters a bundle being written (NOTE: [write faults]): bytes or tensors, by name."""
+    """The one way a file enters a bundle being written (NOTE: [write faults]): bytes, tensors or a finished file,
+    by name."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -84,6 +85,14 @@ class BundleFiles:
 
     def write_tensors(self, name: str, tensors: Any, metadata: dict[str, str] | None = None) -> None:
         save_tensors(self.root / name, tensors, metadata)
+
+    def take_file(self, name: str, source: str | os.PathLike) -> None:
+        """A finished file from elsewhere (a state the window spilled): hard-linked where the file system allows
+        (its writer only ever replaces, never rewrites, a file), else copied."""
+        try:
+            os.link(source, self.root / name)
+        except OSError:
+            shutil.copyfile(source, self.root / name)
 
 
 def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
@@ -331,15 +340,29 @@ def _write_state(files: BundleFiles, inc: Incident) -> dict:
     return written
 
 
-def _write_state_files(files: BundleFiles, tensors_name: str, structure_name: str, model_state: Any,
-                       optimizer_state: Any) -> None:
-    """A model and optimizer state as a safetensors file and the JSON of its structure (state.*, the window's)."""
+def _state_payload(model_state: Any, optimizer_state: Any) -> tuple[dict, bytes]:
+    """A model and optimizer state as the tensors of a safetensors file and the JSON of its structure."""
     encoder = TreeEncoder("/")
     structure = {"model": encoder.encode(model_state, ("model",)),
                  "optimizer": (encoder.encode(optimizer_state, ("optimizer",))
                                if optimizer_state is not None else None)}
-    files.write_tensors(tensors_name, encoder.tensors)
-    files.write_bytes(structure_name, json_bytes(structure))
+    return encoder.tensors, json_bytes(structure)
+
+
+def _write_state_files(files: BundleFiles, tensors_name: str, structure_name: str, model_state: Any,
+                       optimizer_state: Any) -> None:
+    """A model and optimizer state as a safetensors file and the JSON of its structure (state.*, the window's)."""
+    tensors, structure = _state_payload(model_state, optimizer_state)
+    files.write_tensors(tensors_name, tensors)
+    files.write_bytes(structure_name, structure)
+
+
+def save_state_files(tensors_path: Path, structure_path: Path, model_state: Any, optimizer_state: Any) -> None:
+    """The same two files outside a bundle, each written atomically (a state the window spills to its directory,
+    which a bundle then takes as they are: WindowState.files)."""
+    tensors, structure = _state_payload(model_state, optimizer_state)
+    atomic_write_with(tensors_path, lambda temp: save_tensors(temp, tensors))
+    atomic_write_bytes(structure_path, structure)
 
 
 def _write_window(files: BundleFiles, window: RunWindow | None) -> dict | None:
@@ -351,9 +374,15 @@ def _write_window(files: BundleFiles, window: RunWindow | None) -> dict | None:
     states = []
     for kept in window.states:
         name = f"{WINDOW}/state-{int(kept.step)}"
-        _write_state_files(files, f"{name}.safetensors", f"{name}.json", kept.model_state, kept.optimizer_state)
+        if kept.files is not None:  # spilled to the window's directory in this format: taken as it is
+            files.take_file(f"{name}.safetensors", kept.files[0])
+            files.take_file(f"{name}.json", kept.files[1])
+            has_optimizer = bool(kept.has_optimizer)
+        else:
+            _write_state_files(files, f"{name}.safetensors", f"{name}.json", kept.model_state, kept.optimizer_state)
+            has_optimizer = kept.optimizer_state is not None
         states.append({"step": int(kept.step), "file": f"{name}.safetensors", "structure": f"{name}.json",
-                       "pre_step": bool(kept.pre_step), "optimizer": kept.optimizer_state is not None})
+                       "pre_step": bool(kept.pre_step), "optimizer": has_optimizer})
     encoder = TreeEncoder(".")
     records = [{"step": int(r.step), "micro_batch": r.micro_batch, "batch": encoder.encode(r.batch, (str(i), "batch")),
                 "sample_ids": _json_ids(r.sample_ids), "lr": [json_float(lr) for lr in r.lrs],

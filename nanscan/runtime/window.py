@@ -23,7 +23,8 @@ The default (steps=32, every=32) keeps 2 states: 6 times the trainable parameter
 1.86 GB for GPT-2-small's shapes), one copy every 32 steps (bench_window.py: 0.13 s there, 0.22% of a CPU step;
 bench_overhead.py: 0.4-0.5% of the demo model's 11 ms step, with the stage in check()).
 At an incident the window goes into the bundle (nanscan.bundle.format.RunWindow): the kept states that begin at or
-before the failing step and the steps since the oldest.
+before the failing step and the steps since the oldest. Window(directory=...) keeps the states on disk instead,
+one host copy at a time (NOTE: [spilled states] in nanscan/runtime/spill.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from nanscan.bundle.format import RunWindow, WindowState, WindowStep
 from nanscan.incident import warn_user
 from nanscan.runtime.history import kept_scalar, read_scalar
 from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.spill import SpilledState, StateSpill
 from nanscan.runtime.verdict import retained
 
 # The torch generators' states, as nanscan.bundle.provenance.capture_rng names them.
@@ -55,11 +57,14 @@ class Window:
 
     steps: how many optimizer steps back from any step the window reaches at least (once the run is that long).
     every: a state is kept every `every` steps (the copy's cost is spread over them).
-    max_bytes: host memory the kept states may take; None: a quarter of the machine's memory."""
+    max_bytes: host memory the kept states may take; None: a quarter of the machine's memory.
+    directory: where to keep the states instead of host memory (NOTE: [spilled states]), for a model whose R states
+        would not fit there; None: host memory."""
 
     steps: int = 32
     every: int = 32
     max_bytes: int | None = None
+    directory: str | os.PathLike | None = None
 
     def __post_init__(self):
         for name in ("steps", "every"):
@@ -70,6 +75,9 @@ class Window:
                                            or self.max_bytes < 0):
             raise ValueError(f"Window(max_bytes={self.max_bytes!r}): give a number of bytes, or None for a quarter "
                              "of the machine's memory")
+        if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
+            raise TypeError(f"Window(directory={self.directory!r}): give a directory path, or None to keep the states "
+                            "in host memory")
 
     @property
     def states(self) -> int:
@@ -226,8 +234,9 @@ class _Step(NamedTuple):
 @dataclasses.dataclass
 class _Kept:
     step: int | None  # set by the check of the step it starts (None until then)
-    snapshot: CpuSnapshot
+    snapshot: CpuSnapshot | None  # None where the state goes to the window's directory
     pre_step: bool
+    spilled: SpilledState | None = None  # written to the directory, once its step is known
 
 
 class WindowKeeper:
@@ -244,6 +253,8 @@ class WindowKeeper:
         self._since_state = 0  # steps checked since the newest kept state began
         self._batches = _StepBatches()
         self._frozen: tuple | None = None  # (the model's trainable-parameter ids, the frozen keys)
+        # NOTE: [spilled states]: with a directory, one host copy at a time, written there in the background
+        self.spill = StateSpill(window.directory, local) if window.directory is not None else None
 
     # -- states -------------------------------------------------------------------------------------------------
     def due(self) -> bool:
@@ -256,6 +267,11 @@ class WindowKeeper:
 
     def _capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  pre_step: bool) -> _Kept | None:
+        if self.spill is not None:  # NOTE: [spilled states]: the ring is on disk, bounded by R, not by memory
+            if len(self._states) >= self._capacity:
+                self.spill.remove(self._states.popleft().spilled)
+            self.spill.capture(model, optimizer, skip=self._frozen_keys(model))
+            return _Kept(None, None, pre_step)
         if len(self._states) >= self._capacity:
             snapshot = self._states.popleft().snapshot  # its buffers are reused
         else:
@@ -280,8 +296,8 @@ class WindowKeeper:
         warn_user(f"nanscan: the window's {self.window.states} kept states would take {self.window.states * size:,} "
                   f"bytes of host memory, more than the {budget:,} it may use (Window(max_bytes=...)); it keeps "
                   f"{kept}, so a replay of the window reaches {max(fits - 1, 0) * self.window.every} steps back at "
-                  "least; pass window=Window(steps=..., every=..., max_bytes=...) to choose, or window=None",
-                  WindowWarning)
+                  "least; pass window=Window(steps=..., every=..., max_bytes=...) to choose, "
+                  "Window(directory=...) to keep the states on disk, or window=None", WindowWarning)
 
     def _frozen_keys(self, model: torch.nn.Module) -> frozenset:
         """The state keys of frozen parameters, which a bundle holds by reference (the window need not copy them)."""
@@ -302,6 +318,8 @@ class WindowKeeper:
             starting = self._capture(model, optimizer, pre_step=False)
         if starting is not None:
             starting.step = step
+            if self.spill is not None:
+                starting.spilled = self.spill.write(step)
             self._states.append(starting)
             self._since_state = 0
             self._forget_steps_before(self._states[0].step)
@@ -333,9 +351,19 @@ class WindowKeeper:
         it; reading it waits for the copies (a GPU's), which an incident may."""
         states = []
         for kept in self._states:
-            if kept.step is not None and kept.step <= step:
-                model_state, optimizer_state = kept.snapshot.result()
-                states.append(WindowState(kept.step, dict(model_state), optimizer_state, kept.pre_step))
+            if kept.step is None or kept.step > step:
+                continue
+            if kept.spilled is not None:  # NOTE: [spilled states]: the bundle takes its files as they are
+                failure = self.spill.failure(kept.spilled)
+                if failure:
+                    warn_user(failure, WindowWarning)
+                if failure is None:
+                    files = tuple(str(path) for path in kept.spilled.files)
+                    states.append(WindowState(kept.step, {}, None, kept.pre_step, files=files,
+                                              has_optimizer=kept.spilled.has_optimizer))
+                continue
+            model_state, optimizer_state = kept.snapshot.result()
+            states.append(WindowState(kept.step, dict(model_state), optimizer_state, kept.pre_step))
         steps = [self._recorded(kept) for kept in self._steps if kept.step <= step]
         return RunWindow(steps=self.window.steps, every=self.window.every, states=states, records=steps)
 
@@ -358,8 +386,9 @@ class WindowKeeper:
         return [kept.step for kept in self._states if kept.step is not None]
 
     def nbytes(self) -> int:
-        """Host bytes the window holds now: its states and its steps' copies."""
-        states = sum(kept.snapshot.nbytes() for kept in self._states)
+        """Host bytes the window holds now: its states (a spill's one set of buffers) and its steps' copies."""
+        states = self.spill.nbytes() if self.spill is not None else \
+            sum(kept.snapshot.nbytes() for kept in self._states)
         return states + sum(self._batches.nbytes(kept.held) for kept in self._steps)
 
 
