@@ -8,6 +8,7 @@ step and a state copy both take long enough to time one by one:
     check, its state copy 0.132 s every 32 steps
     window_cost(gpt2-small, steps=32, every=32) = 0.22% of a plain step (state copies 0.22%, stage 0.004%)
     window_states = 2 x 1857.4 MiB of host memory
+    spill (Window(directory=...)): ... (the background write of one state, and the steps run meanwhile)
 
 Steps alternate between a Monitor without a window and one with the default window (both on the same model, each
 checking its own steps), so both see the same machine; the window's own work is timed where it runs (its state
@@ -33,6 +34,7 @@ from nanscan._atomic import write_results_json
 from nanscan.bench_scan import cpu_model
 from nanscan.runtime.monitor import Monitor
 from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.spill import StateSpill
 from nanscan.runtime.window import Window
 
 
@@ -44,6 +46,37 @@ def _timed(seconds: list[float], call):
         finally:
             seconds.append(time.perf_counter() - start)
     return timed
+
+
+def _spill_cost(model, optimizer, monitor: Monitor, batches: list, skip: frozenset, tmp: str) -> dict:
+    """Window(directory=...) (NOTE: [spilled states]): the copy and the hand-off the loop pays, the background
+    write's time, and what the steps run meanwhile cost against steps run without one (the write shares the
+    machine's cores)."""
+    spill = StateSpill(tmp)
+    spill.capture(model, optimizer, skip=skip)  # allocates its buffers
+    spill.remove(spill.write(-1))
+
+    def step(i: int) -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = D.step_fn(model, batches[i % len(batches)])
+        loss.backward()
+        monitor.check(batch=batches[i % len(batches)], loss=loss)
+        optimizer.step()
+        return time.perf_counter() - start
+
+    quiet = [step(i) for i in range(3)]
+    start = time.perf_counter()
+    spill.capture(model, optimizer, skip=skip)
+    kept = spill.write(0)
+    handed = time.perf_counter() - start
+    during = []
+    while not kept.future.done():
+        during.append(step(len(during)))
+    written = time.perf_counter() - start
+    assert spill.failure(kept) is None
+    return {"loop_s": handed, "write_s": written, "steps_during_write": len(during),
+            "step_during_write_ratio": statistics.median(during) / statistics.median(quiet) if during else None}
 
 
 def run(steps: int, layers: int, d_model: int, heads: int, vocab: int, seq_len: int, batch: int) -> dict:
@@ -89,6 +122,7 @@ def run(steps: int, layers: int, d_model: int, heads: int, vocab: int, seq_len: 
             snapshot.capture(model, optimizer, skip=skip)
             copies.append(time.perf_counter() - start)
         state_bytes = snapshot.nbytes()
+        spill = _spill_cost(model, optimizer, monitors["plain"], batches, skip, tmp)
         for monitor in monitors.values():
             monitor.close()
     plain = statistics.median(step_seconds["plain"])
@@ -107,6 +141,7 @@ def run(steps: int, layers: int, d_model: int, heads: int, vocab: int, seq_len: 
         "state_bytes": state_bytes,
         "window_cost_pct": {"state_copies": 100.0 * states, "stage": 100.0 * stage / plain,
                             "total": 100.0 * (states + stage / plain)},
+        "spill": spill,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
         "cpu": cpu_model(),
@@ -133,6 +168,12 @@ def main(argv=None) -> int:
     print(f"window_cost(gpt2-small, steps={window['steps']}, every={window['every']}) = {cost['total']:.2f}% of a "
           f"plain step (state copies {cost['state_copies']:.2f}%, stage {cost['stage']:.3f}%)")
     print(f"window_states = {window['states']} x {result['state_bytes'] / (1 << 20):.1f} MiB of host memory")
+    spill = result["spill"]
+    during = spill["step_during_write_ratio"]
+    print(f"spill (Window(directory=...)): the loop's copy and hand-off {spill['loop_s']:.3f} s, the background "
+          f"write {spill['write_s']:.2f} s ({spill['write_s'] / result['median_step_s']['plain']:.1f} plain steps); "
+          f"steps during the write = {during:.2f}x a plain step" if during is not None else
+          "steps during the write: none (the write finished first)")
     if args.json:
         print(f"wrote {write_results_json(args.json, result)}")
     return 0
