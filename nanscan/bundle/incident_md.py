@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
+from nanscan.bundle.divergence import DIVERGENCE_FINDING, divergence, lr_text, onsets_by_step, shown_steps
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.engine.headroom import FORMATS, headroom_by_kind
 from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, SPIKE,
@@ -14,6 +15,10 @@ from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASO
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
+# The divergence finding's tables: layers, tensors of each, steps (nanscan.bundle.divergence.shown_steps).
+DIVERGENCE_LAYERS = 8
+DIVERGENCE_TENSORS_PER_LAYER = 3
+DIVERGENCE_STEPS = 24
 
 
 def _fmt(value: Any, missing: str = "n/a") -> str:
@@ -372,6 +377,78 @@ def spike_finding(inc: Incident) -> dict:
     return {"kind": "finding", "key": DETECT_FINDING,
             "title": f"Spike at step {inc.step}: {top['quantity']} {top['ratio']:.3g}x its median",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
+
+
+def divergence_finding(inc: Incident) -> dict | None:
+    """The "divergence" finding: the tensors whose magnitudes grew first, by layer, and the loss, gradient norm,
+    learning rate and loss scale of the steps before the incident (NOTE: [divergence onset] in
+    nanscan.bundle.divergence). None where the history is too short to judge or no tensor grew: a fault of one
+    step is no divergence, and the finding does not invent one."""
+    summary = divergence(inc.history, inc.window.records if inc.window is not None else (), inc.step)
+    if summary is None or not summary["grew"]:
+        return None
+    record = {key: summary[key] for key in ("step", "judged", "baseline", "rule", "layers")}
+    record["grew"] = summary["grew"][:DIVERGENCE_LAYERS * DIVERGENCE_TENSORS_PER_LAYER]
+    return {"kind": "finding", "key": DIVERGENCE_FINDING, "title": divergence_title(summary),
+            "body": "\n".join(divergence_lines(summary)), "record": record, "at": inc.detected_at}
+
+
+def divergence_title(summary: Mapping) -> str:
+    first = summary["layers"][0]
+    together = [g["layer"] for g in summary["layers"] if g["onset"] == first["onset"]]
+    who = f"layer {first['layer']} grew first" if len(together) == 1 else f"{len(together)} layers grew at once"
+    return f"Divergence before step {summary['step']}: {who}, from step {first['onset']}"
+
+
+def divergence_rule_text(summary: Mapping) -> str:
+    """What was judged, against what, in one sentence (NOTE: [divergence onset])."""
+    rule, (first, last), base = summary["rule"], summary["judged"], summary["baseline"]
+    return (f"Parameters and gradients whose largest |x| rose {rule['binades']} binades ({2 ** rule['binades']}x) or "
+            f"more above their baseline (the median of their top binades at steps {base[0]}-{base[-1]}, or their "
+            f"kind's median where that is higher) and stayed there for {rule['held_steps']} steps or more through "
+            f"step {last} (finite steps {first}-{last} judged)")
+
+
+def divergence_rows(summary: Mapping) -> tuple[list[dict], int]:
+    """The grown tensors shown: DIVERGENCE_LAYERS layers in onset order, the first DIVERGENCE_TENSORS_PER_LAYER
+    of each; and how many are left out."""
+    shown = [t for g in summary["layers"][:DIVERGENCE_LAYERS]
+             for t in [t for t in summary["grew"] if t["layer"] == g["layer"]][:DIVERGENCE_TENSORS_PER_LAYER]]
+    return shown, len(summary["grew"]) - len(shown)
+
+
+def divergence_lines(summary: Mapping) -> list[str]:
+    """The divergence finding's Markdown: the rule, the grown tensors by layer, the steps."""
+    last = summary["judged"][1]
+    lines = [divergence_rule_text(summary) + "; the earliest first:", "",
+             f"| layer | tensor | grew from step | baseline binade | binade at step {last} | gained |",
+             "|---|---|---:|---:|---:|---:|"]
+    shown, more = divergence_rows(summary)
+    lines += [f"| {t['layer']} | `{t['tensor']}` | {t['onset']} | {t['baseline']} | {t['binade']} | "
+              f"+{t['binades']} |" for t in shown]
+    if more:
+        lines.append(f"| ... {more} more in `nanscan report --json` | | | | | |")
+    first = summary["layers"][0]
+    together = [g["layer"] for g in summary["layers"] if g["onset"] == first["onset"]]
+    if len(together) > 1:
+        lines += ["", f"{len(together)} layers began at step {first['onset']} together "
+                      f"({', '.join(together[:6])}{', ...' if len(together) > 6 else ''}): a cause they share (the "
+                      "learning rate, the optimizer, the data) is likelier than any one layer."]
+    rows, stride = shown_steps(summary, DIVERGENCE_STEPS)
+    scaled = any(r["loss_scale"] is not None for r in summary["steps"])
+    onsets = onsets_by_step(summary)
+    lines += ["", "| step | loss | gradient norm | learning rate |" + (" loss scale |" if scaled else "")
+              + " began to grow |", "|---:|---:|---:|---:|" + ("---:|" if scaled else "") + "---|"]
+    for r in rows:
+        grad_norm = "non-finite" if r["nonfinite_gradients"] else _fmt(r["grad_norm"])
+        began = ", ".join(onsets.get(r["step"], []))
+        note = " (overflow skip)" if r["overflow_skip"] else (" (non-finite)" if not r["finite"] else "")
+        lines.append(f"| {r['step']}{note} | {_fmt(r['loss'])} | {grad_norm} | {lr_text(r['lrs'])} |"
+                     + (f" {_fmt(r['loss_scale'])} |" if scaled else "") + f" {began} |")
+    if stride > 1:
+        lines += ["", f"One step in {stride} shown, with the first, the onsets and the last; `nanscan report --json` "
+                      "lists every step."]
+    return lines
 
 
 def valid_ledger_record(record: Any) -> bool:

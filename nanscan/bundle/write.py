@@ -30,8 +30,10 @@ from nanscan.bundle.format import (DETECT_FINDING, BATCH, HISTORY, HISTORY_INDEX
                                    RunWindow, bundle_path, json_float, plain_json)
 from nanscan.bundle.frozen import split_frozen
 from nanscan.bundle.history import history_payload
-from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding, unsaved_lines, ledger_bytes, mixed_precision_finding, render_incident,
-                                        spike_finding, step_entry)
+from nanscan.bundle.divergence import DIVERGENCE_FINDING
+from nanscan.bundle.incident_md import (MIXED_PRECISION_FINDING, detect_finding, divergence_finding, ledger_bytes,
+                                        mixed_precision_finding, render_incident, spike_finding, step_entry,
+                                        unsaved_lines)
 from nanscan.bundle.read import open_single
 from nanscan.bundle.tree import TreeEncoder, save_tensors
 from nanscan.incident import SPIKE, tensor_kind
@@ -157,7 +159,7 @@ def _replaceable(final: Path, incident: Incident) -> bool:
     (a note, a finding, a hand edit), so a new write of the same incident may replace it; else it is kept."""
     existing = _open_existing(final)
     if existing.manifest.get("write_errors"):
-        created = {DETECT_FINDING, MIXED_PRECISION_FINDING}
+        created = {DETECT_FINDING, DIVERGENCE_FINDING, MIXED_PRECISION_FINDING}
         if not (existing.notes() or existing.note_review().hand_written
                 or any(f.get("key") not in created for f in existing.findings())):
             return True
@@ -229,6 +231,9 @@ def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None 
     if errors:
         manifest["write_errors"] = errors
     ledger = [spike_finding(inc) if inc.category == SPIKE else detect_finding(inc, nonfinite)]
+    diverged = _divergence(inc)
+    if diverged is not None:
+        ledger.append(diverged)
     if inc.mixed_precision is not None:
         ledger.append(mixed_precision_finding(inc))
     files.write_bytes(LEDGER, ledger_bytes(ledger))
@@ -237,6 +242,18 @@ def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None 
     files.write_bytes(INCIDENT, render_incident(manifest, ledger).encode("utf-8"))
     manifest["files"] = _hash_files(root)
     files.write_bytes(MANIFEST, json_bytes(manifest))
+
+
+def _divergence(inc: Incident) -> dict | None:
+    """The divergence finding (NOTE: [divergence onset] in nanscan.bundle.divergence), or None: where no tensor grew,
+    and where the analysis failed, which is logged; an analysis is never a reason to lose the core of the bundle
+    (NOTE: [write faults])."""
+    try:
+        return divergence_finding(inc)
+    except Exception as exc:  # noqa: BLE001 - logged; the ledger keeps the detection
+        log.warning("nanscan: the divergence before step %s could not be worked out (%s: %s); the bundle is written "
+                    "without it", inc.step, type(exc).__name__, exc)
+        return None
 
 
 class _Parts:

@@ -149,7 +149,28 @@ def summarize(bundle, history: list | None = None) -> dict:
                    for s in manifest.get("spikes", [])],
         "spike": _spike_summary(manifest, step) if category == SPIKE else None,
         "size": _size_summary(manifest),
+        # the steps before the incident and the tensors that grew first, by layer (nanscan.bundle.divergence)
+        "divergence": _divergence_summary(bundle, history, step),
     }
+
+
+def _divergence_summary(bundle, history: list, step) -> dict | None:
+    """nanscan.bundle.divergence's summary of the history up to `step`, the learning rates of each param group
+    from the run's window where the bundle holds one (NOTE: [divergence onset])."""
+    from nanscan.bundle.divergence import divergence  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+
+    if step is None:
+        return None
+    return divergence(history, bundle.window_records() if bundle.window is not None else [], step)
+
+
+def _divergence_none_text(div: dict) -> str:
+    """The divergence section where no tensor grew: what was judged, and that nothing crossed the threshold."""
+    first, last = div["judged"]
+    binades = div["rule"]["binades"]
+    return (f"divergence: no parameter or gradient grew by {binades} binades ({2 ** binades}x) over steps "
+            f"{first}-{last} before step {div['step']}, each against its own start (its median at steps "
+            f"{div['baseline'][0]}-{div['baseline'][-1]})")
 
 
 def _size_summary(manifest: dict) -> dict:
@@ -421,6 +442,9 @@ def render_terminal(summary: dict, console=None) -> None:
         console.print(_literal("spikes of this run up to here: " + _spike_list(summary["spikes"]))[0],
                       highlight=False)
 
+    if summary.get("divergence"):
+        console.print(_divergence_tables(table, summary["divergence"]))
+
     if summary["exponent_jumps"]:
         jumps = table(f"jumps at step {step}: top binade (log2)", "tensor",
                       "before", "after", "jump")
@@ -445,6 +469,59 @@ def render_terminal(summary: dict, console=None) -> None:
             room.add_row(*_literal(r["name"], _SHORT_DTYPES.get(r["dtype"], r["dtype"]), str(r["step"]),
                                    _fmt(r["absmax"], ".3g"), *cells))
         console.print(room)
+
+
+TERMINAL_DIVERGENCE_STEPS = 12
+
+
+def _divergence_cells(div: dict, limit: int) -> tuple[list[str], list[list[str]], int]:
+    """(headers, rows, stride) of the divergence's steps table: loss, gradient norm, learning rate, the loss scale
+    where a GradScaler ran, the layers that began to grow there."""
+    from nanscan.bundle.divergence import lr_text, onsets_by_step, shown_steps  # noqa: PLC0415 - NOTE: [fast help]
+
+    rows, stride = shown_steps(div, limit)
+    scaled = any(r["loss_scale"] is not None for r in div["steps"])
+    onsets = onsets_by_step(div)
+    headers = ["step", "loss", "grad norm", "lr", *(["scale"] if scaled else []), "began to grow"]
+    cells = []
+    for r in rows:
+        note = "" if r["finite"] else (" skip" if r["overflow_skip"] else " NaN/inf")
+        cells.append([f"{r['step']}{note}", _fmt(r["loss"]), _grad_norm_cell(r), lr_text(r["lrs"]),
+                      *([_fmt(r["loss_scale"], ".3g")] if scaled else []), ", ".join(onsets.get(r["step"], []))])
+    return headers, cells, stride
+
+
+def _within_layer(name: str, layer: str) -> str:
+    """A tensor's name without its layer's path, beside the layer's own column: "param:transformer.h.0.mlp.c_fc.weight"
+    in "transformer.h.0" is "param:mlp.c_fc.weight" (80 columns hold it)."""
+    kind, sep, body = name.partition(":")
+    return f"{kind}:{body[len(layer) + 1:]}" if sep and body.startswith(layer + ".") else name
+
+
+def _divergence_tables(table, div: dict):
+    from rich.console import Group
+    from rich.text import Text
+
+    from nanscan.bundle.incident_md import divergence_rows, divergence_title  # noqa: PLC0415 - NOTE: [fast help]
+
+    if not div["grew"]:
+        return Text(_divergence_none_text(div))
+    grew = table(_literal(divergence_title(div))[0], "layer", "tensor in it", "from step", "binades", left=2)
+    shown, more = divergence_rows(div)
+    for i, t in enumerate(shown):
+        first_of_layer = i == 0 or shown[i - 1]["layer"] != t["layer"]
+        grew.add_row(*_literal(t["layer"] if first_of_layer else "", _within_layer(t["tensor"], t["layer"]),
+                               str(t["onset"]), f"+{t['binades']}"))
+    grew.caption = (f"largest |x| {div['rule']['binades']}+ binades over its start (steps {div['baseline'][0]}-"
+                    f"{div['baseline'][-1]}) through step {div['judged'][1]}"
+                    + (f"; {more} more tensors in --json" if more else ""))
+    headers, cells, stride = _divergence_cells(div, TERMINAL_DIVERGENCE_STEPS)
+    steps = table(f"steps before {div['step']}" + (f" (one in {stride}, the onsets and the last)" if stride > 1
+                                                    else ""), *headers)
+    steps.columns[-1].justify = "left"
+    for row in cells:
+        steps.add_row(*_literal(*row))
+    return Group(grew, steps)
 
 
 def _ranks_rows(ranks: dict) -> list[list[str]]:
@@ -632,6 +709,83 @@ def plot_curves(summary: dict, history):
     return fig
 
 
+def plot_divergence(div: dict):
+    """The steps before the incident on log axes: loss, gradient norm, each param group's learning rate and the
+    loss scale; a dotted line where layers began to grow (NOTE: [divergence onset]), labelled with them, a dashed
+    red one at the incident; a non-finite value is a red X at the top of its axis."""
+    from nanscan.bundle.divergence import onsets_by_step  # noqa: PLC0415 - NOTE: [fast help]
+
+    rows = div["steps"]
+    fig = _figure(10, 6.4)
+    ax_loss, ax_norm, ax_lr = fig.subplots(3, 1, sharex=True)
+    series = [(ax_loss, "loss", [(r["step"], r["loss"]) for r in rows], "tab:blue"),
+              (ax_norm, "grad norm", [(r["step"], "nan" if r["nonfinite_gradients"] else r["grad_norm"])
+                                      for r in rows], "tab:purple")]
+    groups = max((len(r["lrs"]) for r in rows), default=0)
+    differ = any(len(set(map(str, r["lrs"]))) > 1 for r in rows)
+    for g in range(groups if differ else min(groups, 1)):
+        series.append((ax_lr, f"lr, group {g}" if differ else "learning rate",
+                       [(r["step"], r["lrs"][g]) for r in rows if len(r["lrs"]) > g], None))
+    for ax, label, points, color in series:
+        values = [(s, None if v is None else float(v)) for s, v in points]
+        good = [(s, v) for s, v in values if v is not None and math.isfinite(v)]
+        if good:
+            ax.plot(*zip(*good), marker=".", lw=1.2, color=color, label=label)
+            if min(v for _s, v in good) > 0:
+                ax.set_yscale("log")
+        for s, v in values:
+            if v is not None and not math.isfinite(v):
+                ax.scatter([s], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red",
+                           zorder=3, clip_on=False)
+        ax.set_ylabel(label if ax is not ax_lr else "learning rate")
+    scales = [(r["step"], float(r["loss_scale"])) for r in rows if _is_finite(r["loss_scale"])]
+    if scales:
+        ax_scale = ax_lr.twinx()
+        ax_scale.step(*zip(*scales), where="post", color="tab:green", lw=1.2, label="loss scale")
+        ax_scale.set_yscale("log", base=2)
+        ax_scale.set_ylabel("loss scale", color="tab:green")
+    if differ:
+        ax_lr.legend(loc="upper left", fontsize=8, framealpha=0.8)
+    onsets = onsets_by_step(div)
+    for ax in (ax_loss, ax_norm, ax_lr):
+        ax.grid(alpha=0.3)
+        ax.axvline(div["step"], color="red", ls="--", lw=1)
+        for onset in onsets:
+            ax.axvline(onset, color="darkorange", ls=":", lw=1.5)
+    for onset, layers in onsets.items():
+        text = ", ".join(layers[:2]) + (f" +{len(layers) - 2}" if len(layers) > 2 else "")
+        ax_loss.annotate(f"{text} from {onset}", xy=(onset, 1.0), xycoords=("data", "axes fraction"),
+                         xytext=(3, 3), textcoords="offset points", ha="left", va="bottom", color="darkorange",
+                         fontsize=8, annotation_clip=False)
+    ax_norm.annotate(f"incident {div['step']}", xy=(div["step"], 0.5), xycoords=("data", "axes fraction"),
+                     xytext=(-6, 0), textcoords="offset points", ha="right", va="center", color="red", fontsize=9)
+    ax_lr.set_xlabel("step")
+    return fig
+
+
+def _divergence_html(div: dict) -> list[str]:
+    """The divergence section: the rule, the plot, the tensors that grew first by layer, every step."""
+    from nanscan.bundle.incident_md import (divergence_rows, divergence_rule_text,  # noqa: PLC0415 - [fast help]
+                                            divergence_title)
+
+    esc = html.escape
+    if not div["grew"]:
+        return [f"<h2>Divergence before step {div['step']}</h2>", f"<p>{esc(_divergence_none_text(div))}.</p>"]
+    shown, more = divergence_rows(div)
+    last = div["judged"][1]
+    parts = [f"<h2>{esc(divergence_title(div))}</h2>", f"<p>{esc(divergence_rule_text(div))}.</p>",
+             *_img(plot_divergence(div), "loss, gradient norm, learning rate and loss scale before the incident, "
+                                         "with the onsets of the layers that grew first"),
+             _table(["layer", "tensor", "grew from step", "baseline binade", f"binade at step {last}", "gained"],
+                    [[t["layer"], t["tensor"], t["onset"], t["baseline"], t["binade"], f"+{t['binades']}"]
+                     for t in shown], left=2)]
+    if more:
+        parts.append(f"<p class='muted'>{more} more tensors grew: see <code>nanscan report --json</code>.</p>")
+    headers, cells, _stride = _divergence_cells(div, len(div["steps"]))
+    parts.append(_table(headers, cells, left=0))
+    return parts
+
+
 def _map_cells(summary: dict, history) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
     """Rows (modules, or layers when there are many), kind columns, non-finite fraction and count per cell."""
     step = summary["first_invalid_step"]
@@ -775,6 +929,9 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
             parts.append(_table(["layer", "tensor", "from step", "ratio", "robust z"], moving, left=2))
     if summary.get("spikes"):
         parts.append(f"<p>Spikes of this run up to here: {esc(_spike_list(summary['spikes']))}</p>")
+
+    if summary.get("divergence"):
+        parts += _divergence_html(summary["divergence"])
 
     if summary["inputs_at_failure"]:
         parts.append(f"<h2>Batch at step {summary['first_invalid_step']}</h2>")
