@@ -1,7 +1,8 @@
 """The evidence bundle (nanscan.bundle.format describes its files): write_bundle at an incident, load_bundle to read
 one back safely, a bundle set for a distributed incident. Modules: format (names, records, JSON helpers), tree
 (nested tensors as safetensors), history (the history window on disk), incident_md (INCIDENT.md and its ledger),
-frozen (frozen weights by reference), write, read (validation, the Bundle), rank_set (the multi-rank set).
+divergence (which tensors grew first before an incident), frozen (frozen weights by reference), provenance (source,
+config, RNG), findings, write, read (validation, the Bundle), rank_set (the multi-rank set), cli.
 
 Every public name is loaded on first use (module __getattr__, PEP 562), as nanscan's own are: reading and writing
 bundles needs torch, which `nanscan note --help` and the other subcommands' help must not import (NOTE: [fast help]
