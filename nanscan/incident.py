@@ -36,6 +36,9 @@ OTHER_RANK = "other_rank"
 # of its recent range (nanscan.runtime.spikes NOTE: [spike statistic]). Never a failure category: a spike is not the
 # run's first invalid step, and nothing non-finite decides it.
 SPIKE = "spike"
+# The other rule behind a spike bundle (Spike.kind, nanscan.runtime.spikes NOTE: [growth rule]): the loss or the
+# gradient norm kept gaining binades to a new high; it needs no window, so it speaks from the first steps.
+GROWTH = "growth"
 # Kinds of tensor in the order of the categories; a category names its own kind.
 KINDS = (*CATEGORIES, OTHER)
 
@@ -86,9 +89,10 @@ CATEGORY_EXPLANATIONS = {
     "gradient": "The loss was finite but a gradient was not: something in the backward pass produced it.",
     UPDATE: "Every tensor checked before optimizer.step() was finite, but the update wrote non-finite weights or "
             "optimizer state.",
-    SPIKE: "Every value was finite, but the loss or the gradient norm jumped far outside its recent range: an early "
-           "warning, kept while the weights are still sound. The tensors whose norms moved first point at the cause "
-           "(one layer's gradients: that layer; every layer at once with the loss: the batch or the learning rate).",
+    SPIKE: "Every value was finite, but the loss or the gradient norm jumped far outside its recent range (or kept "
+           "growing, by binades, to a new high): an early warning, kept while the weights are still sound. The "
+           "tensors whose norms moved first point at the cause (one layer's gradients: that layer; every layer at "
+           "once with the loss: the batch or the learning rate).",
     OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
                 "index (index.json, one directory up) names the rank that went bad first.",
 }

@@ -36,11 +36,11 @@ def outcomes(tmp_path_factory):
 
 
 def test_every_diverging_run_is_warned_early_and_no_healthy_run_at_all(outcomes):
-    rows = [(o.name, "healthy" if o.healthy else "diverging", o.steps, o.first_warning, o.first_nonfinite)
-            for o in outcomes.values()]
+    rows = [(o.name, "healthy" if o.healthy else "diverging", o.steps, o.first_warning,
+             o.spikes[0].kind if o.spikes else None, o.first_nonfinite) for o in outcomes.values()]
     healthy_steps = sum(o.steps for o in outcomes.values() if o.healthy)
     false_alarms = sum(len(o.warnings) for o in outcomes.values() if o.healthy)
-    print("\n| run | kind | steps | first warning | first non-finite |\n|---|---|---:|---:|---:|")
+    print("\n| run | kind | steps | first warning | its rule | first non-finite |\n|---|---|---:|---:|---|---:|")
     for row in rows:
         print("| " + " | ".join("-" if v is None else str(v) for v in row) + " |")
     print(f"false alarms per 10,000 healthy steps: {1e4 * false_alarms / healthy_steps:.1f} "

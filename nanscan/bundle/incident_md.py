@@ -358,12 +358,23 @@ def spike_finding(inc: Incident) -> dict:
     """The detection finding of a spike bundle: what spiked, against what, and the tensors that moved first."""
     spike = inc.spikes[-1]
     rule = spike["rule"]
-    body = [CATEGORY_EXPLANATIONS[SPIKE], "",
-            f"Judged against the last {spike['window']} finite steps, in log space (median and MAD; warm-up "
-            f"{rule['warmup']} steps, robust z > {rule['threshold']:g} and at least {rule['min_ratio']:g}x the "
-            "median):", "", "| quantity | value | median | ratio | robust z |", "|---|---:|---:|---:|---:|"]
-    body += [f"| {s['quantity']} | {_fmt(s['value'])} | {_fmt(s['median'])} | {s['ratio']:.3g}x | {s['z']:.1f} |"
-             for s in spike["scores"]]
+    growth = spike.get("kind", SPIKE) != SPIKE  # the growth rule (nanscan.runtime.spikes NOTE: [growth rule])
+    if growth:
+        body = [CATEGORY_EXPLANATIONS[SPIKE], "",
+                f"Found by the growth rule, which needs no window (it speaks during the spike statistic's "
+                f"{rule['warmup']}-step warm-up too): over its last {spike['window']} finite steps the quantity rose "
+                f"at all but one, gained at least {rule['growth_binades']:g} binades and reached its highest value "
+                "of the run:", "",
+                "| quantity | value | from | ratio | binades gained |", "|---|---:|---:|---:|---:|"]
+        body += [f"| {s['quantity']} | {_fmt(s['value'])} | {_fmt(s['median'])} | {s['ratio']:.3g}x | "
+                 f"{s['z']:.2f} |" for s in spike["scores"]]
+    else:
+        body = [CATEGORY_EXPLANATIONS[SPIKE], "",
+                f"Judged against the last {spike['window']} finite steps, in log space (median and MAD; warm-up "
+                f"{rule['warmup']} steps, robust z > {rule['threshold']:g} and at least {rule['min_ratio']:g}x the "
+                "median):", "", "| quantity | value | median | ratio | robust z |", "|---|---:|---:|---:|---:|"]
+        body += [f"| {s['quantity']} | {_fmt(s['value'])} | {_fmt(s['median'])} | {s['ratio']:.3g}x | "
+                 f"{s['z']:.1f} |" for s in spike["scores"]]
     if spike["first_moving"]:
         body += ["", "Gradient norms that left their own range first, by layer:", "",
                  "| layer | tensor | from step | ratio | robust z |", "|---|---|---:|---:|---:|"]
@@ -372,10 +383,12 @@ def spike_finding(inc: Incident) -> dict:
     earlier = [s["step"] for s in inc.spikes[:-1]]
     if earlier:
         body += ["", f"Earlier spikes of this run: steps {', '.join(map(str, earlier[-10:]))}."]
-    record = {"step": inc.step, "category": SPIKE, "quantity": spike["quantity"], "tensors": list(inc.tensors)}
+    record = {"step": inc.step, "category": SPIKE, "rule": spike.get("kind", SPIKE), "quantity": spike["quantity"],
+              "tensors": list(inc.tensors)}
     top = spike["scores"][0]
-    return {"kind": "finding", "key": DETECT_FINDING,
-            "title": f"Spike at step {inc.step}: {top['quantity']} {top['ratio']:.3g}x its median",
+    title = (f"Growth at step {inc.step}: {top['quantity']} gained {top['z']:.1f} binades in {spike['window']} steps"
+             if growth else f"Spike at step {inc.step}: {top['quantity']} {top['ratio']:.3g}x its median")
+    return {"kind": "finding", "key": DETECT_FINDING, "title": title,
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
 
 

@@ -48,8 +48,9 @@ call scaler.step(optimizer) and scaler.update() (they skip and back off on their
 clip_grad_norm_ if the loop uses them.
 
 Spikes (nanscan.runtime.spikes NOTE: [spike statistic]): every finite step's loss and gradient norm are also judged
-against their recent range, from the same records. A spike warns (SpikeWarning) and the run's first one is bundled
-(category "spike"), while the weights are still sound; it is not an invalid step. spikes="skip" folds the spike into
+against their recent range, from the same records, and from the first steps by the growth rule (NOTE: [growth rule]:
+still rising, by binades, to a new high). A spike warns (SpikeWarning) and the run's first one is bundled (category
+"spike"), while the weights are still sound; it is not an invalid step. spikes="skip" folds the spike into
 `report.found_inf`, so the found_inf contract above skips a spiking step's update too, on the device.
 
 check() is its stages (nanscan.runtime.stages NOTE: [check stages]): prepare, scan, count, record, spike, then
@@ -205,16 +206,18 @@ class Monitor(StepVerdicts):
         that step.
         Later non-finite steps are counted in `invalid_steps`, not bundled again.
     spikes: what check() does at a finite step whose loss or gradient norm jumps far outside its recent range
-        (nanscan.runtime.spikes NOTE: [spike statistic]; after `spike_rule.warmup` finite steps): "warn" (the default: a
-        SpikeWarning at the first spike of each episode of spikes, and a bundle of category "spike" for the run's
-        first), "bundle" (also a bundle at every episode's first spike), "skip" (also skip the spiking step's
-        update: its gradients are set to None in mode="sync", and `report.found_inf` is 1.0 in either mode, so a
-        fused optimizer given it skips on the device), "raise" (raise the SpikeWarning), a callable
-        `spikes(spike, bundle_path)` called at every spiking step, or None (no spike detection). Detected spikes
-        are kept in `spikes`, and the report of the check that decided one has it as `report.spike` (in
-        mode="async": the check after the spiking step, like its non-finite verdict). With a process group, spikes
-        are not watched (the ranks would have to agree on them).
-    spike_rule: a nanscan.runtime.spikes.SpikeRule (window, warm-up, threshold, minimum ratio, scale floor).
+        (nanscan.runtime.spikes NOTE: [spike statistic]; after `spike_rule.warmup` finite steps) or keeps growing
+        (NOTE: [growth rule]: up at all but one of its last 8 finite steps, 8x or more, to a new high; Spike.kind
+        "growth", a SpikeWarning like a spike's): "warn" (the default: a SpikeWarning at the first spike of each
+        episode of spikes, and a bundle of category "spike" for the run's first), "bundle" (also a bundle at every
+        episode's first spike), "skip" (also skip the spiking step's update: its gradients are set to None in
+        mode="sync", and `report.found_inf` is 1.0 in either mode, so a fused optimizer given it skips on the
+        device), "raise" (raise the SpikeWarning), a callable `spikes(spike, bundle_path)` called at every spiking
+        step, or None (no spike detection). Detected spikes are kept in `spikes`, and the report of the check that
+        decided one has it as `report.spike` (in mode="async": the check after the spiking step, like its non-finite
+        verdict). With a process group, spikes are not watched (the ranks would have to agree on them).
+    spike_rule: a nanscan.runtime.spikes.SpikeRule (window, warm-up, threshold, minimum ratio, scale floor; the
+        growth rule's steps and binades, growth_steps=0 for none).
     replay_entry: "package.module:function" that rebuilds the training step from the config (nanscan.entry).
     snapshot: "none" stores the state at the failing check (the step's update has not run yet, so the weights
         and optimizer state are the step's starting point; buffers the forward pass updates, e.g. BatchNorm

@@ -15,7 +15,7 @@ far out for many steps).
 
 Defaults, measured on tests/spike_runs.py (4 healthy runs of 320 steps, 3 diverging ones): the largest healthy z
 was 4.5 (the loss at an SGDR restart: 6.9x its median) and 3.8 for the gradient norm; the diverging runs reached z
-of 15 to 685. threshold 8 leaves healthy runs a margin of 1.8x and still warns 165, 6 and 301 steps before their
+of 15 to 685. threshold 8 leaves healthy runs a margin of 1.8x and still warns 165, 6 and 222 steps before their
 first non-finite step. warmup 32: early training moves fast (the demo's loss falls 5x in 60 steps; no healthy run
 came near the threshold even from step 8). min_ratio 2 keeps a near-constant signal (MAD at the floor) from
 warning about a 40% move; min_scale 0.05 (5%) is that floor.
@@ -24,6 +24,35 @@ In mode="async" the window lives on the records' device and every step is judged
 folded into `found_inf` for spikes="skip" and copied with the numbers behind it to pinned memory, and the
 verdict is read at the next check, like the non-finite one. Which tensors moved first is worked out only at a
 spike, from the Monitor's history ring (first_moving).
+
+NOTE: [growth rule]
+The spike statistic is silent for its first `warmup` steps, and a run whose learning rate is too large for its
+warm-up can go non-finite before then (tests/nanogpt_runs.py DIVERGING: at step 28 or 29). The growth rule needs
+no window: a quantity grows when, over its last `growth_steps` finite steps, it rose at all but one of them, by at
+least `growth_binades` binades in all (last / first >= 2**growth_binades), to above every earlier value of the run.
+binade_growth is its one definition (of a quantity "still gaining binades"). The new high is why a healthy rebound
+is not growth: a loss climbing back after a warm restart or a new epoch returns to levels the run has seen, while a
+divergence heading for overflow passes every one of them. It is judged on the same log values and the same finite
+steps as the spike statistic (a step whose report is not ok is neither judged nor added), at every step, through
+the same policies and episodes; a step past both rules is reported as a spike (Spike.kind).
+
+Defaults, measured on tests/spike_runs.py's 4 healthy runs (320 steps), 19 healthy nanoGPT-like configurations of
+tests/nanogpt_runs.py (200 steps; float32 and bf16 autocast, dropout 0 and 0.1, peak learning rates 6e-4 to 1e-2
+after warm-ups of 2 to 100 steps, accumulation 1, 2 and 4, 4 seeds; checked per micro-batch and per step alike) and
+8 fp16 GradScaler runs built as tests/test_amp.py builds them (200 steps). Over 8 steps, rising at all but one,
+the most a healthy quantity gained was 1.84 binades (the loss climbing back after an SGDR restart), and 0.58 to a
+new high (a gradient norm in a scaler's first steps). Over 7 steps a restart's rebound gained 6.4 binades, and a
+gradient norm early in a warm-up 2.1 to a new high: so 8 steps, and growth_binades 3 (8x), which neither healthy
+maximum comes near (the new high alone leaves a margin of 2.4 binades, the gain alone 1.2). nanoGPT with a
+learning rate of 30 (bf16 and float32, 3 seeds, dropout 0.1, accumulation 1) grows from steps 7 to 16, 14 to 21
+steps before its first non-finite step (28 to 32); the spike suite's diverging runs are warned by the spike
+statistic first, as before.
+
+Per step the host keeps, per quantity, the last `growth_steps` values and the run's high, and works the rule out
+only at a new high that gained the binades, the rare case (under a microsecond a step). On the device the same
+state is a [growth_steps, 2] tensor and a [2] one, shifted and judged by a dozen small element-wise operations
+beside the spike statistic's, with no host sync, so that the growth flag joins the spike flag in `found_inf` (for
+spikes="skip") in the step it belongs to: on CPU tensors DeviceStats.observe went from 67 to 120 us a step.
 """
 
 from __future__ import annotations
@@ -39,7 +68,7 @@ import numpy as np
 import torch
 
 from nanscan.engine import _layout as L
-from nanscan.incident import LOSS, is_kind, layer_of
+from nanscan.incident import GROWTH, LOSS, SPIKE, is_kind, layer_of
 from nanscan.engine.pending import CompletedScan, StepScan
 from nanscan.engine.stats import Scaling, ScannedTensor, ScanReport, gradient_rows
 
@@ -54,6 +83,7 @@ EPISODE_GAP = 16
 ONSET_LOOKBACK = 8
 MOVED_FRACTION = 0.5
 FIRST_MOVING_SHOWN = 8
+LN2 = math.log(2.0)  # a binade in natural-log units
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,9 @@ class SpikeRule:
     threshold: float = 8.0
     min_ratio: float = 2.0
     min_scale: float = 0.05
+    # NOTE: [growth rule]; growth_steps=0 turns it off
+    growth_steps: int = 8
+    growth_binades: float = 3.0
 
     def __post_init__(self):
         if not (isinstance(self.window, int) and isinstance(self.warmup, int) and 1 <= self.warmup <= self.window):
@@ -73,17 +106,24 @@ class SpikeRule:
         if not (self.threshold > 0 and self.min_ratio >= 1 and self.min_scale > 0):
             raise ValueError(f"SpikeRule(threshold={self.threshold!r}, min_ratio={self.min_ratio!r}, "
                              f"min_scale={self.min_scale!r}): need threshold > 0, min_ratio >= 1, min_scale > 0")
+        if not (isinstance(self.growth_steps, int) and (self.growth_steps == 0 or self.growth_steps >= 3)
+                and self.growth_binades > 0):
+            raise ValueError(f"SpikeRule(growth_steps={self.growth_steps!r}, growth_binades={self.growth_binades!r}): "
+                             "need growth_steps 0 (no growth rule) or an integer >= 3, and growth_binades > 0")
 
 
 @dataclass(frozen=True)
 class Score:
-    """One quantity at a spike: its value, the window's median, how many times the median, and the robust z."""
+    """One quantity at a spike: its value, the window's median, how many times the median, and the robust z. Of
+    the growth rule (kind GROWTH): `median` is the value `growth_steps` finite steps back, where the growth began,
+    `ratio` how many times that, and `z` the binades gained (log2 of the ratio)."""
 
     quantity: str
     value: float
     median: float
     ratio: float
     z: float
+    kind: str = SPIKE  # the rule it passed: SPIKE (NOTE: [spike statistic]) or GROWTH (NOTE: [growth rule])
 
 
 @dataclass(frozen=True)
@@ -103,18 +143,30 @@ class Spike:
         return self.scores[0].quantity
 
     @property
+    def kind(self) -> str:
+        """Which rule fired: SPIKE (the spike statistic) or GROWTH (the growth rule); a step past both is a spike."""
+        return self.scores[0].kind
+
+    @property
     def tensors(self) -> list[str]:
         return [t["name"] for group in self.first_moving for t in group["tensors"]]
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "quantity": self.quantity, "scores": [asdict(s) for s in self.scores],
-                "window": self.window, "rule": asdict(self.rule), "first_moving": [dict(g) for g in self.first_moving]}
+        return {"step": self.step, "kind": self.kind, "quantity": self.quantity,
+                "scores": [asdict(s) for s in self.scores], "window": self.window, "rule": asdict(self.rule),
+                "first_moving": [dict(g) for g in self.first_moving]}
 
     def describe(self) -> str:
-        """One line: what spiked, by how much, against what, and what moved first."""
-        shown = "; ".join(f"{s.quantity} {s.value:.4g} is {s.ratio:.3g}x its median {s.median:.4g} (robust z "
-                          f"{s.z:.1f} > {self.rule.threshold:g}, log space)" for s in self.scores)
-        text = f"spike at step {self.step}: {shown}, over the last {self.window} finite steps"
+        """One line: what spiked (or grew), by how much, against what, and what moved first."""
+        if self.kind == GROWTH:
+            shown = "; ".join(f"{s.quantity} {s.value:.4g} gained {s.z:.2f} binades ({s.ratio:.3g}x from "
+                              f"{s.median:.4g})" for s in self.scores)
+            text = (f"growth at step {self.step}: {shown} over its last {self.window} finite steps, rising at all but "
+                    f"at most one, to its highest yet (growth rule: >= {self.rule.growth_binades:g} binades)")
+        else:
+            shown = "; ".join(f"{s.quantity} {s.value:.4g} is {s.ratio:.3g}x its median {s.median:.4g} (robust z "
+                              f"{s.z:.1f} > {self.rule.threshold:g}, log space)" for s in self.scores)
+            text = f"spike at step {self.step}: {shown}, over the last {self.window} finite steps"
         if self.first_moving:
             layers = ", ".join(f"{g['layer']} (step {g['onset']}: {', '.join(t['name'] for t in g['tensors'][:3])})"
                                for g in self.first_moving[:3])
@@ -210,26 +262,57 @@ def lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def binade_growth(logs: Sequence[float], steps: int = SpikeRule.growth_steps,
+                  min_binades: float = SpikeRule.growth_binades, earlier_high: float = -math.inf) -> float | None:
+    """The growth rule (NOTE: [growth rule]) on one quantity: the binades it gained over its last `steps` finite
+    values, when it rose at all but one of them, by `min_binades` or more in all, to above every earlier value;
+    None when it is not growing (or has fewer than `steps` finite values). `logs`: its natural logs, oldest first
+    (NaN: a step without it, skipped); `earlier_high`: the highest log before `logs` begins (the runtime keeps
+    only the last `steps` values and the run's high)."""
+    finite = [v for v in logs if not math.isnan(v)]
+    if steps < 2 or len(finite) < steps:
+        return None
+    tail = finite[-steps:]
+    gain = tail[-1] - tail[0]
+    if gain < min_binades * LN2 or tail[-1] <= max(earlier_high, *finite[:-1]):
+        return None
+    rises = sum(b > a for a, b in zip(tail, tail[1:]))
+    return gain / LN2 if rises >= steps - 2 else None
+
+
+def growth_score(quantity: str, log_value: float, log_start: float) -> Score:
+    """The Score of a quantity the growth rule fired on, from its log now and `growth_steps` finite steps back."""
+    return Score(quantity, math.exp(log_value), math.exp(log_start), math.exp(log_value - log_start),
+                 (log_value - log_start) / LN2, GROWTH)
+
+
 class HostStats:
-    """The statistic (NOTE: [spike statistic]) over host floats: the sync path, a few microseconds per step.
+    """The statistic (NOTE: [spike statistic]) and the growth rule (NOTE: [growth rule]) over host floats: the sync
+    path, a few microseconds per step.
 
     Each window is kept twice, in arrival order (to drop the oldest) and sorted (bisect), so the median is read,
     not sorted for, every step; the MAD, which needs a pass over the window, is worked out only for a value at
-    least min_ratio x the median, the one kind that can spike. The scores are those of the plain definition."""
+    least min_ratio x the median, the one kind that can spike. Likewise binade_growth is called only for a new
+    high that gained the binades. The scores are those of the plain definitions."""
 
     def __init__(self, rule: SpikeRule):
         self.rule = rule
         self.windows = [deque(maxlen=rule.window) for _ in QUANTITIES]
         self._sorted: list[list[float]] = [[] for _ in QUANTITIES]
         self._min_log_ratio = math.log(rule.min_ratio)
+        self.tails = [deque(maxlen=rule.growth_steps) for _ in QUANTITIES]  # the growth rule's last finite logs
+        self.highs = [-math.inf for _ in QUANTITIES]  # the run's highest log so far
+        self._min_log_gain = rule.growth_binades * LN2
         self.span = 0
 
     def observe(self, logs: Sequence[float]) -> list[Score]:
-        """Judge one finite step's log values against the window, then add them; the scores past the rule.
-        `span` is then the most steps a window held before this one."""
-        found = []
+        """Judge one finite step's log values against the window and the growth rule, then add them; the scores
+        past the spike statistic, else those past the growth rule. `span` is then the most steps a window held
+        before this one."""
+        found, grown = [], []
         span = 0
-        for quantity, window, ordered, v in zip(QUANTITIES, self.windows, self._sorted, logs):
+        steps = self.rule.growth_steps
+        for q, (quantity, window, ordered, v) in enumerate(zip(QUANTITIES, self.windows, self._sorted, logs)):
             held = len(window)
             if held > span:
                 span = held
@@ -245,8 +328,18 @@ class HostStats:
                 del ordered[bisect.bisect_left(ordered, window[0])]
             window.append(v)
             bisect.insort(ordered, v)
+            if steps:
+                tail, high = self.tails[q], self.highs[q]
+                tail.append(v)
+                if v > high:
+                    self.highs[q] = v
+                    if len(tail) == steps and v - tail[0] >= self._min_log_gain and \
+                            binade_growth(tail, steps, self.rule.growth_binades, high) is not None:
+                        grown.append(growth_score(quantity, v, tail[0]))
         self.span = span
-        return sorted(found, key=lambda s: -s.z) if found else found
+        if found:
+            return sorted(found, key=lambda s: -s.z)
+        return sorted(grown, key=lambda s: -s.z) if grown else grown
 
 
 def _score(quantity: str, v: float, window: list[float], m: float, rule: SpikeRule) -> Score | None:
@@ -259,33 +352,56 @@ def _score(quantity: str, v: float, window: list[float], m: float, rule: SpikeRu
 
 
 class DeviceStats:
-    """The same statistic on the records' device, with no host sync: the window is a float64 [window, 2] tensor
-    whose non-finite steps hold NaN (ignored by nanmedian), written in turn. `observe` returns the step's verdict
-    as a float64 [4, 2] tensor (per quantity: spiked 0/1, log value, median, z) still on the device."""
+    """The same statistic and growth rule on the records' device, with no host sync: the window is a float64
+    [window, 2] tensor whose non-finite steps hold NaN (ignored by nanmedian), written in turn; the growth rule's
+    last finite logs a [growth_steps, 2] one, oldest first, shifted only where the step is kept (NaN until filled),
+    and the run's high a [2] one. `observe` returns the step's verdict as a float64 [6, 2] tensor (per quantity:
+    spiked 0/1, log value, median, z, grown 0/1, log `growth_steps` finite steps back) still on the device."""
 
     def __init__(self, rule: SpikeRule, device: torch.device):
         self.rule = rule
         self.window = torch.full((rule.window, len(QUANTITIES)), math.nan, dtype=torch.float64, device=device)
+        self.tail = torch.full((max(rule.growth_steps, 1), len(QUANTITIES)), math.nan, dtype=torch.float64,
+                               device=device)
+        self.high = torch.full((len(QUANTITIES),), -math.inf, dtype=torch.float64, device=device)
         self.count = 0
 
     def observe(self, logs: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
         rule, window = self.rule, self.window
+        kept = ~bad & (logs == logs)  # a finite step that has the quantity (NaN != NaN): the rules' steps
         m = window.nanmedian(dim=0).values
         mad = (window - m).abs().nanmedian(dim=0).values
         scale = torch.clamp(MAD_TO_SIGMA * mad, min=rule.min_scale)
         z = (logs - m) / scale
         enough = (~torch.isnan(window)).sum(dim=0) >= rule.warmup
-        spiked = enough & (z > rule.threshold) & (logs - m > math.log(rule.min_ratio)) & ~bad
-        window[self.count % rule.window] = torch.where(bad, torch.full_like(logs, math.nan), logs)
+        spiked = enough & (z > rule.threshold) & (logs - m > math.log(rule.min_ratio)) & kept
+        window[self.count % rule.window] = torch.where(kept, logs, math.nan)
         self.count += 1
-        return torch.stack([spiked.to(torch.float64), logs, m, z])
+        if not rule.growth_steps:
+            return torch.stack([spiked.to(torch.float64), logs, m, z, torch.zeros_like(logs), logs])
+        grown, start = self._grow(logs, kept)
+        return torch.stack([spiked.to(torch.float64), logs, m, z, grown.to(torch.float64), start])
+
+    def _grow(self, logs: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NOTE: [growth rule] on the device, in binade_growth's terms: a kept step joins the tail; it grew when it
+        is above the earlier high, the tail is full, rose at all but one step and gained the binades. Comparisons
+        with NaN are false, so an unfilled tail never grows; the high is the largest value the tail ever ended on."""
+        tail = self.tail = torch.where(kept, torch.cat([self.tail[1:], logs.unsqueeze(0)]), self.tail)
+        rises = (torch.diff(tail, dim=0) > 0).sum(dim=0)
+        grown = kept & (logs > self.high) & (rises >= self.rule.growth_steps - 2) & \
+            (logs - tail[0] >= self.rule.growth_binades * LN2)
+        self.high = torch.fmax(self.high, tail[-1])
+        return grown, tail[0]
 
 
 def scores_from_verdict(verdict: np.ndarray, rule: SpikeRule) -> list[Score]:
-    """The Scores of a DeviceStats verdict copied to the host."""
+    """The Scores of a DeviceStats verdict copied to the host: the spike statistic's, else the growth rule's."""
     found = [Score(q, math.exp(verdict[1, i]), math.exp(verdict[2, i]), math.exp(verdict[1, i] - verdict[2, i]),
                    float(verdict[3, i]))
              for i, q in enumerate(QUANTITIES) if verdict[0, i] > 0]
+    if not found:
+        found = [growth_score(q, float(verdict[1, i]), float(verdict[5, i]))
+                 for i, q in enumerate(QUANTITIES) if verdict[4, i] > 0]
     return sorted(found, key=lambda s: -s.z)
 
 
@@ -379,7 +495,8 @@ class SpikeWatch:
         scores = self.host.observe(logs)
         if not scores:  # the every-step case: nothing else to work out (NOTE: [cold check path])
             return None
-        return Spike(step, tuple(scores), self.host.span, self.rule)
+        window = self.rule.growth_steps if scores[0].kind == GROWTH else self.host.span
+        return Spike(step, tuple(scores), window, self.rule)
 
     def observe_device(self, step: int, scan: StepScan, tensors: tuple[ScannedTensor, ...],
                        scaling: Scaling | None = None) -> torch.Tensor:
@@ -397,7 +514,8 @@ class SpikeWatch:
             self._pinned.copy_(verdict, non_blocking=True)
             self._pending.event = torch.cuda.Event()
             self._pending.event.record(torch.cuda.current_stream(verdict.device))
-        return (verdict[0].amax() > 0).to(torch.float32).to(flag.device, non_blocking=True)
+        # rows 0 and 4: spiked and grown (a strided view; a list index would copy its indices to the device)
+        return (verdict[::4].amax() > 0).to(torch.float32).to(flag.device, non_blocking=True)
 
     def _step_logs(self, scan: StepScan, tensors: tuple[ScannedTensor, ...], scaling: Scaling | None) -> torch.Tensor:
         rows = self.rows(tensors)
@@ -429,7 +547,10 @@ class SpikeWatch:
         return pending.step, scores_from_verdict(verdict, self.rule)
 
     def spike_of(self, step: int, scores: list[Score]) -> Spike:
-        window = int(min(self.device.count - 1, self.rule.window)) if self.device is not None else 0
+        if scores and scores[0].kind == GROWTH:
+            window = self.rule.growth_steps
+        else:
+            window = int(min(self.device.count - 1, self.rule.window)) if self.device is not None else 0
         return Spike(step, tuple(scores), window, self.rule)
 
     def attributed(self, spike: Spike, entries: Sequence[tuple[Any, ScanReport]]) -> Spike:
