@@ -185,7 +185,8 @@ def test_a_factor_that_only_postpones_the_divergence_delays_it(diverged):
 
     assert gaining([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]) == pytest.approx(7.0)
     assert gaining([1.0, 2.0, 1.5, 3.0, 2.5, 4.0, 3.0, 5.0]) is None  # noisy, not step after step
-    assert gaining([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]) is None  # rising, but less than 2 binades
+    assert gaining([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]) is None  # rising, but less than 3 binades
+    assert gaining([64.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 60.0, 63.0]) is None  # back where it was: no new high
     assert gaining([1.0, 2.0, 4.0]) is None  # too few steps to say
     assert DELAYS == "delays, does not fix"
 

@@ -7,8 +7,8 @@ window's rerun (nanscan.replay.window NOTE: [window replay]), from the oldest ke
 for `beyond` steps on the replay entry's held-out batches (ReplaySpec.batches), at the failing step's learning
 rates as the factor sets them (a longer warm-up climbs back: see below). The verdicts:
   - confirmed fix: the window and those steps stay finite, and the gradient norm no longer gains binades step after
-    step (it is "gaining" when, over its last GROWTH_STEPS finite steps, it rose at all but one and by at least
-    GROWTH_MIN binades in all), nor does the weights' norm over the steps past the failing one (a decoupled weight
+    step (it is "gaining" by the Monitor's own growth rule, nanscan.runtime.spikes NOTE: [growth rule]: over its
+    last 8 finite steps it rose at all but one, by 3 binades or more in all, to a new high), nor does the weights' norm over the steps past the failing one (a decoupled weight
     decay times a rate above 2 makes the weights grow every step while LayerNorm keeps the gradients in range);
   - delays, does not fix: finite past the recorded step, but non-finite later, or still gaining binades;
   - stays finite over the window, not confirmed: the entry gives no held-out batches to go on with;
@@ -48,13 +48,12 @@ from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
 from nanscan.replay.traps import optimizer_traps
 from nanscan.replay.step import loop_options, model_device, prepare_batch, run_step
 from nanscan.replay.window import WindowEvidence, WindowReplay, rerun_window, set_learning_rates
+from nanscan.runtime.spikes import SpikeRule, binade_growth
 
 DEFAULT_BEYOND = 16
 LR_LADDER = (0.5, 0.1, 0.01, 0.001)
 WARMUP_STRETCH = 2
 WARMUP_MAX_BEYOND = 128
-GROWTH_STEPS = 8
-GROWTH_MIN = 2.0  # binades
 FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
 
 CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED, NOT_APPLIED = (
@@ -71,7 +70,7 @@ class WindowRow:
     window: WindowReplay | None
     beyond_run: int = 0  # held-out steps run past the failing step
     beyond_nonfinite: int | None = None  # the held-out step (1-based) that went non-finite
-    gaining: float | None = None  # binades the gradient norm gained over its last GROWTH_STEPS steps, if gaining
+    gaining: float | None = None  # binades the gradient norm gained over its last steps, if gaining (gaining())
     detail: str = ""
 
     def to_dict(self) -> dict:
@@ -110,15 +109,10 @@ PRECISION_FACTORS = {"float32": _FACTORS["fp32"], "bfloat16": _FACTORS["bf16-aut
                      "float16": _FACTORS["fp16-autocast"]}
 
 
-def gaining(grad_norms: list[float | None]) -> float | None:
-    """The binades the gradient norm gained over its last GROWTH_STEPS steps, when it rose at all but one of them
-    by GROWTH_MIN binades or more in all; None when it is not gaining (or too few steps were finite)."""
-    tail = [math.log2(g) for g in grad_norms[-GROWTH_STEPS:] if g is not None and 0 < g < math.inf]
-    if len(tail) < GROWTH_STEPS:
-        return None
-    rises = sum(b > a for a, b in zip(tail, tail[1:]))
-    gain = tail[-1] - tail[0]
-    return gain if rises >= len(tail) - 2 and gain >= GROWTH_MIN else None
+def gaining(norms: list[float | None]) -> float | None:
+    """The binades a norm gained over its last finite steps when it is still growing by the Monitor's rule
+    (binade_growth, NOTE: [growth rule]); None when it is not (or too few steps were finite)."""
+    return binade_growth([math.log(g) if g is not None and 0 < g < math.inf else math.nan for g in norms])
 
 
 def _warmup_factor() -> Factor:
@@ -170,7 +164,7 @@ def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_ou
         if growth is not None:
             return WindowRow(factor, DELAYS, window, beyond_run=len(scales), gaining=growth,
                              detail=f"finite, but the {what} still gains binades: {growth:.1f} over its last "
-                                    f"{GROWTH_STEPS} steps")
+                                    f"{SpikeRule.growth_steps} steps")
     if climb is not None and climb[-1] < 1.0:
         return WindowRow(factor, UNCONFIRMED, window, beyond_run=len(scales),
                          detail=f"finite over steps {window.start}-{window.step} and {len(scales)} held-out steps, "
