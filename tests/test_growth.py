@@ -172,6 +172,13 @@ def test_a_growth_bundle_is_a_spike_bundle_whose_finding_says_growth(tmp_path):
     assert bundle.spike["kind"] == GROWTH
     text = bundle.incident_text()
     assert f"Growth at step {GROWTH_FROM}" in text and "binades gained" in text and "growth rule" in text
+    # the report labels it as a growth, its start and the binades gained, not as a robust z over a median
+    from click.testing import CliRunner
+    from nanscan.cli.main import main
+
+    out = CliRunner().invoke(main, ["report", str(monitor.spike_bundle_path)], terminal_width=200).output
+    assert "growth: still rising over its last finite steps" in out and " binades" in out
+    assert "(growth)" in out and "spike against the last" not in out
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

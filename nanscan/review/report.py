@@ -23,7 +23,7 @@ import numpy as np
 
 from nanscan.engine import _layout as L
 from nanscan.engine.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import (KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
+from nanscan.incident import (GROWTH, KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
                               module_layer, tensor_kind)
 
 SUMMARY_SCHEMA = "nanscan.review.report/1"
@@ -647,20 +647,28 @@ def _spike_list(spikes: list[dict]) -> str:
 
 
 def _spike_rows(spike: dict) -> tuple[list[list[str]], list[list[str]]]:
-    """(score rows, first-moving rows) of a spike summary, as text cells."""
-    scores = [[s["quantity"], _fmt(s["value"]), _fmt(s["median"]), f"{s['ratio']:.3g}x", f"{s['z']:.1f}"]
+    """(score rows, first-moving rows) of a spike summary, as text cells. A growth's score (NOTE: [growth rule])
+    holds the value where the growth began as its median and the binades gained as its z."""
+    scores = [[s["quantity"] + (" (growth)" if s.get("kind") == GROWTH else ""), _fmt(s["value"]), _fmt(s["median"]),
+               f"{s['ratio']:.3g}x", f"+{s['z']:.1f} binades" if s.get("kind") == GROWTH else f"{s['z']:.1f}"]
               for s in spike["scores"]]
     moving = [[t["layer"], t["name"], str(t["onset"]), f"{t['ratio']:.3g}x", f"{t['z']:.1f}"]
               for t in spike["first_moving"]]
     return scores, moving
 
 
+def _spike_title(spike: dict) -> str:
+    growth = any(s.get("kind") == GROWTH for s in spike["scores"])
+    if growth:
+        return "growth: still rising over its last finite steps, by binades, to a new high (start: where it began)"
+    return f"spike against the last {spike['window']} finite steps (log space, median and MAD)"
+
+
 def _spike_tables(table, spike: dict):
     from rich.console import Group
 
     scores, moving = _spike_rows(spike)
-    first = table(f"spike against the last {spike['window']} finite steps (log space, median and MAD)",
-                  "quantity", "value", "median", "ratio", "robust z")
+    first = table(_spike_title(spike), "quantity", "value", "median or start", "ratio", "robust z or gain")
     for row in scores:
         first.add_row(*_literal(*row))
     second = table("gradient norms that moved first, by layer", "layer", "tensor", "from step", "ratio",
@@ -922,8 +930,8 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
 
     if summary.get("spike"):
         scores, moving = _spike_rows(summary["spike"])
-        parts.append(f"<h2>Spike against the last {summary['spike']['window']} finite steps</h2>")
-        parts.append(_table(["quantity", "value", "median", "ratio", "robust z"], scores))
+        parts.append(f"<h2>{esc(_spike_title(summary['spike']).capitalize())}</h2>")
+        parts.append(_table(["quantity", "value", "median or start", "ratio", "robust z or gain"], scores))
         if moving:
             parts.append("<p>Gradient norms that moved first, by layer:</p>")
             parts.append(_table(["layer", "tensor", "from step", "ratio", "robust z"], moving, left=2))
