@@ -8,8 +8,9 @@ for `beyond` steps on the replay entry's held-out batches (ReplaySpec.batches), 
 rates as the factor sets them (a longer warm-up climbs back: see below). The verdicts:
   - confirmed fix: the window and those steps stay finite, and the gradient norm no longer gains binades step after
     step (it is "gaining" by the Monitor's own growth rule, nanscan.runtime.spikes NOTE: [growth rule]: over its
-    last 8 finite steps it rose at all but one, by 3 binades or more in all, to a new high), nor does the weights' norm over the steps past the failing one (a decoupled weight
-    decay times a rate above 2 makes the weights grow every step while LayerNorm keeps the gradients in range);
+    last 8 finite steps it rose at all but one, by 3 binades or more in all, to a new high), nor does the weights'
+    norm over the steps past the failing one (a decoupled weight decay times a rate above 2 makes the weights grow
+    every step while LayerNorm keeps the gradients in range);
   - delays, does not fix: finite past the recorded step, but non-finite later, or still gaining binades;
   - stays finite over the window, not confirmed: the entry gives no held-out batches to go on with;
   - no effect: non-finite at the recorded step again; fails earlier: non-finite before it.
