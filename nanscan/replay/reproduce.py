@@ -196,8 +196,9 @@ def replay_markdown(result: ReplayResult) -> str:
                                      for r in result.runs)]
     first = result.failing_run
     if first is not None:
+        exponent = first.grad_max_exponent
         lines.append(f"- loss {fmt_value(first.loss)}, {len(first.nonfinite)} non-finite tensor(s)"
-                     f"{', largest gradient exponent 2^' + str(first.grad_max_exponent) if first.grad_max_exponent is not None else ''}")
+                     + (f", largest gradient exponent 2^{exponent}" if exponent is not None else ""))
     if result.localization is not None:
         loc = result.localization
         lines += ["", f"**First bad module:** `{loc.label}` ({loc.module_type}), {loc.phase}"
