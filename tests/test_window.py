@@ -388,3 +388,38 @@ def test_a_directory_that_cannot_be_used_is_named(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="Window\\(directory=.*file'\\): cannot keep the window's states there"):
         Monitor(make_model(), None, bundle_dir=tmp_path, window=Window(directory=blocker))
+
+
+def test_an_fp16_gradscaler_runs_overflow_skips_are_in_the_window_with_their_scale(tmp_path):
+    """float16 autocast under a GradScaler whose first scale is far too large: its first steps overflow and are
+    skipped (expected, no incident), the scale halving each time; then a NaN record. The window holds every step,
+    the skipped ones with the scale they carried, and the history says which were skips."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="fp16", scaler=scaler, spikes=None,
+                  window=Window(steps=16, every=4))
+    with pytest.raises(NonFiniteError) as caught:
+        for step in range(40):
+            batch = make_batch(step)
+            if step == 14:
+                batch["x"][1, 2] = float("nan")
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(batch["x"])
+            loss = nn.functional.mse_loss(out.float(), batch["y"])
+            scaler.scale(loss).backward()
+            mon.check(batch=batch, loss=loss)
+            scaler.step(optimizer)
+            scaler.update()
+    assert caught.value.step == 14
+    bundle = load_bundle(caught.value.bundle_path)
+    records = {r.step: r for r in bundle.window_records()}
+    skips = [entry.step for entry in bundle.history() if entry.report.overflow_skip]
+    assert skips and set(skips) <= set(records)  # the expected skips are in the window
+    scales = [records[s].loss_scale for s in sorted(records)]
+    assert all(scale is not None for scale in scales) and scales[0] > scales[-1]
+    for step in skips:  # each skip halved the scale the next step carries
+        if step + 1 in records:
+            assert records[step + 1].loss_scale == records[step].loss_scale / 2
+    assert all(r.autocast == {"device_type": "cpu", "dtype": "float16"} for r in records.values())
