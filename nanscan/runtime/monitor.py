@@ -86,6 +86,7 @@ from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
 from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_scaling
 from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
+from nanscan.runtime.observed import ObservedMicroBatches
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.runtime.spikes import Spike, SpikeRule, SpikeWatch
@@ -354,6 +355,7 @@ class Monitor(StepVerdicts):
         self._pending: PendingStep | None = None  # mode="async": the last checked step, verdict not yet read
         self._next_step = 0
         self._micro_batch = 0  # the next micro-batch check's index within its step (NOTE: [micro-batch checks])
+        self._observed = ObservedMicroBatches()  # NOTE: [observed micro-batches]
         self._deciding_micro: int | None = None  # the micro-batch whose check is being decided
         self.first_invalid_step: int | None = None
         self.bundle_path: Path | None = None
@@ -572,6 +574,25 @@ class Monitor(StepVerdicts):
         path = self._MICRO if micro else self._ASYNC if self.mode == "async" else self._SYNC
         return path.run(self, step_check)  # NOTE: [check stages]
 
+    def observe(self, batch: Any = None, loss: Any = None, sample_ids: Any = None, *,
+                step: int | None = None) -> None:
+        """Hand the Monitor a micro-batch without a scan: after the backward of each micro-batch but the last of an
+        optimizer step (gradient accumulation), its loss as the loop backpropagates it (divided by the
+        accumulation count) and its batch (NOTE: [observed micro-batches] in nanscan/runtime/observed.py).
+
+        A few microseconds: the loss is kept (no host sync), the batch by reference, the window records the
+        micro-batch. The step's check then scans the sum of the observed losses and its own (the step's mean loss,
+        the one recorded); a non-finite loss in any micro-batch is that step's incident, at that micro-batch, with
+        its batch in the bundle. `step`: the step number, when the loop gives check() its own."""
+        step = self._next_step if step is None else _step_number(step)
+        started, self._started, self._armed = self._started, False, True  # the next micro-batch's start is its own
+        micro, self._micro_batch = self._micro_batch, self._micro_batch + 1
+        self._observed.add(micro, loss, batch, sample_ids)
+        if self._window is not None:  # NOTE: [run window]: the window's rerun replays every micro-batch
+            self._window.keep(model=self.model, optimizer=self.optimizer, step=step, micro=micro, started=started,
+                              batch=batch, sample_ids=sample_ids, scaling=None, autocast=self._autocast,
+                              rng=self._rng)
+
     # -- check()'s stages (nanscan.runtime.stages NOTE: [check stages]) -----------------------------------------
     def _prepare(self, batch: Any, loss: Any, sample_ids: Any, lr: Any, step: int | None,
                  micro_batch: bool) -> StepCheck:
@@ -601,6 +622,8 @@ class Monitor(StepVerdicts):
                       "(nanscan.integrations)", SnapshotWarning)
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
+        if micro is None:  # the step's own check: the losses of its observed micro-batches join its own
+            loss = self._observed.fold(step, loss)  # NOTE: [observed micro-batches]
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
         scaling = read_scaling(self.scaler, self.optimizer)  # NOTE: [overflow skips]; before the scan is enqueued
         if self.mode == "auto":

@@ -131,6 +131,19 @@ class StepVerdicts:
         if self._scaler is not None and self._scaler.is_skip(report):
             return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
         category, tensors = categorize(report)
+        deciding = self._deciding_micro
+        bad = self._observed.first_bad(step) if category == "loss" else None
+        if bad is not None:  # NOTE: [observed micro-batches]: the micro-batch whose loss went non-finite first
+            batch, sample_ids, self._deciding_micro = bad.batch, bad.sample_ids, bad.micro
+        try:
+            return self._invalid_as(report, step, category, tensors, batch, sample_ids, started, start=start,
+                                    read_at=read_at)
+        finally:
+            self._deciding_micro = deciding
+
+    def _invalid_as(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
+                    sample_ids: Any, started: bool, *, start: StepStart | None, read_at: str | None) -> ScanReport:
+        """_invalid's incident once its category is known: its bundle, then on_invalid."""
         reason = NONFINITE
         huge = overflowing_inputs(report.stats, (self._autocast or {}).get("dtype")) \
             if category in ("loss", "gradient") else []
