@@ -1,8 +1,21 @@
 """Localization: which module of a replayed step first turned finite inputs into non-finite outputs, found with
-hooks on every module for the duration of one step, and the value summaries it compares."""
+hooks on every module for the duration of one step, and the value summaries it compares; and where values first
+grew overflow-sized, which may be an earlier module (NOTE: [overflow onset]).
+
+NOTE: [overflow onset]
+The first module with a non-finite output is often not where the trouble began: an activation multiplied by 1e38
+in one block stays finite until a later LayerNorm squares it. So the forward hooks also keep the first module whose
+output was overflow-sized while what it computed from (its inputs and its own parameters) was not: |x| past the
+step's range (engine.headroom NOTE: [overflow]: 2**64, whose squares overflow float32 and bfloat16; 65504 for a
+float16 output), or a jump of JUMP_BINADES binades or more above its inputs' largest |x| times its parameters'
+(at least 1): a sum of products of its inputs and weights gains at most log2 of its fan-in in binades, so 16 binades
+(a factor 65,536) is more than any layer's fan-in explains. It is named beside the first non-finite module: "h.1.mlp
+made 3.5e37 from inputs within 8; transformer.ln_f then produced NaN".
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +23,7 @@ from typing import Any
 import torch
 
 from nanscan.bundle import json_float
+from nanscan.engine.headroom import FLOAT16_MAX, OVERFLOW_MIN, range_limit_text
 from nanscan.engine.inputs import iter_batch_tensors
 from nanscan.scan import scan
 from nanscan.engine.stats import ScanReport
@@ -80,6 +94,28 @@ def creates_nonfinite(received: ValueSummary, produced: ValueSummary) -> bool:
     return (produced.nan > 0 and received.nan == 0) or (produced.inf > 0 and received.nonfinite == 0)
 
 
+JUMP_BINADES = 16
+
+
+def overflow_made(received: ValueSummary, parameters: ValueSummary, produced: ValueSummary) -> str | None:
+    """Why `produced` is overflow-sized where what it was computed from was not (NOTE: [overflow onset]), or None."""
+    out = produced.absmax
+    if out is None:
+        return None
+    source = max(received.absmax or 0.0, parameters.absmax or 0.0)
+    half = "float16" in produced.dtypes
+    limit = FLOAT16_MAX if half else OVERFLOW_MIN
+    if out > limit and source <= limit:
+        past = range_limit_text("float16" if half else None)
+        return f"made {fmt_value(out)} from inputs within {fmt_value(source)} ({past})"
+    bound = (received.absmax or 0.0) * max(1.0, parameters.absmax or 0.0)
+    if bound > 0 and math.log2(out / bound) >= JUMP_BINADES:
+        return (f"made {fmt_value(out)} from inputs within {fmt_value(received.absmax)} and parameters within "
+                f"{fmt_value(parameters.absmax)}: {math.log2(out / bound):.0f} binades above their product, more "
+                "than any fan-in explains")
+    return None
+
+
 def fmt_value(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
 
@@ -102,6 +138,7 @@ class Localization:
     produced: ValueSummary
     detail: str = ""
     parameters: ValueSummary | None = None  # the module's own parameters (forward phase)
+    overflow_began: "Localization | None" = None  # an earlier module whose output grew overflow-sized first
 
     @property
     def label(self) -> str:
@@ -114,12 +151,17 @@ class Localization:
         if self.parameters is not None and self.parameters.tensors:
             parts.append(f"its parameters: {self.parameters.describe()}")
         parts.append(f"produced {self.produced.describe()}")
-        return f"{where}{extra}: {'; '.join(parts)}"
+        text = f"{where}{extra}: {'; '.join(parts)}"
+        if self.overflow_began is not None:  # NOTE: [overflow onset]
+            began = self.overflow_began
+            text = f"{began.label} ({began.module_type}) {began.detail}; then {text}"
+        return text
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, "module": self.module, "module_type": self.module_type, "label": self.label,
                 "detail": self.detail, "received": self.received.to_dict(), "produced": self.produced.to_dict(),
-                "parameters": self.parameters.to_dict() if self.parameters else None}
+                "parameters": self.parameters.to_dict() if self.parameters else None,
+                "overflow_began": self.overflow_began.to_dict() if self.overflow_began is not None else None}
 
 
 class Localizer:
@@ -135,6 +177,7 @@ class Localizer:
         self.backward_modules = backward_modules
         self.first_forward: Localization | None = None
         self.first_backward: Localization | None = None
+        self.first_overflow: Localization | None = None  # NOTE: [overflow onset]
         self._inputs: dict[str, list[ValueSummary]] = {}
         self._grad_out: dict[str, ValueSummary] = {}
         self._handles: list[Any] = []
@@ -178,6 +221,12 @@ class Localizer:
                 weights = summarize_values(list(module.parameters(recurse=False)))
                 self.first_forward = Localization("forward", name, self._type(name), received, produced, "output",
                                                   weights)
+            elif self.first_overflow is None and produced.absmax is not None and produced.absmax > FLOAT16_MAX:
+                weights = summarize_values(list(module.parameters(recurse=False)))
+                why = overflow_made(received, weights, produced)
+                if why is not None:
+                    self.first_overflow = Localization("forward", name, self._type(name), received, produced, why,
+                                                       weights)
         return hook
 
     def _pre_backward(self, name: str):
@@ -238,7 +287,18 @@ class Localizer:
 
 def first_bad(localizer: Localizer, category: str, batch_report: ScanReport, loss_value: float,
                grads: ScanReport, update_report: ScanReport | None, optimizer) -> Localization:
-    """The earliest place, in the order the step ran, where non-finite values appeared."""
+    """The earliest place, in the order the step ran, where non-finite values appeared, with the module where
+    values first grew overflow-sized when that came before it elsewhere (NOTE: [overflow onset])."""
+    found = _first_nonfinite(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
+    began = localizer.first_overflow
+    if began is None or found.phase in ("input", "state") or (found.phase == "forward" and
+                                                             found.module == began.module):
+        return found
+    return dataclasses.replace(found, overflow_began=began)
+
+
+def _first_nonfinite(localizer: Localizer, category: str, batch_report: ScanReport, loss_value: float,
+                     grads: ScanReport, update_report: ScanReport | None, optimizer) -> Localization:
     if not batch_report.ok:  # before any module ran
         bad = batch_report.nonfinite
         return Localization("input", "batch", "batch", ValueSummary(), summary_of(batch_report),
