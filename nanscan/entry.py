@@ -31,6 +31,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+# Who enters the run's autocast region around step_fn (ReplaySpec.autocast): nanscan, or the entry's own step_fn.
+AUTOCAST_OWNERS = ("replay", "entry")
+
+
 @dataclass
 class ReplaySpec:
     """Everything needed to run one training step again.
@@ -44,6 +48,9 @@ class ReplaySpec:
     extras: the entry's own objects (a tokenizer, a scheduler); nanscan carries them and never reads them.
     clip_grad_norm: the loop's own gradient clipping (the max norm it gives clip_grad_norm_ between backward and the
         update), which replay then applies as the loop did; None: the loop does not clip.
+    autocast: who enters the run's autocast region around step_fn (NOTE: [replayed precision] in
+        nanscan/replay/step.py): "replay" (the default), nanscan re-applies the region the Monitor recorded, as the
+        loop's `with torch.autocast(...)` did; "entry", step_fn enters its own and nanscan leaves it alone.
     The model is built on the device it should run on; replay moves the batch and the bundle's state there.
     """
 
@@ -54,6 +61,12 @@ class ReplaySpec:
     select_samples: Callable[[Any, list[int]], Any] | None = None
     extras: dict = field(default_factory=dict)
     clip_grad_norm: float | None = None
+    autocast: str = "replay"
+
+    def __post_init__(self):
+        if self.autocast not in AUTOCAST_OWNERS:
+            raise EntryError(f"ReplaySpec(autocast={self.autocast!r}): give 'replay' (nanscan re-applies the run's "
+                             "recorded autocast around step_fn) or 'entry' (step_fn enters its own)")
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer, built by the factory when one was given."""

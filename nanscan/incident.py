@@ -68,6 +68,12 @@ REASON_EXPLANATIONS = {
                       "against the dtypes (an eps that is 0 in the parameters' dtype, a learning rate times a "
                       "gradient that overflows), or the size of the step; `nanscan replay` reruns it.",
 }
+# The verdicts of `nanscan replay` as its record in a bundle's ledger keys them, and in words. NOT_REPRODUCED keeps
+# its stored key "transient", which says only that the rerun stayed finite, never why (nanscan.replay.reproduce
+# NOTE: [not reproduced]): shown, it is "not reproduced by the replay entry".
+PERSISTENT, NOT_REPRODUCED, INTERMITTENT = "persistent", "transient", "intermittent"
+REPLAY_VERDICT_WORDS = {PERSISTENT: "persistent", NOT_REPRODUCED: "not reproduced by the replay entry",
+                        INTERMITTENT: "intermittent"}
 # How a finding's title names the reason, after the category (reason_title).
 REASON_TITLES = {SKIP_STREAK: ", the first of a streak of skipped steps",
                  INPUT_OVERFLOW: ", finite inputs beyond the step's range"}
@@ -111,11 +117,13 @@ def reason_title(reason: str | None, step: int) -> str:
 
 
 def explain_category(category: str, *, loss_checked: bool = True, inputs_checked: bool = True,
-                     batch_given: bool = False) -> str:
+                     batch_given: bool = False, batch_cause: str | None = None) -> str:
     """CATEGORY_EXPLANATIONS[category], worded for what was actually checked: `nanscan.check(model)` sees no loss
     and no batch, so a NaN from the forward pass first shows in the gradients and must not be called a backward
     pass failure, and "the inputs were finite" is not known. `batch_given`: a batch was passed whose tensors were
-    all integers (token ids), so nothing in it was scanned, and nothing in it could be NaN."""
+    all integers (token ids, labels), so nothing in it was scanned: none of it can be NaN, but it can still make
+    one. `batch_cause`: what in the batch did (nanscan.engine.targets NOTE: [no supervised tokens]), named as the
+    likely cause."""
     text = CATEGORY_EXPLANATIONS.get(category, "")
     if category == "gradient" and not loss_checked:
         text = ("A gradient was the first non-finite tensor checked; no loss was checked (none was given), so this "
@@ -125,8 +133,11 @@ def explain_category(category: str, *, loss_checked: bool = True, inputs_checked
         text = "The loss was non-finite while weights and optimizer state were finite."
     elif category == "optimizer_state" and not inputs_checked:
         text = "The optimizer state was non-finite while the weights were finite: its moments or counters broke first."
-    if category in ("parameter", "optimizer_state", "loss", "gradient") and not inputs_checked:
-        text += (" The batch holds only integer tensors: nothing in it can be NaN." if batch_given else
+    if batch_cause:
+        text += f" Likely cause: {batch_cause}."
+    elif category in ("parameter", "optimizer_state", "loss", "gradient") and not inputs_checked:
+        text += (" The batch holds only integer tensors: none of them can be NaN, but targets that are all the "
+                 "loss's ignore index would still make a mean loss 0/0." if batch_given else
                  " No batch was checked (none was given), so the inputs may have been non-finite already.")
     return text
 

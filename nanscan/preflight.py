@@ -28,7 +28,8 @@ from nanscan.entry import EntryError, ReplaySpec, build_spec, entry_search_dirs,
 from nanscan.engine.headroom import headroom
 from nanscan.incident import shown_names
 from nanscan.cli.preflight_options import DEFAULT_SAMPLE_BATCHES, DEFAULT_STEPS
-from nanscan.replay.step import StepOutcome, run_step
+from nanscan.replay.options import PRECISION_NAMES, StepOptions
+from nanscan.replay.step import StepOutcome, autocast_context, model_device, run_step, with_run_precision
 from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.engine.stats import ScanReport
 
@@ -196,13 +197,14 @@ def _inject_into_input(batch: Any) -> tuple[Any, str] | None:
 
 
 def run_canary(spec: ReplaySpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-               scan: Callable = scan_model) -> list[CanaryResult]:
+               scan: Callable = scan_model, options: StepOptions = StepOptions()) -> list[CanaryResult]:
     """Train one step on copies with a NaN planted; the scan must report it. Tries an input first, then a
-    parameter (when no input can hold a NaN, the step raised, or the model masked the NaN)."""
+    parameter (when no input can hold a NaN, the step raised, or the model masked the NaN). `options`: the
+    precision the steps run in (run_preflight's `precision`)."""
     results = []
     poisoned = _inject_into_input(batch)
     if poisoned is not None:
-        results.append(_canary_step(spec, model, optimizer, poisoned[0], poisoned[1], None, scan))
+        results.append(_canary_step(spec, model, optimizer, poisoned[0], poisoned[1], None, scan, options))
         if results[-1].caught:
             return results
     name = next((n for n, p in model.named_parameters() if p.is_floating_point() and p.numel()), None)
@@ -210,19 +212,20 @@ def run_canary(spec: ReplaySpec, model: torch.nn.Module, optimizer: torch.optim.
         results.append(CanaryResult("nothing", False, "the model has no floating-point parameter to plant a NaN "
                                                       "in, and no batch input can hold one"))
         return results
-    results.append(_canary_step(spec, model, optimizer, batch, f"parameter {name}", name, scan))
+    results.append(_canary_step(spec, model, optimizer, batch, f"parameter {name}", name, scan, options))
     return results
 
 
 def _canary_step(spec: ReplaySpec, model, optimizer, batch, where: str, parameter: str | None,
-                 scan: Callable) -> CanaryResult:
+                 scan: Callable, options: StepOptions) -> CanaryResult:
     canary_model, canary_optimizer = copy.deepcopy((model, optimizer))
     if parameter is not None:
         with torch.no_grad():
             dict(canary_model.named_parameters())[parameter].view(-1)[0] = float("nan")
     canary_optimizer.zero_grad(set_to_none=True)
     try:
-        loss = spec.step_fn(canary_model, batch)
+        with autocast_context(options, model_device(canary_model).type):
+            loss = spec.step_fn(canary_model, batch)
         loss_value = _loss_value(loss)
         loss.backward()
     except Exception as exc:  # noqa: BLE001 - the user's step may refuse a NaN; then the scan never ran
@@ -239,16 +242,17 @@ def _group_of(name: str) -> str:
 
 
 def train_steps(spec: ReplaySpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                sample: list[tuple[SampleBatch, Any]], steps: int) -> tuple[list[StepResult], dict[str, np.ndarray]]:
+                sample: list[tuple[SampleBatch, Any]], steps: int,
+                options: StepOptions = StepOptions()) -> tuple[list[StepResult], dict[str, np.ndarray]]:
     """Train `steps` steps cycling through the sample, each through the replay's step runner (run_step: the batch
     and starting state, the loss, the gradients after backward and the state after the optimizer step are
-    scanned). Stops at the first problem. Returns the step results and exponent histograms summed per tensor
-    group over the gradients and the updated state."""
+    scanned) under `options` (the run's precision). Stops at the first problem. Returns the step results and
+    exponent histograms summed per tensor group over the gradients and the updated state."""
     results: list[StepResult] = []
     hists: dict[str, np.ndarray] = {}
     for step in range(steps):
         info, batch = sample[step % len(sample)]
-        out = run_step(model, optimizer, spec.step_fn, batch)
+        out = run_step(model, optimizer, spec.step_fn, batch, options=options)
         for scanned in (out.gradients, out.updated):
             for name, record in zip(scanned.names, scanned.records) if scanned is not None else ():
                 group = _group_of(name)
@@ -300,8 +304,11 @@ def headroom_report(hists: dict[str, np.ndarray], low_precision: list[str]) -> t
 def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, steps: int = DEFAULT_STEPS,
                   data_paths: Iterable[str] = (), fail_on: Iterable[str] | None = None,
                   data_options: dict | None = None, sample_batches: int = DEFAULT_SAMPLE_BATCHES, seed: int = 0,
-                  scan: Callable = scan_model, progress: Any = None) -> PreflightReport:
+                  scan: Callable = scan_model, progress: Any = None, precision: str | None = None) -> PreflightReport:
     """Run the preflight. `entry` is "package.module:function" (called with `config`) or a ReplaySpec.
+    `precision`: the autocast dtype the run's loop enters around its forward ("bfloat16", "float16"; None or
+    "float32": none), entered around step_fn as replay enters a recorded one, unless the entry enters its own
+    (NOTE: [replayed precision] in nanscan/replay/step.py).
 
     Raises EntryError when the entry cannot be found or does not return a ReplaySpec; every other problem
     (including the entry raising) is a reason in the no-go verdict.
@@ -310,6 +317,8 @@ def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, step
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if precision is not None and precision not in PRECISION_NAMES:
+        raise ValueError(f"precision={precision!r}: use one of {', '.join(PRECISION_NAMES)} or None")
     fail_on = tuple(DEFAULT_FAIL_ON if fail_on is None else fail_on)
     report = PreflightReport(go=False, reasons=[], fail_on=fail_on)
     data_paths = list(data_paths)
@@ -344,11 +353,14 @@ def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, step
                      "with the keys it reads") if not config else ""
             report.reasons.append(f"the replay entry {entry!r} raised {type(exc).__name__}: {exc}{empty}")
             return _finish(report)
-    _rehearse(spec, report, steps, sample_batches, scan)
+    # the region a Monitor would record for the run's forward, entered as replay enters a recorded one
+    options = with_run_precision(spec, StepOptions(), {"dtype": precision} if precision else None)
+    _rehearse(spec, report, steps, sample_batches, scan, options)
     return _finish(report)
 
 
-def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batches: int, scan: Callable) -> None:
+def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batches: int, scan: Callable,
+              options: StepOptions) -> None:
     if spec.batches is None:
         report.reasons.append("the replay entry returned no batches (ReplaySpec.batches); preflight trains on them")
         return
@@ -379,13 +391,13 @@ def _rehearse(spec: ReplaySpec, report: PreflightReport, steps: int, sample_batc
     report.low_precision = sorted({_LOW_PRECISION[p.dtype] for p in model.parameters() if p.dtype in _LOW_PRECISION})
     _add_traps(report, optimizer_traps(optimizer))  # NOTE: [update traps]: before any step runs
     normal = batches[report.sample[0].index]
-    report.canaries = run_canary(spec, model, optimizer, normal, scan)
+    report.canaries = run_canary(spec, model, optimizer, normal, scan, options)
     if not any(c.caught for c in report.canaries):
         report.reasons.append("the canary was not caught: a planted NaN went unseen, so the checks are not live ("
                               + "; ".join(f"{c.injected_into}: {c.detail}" for c in report.canaries) + ")")
         return
     sample = [(info, batches[info.index]) for info in report.sample]
-    report.steps, hists = train_steps(spec, model, optimizer, sample, steps)
+    report.steps, hists = train_steps(spec, model, optimizer, sample, steps, options)
     failed = [s for s in report.steps if not s.ok]
     if failed:
         s = failed[0]

@@ -129,12 +129,16 @@ def test_an_error_in_bisection_keeps_reproduction_and_localization(tmp_path):
     assert "first bad op: aten._softmax" in text.output
 
 
-def test_a_batch_of_integer_tokens_is_reported_as_such(tmp_path):
+def test_a_batch_of_integer_tokens_is_not_declared_innocent(tmp_path):
+    """Its labels are all -100: the incident note names them as the cause (NOTE: [no supervised tokens]); the
+    report, which reads no batch, says an integer batch can still make the loss 0/0."""
     path = R.train("all_labels_ignored", tmp_path)
     meaning = summarize(load_bundle(path))["category_meaning"]
-    assert "The batch holds only integer tensors: nothing in it can be NaN." in meaning
+    assert ("The batch holds only integer tensors: none of them can be NaN, but targets that are all the loss's "
+            "ignore index would still make a mean loss 0/0.") in meaning
     assert "none was given" not in meaning
-    assert "The batch holds only integer tensors" in load_bundle(path).incident_text()
+    assert ("Likely cause: every target of the batch (`labels`, 48 value(s)) is -100, the ignore index: a mean "
+            "cross-entropy over no tokens is 0/0.") in load_bundle(path).incident_text()
 
 
 def test_an_update_that_writes_inf_is_dated_to_it_and_its_trap_named(tmp_path):

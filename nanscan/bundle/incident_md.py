@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 from nanscan.bundle.divergence import DIVERGENCE_FINDING, divergence, lr_text, onsets_by_step, shown_steps
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.engine.headroom import FORMATS, headroom_by_kind
+from nanscan.engine.targets import ignored_targets
 from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, SPIKE,
                               explain_category, is_kind, reason_title)
 
@@ -266,9 +267,12 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     others = len(nonfinite) - len(culprits)
     shown = (culprits + [row for row in nonfinite if row["name"] not in deciding])[:20]
     names = [s.name for s in inc.report.stats]
+    # NOTE: [no supervised tokens]: targets all the ignore index make the loss 0/0, and its gradients after it
+    ignored = ignored_targets(inc.batch) if inc.batch is not None and inc.category in (LOSS, "gradient") else []
+    scope = "the batch" if inc.micro_batch is None else f"micro-batch {inc.micro_batch}"
     explanation = REASON_EXPLANATIONS.get(inc.reason) or explain_category(
         inc.category, loss_checked=LOSS in names, inputs_checked=any(is_kind(n, "input") for n in names),
-        batch_given=inc.batch is not None)
+        batch_given=inc.batch is not None, batch_cause=ignored[0].describe(scope) if ignored else None)
     if inc.reason == INPUT_OVERFLOW:
         largest = {s.name: s.absmax for s in inc.report.stats}
         shown_inputs = [f"`{n}` (largest |x| {largest.get(n, float('nan')):.4g})" for n in inc.tensors[:10]]
@@ -296,6 +300,8 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
                     f"{grad_norm_text(prev.grad_norm, 0)}).")
     record = {"step": inc.step, "category": inc.category, "tensors": list(inc.tensors),
               "nonfinite_count": len(nonfinite), "reason": inc.reason, "micro_batch": inc.micro_batch}
+    if ignored:
+        record["ignored_targets"] = [found.to_dict() for found in ignored]
     return {"kind": "finding", "key": DETECT_FINDING,
             "title": f"First non-finite step: {inc.step} ({inc.category}{reason_title(inc.reason, inc.step)})",
             "body": "\n".join(body), "record": record, "at": inc.detected_at}

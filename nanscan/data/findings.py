@@ -18,6 +18,8 @@ import numpy as np
 
 # NOTE: [overflow] in nanscan/engine/headroom.py: the Monitor's rule too, so data checks and incidents agree.
 from nanscan.engine.headroom import OVERFLOW_EXPONENT
+# NOTE: [no supervised tokens] in nanscan/engine/targets.py: the rule an incident's batch is judged by too.
+from nanscan.engine.targets import DEFAULT_IGNORE_INDEX
 
 NONFINITE = "nonfinite"
 OVERFLOW = "overflow"
@@ -33,14 +35,10 @@ CATEGORIES = (NONFINITE, OVERFLOW, EMPTY, TOO_LONG, NO_SUPERVISED_TOKENS, CORRUP
 DEFAULT_FAIL_ON = tuple(c for c in CATEGORIES if c != TOO_LONG)
 EXIT_CODES = {"clean": 0, "findings": 1, "unreadable": 3}
 
-# NOTE: [no supervised tokens] A record whose labels are all the ignore index (-100 for torch's cross_entropy and
-# every Hugging Face model), or whose loss mask is 0 everywhere, gives the loss no token to learn from: a mean
-# cross-entropy over it is 0/0 = NaN (PyTorch returns NaN when every target is ignored), and a summed loss divided by
-# its count of supervised tokens divides by 0. It happens when truncation cuts away the whole answer of a prompt
-# whose tokens are masked, or when a template puts no supervised token in. One finding per such field of a record.
+# no_supervised_tokens: labels all the ignore index, or a loss mask all 0 (NOTE: [no supervised tokens] in
+# nanscan/engine/targets.py); one finding per such field of a record.
 DEFAULT_TOKEN_FIELDS = ("input_ids",)
 DEFAULT_LABELS_FIELD = "labels"
-DEFAULT_IGNORE_INDEX = -100
 DEFAULT_LOSS_MASK_FIELD = "loss_mask"
 
 

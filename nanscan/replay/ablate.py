@@ -171,12 +171,12 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
     chosen = select_factors(factors)
     replayer = Replayer(bundle, entry, trust_bundle_paths=trust_bundle_paths)
     b = replayer.bundle
-    notes = list(replayer.notes)
     total = 1 + len(chosen)
     say = progress or (lambda _description, _total: None)
 
     say("baseline (as recorded)", total)
     baseline_outcome = replayer.run(StepOptions(), localize=True)
+    notes = list(replayer.notes)  # after a run: it says whether the run's autocast is re-applied
     if baseline_outcome.error is not None:
         # Against a step that cannot run, a factor that makes it run would look like a fix of the failure.
         raise ReplayError(f"the unchanged step of {b.path} raised an error instead of running: "
@@ -185,7 +185,7 @@ def ablate(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, fact
     baseline = AblationRow(BASELINE, True, baseline_outcome)
     if baseline_outcome.finite:
         notes.append("the unchanged step is finite when replayed, so no factor can be said to fix it; "
-                     "run `nanscan replay` to see whether the failure is transient")
+                     "`nanscan replay` says what a rerun through the replay entry cannot see")
 
     held_out: list[Any] | None = None
     held_source = ""

@@ -21,7 +21,8 @@ def print_replay(result: ReplayResult, console) -> None:
 
     from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
 
-    style = "green" if not result.reproduced else ("red" if result.verdict == "persistent" else "yellow")
+    # not reproduced is no all-clear: a rerun cannot see what lies outside the replay entry (NOTE: [not reproduced])
+    style = "red" if result.reproduced and result.verdict == "persistent" else "yellow"
     console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, "
                   f"category {result.bundle_category})")
     console.print(f"[{style}]{escape(result.headline())}[/{style}]", highlight=False)
@@ -76,7 +77,7 @@ def print_replay(result: ReplayResult, console) -> None:
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @entry_options
 @click.option("--runs", default=DEFAULT_RUNS, show_default=True, type=click.IntRange(1, 20),
-              help="How many times to replay the step (persistent/transient needs at least 2).")
+              help="How many times to replay the step (persistent or intermittent needs at least 2).")
 @click.option("--no-bisect", is_flag=True, help="Do not bisect the batch to the fewest failing samples.")
 @click.option("--no-record", is_flag=True, help="Do not add the result to the bundle's ledger and INCIDENT.md.")
 @click.option("--window", is_flag=True,
@@ -84,7 +85,7 @@ def print_replay(result: ReplayResult, console) -> None:
                    "recorded, compared with the recorded history.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record, window, as_json):
-    """Replay BUNDLE's failing step: reproduced? persistent or transient? first bad module and op, fewest samples.
+    """Replay BUNDLE's failing step: reproduced by the entry, every time? first bad module and op, fewest samples.
 
     With --window, rerun the steps that led to it from the window's oldest kept state instead.
     Exits 0 when the step ran, reproduced or not; an optional phase (localization, bisection) that fails is

@@ -110,6 +110,7 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
     else:
         case_batch = select_samples(replayer.batch, indices, replayer.build())
     observed = replayer.run(options, batch=case_batch, localize=True)
+    notes += [n for n in replayer.notes if n not in notes]  # the first run says whether the run's autocast applies
     if observed.error is not None:
         notes.append(f"replaying the exported samples raised an error ({observed.error}): the test fails with "
                      "that error, not with a non-finite step; fix the replay entry or export other samples")
@@ -142,6 +143,8 @@ def export_regression(bundle: Bundle | str | os.PathLike, dest: str | os.PathLik
         "batch": {"file": CASE_BATCH, "structure": batch_structure},
         "state": None, "rng": None, "notes": notes,
     }
+    if replayer.autocast:  # the run's autocast region, which the test re-applies (NOTE: [replayed precision])
+        case["autocast"] = plain_json(replayer.autocast, "autocast")
     if with_state:
         state_encoder = TreeEncoder("/")
         structure = {"model": state_encoder.encode(dict(replayer.model_state), ("model",)),
@@ -283,6 +286,11 @@ The case (batch, state, RNG states, config) is in ./{name}/; the model comes fro
 {case["replay_entry"]!r}, which must be importable here.""")
     # NOTE: [trust rule]: an entry the exporter chose is in the test's code, so committing the test chooses it.
     entry_line, entry_arg = ("", "") if not case["entry_given"] else (f"ENTRY = {case['replay_entry']!r}\n", "ENTRY")
+    # NOTE: [replayed precision]: the run's autocast around step_fn, unless the entry enters its own
+    precision_import, options_arg = "", ""
+    if case.get("autocast"):
+        precision_import = "from nanscan.replay.step import StepOptions, with_run_precision\n"
+        options_arg = ',\n                       options=with_run_precision(spec, StepOptions(), case.meta["autocast"])'
     pytest_import, mark = "", ""
     if xfail:
         pytest_import = "import pytest\n\n"
@@ -293,7 +301,7 @@ The case (batch, state, RNG states, config) is in ./{name}/; the model comes fro
 
 from pathlib import Path
 
-{pytest_import}from nanscan.testing import assert_step_finite, load_regression_case
+{pytest_import}{precision_import}from nanscan.testing import assert_step_finite, load_regression_case
 
 CASE = Path(__file__).resolve().parent / "{name}"
 {entry_line}
@@ -303,5 +311,5 @@ CASE = Path(__file__).resolve().parent / "{name}"
     spec = case.build_spec({entry_arg})
     case.restore_rng()
     assert_step_finite(spec.model, spec.step_fn, case.batch, optimizer=spec.make_optimizer(),
-                       state=case.model_state, optimizer_state=case.optimizer_state)
+                       state=case.model_state, optimizer_state=case.optimizer_state{options_arg})
 '''

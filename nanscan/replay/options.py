@@ -23,8 +23,9 @@ DEFAULT_MAX_STATE_MB = 64  # the largest model and optimizer state a regression 
 class StepOptions:
     """How a replayed step differs from the recorded one (the ablation factors), all off by default.
 
-    lr_scale: multiplies every param group's learning rate. precision: None (as recorded), "float32" (weights and
-    batch in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
+    lr_scale: multiplies every param group's learning rate. precision: None (as recorded: the run's autocast region
+    re-applied around step_fn, NOTE: [replayed precision] in nanscan/replay/step.py), "float32" (weights and batch
+    in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
     clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
     algorithms (warn-only where an operation has none) and deterministic cuDNN. eps: the optimizer's eps in every
     param group that has one (Adam's, where an update trap points at it: nanscan.replay.traps).

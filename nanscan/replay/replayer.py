@@ -18,7 +18,8 @@ from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, en
 from nanscan.integrations.rebuild import MICRO_BATCHES
 from nanscan.bundle.provenance import restore_rng
 from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptions, StepOutcome, batch_size,
-                                 loop_options, model_device, prepare_batch, run_localized, run_step, select_samples)
+                                 loop_options, model_device, prepare_batch, recorded_precision, run_localized,
+                                 run_step, select_samples)
 
 
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
@@ -72,6 +73,9 @@ class Replayer:
         self.frozen = self.bundle.frozen_references() if self.model_state is not None else {}
         if info.get("file") and self.optimizer_state is None:
             self.notes.append("optimizer: the bundle holds no optimizer state; the step uses a fresh optimizer")
+        # the autocast region of the step's forward, re-applied around step_fn (NOTE: [replayed precision])
+        self.autocast = (self.bundle.manifest.get("mixed_precision") or {}).get("autocast")
+        self._precision_said = False
         self.rng = self.bundle.rng_state()
         rng_at = self.bundle.manifest["rng"].get("captured_at")
         if self.rng is None:
@@ -215,24 +219,55 @@ class Replayer:
         """Replay the step once (on `samples` of the saved batch, or on another `batch`) and return its outcome;
         `localize`: module hooks (outcome.localization), `trace_ops`: the op tracer (outcome.op_site)."""
         learning_rates: list[Any] = []
+        ran: list[tuple[ReplaySpec, StepOptions]] = []
 
         def attempt(backward_module_hooks: bool) -> StepOutcome:
             spec, optimizer, step_batch = self.prepare(options, samples=samples, batch=batch)
             learning_rates[:] = [group.get("lr") for group in optimizer.param_groups]
-            return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=loop_options(spec, options),
-                            localize=localize,
+            ran[:] = [(spec, loop_options(spec, options, self.autocast))]
+            return run_step(spec.model, optimizer, spec.step_fn, step_batch, options=ran[0][1], localize=localize,
                             backward_module_hooks=backward_module_hooks, trace_ops=trace_ops)
 
         result = run_localized(attempt) if localize else attempt(True)
         if options.lr_scale != 1.0 and not any(lr for lr in learning_rates if lr is not None):
             result.notes.append(f"learning rate x{options.lr_scale:g} was not in effect: the optimizer's param groups "
                                 "have no non-zero 'lr' to scale")
-        requested = options.precision
-        if requested is not None and result.error is None:
-            wanted = PRECISIONS[requested]
-            got = result.autocast
-            expected = None if wanted is None else str(wanted).removeprefix("torch.")
-            if got != expected:
-                result.notes.append(f"precision {requested} was not in effect: step_fn sets its own autocast "
-                                    f"({got or 'off'}), which overrides the replay's")
+        if ran and result.error is None:
+            self._check_precision(result, options, *ran[0])
         return result
+
+    def _check_precision(self, result: StepOutcome, options: StepOptions, spec: ReplaySpec,
+                         step_options: StepOptions) -> None:
+        """Say whether the precision the step was to run in reached the model's forward (NOTE: [replayed
+        precision]): a factor's that did not is "not in effect" (ablate then counts its row as not applied); the
+        run's re-applied autocast that did not gets a note of its own, which no factor's row reads."""
+        wanted = step_options.precision
+        if not self._precision_said:
+            self._precision_said = True
+            recorded = recorded_precision(self.autocast)
+            if recorded is not None:
+                where = self.autocast.get("device_type")
+                here = model_device(spec.model).type
+                self.notes.append(
+                    f"precision: the run's {recorded} autocast is not re-applied: the replay entry enters its own "
+                    "(ReplaySpec.autocast='entry')" if spec.autocast == "entry" else
+                    f"precision: the run's {recorded} autocast is re-applied around step_fn"
+                    + (f" (recorded on {where}, entered on {here})" if where and where != here else ""))
+        if wanted is None:
+            return
+        dtype = PRECISIONS[wanted]
+        expected = None if dtype is None else str(dtype).removeprefix("torch.")
+        got = result.autocast
+        if got == expected:
+            return
+        if options.precision is None:  # the run's own region, re-applied
+            result.notes.append(f"the run's {wanted} autocast, re-applied around step_fn, did not reach the forward: "
+                                f"step_fn sets its own ({got or 'off'}); if the entry does so on purpose, declare it "
+                                "with ReplaySpec(autocast='entry')")
+        elif spec.autocast == "entry":
+            result.notes.append(f"precision {options.precision} was not in effect: the replay entry enters its own "
+                                f"autocast ({got or 'off'}; ReplaySpec.autocast='entry'), which a replay cannot "
+                                "override")
+        else:
+            result.notes.append(f"precision {options.precision} was not in effect: step_fn sets its own autocast "
+                                f"({got or 'off'}), which overrides the replay's")

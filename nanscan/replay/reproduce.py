@@ -1,5 +1,16 @@
-"""`replay`: reproduce a bundle's failing step, tell persistent from transient, localize, bisect, and record the
-finding in the bundle."""
+"""`replay`: reproduce a bundle's failing step through the replay entry, tell persistent from intermittent (and say
+what a rerun that stays finite cannot see), localize, name a batch whose targets are all ignored, bisect, and
+record the finding in the bundle.
+
+NOTE: [not reproduced]
+A rerun that stays finite shows only that the replay entry, run on the recorded state, batch and RNG states, does
+not make the failure. It is "not reproduced by the replay entry" (the record keeps the key "transient"), never a
+verdict on the cause: the rerun cannot see code in the training script outside the entry (a hook, an in-place
+edit), a difference between the batch the model was fed and the one given to check(), nondeterministic kernels
+(the replay runs deterministic algorithms), or the hardware. The verdict names each (UNSEEN_BY_RERUN) with what
+would tell it apart, and a replay that did not start from the exact recorded conditions names those first. The
+hardware is never the conclusion: a finite rerun is no evidence pointing at it.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +22,10 @@ from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.replay.localize import Localization, fmt_value
-from nanscan.incident import UPDATE, is_kind
+from nanscan.engine.targets import NLL_OPS, IgnoredTargets, ignored_targets
+from nanscan.incident import (INTERMITTENT, LOSS, NOT_REPRODUCED, PERSISTENT, REPLAY_VERDICT_WORDS, UPDATE,
+                              is_kind)
+from nanscan.integrations.rebuild import MICRO_BATCHES
 from nanscan.replay.ops import OpSite
 from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.replay.options import DEFAULT_RUNS
@@ -28,7 +42,7 @@ class ReplayResult:
     entry: str
     state: str  # "pre-step snapshot", "at the failing step" or "none (freshly built model)"
     reproduced: bool
-    verdict: str  # "persistent", "transient" or "intermittent"
+    verdict: str  # "persistent", "transient" (not reproduced: NOTE: [not reproduced]) or "intermittent"
     runs: list[StepOutcome]
     localization: Localization | None
     bisect: BisectResult | None
@@ -38,6 +52,9 @@ class ReplayResult:
     inexact: list[str] = field(default_factory=list)  # what the replay could not rebuild (Replayer.inexact)
     # An optional phase (localization, bisection) that raised: {"phase", "error"}; what the others found stands.
     phase_errors: list[dict] = field(default_factory=list)
+    # What in the batch made the failure (NOTE: [no supervised tokens] in nanscan/engine/targets.py): the text and
+    # {"scope", "path", "count", "ignore_index"}; None when nothing in it is known to.
+    cause: dict | None = None
 
     @property
     def failing_run(self) -> StepOutcome | None:
@@ -57,12 +74,23 @@ class ReplayResult:
                 "localization": self.localization.to_dict() if self.localization else None,
                 "op": self.op.to_dict() if self.op else None, "update": self.update,
                 "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
-                "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors]}
+                "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors],
+                "cause": dict(self.cause) if self.cause else None,
+                "unseen": [{"candidate": c, "tells_apart": t} for c, t in self.unseen()]}
+
+    def unseen(self) -> list[tuple[str, str]]:
+        """What the rerun cannot see, each with what would tell it apart (NOTE: [not reproduced]); [] when the
+        failure came back."""
+        if self.reproduced:
+            return []
+        inexact = [(f"the conditions the replay could not rebuild exactly ({', '.join(self.inexact)}): a failure "
+                    "that depends on them can vanish on replay", EXACT_REPLAY)] if self.inexact else []
+        return inexact + list(UNSEEN_BY_RERUN)
 
     def headline(self) -> str:
         failing = self.failing_run
         if failing is None:
-            text = (f"not reproduced ({self.verdict}): the replayed step {self.step} is finite "
+            text = (f"{REPLAY_VERDICT_WORDS[NOT_REPRODUCED]}: step {self.step} rerun through {self.entry} is finite "
                     f"{len(self.runs)} time(s) out of {len(self.runs)}")
             if self.inexact:
                 text += f", but from inexact conditions ({', '.join(self.inexact)})"
@@ -76,20 +104,23 @@ class ReplayResult:
             where += f"; the update broke {self.update['broken_count']} tensor(s)"
             if traps:  # the problem's first clause: "eps rounds to 0 in float16"
                 where += f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}"
-        if self.verdict == "intermittent":
+        if self.cause is not None:
+            where += f"; cause: {self.cause['short']}"
+        if self.verdict == INTERMITTENT:
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
         return f"reproduced, {self.verdict}: {failing.category}{where}"
 
     def explanation(self) -> str:
-        """What the verdict means, limited to what these replays can show."""
-        if self.verdict == "transient" and self.inexact:
-            return ("The failure did not come back, but the replay did not start from exactly the recorded "
-                    f"conditions ({', '.join(self.inexact)}): a failure that depends on them can vanish on replay, "
-                    "so this does not show a hardware fault or a race. A Monitor with snapshot='cpu' on the model "
-                    "that the step runs keeps the state and RNG states of the start of the step, for an exact "
-                    "replay.")
-        return VERDICT_EXPLANATIONS[self.verdict]
+        """What the verdict means, limited to what these replays can show (NOTE: [not reproduced])."""
+        text = VERDICT_EXPLANATIONS[self.verdict]
+        if self.cause is not None:
+            text = f"Cause: {self.cause['text']}. {text}"
+        unseen = self.unseen()
+        if unseen:
+            text += "\n" + "\n".join(f"- {candidate}; to tell it apart: {tells}" for candidate, tells in unseen)
+            text += f"\n\n{NOT_HARDWARE}"
+        return text
 
 
 # The localizations that computation made, so that an op can be named: not the batch (the record is named) nor a
@@ -97,23 +128,41 @@ class ReplayResult:
 OP_PHASES = ("forward", "backward", "loss")
 
 VERDICT_EXPLANATIONS = {
-    "persistent": "The same failure came back on every replay: the cause is in the code, the data or the state, "
-                  "and the replay can be used to find it.",
-    "transient": "The failure did not come back from the same state, batch and RNG states: this points at "
-                 "hardware (a bad GPU or memory), a race, or non-determinism, not at the code or the data.",
-    "intermittent": "The failure came back on some replays but not all (or differently): the step is not "
-                    "deterministic here; look for races, atomics, or non-deterministic kernels.",
+    PERSISTENT: "The same failure came back on every replay: the cause is in the code, the data or the state, "
+                "and the replay can be used to find it.",
+    NOT_REPRODUCED: "The step, rerun through the replay entry from the recorded state, batch and RNG states, "
+                    "stayed finite: what the entry runs does not make this failure from these inputs. A rerun "
+                    "cannot see the following; each is named with what would tell it apart:",
+    INTERMITTENT: "The failure came back on some replays but not all (or differently): the step is not "
+                  "deterministic here; look for races, atomics, or non-deterministic kernels.",
 }
+# NOTE: [not reproduced]: what a rerun through the entry cannot see, each with what would tell it apart.
+UNSEEN_BY_RERUN = (
+    ("code in the training script outside the replay entry: a hook, an in-place edit of the weights, gradients or "
+     "batch, whatever the loop does between its forward and the check that step_fn does not",
+     "rerun the step in the training process with the loop's own forward and backward"),
+    ("a difference in the data pipeline: the model was fed other tensors than the batch given to check() (a "
+     "transform, a cast or a device move after it)",
+     "give check() the very tensors the forward receives"),
+    ("nondeterministic kernels: atomic adds, the order of a reduction, autotuned algorithms (this replay runs "
+     "deterministic algorithms)",
+     "a deterministic rerun (the run itself with torch.use_deterministic_algorithms(True), up to this step)"),
+    ("the hardware: a bad GPU or memory",
+     "the same rerun on another device, once the candidates above are ruled out"),
+)
+EXACT_REPLAY = ("a Monitor with snapshot='cpu' on the model the step runs keeps the state and RNG states of the start "
+                "of the step, for an exact replay")
+NOT_HARDWARE = "Nothing here points at the hardware: a rerun that stays finite is no evidence of a hardware fault."
 
 
 def verdict_of(outcomes: Sequence[StepOutcome]) -> str:
     # a run that raised an error showed nothing about the failure, but differs from one that ran
     failing = [not o.finite and o.error is None for o in outcomes]
     if not any(failing):
-        return "transient"
+        return NOT_REPRODUCED
     if all(failing) and all(o.signature == outcomes[0].signature for o in outcomes):
-        return "persistent"
-    return "intermittent"
+        return PERSISTENT
+    return INTERMITTENT
 
 
 def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs: int = DEFAULT_RUNS,
@@ -174,13 +223,37 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
         elif bisect:
             bisected = BisectResult(False, batch_size=replayer.sample_count,
                                     reason=f"the failure is {verdict}, so a subset's result would not be reliable")
+    cause = batch_cause(replayer, op) if reproduced and failing.category in (LOSS, "gradient") else None
     notes = list(replayer.notes)
     if reproduced and failing.category != replayer.bundle.category:
         notes.append(f"the bundle's category is {replayer.bundle.category}, the replay first saw non-finite "
                      f"values as {failing.category}")
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
-                        outcomes, localization, bisected, op, update, notes, list(replayer.inexact), phase_errors)
+                        outcomes, localization, bisected, op, update, notes, list(replayer.inexact), phase_errors,
+                        cause)
+
+
+def batch_cause(replayer: Replayer, op: OpSite | None) -> dict | None:
+    """The targets of the failing step's batch that leave its loss nothing to average (NOTE: [no supervised
+    tokens] in nanscan/engine/targets.py), micro-batch by micro-batch; the ignore index is torch's default, or the
+    loss's own when the first bad op is a negative log-likelihood."""
+    batch = replayer.batch
+    micro = batch.get(MICRO_BATCHES) if isinstance(batch, dict) else None
+    recorded = replayer.bundle.manifest.get("micro_batch")
+    parts = [(f"micro-batch {i}", part) for i, part in enumerate(micro)] if isinstance(micro, list) else \
+        [("the batch" if recorded is None else f"micro-batch {recorded}", batch)]
+    loss_ignores = op is not None and op.op in NLL_OPS
+    for scope, part in parts:
+        found = ignored_targets(part, None) if loss_ignores else ignored_targets(part)
+        if found:
+            return _cause(found[0], scope)
+    return None
+
+
+def _cause(found: IgnoredTargets, scope: str) -> dict:
+    return {"text": found.describe(scope), "short": f"every target of {scope} is {found.ignore_index}, the ignore "
+                                                    "index", "scope": scope, **found.to_dict()}
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:

@@ -12,7 +12,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +32,23 @@ from nanscan.engine.stats import ScanReport
 # Each precision's autocast dtype ("float32": autocast off); StepOptions checks the names without torch.
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 assert tuple(PRECISIONS) == PRECISION_NAMES
+# The precision of each autocast dtype a run records ("bfloat16" -> "bfloat16"): NOTE: [replayed precision].
+PRECISION_OF = {str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items() if dtype is not None}
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# NOTE: [replayed precision]
+# A replayed step runs in the run's precision. The autocast region the Monitor recorded for the step's forward
+# (nanscan.runtime.amp.autocast_state: device type and dtype; none when the forward ran outside autocast) is entered
+# around the entry's step_fn by replay, ablate and the tests export-regression writes, and preflight enters the one
+# it is given: an entry need not repeat the loop's `with torch.autocast(...)`, and a bfloat16 run is not replayed
+# in float32 by default. The region is entered on the model's device whatever device recorded it (a cuda run
+# replayed on the CPU autocasts on the CPU). Only autocast is re-applied: the weights and the batch stay as the
+# entry builds them and the bundle holds them. A precision factor (StepOptions.precision) replaces the recorded
+# region, so the precision ablations work whether or not the run used autocast. An entry whose step_fn enters
+# autocast itself says so (ReplaySpec.autocast="entry"): nothing is entered for it, as its own region would
+# override an outer one anyway, and a precision factor counts as applied only where the forward then ran in the
+# factor's dtype, which the entry's own region decides (Replayer.run notes it, and ablate marks the row "not
+# applied").
 
 
 class ReplayError(RuntimeError):
@@ -56,12 +72,30 @@ class Accumulation:
     before: Callable[[int], None] | None = None
 
 
-def loop_options(spec: ReplaySpec, options: StepOptions) -> StepOptions:
+def loop_options(spec: ReplaySpec, options: StepOptions, autocast: Mapping | None = None) -> StepOptions:
     """The options a step runs under with the loop's own clipping (ReplaySpec.clip_grad_norm) where the options
-    name none: a replay reruns the loop's step, clipping included, and a clipping factor replaces it."""
+    name none, and the run's recorded `autocast` region where they name no precision (with_run_precision): a replay
+    reruns the loop's step, clipping and autocast included, and a clipping or precision factor replaces them."""
     if options.clip_grad_norm is None and spec.clip_grad_norm is not None:
-        return replace(options, clip_grad_norm=spec.clip_grad_norm)
-    return options
+        options = replace(options, clip_grad_norm=spec.clip_grad_norm)
+    return with_run_precision(spec, options, autocast)
+
+
+def recorded_precision(autocast: Mapping | None) -> str | None:
+    """The precision of an autocast region as the Monitor records it ({"device_type", "dtype"}, with "enabled"
+    where given): None outside autocast, or for a dtype a replay cannot autocast to."""
+    if not isinstance(autocast, Mapping) or autocast.get("enabled") is False:
+        return None
+    return PRECISION_OF.get(autocast.get("dtype"))
+
+
+def with_run_precision(spec: ReplaySpec, options: StepOptions, autocast: Mapping | None) -> StepOptions:
+    """`options` with the run's recorded `autocast` region as their precision (NOTE: [replayed precision]), unless
+    they name one (a precision factor) or the entry enters its own (ReplaySpec.autocast="entry")."""
+    precision = recorded_precision(autocast)
+    if options.precision is not None or precision is None or spec.autocast == "entry":
+        return options
+    return replace(options, precision=precision)
 
 
 @dataclass

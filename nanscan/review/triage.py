@@ -19,7 +19,7 @@ from nanscan.cli.errors import cli_errors, json_out
 from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.findings import NOT_REPLAYED, first_bad_module
 from nanscan.bundle.format import INDEX, MANIFEST, PENDING_PREFIX
-from nanscan.incident import SPIKE
+from nanscan.incident import REPLAY_VERDICT_WORDS, SPIKE
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TriageEntry:
     category: str
     module: str  # first bad module as "name (Type, phase)", or NOT_REPLAYED
     source: str  # which finding named the module: "replay", "ablate:baseline" or ""
-    verdict: str | None  # persistent / transient / intermittent, when replay ran
+    verdict: str | None  # the replay record's key (nanscan.incident.REPLAY_VERDICT_WORDS), when replay ran
     detected_at: str | None
     first_bad_ranks: list[int] | None = None  # a distributed incident's first bad rank(s); None for one process
     world_size: int | None = None
@@ -155,7 +155,8 @@ def print_triage(result: TriageResult, console) -> None:
             for e in items:
                 ranks = "" if e.world_size is None else \
                     f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
-                table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, e.verdict or "", e.path)))
+                verdict = REPLAY_VERDICT_WORDS.get(e.verdict, e.verdict or "")  # "transient": not reproduced
+                table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, verdict, e.path)))
         console.print(table)
     copies = [e for e in result.entries if e.copies]
     if copies:

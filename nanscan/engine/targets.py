@@ -1,0 +1,78 @@
+"""Targets that leave a loss no token to learn from (NOTE: [no supervised tokens]): the rule `nanscan data` applies to
+a record's labels, and that the incident note and replay apply to the integer tensors of a failing step's batch.
+
+It lives with the engine, below every layer that applies it (the data check and replay are tools, the incident
+note is evidence), so that all of them judge a batch by the same rule and name it in the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# NOTE: [no supervised tokens]
+# A record whose labels are all the ignore index (-100 for torch's cross_entropy and every Hugging Face model), or
+# whose loss mask is 0 everywhere, gives the loss no token to learn from: a mean cross-entropy over it is 0/0 = NaN
+# (PyTorch returns NaN when every target is ignored), and a summed loss divided by its count of supervised tokens
+# divides by 0. It happens when truncation cuts away the whole answer of a prompt whose tokens are masked, or when a
+# template puts no supervised token in. `nanscan data` reports one finding per such field of a record. At an
+# incident the same rule names the cause of a step whose loss (or, with no loss checked, gradients) went
+# non-finite: an integer tensor of the batch whose every value is the ignore index. The Monitor's note knows only
+# the default ignore index; replay also knows the loss's own (nanoGPT's ignore_index=-1) when the first bad op it
+# finds is the negative log-likelihood, which raises on a negative target unless it is the ignore index, so a
+# target tensor that holds one negative value throughout holds the loss's ignore index.
+DEFAULT_IGNORE_INDEX = -100
+# The aten ops of a negative log-likelihood (cross_entropy calls them), as replay's op localization names them.
+NLL_OPS = ("aten.nll_loss_forward", "aten.nll_loss2d_forward", "aten.nll_loss", "aten.nll_loss_nd",
+           "aten.cross_entropy_loss")
+
+
+def all_ignored(values: Any, ignore_index: int) -> bool:
+    """Whether `values` (labels: a tensor, an array or a list of numbers) hold at least one value and every one is
+    `ignore_index`."""
+    if not hasattr(values, "numel"):  # a torch tensor is compared where it lies; anything else as an array
+        values = np.asarray(values)
+    size = values.numel() if hasattr(values, "numel") else values.size
+    return size > 0 and bool((values == ignore_index).all())
+
+
+@dataclass(frozen=True)
+class IgnoredTargets:
+    """An integer tensor of a batch whose every value is the loss's ignore index (NOTE: [no supervised tokens])."""
+
+    path: str  # where it is in the batch (nanscan.engine.inputs.iter_batch_tensors: "labels", "1")
+    count: int
+    ignore_index: int
+
+    def describe(self, scope: str = "the batch") -> str:
+        """The cause in words; `scope` names the batch ("micro-batch 0")."""
+        return (f"every target of {scope} (`{self.path}`, {self.count} value(s)) is {self.ignore_index}, the ignore "
+                "index: a mean cross-entropy over no tokens is 0/0")
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "count": self.count, "ignore_index": self.ignore_index}
+
+
+def ignored_targets(batch: Any, ignore_index: int | None = DEFAULT_IGNORE_INDEX) -> list[IgnoredTargets]:
+    """The integer tensors of `batch` whose every value is `ignore_index` (NOTE: [no supervised tokens]). None: the
+    loss is known to be a negative log-likelihood, and a tensor holding one negative value throughout holds its
+    ignore index, whatever it is (-1, -100)."""
+    # `nanscan data --help` reads DEFAULT_IGNORE_INDEX from here without torch (NOTE: [fast help] in
+    # nanscan/cli/main.py); a batch of tensors means torch is loaded already.
+    import torch  # noqa: PLC0415
+
+    from nanscan.engine.inputs import iter_batch_tensors  # noqa: PLC0415
+
+    found = []
+    for path, t in iter_batch_tensors(batch):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or not t.numel():
+            continue
+        if ignore_index is None:
+            low = int(t.min())
+            if low < 0 and all_ignored(t, low):
+                found.append(IgnoredTargets(path, t.numel(), low))
+        elif all_ignored(t, ignore_index):
+            found.append(IgnoredTargets(path, t.numel(), ignore_index))
+    return found
