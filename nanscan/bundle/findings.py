@@ -31,7 +31,7 @@ def first_bad_module(bundle) -> tuple[str, str, str | None]:
                               "and phase); the ledger was edited, run `nanscan replay` again on an untouched copy")
         return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
     if verdict == "transient":
-        return "(transient: not reproduced)", REPLAY_FINDING, verdict
+        return "(not reproduced by the replay entry)", REPLAY_FINDING, verdict
     return NOT_REPLAYED, "", verdict
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nanscan.data.checker import Checker, NumericBatch
+from nanscan.engine.targets import all_ignored
 from nanscan.data.findings import (
     EMPTY, NO_SUPERVISED_TOKENS, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef, TrainingFields,
 )
@@ -243,7 +244,7 @@ def unsupervised_detail(name: str, value: Any, fields: TrainingFields) -> str | 
     numbers = flat_numbers(value)
     if numbers is None or not numbers.size:
         return None
-    if name == fields.labels_field and np.all(numbers == fields.ignore_index):
+    if name == fields.labels_field and all_ignored(numbers, fields.ignore_index):
         what = (f"the label is the ignore index {fields.ignore_index}" if numbers.size == 1 else
                 f"all {numbers.size} labels are the ignore index {fields.ignore_index}")
         return f"{what}: no token is supervised, so a mean loss over it is 0/0 (NaN)"

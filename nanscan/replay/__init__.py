@@ -1,6 +1,6 @@
-"""Replay a bundle's failing step: reproduce it deterministically, tell a persistent failure from a transient one,
-localize the first module that produced a non-finite value, bisect the batch to the fewest samples that still
-fail, and export those samples as a regression case (`nanscan replay`, `nanscan export-regression`); rerun the
+"""Replay a bundle's failing step: reproduce it deterministically, tell a persistent failure from one the replay
+entry does not reproduce (and name what a rerun cannot see), localize the first module that produced a non-finite
+value, bisect the batch to the fewest samples that still fail, and export those samples as a regression case (`nanscan replay`, `nanscan export-regression`); rerun the
 window of the run that led to it (`replay --window`); change one factor at a time, on the failing step or over the
 window (`nanscan ablate`, `ablate --window`).
 

@@ -231,6 +231,10 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
             rows.append(WindowRow(factor, NOT_APPLIED, None, detail=f"the loop already clips the gradient norm at "
                                                                     f"{spec.clip_grad_norm:g}"))
             continue
+        if factor.options.precision is not None and spec.autocast == "entry":
+            rows.append(WindowRow(factor, NOT_APPLIED, None, detail="the replay entry enters its own autocast "
+                                  "(ReplaySpec.autocast='entry'), which a replay cannot override"))
+            continue
         rows.append(_judge(replayer, evidence, factor, held_out, beyond) if reproduced else
                     WindowRow(factor, NOT_JUDGED, None))
     say(_FACTORS["drop-suspicious"].label)

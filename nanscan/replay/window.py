@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,11 +31,10 @@ from nanscan.bundle import Bundle
 from nanscan.bundle.format import WINDOW_REPLAY_FINDING, WindowStep, json_float
 from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.engine.inputs import batch_size
-from nanscan.replay.step import (PRECISIONS, Accumulation, ReplayError, StepOptions, StepOutcome, loop_options,
-                                 model_device, prepare_batch, run_step, select_samples)
+from nanscan.replay.step import (Accumulation, ReplayError, StepOptions, StepOutcome, loop_options, model_device,
+                                 prepare_batch, recorded_precision, run_step, select_samples)
 
 DEPART_REL_TOL = 1e-4
-_PRECISION_OF = {str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items() if dtype is not None}
 
 
 @dataclass
@@ -148,7 +147,7 @@ class WindowEvidence:
 
     def precision(self) -> str:
         """The autocast dtype the window's steps recorded, as a StepOptions precision ("float32": none)."""
-        found = [_PRECISION_OF.get(r.autocast.get("dtype")) for r in self.records if r.autocast]
+        found = [recorded_precision(r.autocast) for r in self.records]
         return next((p for p in found if p), "float32")
 
 
@@ -204,16 +203,16 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
         lrs = record.lrs
         set_learning_rates(optimizer, lrs, options.lr_scale)
-        step_options = options
-        if options.precision is None and record.autocast:
-            step_options = replace(options, precision=_PRECISION_OF.get(record.autocast.get("dtype")))
-        batches = [prepare_batch(_kept_rows(part, drop, spec), device, step_options) for part in parts]
+        batches = [prepare_batch(_kept_rows(part, drop, spec), device, options) for part in parts]
         if len(parts) > 1:
             batch = Accumulation(batches, before=lambda i, parts=parts: _restore_torch_rng(parts[i].rng))
         else:
             batch = batches[0]
             _restore_torch_rng(record.rng)
-        outcome = run_step(spec.model, optimizer, spec.step_fn, batch, options=loop_options(spec, step_options))
+        # the step's recorded autocast, unless a factor names a precision or the entry enters its own (NOTE:
+        # [replayed precision])
+        outcome = run_step(spec.model, optimizer, spec.step_fn, batch,
+                           options=loop_options(spec, options, record.autocast))
         results.append(_result(record.step, outcome, evidence.history.get(record.step),
                                last=record.step == target.step, loss_comparable=len(parts) == 1))
         if not outcome.finite:
