@@ -68,6 +68,8 @@ def test_observed_micro_batches_catch_it_at_its_step_and_micro_batch(tmp_path, m
     bundle = load_bundle(error.bundle_path)
     assert (bundle.step, bundle.micro_batch, bundle.category) == (BAD[0], BAD[1], "loss")
     assert bool((bundle.batch(nested=True)["y"] == -1).all())  # the bundle holds that micro-batch, not the last one
+    assert bundle.manifest["micro_batch_observed"] is True
+    assert "its loss, handed over by observe(), was the first non-finite one" in bundle.incident_text()
 
 
 def test_the_recorded_loss_is_the_steps_mean_over_its_micro_batches(tmp_path):

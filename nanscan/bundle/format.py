@@ -234,6 +234,9 @@ class Incident:
     # The micro-batch of `step` whose check found it, under gradient accumulation (nanscan.runtime.monitor NOTE:
     # [micro-batch checks]); None for the step's own check.
     micro_batch: int | None = None
+    # True when that micro-batch was observed (Monitor.observe: NOTE: [observed micro-batches]), its non-finite loss
+    # found at the step's own check, whose gradients are the whole step's.
+    micro_batch_observed: bool = False
     # The model-state keys of frozen parameters (requires_grad=False), which the bundle holds by reference: dtype,
     # shape and sha256, not bytes (nanscan.bundle.frozen NOTE: [frozen references]); empty: every tensor is copied.
     frozen: Sequence[str] = ()

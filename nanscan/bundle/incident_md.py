@@ -89,6 +89,16 @@ class NoteReview:
     moved: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
 
+def _micro_batch_line(manifest: Mapping) -> str:
+    micro, step = manifest["micro_batch"], manifest["first_invalid_step"]
+    if manifest.get("micro_batch_observed"):  # NOTE: [observed micro-batches]
+        return (f"- found at: micro-batch {micro} of step {step} (gradient accumulation: its loss, handed over by "
+                "observe(), was the first non-finite one; the batch is that micro-batch, the gradients the whole "
+                "step's, checked after its last micro-batch)")
+    return (f"- found at: micro-batch {micro} of step {step} (gradient accumulation: the gradients are the sum over "
+            f"micro-batches 0 to {micro}, the batch is that micro-batch)")
+
+
 def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     """The automatic part of INCIDENT.md (header and findings), ending just before REVIEWER_HEADING."""
     state = manifest.get("state") or {}
@@ -108,9 +118,7 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
         "",
         f"- run: `{manifest['run_id']}`",
         f"- category: **{manifest['category']}**",
-        *([f"- found at: micro-batch {manifest['micro_batch']} of step {manifest['first_invalid_step']} (gradient "
-           f"accumulation: the gradients are the sum over micro-batches 0 to {manifest['micro_batch']}, the batch "
-           "is that micro-batch)"] if manifest.get("micro_batch") is not None else []),
+        *([_micro_batch_line(manifest)] if manifest.get("micro_batch") is not None else []),
         f"- detected: {manifest.get('detected_at', 'n/a')}",
         f"- source: {_source_line(manifest.get('source') or {})}",
         f"- config sha256: `{manifest.get('config_sha256') or 'no config given'}`",
@@ -319,7 +327,9 @@ def mixed_precision_lines(mp: Mapping, kinds: Mapping[str, list]) -> list[str]:
     scaler = mp.get("scaler")
     lines = [f"- autocast: {autocast['dtype']} on {autocast['device_type']}" if autocast else
              "- autocast: not active in the last forward pass"]
-    if scaler:
+    if scaler and scaler.get("enabled") is False:
+        lines.append("- GradScaler: given, but disabled (every non-finite value is an incident)")
+    elif scaler:
         lines.append(f"- GradScaler: scale {_fmt(mp.get('scale'))} now, growth x{_fmt(scaler['growth_factor'])} "
                      f"every {scaler['growth_interval']} steps, backoff x{_fmt(scaler['backoff_factor'])}; a streak "
                      f"is an incident at {scaler['max_skips']} skips or below scale {_fmt(scaler['min_scale'])}")

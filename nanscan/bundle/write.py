@@ -228,6 +228,8 @@ def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None 
         manifest["mixed_precision"] = plain_json(inc.mixed_precision, "mixed_precision")
     if inc.micro_batch is not None:
         manifest["micro_batch"] = int(inc.micro_batch)
+        if inc.micro_batch_observed:
+            manifest["micro_batch_observed"] = True
     if errors:
         manifest["write_errors"] = errors
     ledger = [spike_finding(inc) if inc.category == SPIKE else detect_finding(inc, nonfinite)]

@@ -163,13 +163,15 @@ class ScalerWatch:
     def summary(self, streak: Streak | None = None, autocast: dict | None = None) -> dict:
         """The bundle's mixed-precision record: autocast, the scaler's settings and skips, the streak if any."""
         scaler = self.scaler
+        enabled = scaler.is_enabled()
+        # a disabled GradScaler (GradScaler(enabled=False), the loop's switch for bf16 and fp32) holds no settings
+        settings = {"growth_factor": scaler.get_growth_factor(), "backoff_factor": scaler.get_backoff_factor(),
+                    "growth_interval": scaler.get_growth_interval()} if enabled else {}
         out = {
             "autocast": autocast,
-            "scale": scaler.get_scale() if scaler.is_enabled() else None,  # at an incident: a sync is no cost
-            "scaler": {"device": getattr(scaler, "_device", None), "enabled": scaler.is_enabled(),
-                       "growth_factor": scaler.get_growth_factor(), "backoff_factor": scaler.get_backoff_factor(),
-                       "growth_interval": scaler.get_growth_interval(), "max_skips": self.max_skips,
-                       "min_scale": self.min_scale},
+            "scale": scaler.get_scale() if enabled else None,  # at an incident: a sync is no cost
+            "scaler": {"device": getattr(scaler, "_device", None), "enabled": enabled, **settings,
+                       "max_skips": self.max_skips, "min_scale": self.min_scale},
             "skips_total": self.skips_total,
             "recent_skips": [s.to_dict() for s in self.recent],
             "streak": None,

@@ -357,6 +357,7 @@ class Monitor(StepVerdicts):
         self._micro_batch = 0  # the next micro-batch check's index within its step (NOTE: [micro-batch checks])
         self._observed = ObservedMicroBatches()  # NOTE: [observed micro-batches]
         self._deciding_micro: int | None = None  # the micro-batch whose check is being decided
+        self._deciding_observed = False  # ... found by its observed loss (NOTE: [observed micro-batches])
         self.first_invalid_step: int | None = None
         self.bundle_path: Path | None = None
         self.bundle_error: BaseException | None = None  # why the bundle could not be written, if it could not

@@ -135,11 +135,12 @@ class StepVerdicts:
         bad = self._observed.first_bad(step) if category == "loss" else None
         if bad is not None:  # NOTE: [observed micro-batches]: the micro-batch whose loss went non-finite first
             batch, sample_ids, self._deciding_micro = bad.batch, bad.sample_ids, bad.micro
+            self._deciding_observed = True
         try:
             return self._invalid_as(report, step, category, tensors, batch, sample_ids, started, start=start,
                                     read_at=read_at)
         finally:
-            self._deciding_micro = deciding
+            self._deciding_micro, self._deciding_observed = deciding, False
 
     def _invalid_as(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                     sample_ids: Any, started: bool, *, start: StepStart | None, read_at: str | None) -> ScanReport:
@@ -342,6 +343,7 @@ class StepVerdicts:
             logs=[read_log_tail(p) for p in self.log_files], replay_entry=self.replay_entry,
             mixed_precision=mixed_precision_record(self._scaler, self._autocast),
             spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
+            micro_batch_observed=self._deciding_observed,
             frozen=self._frozen_keys(model), window=self._window.record(step) if self._window is not None else None,
         )
 
