@@ -1,5 +1,6 @@
 """Build of nanscan's native extension nanscan._C: C++/OpenMP always, CUDA when nvcc is found; and of
-nanscan._torch_access, the plan check's tensor reads through torch's headers, when torch is importable.
+nanscan._torch_access, the plan check's tensor reads through torch's headers, when torch is importable (else its
+source goes into the package, built at first use for the torch that runs nanscan).
 
 The extension is optional: when it cannot be compiled (no C++ compiler), nanscan still installs and runs on its
 numba and reference backends, and `nanscan info` says why the native one is missing.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
@@ -175,6 +177,32 @@ class NativeBuild(build_ext):
         return {k: v for k, v in super().get_output_mapping().items() if k not in failed and v not in failed}
 
 
+# What nanscan._torch_access is built from at first use where torch was not importable here (pip's isolated build):
+# nanscan/engine/torch_access_build.py's SOURCES, relative to csrc/ and to nanscan/_csrc in the installed package.
+TORCH_ACCESS_SOURCES = ("torch/tensor_access.cpp", "include/nanscan/tensor_access.h")
+
+
+class PackageBuild(build_py):
+    """Also copies the source of nanscan._torch_access into the package (nanscan/_csrc), so that an installed nanscan
+    can build it for the torch that runs it (NOTE: [first-use build] in nanscan/engine/torch_access_build.py). An
+    editable install reads it from csrc/, beside the package."""
+
+    def run(self):
+        super().run()
+        if not self.editable_mode:
+            for source, target in self._torch_access_sources():
+                self.mkpath(os.path.dirname(target))
+                self.copy_file(source, target)
+
+    def _torch_access_sources(self) -> list[tuple[str, str]]:
+        return [(str(CSRC / name), os.path.join(self.build_lib, "nanscan", "_csrc", name))
+                for name in TORCH_ACCESS_SOURCES]
+
+    def get_outputs(self, include_bytecode=1):
+        extra = [] if self.editable_mode else [target for _, target in self._torch_access_sources()]
+        return super().get_outputs(include_bytecode) + extra
+
+
 def _headers() -> list[str]:
     """The C++ headers, so that `setup.py build_ext` rebuilds a module whose sources did not change but a header they
     include did (setuptools compares the timestamps of sources and `depends` only)."""
@@ -207,13 +235,14 @@ def _extensions():
 def _torch_access_extension():
     """nanscan._torch_access (csrc/torch, NOTE: [tensor access]): the plan check's tensor reads through torch's C++
     headers, for the torch that is importable at build time (make installs nanscan without build isolation, after
-    torch). Without it the plan check reads tensors through Python calls, which is slower but equivalent."""
+    torch). Where torch is not importable (pip's isolated build), the installed nanscan builds it at first use for the
+    torch that runs it (NOTE: [first-use build] in nanscan/engine/torch_access_build.py)."""
     try:
         import torch
         from torch.utils.cpp_extension import CppExtension
     except ImportError as exc:
-        print(f"nanscan: nanscan._torch_access not built ({exc}); the plan check reads tensors through Python",
-              file=sys.stderr)
+        print(f"nanscan: nanscan._torch_access not built here ({exc}); nanscan builds it at first use for the torch "
+              "that runs it", file=sys.stderr)
         return []
     return [
         CppExtension(
@@ -229,4 +258,5 @@ def _torch_access_extension():
     ]
 
 
-setup(ext_modules=_extensions() + _torch_access_extension(), cmdclass={"build_ext": NativeBuild})
+setup(ext_modules=_extensions() + _torch_access_extension(),
+      cmdclass={"build_ext": NativeBuild, "build_py": PackageBuild})

@@ -1,13 +1,15 @@
 """Shared fixtures: every scanning backend as a parametrized axis, each checked against the reference backend.
 
 `backend_under_test` yields "cpu", "numba" and "cuda" in turn and skips, saying why, the ones that cannot run here,
-except that a built nanscan._C must give a working cpu backend (a broken build must fail, not skip).
+except that a built nanscan._C must give a working cpu backend (a broken build must fail, not skip). The modules that
+`make test`'s numba pass leaves out are marked `once` here (tests/two_passes.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +19,14 @@ import torch
 import nanscan
 from nanscan.engine import _layout as L
 from nanscan.engine import backends
+from two_passes import NATIVE_PASS_ONLY
 
 BACKENDS_UNDER_TEST = ("cpu", "numba", "cuda", "numba-cuda")
+
+# The suite checks the nanscan._torch_access that `make` builds beside the package: one built at first use (NOTE:
+# [first-use build] in nanscan/engine/torch_access_build.py) would stand in for a missing one unnoticed, and be built
+# again for a test that pretends to run another torch. tests/test_install.py checks that build on its own.
+os.environ["NANSCAN_BUILD_TORCH_ACCESS"] = "0"
 
 # Every slot but the sum of squares is an exact integer (counts, bit patterns, bins) and must match exactly.
 EXACT_SLOTS = np.array([k for k in range(L.RECORD_WIDTH) if k != L.REC_SUMSQ])
@@ -266,3 +274,11 @@ def expected_default_backend() -> str:
     if native_extension_expected() and backends.requested_name(None) is None:
         assert name == "cpu", "nanscan._C is built, so auto selection must choose the cpu backend"
     return name
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of two_passes.NATIVE_PASS_ONLY's modules `once` (NOTE: [two passes] in tests/two_passes.py):
+    `make test`'s numba pass deselects them."""
+    for item in items:
+        if item.path.stem in NATIVE_PASS_ONLY:
+            item.add_marker(pytest.mark.once)

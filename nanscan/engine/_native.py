@@ -21,20 +21,34 @@ def native_module():
 
 
 def _look_up_tensor_access() -> tuple[Any, str]:
-    """(the capsule of nanscan._torch_access, or None when it cannot be used here; how tensors are read, and why)."""
+    """(the capsule of nanscan._torch_access, or None when it cannot be used here; how tensors are read, and why).
+    The installed module when it was built for the running torch, else one built for it at first use (NOTE:
+    [first-use build] in nanscan/engine/torch_access_build.py)."""
     import torch  # noqa: PLC0415 - here only: the compact history's encoder loads _C without torch (bundle reading)
 
     try:
         from nanscan import _torch_access  # noqa: PLC0415 - optional compiled extension
     except ImportError as exc:
-        return None, f"through Python calls: nanscan._torch_access is not available ({exc})"
-    if _torch_access.torch_version != torch.__version__:
+        problem = f"nanscan._torch_access is not available ({exc})"
+    else:
+        if _torch_access.torch_version == torch.__version__:
+            return _torch_access.tensor_access, ("through torch's C++ headers (nanscan._torch_access, built for torch "
+                                                 f"{_torch_access.torch_version})")
         # Built against another torch, its reads would misinterpret this torch's objects: not even tried.
-        return None, (f"through Python calls: nanscan._torch_access was built for torch "
-                      f"{_torch_access.torch_version}, this is torch {torch.__version__} (reinstall nanscan to "
-                      "rebuild it)")
-    return _torch_access.tensor_access, ("through torch's C++ headers (nanscan._torch_access, built for torch "
-                                         f"{_torch_access.torch_version})")
+        problem = (f"nanscan._torch_access was built for torch {_torch_access.torch_version}, this is torch "
+                   f"{torch.__version__}")
+    try:
+        native_module()
+    except ImportError:
+        # The plan checks that read through it are nanscan._C's: without them a build would buy nothing.
+        return None, f"through Python calls: {problem}, and nanscan._C, whose plan checks would use it, does not load"
+    # Imported here, with torch: nanscan.engine._native itself is loaded where torch may not be (bundle reading).
+    from nanscan.engine import torch_access_build  # noqa: PLC0415
+
+    built, how = torch_access_build.load_or_build()
+    if built is None:
+        return None, f"through Python calls: {problem}, and {how}"
+    return built.tensor_access, f"through torch's C++ headers (nanscan._torch_access, {how})"
 
 
 _tensor_access: Any = False  # _look_up_tensor_access()'s answer, once asked
