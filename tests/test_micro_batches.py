@@ -251,17 +251,17 @@ def test_snapshot_and_window_copy_the_state_once_per_optimizer_step_not_per_micr
     with pytest.raises(NonFiniteError) as caught:
         for step in range(3):
             before = {k: v.clone() for k, v in model.state_dict().items()}
-            for micro in range(4):
+            for micro in range(8):  # nanoGPT's accumulation, checked per micro-batch
                 x = torch.randn(2, 4)
-                if (step, micro) == (2, 2):
+                if (step, micro) == (2, 5):
                     x[0, 0] = float("nan")
                 model(x).pow(2).mean().backward()
-                mon.check(batch={"x": x}, micro_batch=micro < 3)
+                mon.check(batch={"x": x}, micro_batch=micro < 7)
             optimizer.step()
             optimizer.zero_grad()
     bundle = load_bundle(caught.value.bundle_path)
-    assert (bundle.step, bundle.micro_batch) == (2, 2)
-    # one snapshot copy per step started (3), plus the window's kept state at step 0
+    assert (bundle.step, bundle.micro_batch) == (2, 5)
+    # one snapshot copy per step started (3; 22 before, one per micro-batch's forward), plus the window's at step 0
     assert len(copies) == 3 + 1
     state, _ = bundle.state()
     assert all(torch.equal(state[k], before[k]) for k in before)
