@@ -36,6 +36,7 @@ import numpy as np
 
 from nanscan.bundle.format import HistoryEntry, WindowStep, json_float
 from nanscan.engine import _layout as L
+from nanscan.engine.stats import lower_median
 from nanscan.incident import is_kind, layer_of, tensor_kind
 
 # The ledger key of the finding (nanscan.bundle.incident_md.divergence_finding).
@@ -65,10 +66,6 @@ def top_binades(report: Any) -> dict[str, int]:
     return out
 
 
-def _lower_median(values: Sequence[int]) -> int:
-    return sorted(values)[(len(values) - 1) // 2]
-
-
 def grown_tensors(entries: Sequence[HistoryEntry], binades: int = GROWTH_BINADES) -> list[dict]:
     """Every judged tensor of `entries` (finite steps, oldest first) with its baseline, its top binade at the last
     step, the binades gained and its onset (None where it did not grow by `binades`), NOTE: [divergence onset]."""
@@ -82,8 +79,8 @@ def grown_tensors(entries: Sequence[HistoryEntry], binades: int = GROWTH_BINADES
     for j, name in enumerate(names):
         column = grid[:, j][grid[:, j] != _NONE]
         if len(column) > BASELINE_STEPS:  # a baseline and at least one step after it
-            own[name] = _lower_median(column[:BASELINE_STEPS].tolist())
-    floors = {kind: _lower_median([b for n, b in own.items() if tensor_kind(n) == kind])
+            own[name] = lower_median(column[:BASELINE_STEPS].tolist())
+    floors = {kind: lower_median([b for n, b in own.items() if tensor_kind(n) == kind])
               for kind in {tensor_kind(n) for n in own}}
     out = []
     for j, name in enumerate(names):

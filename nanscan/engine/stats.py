@@ -46,6 +46,12 @@ def gradient_rows(tensors: Sequence["ScannedTensor"]) -> np.ndarray:
     return np.array([i for i, t in enumerate(tensors) if is_kind(t.name, "gradient")], dtype=np.int64)
 
 
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median (of an even count, the smaller middle value), as torch.nanmedian takes it: the spike
+    statistic's host and device medians agree on it (nanscan.runtime.spikes NOTE: [spike statistic])."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 def unscaled_hist(exp_hist: np.ndarray, exponent: int) -> np.ndarray:
     """The exponent histogram of x / 2**exponent from that of x (NOTE: [unscaled gradients])."""
     if exponent == 0:

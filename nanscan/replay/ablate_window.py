@@ -266,7 +266,8 @@ def _safe_eps(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any],
               say: Callable[[str], None]) -> WindowRow:
     """The optimizer's eps raised to the smallest normal of the dtypes where it is a trap (nanscan.replay.traps
     NOTE: [update traps]), when the run's settings hold one."""
-    _, optimizer = replayer.build_at(replayer.model_state, replayer.optimizer_state)
+    # the entry's parameters' dtypes (a state loads into them as they are) and the run's param groups (its eps)
+    _, optimizer = replayer.build_at(None, replayer.optimizer_state)
     traps = [t for t in optimizer_traps(optimizer) if t.setting == "eps"]
     if not traps:
         return WindowRow(Factor("eps", "optimizer eps raised"), NOT_APPLIED, None,

@@ -582,17 +582,14 @@ class Monitor(StepVerdicts):
         accumulation count) and its batch (NOTE: [observed micro-batches] in nanscan/runtime/observed.py).
 
         No scan: the loss is kept (no host sync), the batch by reference, the window records the micro-batch
-        (benchmarks/bench_observe.py: three calls cost about a quarter of three micro-batch checks). The step's check then scans the sum of the observed losses and its own (the step's mean loss,
-        the one recorded); a non-finite loss in any micro-batch is that step's incident, at that micro-batch, with
+        (benchmarks/bench_observe.py: three calls cost about a quarter of three micro-batch checks). The step's
+        check then scans the sum of the observed losses and its own (the step's mean loss, the one recorded); a non-finite loss in any micro-batch is that step's incident, at that micro-batch, with
         its batch in the bundle. `step`: the step number, when the loop gives check() its own."""
         step = self._next_step if step is None else _step_number(step)
         started, self._started, self._armed = self._started, False, True  # the next micro-batch's start is its own
         micro, self._micro_batch = self._micro_batch, self._micro_batch + 1
         self._observed.add(micro, loss, batch, sample_ids)
-        if self._window is not None:  # NOTE: [run window]: the window's rerun replays every micro-batch
-            self._window.keep(model=self.model, optimizer=self.optimizer, step=step, micro=micro, started=started,
-                              batch=batch, sample_ids=sample_ids, scaling=None, autocast=self._autocast,
-                              rng=self._rng)
+        self._keep_in_window(self.model, step, micro, started, batch, sample_ids, None)  # its rerun replays each
 
     # -- check()'s stages (nanscan.runtime.stages NOTE: [check stages]) -----------------------------------------
     def _prepare(self, batch: Any, loss: Any, sample_ids: Any, lr: Any, step: int | None,
@@ -748,10 +745,16 @@ class Monitor(StepVerdicts):
     def _keep_window(self, check: StepCheck) -> None:
         """The step into the run's window (NOTE: [run window]): its batch and settings, and a state when one is due;
         after an async check's decision on the step before it, so that step's bundle does not hold this one."""
+        self._keep_in_window(check.model, check.step, check.micro, check.started, check.batch, check.sample_ids,
+                             check.scaling)
+
+    def _keep_in_window(self, model: torch.nn.Module, step: int, micro: int | None, started: bool, batch: Any,
+                        sample_ids: Any, scaling: Any) -> None:
+        """A check's or an observed micro-batch's batch and settings into the run's window, if it keeps one."""
         if self._window is not None:
-            self._window.keep(model=check.model, optimizer=self.optimizer, step=check.step, micro=check.micro,
-                              started=check.started, batch=check.batch, sample_ids=check.sample_ids,
-                              scaling=check.scaling, autocast=self._autocast, rng=self._rng)
+            self._window.keep(model=model, optimizer=self.optimizer, step=step, micro=micro, started=started,
+                              batch=batch, sample_ids=sample_ids, scaling=scaling, autocast=self._autocast,
+                              rng=self._rng)
 
     _SYNC = CheckPath((_scan, _count, _keep_window, _record, _spot_spike), _decide)
     _ASYNC = CheckPath((_read_inputs, _count, _decide_pending, _keep_window, _launch, _record_pending,

@@ -56,6 +56,8 @@ class ObservedMicroBatches:
     def fold(self, step: int, loss: Any) -> Any:
         """The step's loss: the observed losses and the check's own summed (one small op on their device), or the
         check's own when nothing was observed; the observed micro-batches are kept under `step` until decided."""
+        if not self._current and not self._by_step:  # the every-step case without observe(): nothing to do
+            return loss
         observed, self._current = self._current, []
         # a step older than the one before it was decided already (sync: at its check; async: at the next)
         self._by_step = {s: kept for s, kept in self._by_step.items() if s >= step - 1}

@@ -70,7 +70,7 @@ import torch
 from nanscan.engine import _layout as L
 from nanscan.incident import GROWTH, LOSS, SPIKE, is_kind, layer_of
 from nanscan.engine.pending import CompletedScan, StepScan
-from nanscan.engine.stats import Scaling, ScannedTensor, ScanReport, gradient_rows
+from nanscan.engine.stats import Scaling, ScannedTensor, ScanReport, gradient_rows, lower_median
 
 QUANTITIES = ("loss", "grad_norm")
 POLICIES = ("warn", "bundle", "skip", "raise")
@@ -257,10 +257,6 @@ def device_log_values(records: torch.Tensor, loss_rows: torch.Tensor, grad_rows:
 
 
 # -- the statistic ----------------------------------------------------------------------------------------------
-
-def lower_median(values: list[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
-
 
 def binade_growth(logs: Sequence[float], steps: int = SpikeRule.growth_steps,
                   min_binades: float = SpikeRule.growth_binades, earlier_high: float = -math.inf) -> float | None:
@@ -495,8 +491,7 @@ class SpikeWatch:
         scores = self.host.observe(logs)
         if not scores:  # the every-step case: nothing else to work out (NOTE: [cold check path])
             return None
-        window = self.rule.growth_steps if scores[0].kind == GROWTH else self.host.span
-        return Spike(step, tuple(scores), window, self.rule)
+        return self._spike(step, scores, self.host.span)
 
     def observe_device(self, step: int, scan: StepScan, tensors: tuple[ScannedTensor, ...],
                        scaling: Scaling | None = None) -> torch.Tensor:
@@ -547,10 +542,13 @@ class SpikeWatch:
         return pending.step, scores_from_verdict(verdict, self.rule)
 
     def spike_of(self, step: int, scores: list[Score]) -> Spike:
-        if scores and scores[0].kind == GROWTH:
-            window = self.rule.growth_steps
-        else:
-            window = int(min(self.device.count - 1, self.rule.window)) if self.device is not None else 0
+        span = int(min(self.device.count - 1, self.rule.window)) if self.device is not None else 0
+        return self._spike(step, scores, span)
+
+    def _spike(self, step: int, scores: list[Score], span: int) -> Spike:
+        """The Spike of `scores`, over the steps its rule judged: the growth rule's last growth_steps, else the
+        spike statistic's window (`span` steps)."""
+        window = self.rule.growth_steps if scores and scores[0].kind == GROWTH else span
         return Spike(step, tuple(scores), window, self.rule)
 
     def attributed(self, spike: Spike, entries: Sequence[tuple[Any, ScanReport]]) -> Spike:
