@@ -678,6 +678,16 @@ def _spike_tables(table, spike: dict):
     return Group(first, second) if moving else first
 
 
+def _mark_nonfinite(ax, step: int, text: str | None = None) -> None:
+    """A non-finite value at `step`: a red X at the top of the axis (a log axis has no place for it), labelled with
+    what it was when `text` is given."""
+    ax.scatter([step], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red", zorder=3,
+               clip_on=False)
+    if text is not None:
+        ax.annotate(text, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(-8, -4),
+                    textcoords="offset points", ha="right", va="top", color="red", fontsize=9)
+
+
 def plot_curves(summary: dict, history):
     """Loss and gradient norm over the history, with the first invalid step marked; a non-finite value is drawn
     as a red X at the top of the axis, labelled with what it was."""
@@ -702,10 +712,7 @@ def plot_curves(summary: dict, history):
             ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
         for s, v in points:
             if not math.isfinite(v):
-                ax.scatter([s], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red",
-                           zorder=3, clip_on=False)
-                ax.annotate(_json_float(v), xy=(s, 1.0), xycoords=("data", "axes fraction"), xytext=(-8, -4),
-                            textcoords="offset points", ha="right", va="top", color="red", fontsize=9)
+                _mark_nonfinite(ax, s, _json_float(v))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     if step is not None:
@@ -743,8 +750,7 @@ def plot_divergence(div: dict):
                 ax.set_yscale("log")
         for s, v in values:
             if v is not None and not math.isfinite(v):
-                ax.scatter([s], [1.0], transform=ax.get_xaxis_transform(), marker="X", s=70, color="red",
-                           zorder=3, clip_on=False)
+                _mark_nonfinite(ax, s)
         ax.set_ylabel(label if ax is not ax_lr else "learning rate")
     scales = [(r["step"], float(r["loss_scale"])) for r in rows if _is_finite(r["loss_scale"])]
     if scales:
