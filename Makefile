@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 # Ranges matching the extras in pyproject.toml (tested with transformers 5.24, lightning 2.6.6, accelerate 1.15,
 # wandb 0.31: its tests run it offline, no account or network; deepspeed 0.19.8 on the CPU, whose ZeRO internals
-# nanscan.integrations.deepspeed reads, hence the narrow range; peft 0.21 for the frozen-weight LoRA test).
+# nanscan.integrations.deepspeed reads, hence the narrow range; peft 0.21 for the frozen-weight LoRA test; datasets
+# 5.2 for the quarantine's HF datasets path, nanscan.skip_quarantined).
 FRAMEWORKS := "transformers>=5.0,<6" "lightning>=2.4,<3" "accelerate>=1.1,<2" "wandb>=0.19" "deepspeed>=0.19,<0.20" \
-	"peft>=0.21,<1"
+	"peft>=0.21,<1" "datasets>=2.14"
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: all install demo test test-native test-numba bench bench-all gpu-check clean

@@ -31,6 +31,8 @@ _HOMES = {
     "Spike": "nanscan.runtime.spikes", "SpikeRule": "nanscan.runtime.spikes",
     "PendingReport": "nanscan.engine.stats", "ScanReport": "nanscan.engine.stats",
     "TensorStats": "nanscan.engine.stats",
+    "skip_quarantined": "nanscan.data.quarantine", "QuarantinedDataset": "nanscan.data.quarantine",
+    "QuarantinedIterableDataset": "nanscan.data.quarantine",
 }
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "backend_info", "check", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
     "GradientWarning", "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
+    "QuarantinedDataset", "QuarantinedIterableDataset", "skip_quarantined",
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
@@ -51,6 +54,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.runtime.monitor import Monitor
     from nanscan.scan import scan
     from nanscan.engine.stats import PendingReport, ScanReport, TensorStats
+    from nanscan.data.quarantine import QuarantinedDataset, QuarantinedIterableDataset, skip_quarantined
 
 
 lazy_names(__name__, _HOMES, __all__, functions_named_like_modules=("scan",))

@@ -84,6 +84,7 @@ NATIVE_PASS_ONLY = {
     "test_passes": "this classification",
     "test_preflight": "the preflight tool's verdicts",
     "test_provenance": "provenance records and atomic writes",
+    "test_quarantine": "the quarantine file and its dataset wrappers; the replay naming the records is BOTH_PASSES'",
     "test_report": "reads bundles",
     "test_runs": "reads run records",
     "test_scan_table": "nanscan._C.ScanTable, the cpu backend named",

@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "preflight": "nanscan.cli.preflight:preflight_command",
     "runs": "nanscan.data.cli:runs_command",
     "export": "nanscan.review.export:export_command",
+    "quarantine": "nanscan.cli.quarantine:quarantine_command",
 }
 
 # NOTE: [fast help]
