@@ -159,11 +159,11 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
         _save_state(out / f"{name}-rank{rank}.safetensors", model)
         mon.close()
 
-    run("sync", "x", run_id="ddp-sync")
+    run("sync", "x", run_id="ddp-sync", step_fn=step_loss)
     dist.barrier()
     set_dir = bundles / "ddp-sync" / f"step-{FAULT_STEP}"
     before = _file_hashes(set_dir) if rank == 0 else None
-    run("rerun", "x", run_id="ddp-sync")
+    run("rerun", "x", run_id="ddp-sync", step_fn=step_loss)
     dist.barrier()
     if rank == 0:
         results["rerun"]["hashes_before"], results["rerun"]["hashes_after"] = before, _file_hashes(set_dir)
@@ -193,7 +193,8 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
         return
 
-    for name, monitor_args, flush in (("sync", {"snapshot": "cpu"}, False), ("flush", {"agreement": "async"}, True)):
+    for name, monitor_args, flush in (("sync", {"snapshot": "cpu", "step_fn": step_loss}, False),
+                                      ("flush", {"agreement": "async"}, True)):
         model = make_model()
         fully_shard(model)
         optimizer = make_optimizer(model)
@@ -279,6 +280,28 @@ def test_ddp_every_rank_stops_at_the_failing_step_and_the_index_names_rank_1(ddp
     # a part opened on its own path still opens the whole set, showing that part; so does the run directory
     assert load_bundle(set_dir / "rank-3").rank == 3
     assert load_bundle(set_dir.parent).set_path == set_dir
+
+
+def test_ddp_the_ranks_that_saw_the_fault_rerun_it_in_process(ddp):
+    """Monitor(step_fn=...) under DDP (nanscan.runtime.incident_rerun NOTE: [in-process rerun]): every rank whose own
+    tensors went bad reruns its step on the plain module, with no collective (no rank hangs); rank 1's rerun finds
+    its batch's NaN, the others' reruns stay finite and name the all-reduce from another rank among what they cannot
+    see."""
+    out, ranks = ddp
+    bundle = load_bundle(_set_dir(out, "ddp-sync"))
+    for rank in range(4):
+        part = bundle.part(rank)
+        assert part.manifest["rerun"]["step_fn"] == "test_distributed:step_loss"
+        (finding,) = [f for f in part.findings() if f["key"] == "rerun"]
+        record = finding["record"]
+        if rank == FAULT_RANK:
+            assert record["verdict"] == "reproduced" and record["category"] == "input"
+            assert record["localization"]["phase"] == "input"
+            assert "rerun in process on this rank: reproduced (input)" in ranks[rank]["sync"]["error"]["message"]
+        else:
+            assert record["verdict"] == "not reproduced"
+            assert record["unseen"][0]["candidate"].startswith("another rank: DDP averages the gradients")
+    assert all(r["sync"]["updated"] == list(range(FAULT_STEP)) for r in ranks)
 
 
 def test_ddp_each_rank_keeps_its_own_window(ddp):
@@ -432,6 +455,10 @@ def test_fsdp_every_rank_stops_and_shards_are_named_and_joined(fsdp):
         assert f"param:0.weight@shard{rank}/2" in names and f"optim:2.weight@shard{rank}/2.exp_avg" in names
         assert bundle.part(rank).manifest["distributed"]["sharded"]
     assert bundle.part(0).manifest["state"]["pre_step"]  # snapshot="cpu" copied the local shards
+    # sharded weights cannot be rerun on one rank: the in-process rerun says so instead of hanging a collective
+    for rank in (0, 1):
+        (finding,) = [f for f in bundle.part(rank).findings() if f["key"] == "rerun"]
+        assert finding["record"]["verdict"] == "not run" and "sharded across the ranks" in finding["record"]["reason"]
     # joined from both parts, the state is the full model and optimizer state (step 7's update never ran)
     full = load_file(out / "fsdp-sync-full.safetensors")
     model_state, optimizer_state = bundle.state()

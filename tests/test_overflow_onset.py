@@ -1,4 +1,4 @@
-"""Where an overflow began (nanscan.replay.localize NOTE: [overflow onset]): the first module whose output grew
+"""Where an overflow began (nanscan.runtime.localize NOTE: [overflow onset]): the first module whose output grew
 overflow-sized from inputs that were not is named beside the first module with a non-finite output, which may
 come much later; a jump of many binades counts too; a healthy step names none."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import nanogpt_runs as N
-from nanscan.replay.localize import JUMP_BINADES, Localizer
-from nanscan.replay.step import run_step
+from nanscan.runtime.localize import JUMP_BINADES, Localizer
+from nanscan.runtime.rerun import run_step
 
 
 def gpt(scale: float | None = None, dtype: str = "float32"):

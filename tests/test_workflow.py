@@ -28,7 +28,7 @@ from nanscan.runtime.default import default_monitor
 from nanscan.entry import EntryError, EntryWarning, entry_search_dirs, locate_entry
 from nanscan.replay import replay
 from nanscan.replay.export import export_regression
-from nanscan.replay.localize import ValueSummary
+from nanscan.runtime.localize import ValueSummary
 from nanscan.replay.reproduce import record_replay
 from nanscan.review.triage import triage
 

@@ -26,6 +26,7 @@ BOTH_PASSES = {
     "test_distributed": "the ranks' agreement on each rank's own scan (DDP, FSDP2)",
     "test_growth": "the growth rule, on the spike statistic the check's summary feeds",
     "test_ignored_targets": "targets named as the cause in the incident and in replay, which scans the rerun step",
+    "test_incident_rerun": "the Monitor's in-process rerun, which scans the rerun step to localize it",
     "test_micro_batches": "the Monitor's per-micro-batch checks",
     "test_monitor": "the Monitor's check, verdicts and policies",
     "test_nanogpt_window": "the window kept by the Monitor, rerun and ablated",

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanscan.bundle.format import ABLATE_FINDING_PREFIX, DETECT_FINDING, REPLAY_FINDING, BundleError
+from nanscan.bundle.format import ABLATE_FINDING_PREFIX, DETECT_FINDING, REPLAY_FINDING, RERUN_FINDING, BundleError
 
 NOT_REPLAYED = "(not replayed)"
 
 
 def first_bad_module(bundle) -> tuple[str, str, str | None]:
     """(module, finding key, replay verdict) from the bundle's findings; the replay's localization wins over the
-    ablation baseline's."""
+    ablation baseline's, and both over the Monitor's in-process rerun's (replay runs deterministic algorithms)."""
     records = {f.get("key"): f.get("record") or {} for f in bundle.findings()}
     baseline = f"{ABLATE_FINDING_PREFIX}baseline"
     replayed, ablated = records.get(REPLAY_FINDING, {}), records.get(baseline, {})
+    rerun = records.get(RERUN_FINDING, {})
     verdict = replayed.get("verdict")
     if verdict is not None and not isinstance(verdict, str):
         raise BundleError(f"{bundle.path}: the replay finding's verdict is {verdict!r}, not a word; the ledger was "
@@ -23,7 +24,8 @@ def first_bad_module(bundle) -> tuple[str, str, str | None]:
     outcome = ablated.get("outcome") or {}
     # an outcome that is not an object is as malformed as a bad localization: it is refused below
     ablated_loc = outcome.get("localization") if isinstance(outcome, dict) else outcome
-    for key, loc in ((REPLAY_FINDING, replayed.get("localization")), (baseline, ablated_loc)):
+    for key, loc in ((REPLAY_FINDING, replayed.get("localization")), (baseline, ablated_loc),
+                     (RERUN_FINDING, rerun.get("localization"))):
         if not loc:
             continue
         if not isinstance(loc, dict) or not all(isinstance(loc.get(k), str) for k in ("label", "module_type", "phase")):
@@ -32,11 +34,13 @@ def first_bad_module(bundle) -> tuple[str, str, str | None]:
         return f"{loc['label']} ({loc['module_type']}, {loc['phase']})", key, verdict
     if verdict == "transient":
         return "(not reproduced by the replay entry)", REPLAY_FINDING, verdict
+    if rerun.get("verdict") == "not reproduced":
+        return "(not reproduced by the in-process rerun)", RERUN_FINDING, verdict
     return NOT_REPLAYED, "", verdict
 
 
 def first_bad_op(record: dict) -> dict | None:
-    """The replay record's first bad op (nanscan.replay.ops.OpSite.to_dict), reduced to what a report shows."""
+    """The replay record's first bad op (nanscan.runtime.ops.OpSite.to_dict), reduced to what a report shows."""
     op = record.get("op")
     if not isinstance(op, dict) or not isinstance(op.get("op"), str):
         return None

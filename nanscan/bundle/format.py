@@ -115,6 +115,10 @@ REPLAY_FINDING = "replay"
 WINDOW_REPLAY_FINDING = "replay:window"
 
 
+# The Monitor's in-process rerun at the incident (Monitor(step_fn=...), nanscan.runtime.incident_rerun).
+RERUN_FINDING = "rerun"
+
+
 ABLATE_FINDING_PREFIX = "ablate:"
 
 
@@ -218,6 +222,10 @@ class Incident:
     state_note: str = ""
     logs: Sequence[dict] = ()  # from read_log_tail
     replay_entry: str | None = None
+    # The Monitor's in-process rerun of this step (Monitor(step_fn=...), nanscan.runtime.incident_rerun NOTE:
+    # [in-process rerun]): {"step_fn": "module:qualname", "timeout_s": ...}, stored as the manifest's "rerun"; its
+    # result is the ledger's finding "rerun", added once the bundle is written. None: no step_fn was given.
+    rerun: Mapping | None = None
     # One rank's part of a distributed incident (nanscan.runtime.distributed): written to step-<N>/rank-<r>/, with the
     # `distributed` mapping stored in the manifest.
     rank: int | None = None

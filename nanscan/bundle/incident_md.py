@@ -99,6 +99,18 @@ def _micro_batch_line(manifest: Mapping) -> str:
             f"micro-batches 0 to {micro}, the batch is that micro-batch)")
 
 
+def _entry_line(manifest: Mapping) -> str:
+    """How the step can be run again: the replay entry, and the Monitor's in-process rerun (its finding below)."""
+    rerun = manifest.get("rerun") or {}
+    entry = f"`{manifest['replay_entry']}`" if manifest.get("replay_entry") else "none"
+    if not rerun.get("step_fn"):
+        return f"- replay entry: {entry}"
+    line = f"- replay entry: {entry}; the Monitor reran the step in its process through `{rerun['step_fn']}` (below)"
+    if not manifest.get("replay_entry"):
+        line += "; `nanscan replay` runs outside the process and needs an entry that rebuilds the model"
+    return line
+
+
 def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     """The automatic part of INCIDENT.md (header and findings), ending just before REVIEWER_HEADING."""
     state = manifest.get("state") or {}
@@ -123,7 +135,7 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
         f"- source: {_source_line(manifest.get('source') or {})}",
         f"- config sha256: `{manifest.get('config_sha256') or 'no config given'}`",
         f"- state: {state_line}",
-        f"- replay entry: `{manifest['replay_entry']}`" if manifest.get("replay_entry") else "- replay entry: none",
+        _entry_line(manifest),
         *_unsaved_lines(manifest),
         "",
         f"Every file of this bundle is listed with its sha256 in {MANIFEST}. "

@@ -136,6 +136,8 @@ def _manifest_type_errors(manifest: Mapping) -> list[str]:
         ("config_sha256", optional(manifest["config_sha256"], str), "a string or null"),
         ("environment", isinstance(manifest["environment"], dict), "an object"),
         ("replay_entry", optional(manifest["replay_entry"], str), "a string or null"),
+        ("rerun", optional(manifest.get("rerun"), dict) and isinstance((manifest.get("rerun") or {}).get(
+            "step_fn", ""), str), "an object naming its step_fn"),
         ("incident", isinstance(manifest["incident"], str), "a file name"),
         ("ledger", isinstance(manifest["ledger"], str), "a file name"),
         ("detected_at", optional(manifest.get("detected_at"), str), "a string or null"),

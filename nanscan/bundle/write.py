@@ -221,6 +221,8 @@ def _write_contents(files: BundleFiles, inc: Incident, *, core_only: str | None 
         manifest["window"] = part("window", (WINDOW,), lambda: _write_window(files, inc.window), states=[],
                                   index=None, records=0, span=None)
     manifest["replay_entry"] = inc.replay_entry
+    if inc.rerun is not None:
+        manifest["rerun"] = plain_json(dict(inc.rerun), "rerun")
     manifest["spikes"] = plain_json(list(inc.spikes), "spikes")
     if inc.distributed is not None:
         manifest["distributed"] = plain_json(inc.distributed, "distributed")

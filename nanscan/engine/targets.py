@@ -54,6 +54,11 @@ class IgnoredTargets:
     def to_dict(self) -> dict:
         return {"path": self.path, "count": self.count, "ignore_index": self.ignore_index}
 
+    def cause(self, scope: str) -> dict:
+        """The cause as an incident's finding records it: the text, a short form, the scope and the tensor."""
+        return {"text": self.describe(scope), "short": f"every target of {scope} is {self.ignore_index}, the "
+                                                       "ignore index", "scope": scope, **self.to_dict()}
+
 
 def ignored_targets(batch: Any, ignore_index: int | None = DEFAULT_IGNORE_INDEX) -> list[IgnoredTargets]:
     """The integer tensors of `batch` whose every value is `ignore_index` (NOTE: [no supervised tokens]). None: the

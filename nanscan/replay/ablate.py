@@ -283,7 +283,7 @@ def _row_title(row: AblationRow) -> str:
 
 
 def _row_markdown(row: AblationRow, result: AblationResult) -> str:
-    from nanscan.replay.localize import fmt_value  # noqa: PLC0415
+    from nanscan.runtime.localize import fmt_value  # noqa: PLC0415
 
     lines = [f"Applied alone to the bundle's {result.state} state and batch, replayed with `{result.entry}`."
              if row.factor is not BASELINE else
@@ -326,7 +326,7 @@ def print_ablation(result: AblationResult, console) -> None:
     from rich.markup import escape  # noqa: PLC0415 - notes, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
 
-    from nanscan.replay.localize import fmt_value  # noqa: PLC0415
+    from nanscan.runtime.localize import fmt_value  # noqa: PLC0415
 
     console.print(f"[bold]{escape(result.bundle)}[/bold] (run {result.run_id}, step {result.step}, category "
                   f"{result.category}; {result.state} state)")

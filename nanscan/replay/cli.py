@@ -19,7 +19,7 @@ def print_replay(result: ReplayResult, console) -> None:
     from rich.markup import escape  # noqa: PLC0415 - errors, paths and module names are not markup
     from rich.table import Table  # noqa: PLC0415
 
-    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+    from nanscan.runtime.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
 
     # not reproduced is no all-clear: a rerun cannot see what lies outside the replay entry (NOTE: [not reproduced])
     style = "red" if result.reproduced and result.verdict == "persistent" else "yellow"
@@ -113,7 +113,7 @@ def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record
 
 def _replay_window(bundle, entry, trust_bundle_paths, no_record, as_json, console) -> None:
     """`replay --window` (nanscan.replay.window NOTE: [window replay])."""
-    from nanscan.replay.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+    from nanscan.runtime.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
     from nanscan.replay.window import record_window_replay, replay_window  # noqa: PLC0415
 
     with cli_errors():

@@ -42,9 +42,12 @@ class Replayer:
         self.entry_from_bundle = not entry
         where = self.bundle.path
         if not self.entry:
+            rerun = (self.bundle.manifest.get("rerun") or {}).get("step_fn")
+            done = (f"; the Monitor already reran the step in its process through {rerun} (its finding \"rerun\" "
+                    "in INCIDENT.md names the first bad module and op)") if rerun else ""
             raise ReplayError(f"{where} records no replay entry: pass one with --entry package.module:function "
                               "(a function taking the config dict and returning a nanscan.entry.ReplaySpec), or "
-                              "give replay_entry= to the Monitor")
+                              f"give replay_entry= to the Monitor{done}")
         # As the training run could: a module beside it (`python -m pkg.train`) need not be installed.
         self.search = entry_search_dirs(self.bundle.manifest["environment"], trust_bundle_paths=trust_bundle_paths)
         found_in = locate_entry(self.entry, self.search)

@@ -21,12 +21,12 @@ from typing import Any, Callable, Sequence
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
-from nanscan.replay.localize import Localization, fmt_value
-from nanscan.engine.targets import NLL_OPS, IgnoredTargets, ignored_targets
+from nanscan.runtime.localize import OP_PHASES, Localization, fmt_value
+from nanscan.engine.targets import NLL_OPS, ignored_targets
 from nanscan.incident import (INTERMITTENT, LOSS, NOT_REPRODUCED, PERSISTENT, REPLAY_VERDICT_WORDS, UPDATE,
                               is_kind)
 from nanscan.integrations.rebuild import MICRO_BATCHES
-from nanscan.replay.ops import OpSite
+from nanscan.runtime.ops import OpSite, op_markdown
 from nanscan.replay.traps import BREAKS, optimizer_traps
 from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
@@ -123,9 +123,6 @@ class ReplayResult:
         return text
 
 
-# The localizations that computation made, so that an op can be named: not the batch (the record is named) nor a
-# state that was non-finite before the step ran.
-OP_PHASES = ("forward", "backward", "loss")
 
 VERDICT_EXPLANATIONS = {
     PERSISTENT: "The same failure came back on every replay: the cause is in the code, the data or the state, "
@@ -247,13 +244,8 @@ def batch_cause(replayer: Replayer, op: OpSite | None) -> dict | None:
     for scope, part in parts:
         found = ignored_targets(part, None) if loss_ignores else ignored_targets(part)
         if found:
-            return _cause(found[0], scope)
+            return found[0].cause(scope)
     return None
-
-
-def _cause(found: IgnoredTargets, scope: str) -> dict:
-    return {"text": found.describe(scope), "short": f"every target of {scope} is {found.ignore_index}, the ignore "
-                                                    "index", "scope": scope, **found.to_dict()}
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:
@@ -273,10 +265,7 @@ def replay_markdown(result: ReplayResult) -> str:
         lines.append(f"- loss {fmt_value(first.loss)}, {len(first.nonfinite)} non-finite tensor(s)"
                      + (f", largest gradient exponent 2^{exponent}" if exponent is not None else ""))
     if result.localization is not None:
-        loc = result.localization
-        lines += ["", f"**First bad module:** `{loc.label}` ({loc.module_type}), {loc.phase}"
-                      f"{f' ({loc.detail})' if loc.detail else ''}.",
-                  f"It received: {loc.received.describe()}.", f"It produced: {loc.produced.describe()}."]
+        lines += ["", *result.localization.markdown_lines()]
     if result.op is not None:
         lines += ["", op_markdown(result.op)]
     if result.update is not None:
@@ -326,15 +315,6 @@ def update_markdown(update: dict) -> str:
         lines.append("No known numeric trap of its settings applies: look at the size of the step (learning rate, "
                      "gradient norm).")
     return "\n".join(lines)
-
-
-def op_markdown(site: OpSite) -> str:
-    """The first bad op as INCIDENT.md shows it."""
-    where = f", at `{site.location}`" if site.location else ""
-    code = f":\n\n    {site.code}" if site.code else "."
-    return (f"**First bad op:** `{site.op}` ({site.made} `{site.call}`), {site.phase}, in `{site.label}` "
-            f"({site.module_type}){where}{code}\n\nIt received: {site.received.describe()}. It produced: "
-            f"{site.produced.describe()}.")
 
 
 def record_replay(result: ReplayResult, bundle: Bundle | None = None) -> bool:

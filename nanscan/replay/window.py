@@ -12,7 +12,7 @@ update. Each step's loss and gradient norm are compared with the history the bun
 first step where either differs by more than DEPART_REL_TOL (relative) is where the rerun departs; on the CPU a
 faithful rerun matches to the last bits. It is "reproduced over the window" when the rerun goes non-finite at the
 recorded step. A step checked per micro-batch is rerun as its micro-batches, each from the RNG state at its
-forward's start, their losses averaged (nanscan.replay.step NOTE: [replayed accumulation]); the loop's own
+forward's start, their losses averaged (nanscan.runtime.rerun NOTE: [replayed accumulation]); the loop's own
 clipping is applied when the entry states it (ReplaySpec.clip_grad_norm). What it cannot rebuild is said, not
 papered over: a GradScaler's scaling (the rerun's gradients are unscaled and skip nothing), updates the run
 skipped.

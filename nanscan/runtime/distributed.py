@@ -114,6 +114,15 @@ def has_dtensors(model: torch.nn.Module) -> bool:
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
+def _sharded(model: torch.nn.Module) -> str | None:
+    """Why this rank's weights cannot be rerun alone (nanscan.runtime.incident_rerun NOTE: [in-process rerun]), or
+    None: a replicated model (DDP) reruns on the plain module, with no collective."""
+    if has_dtensors(model) or any(type(p).__name__ == "FlatParameter" for p in model.parameters()):
+        return ("the weights are sharded across the ranks (FSDP): a rerun on one rank alone cannot gather them; "
+                "`nanscan replay` with a replay entry reruns the step")
+    return None
+
+
 def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
     """What this rank holds of a tensor, and the name suffix saying which shard it is."""
     return local_tensor(t), shard_suffix(t)
@@ -272,9 +281,15 @@ class MonitorSide(Protocol):
     invalid_steps: int
     bundle_path: Path | None
     bundle_error: BaseException | None
+    rerun: Any  # the in-process rerun's result (Monitor(step_fn=...)), None until one ran
 
     def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                  sample_ids: Any, started: bool) -> Incident: ...
+
+    def rerun_record(self) -> dict | None: ...
+
+    def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: Any,
+                       read_at: str | None, sharded: str | None = None) -> None: ...
 
 
 class Agreement:
@@ -458,6 +473,8 @@ class Agreement:
                 incident.state_note = (f"written one step late (agreement='async'): this rank's tensors were finite "
                                        f"at step {step}, so it wrote its part when the ranks' verdict arrived at the "
                                        f"next check; the state includes step {step}'s update")
+            rerun = not late and not report.ok  # a rank whose own tensors went bad, at its check
+            incident.rerun = monitor.rerun_record() if rerun else None
             incident.rank = self.rank
             incident.distributed = {
                 "rank": self.rank, "global_rank": self.global_rank, "world_size": self.world_size,
@@ -465,11 +482,15 @@ class Agreement:
                 "index": f"../{INDEX}", "written": "one_step_late" if late else "at_check",
                 "sharded": bool(layout), "shards": layout, "shard_groups": groups,
             }
-            return write_bundle(incident, monitor.bundle_dir), None
+            path = write_bundle(incident, monitor.bundle_dir)
         except Exception as exc:  # noqa: BLE001 - a failed write must not keep this rank out of the gather
             log.error("nanscan: rank %d could not write its part of the bundle for step %d: %s: %s", self.rank, step,
                       type(exc).__name__, exc)
             return None, exc
+        if rerun:  # before the gather: a rank that raised first could end the job while this one reruns
+            monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
+                                   sharded=_sharded(monitor.model))
+        return path, None
 
     def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None) -> dict:
         """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that
@@ -550,6 +571,8 @@ class Agreement:
         if late:
             text += (f"; agreement='async': the verdict arrived at the next check, after step {verdict.step}'s "
                      "update (call Monitor.flush() before optimizer.step() to decide each step before its update)")
+        if monitor.rerun is not None:
+            text += f"; rerun in process on this rank: {monitor.rerun.headline()}"
         if monitor.bundle_path is not None:
             return f"{text}; evidence in {monitor.bundle_path} (see `nanscan report {monitor.bundle_path}`)"
         if monitor.bundle_error is not None:

@@ -86,6 +86,7 @@ from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
 from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_scaling
 from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
+from nanscan.runtime.incident_rerun import DEFAULT_TIMEOUT_S as DEFAULT_RERUN_TIMEOUT_S, RerunResult
 from nanscan.runtime.observed import ObservedMicroBatches
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import POLICIES as SPIKE_POLICIES
@@ -280,6 +281,14 @@ class Monitor(StepVerdicts):
         machine's memory, else fewer, said once) and holds every check's batch, sample ids, learning rates, loss
         scale, precision and RNG state since the oldest; a bundle holds it. Not with a TensorSource (source=),
         whose tensors are not the module's state.
+    step_fn: the loop's forward, `step_fn(model, batch) -> loss` (a closure over the script's own objects; it must
+        call the model it is given, and the loss it returns is the one backpropagated). At the first incident,
+        once its bundle is written and before on_invalid acts, the Monitor reruns the failing step in the process
+        from the state it started from, on its batch, under its recorded autocast, and names the first bad module,
+        op and source line and where an overflow began, as `nanscan replay` does but with no replay entry; the
+        bundle (finding "rerun") and the error's message say what it found, or that the rerun stayed finite
+        (nanscan.runtime.incident_rerun NOTE: [in-process rerun]). Nothing of the run changes: gradients, buffers,
+        modes and RNG streams are put back. rerun_timeout: seconds after which the rerun's op pass is left out.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -295,7 +304,9 @@ class Monitor(StepVerdicts):
                  agreement: str = "sync", mode: str = "auto", scaler: Any = None, max_skips: int = MAX_SKIPS,
                  min_scale: float = MIN_SCALE, tensorboard: Any = None, wandb: Any = None,
                  log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None,
-                 frozen_weights: str = "digest", window: Window | int | None | str = "default"):
+                 frozen_weights: str = "digest", window: Window | int | None | str = "default",
+                 step_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+                 rerun_timeout: float = DEFAULT_RERUN_TIMEOUT_S):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
@@ -331,6 +342,10 @@ class Monitor(StepVerdicts):
         entry_unusable = entry_problem(replay_entry) if replay_entry is not None else None
         if entry_unusable:  # now, while the run can still be fixed; after an incident replay would fail on it
             warn_user(f"nanscan: {entry_unusable}", EntryWarning)
+        if step_fn is not None and not callable(step_fn):
+            raise TypeError(f"step_fn must be a function step_fn(model, batch) -> loss, got {type(step_fn).__name__}")
+        if not (isinstance(rerun_timeout, (int, float)) and rerun_timeout > 0):
+            raise ValueError(f"rerun_timeout={rerun_timeout!r}: give the seconds the in-process rerun may take (> 0)")
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
         hooked, model = _unwrap(model)
@@ -345,6 +360,9 @@ class Monitor(StepVerdicts):
         self.log_files = tuple(Path(p) for p in log_files)
         self.on_invalid = on_invalid
         self.replay_entry = replay_entry
+        self.step_fn = step_fn
+        self.rerun_timeout = float(rerun_timeout)
+        self.rerun: RerunResult | None = None  # the in-process rerun of the first incident (step_fn)
         self.snapshot = snapshot
         self.frozen_weights = frozen_weights
         self.backend = backend

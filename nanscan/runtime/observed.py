@@ -8,7 +8,7 @@ forward that returns NaN for a row the loss then drops) is never seen, and check
 cost of a full scan per micro-batch. observe(loss=..., batch=...) after each earlier micro-batch's backward takes no
 scan: it keeps the micro-batch's loss (a 0-dim tensor, detached: no host sync) and its batch by reference, and the
 window records the micro-batch (nanscan.runtime.window NOTE: [run window]), so that the window's rerun replays
-every micro-batch (nanscan.replay.step NOTE: [replayed accumulation]). At the step's check the observed losses
+every micro-batch (nanscan.runtime.rerun NOTE: [replayed accumulation]). At the step's check the observed losses
 and the check's own are summed into one loss (one small device op), the step's scanned and recorded loss: a
 non-finite loss anywhere makes the step's loss non-finite, and with each micro-batch's loss passed as the loop
 backpropagates it (divided by the accumulation count), the step's loss is their mean, the loss the step trained

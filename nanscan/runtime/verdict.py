@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import numpy as np
 import torch
 
-from nanscan.bundle import Incident, read_log_tail, unsaved_parts, write_bundle
+from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, write_bundle
 from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
 from nanscan.engine.pending import StepScan
@@ -29,6 +29,7 @@ from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
+from nanscan.runtime.incident_rerun import RERUN_FINDING, RerunResult, function_name, rerun_step
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import EPISODE_GAP, Spike
 from nanscan.runtime.stages import StepCheck
@@ -156,16 +157,62 @@ class StepVerdicts:
             try:
                 incident = self.incident(report, step, category, tensors, batch, sample_ids, started, start=start,
                                          read_at=read_at)
-                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason), self.bundle_dir)
+                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason,
+                                                                    rerun=self.rerun_record()), self.bundle_dir)
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                           type(exc).__name__, exc)
+            self.rerun_incident(self.bundle_path, step, batch, started, start=start, read_at=read_at)
         else:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at,
                            why=reason_title(reason, step).lstrip(", ") or None)
         return report
+
+    def rerun_record(self) -> dict | None:
+        """The manifest's "rerun" (Incident.rerun) of an incident the Monitor reruns in the process, or None."""
+        if self.step_fn is None:
+            return None
+        return {"step_fn": function_name(self.step_fn), "timeout_s": self.rerun_timeout}
+
+    def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: StepStart | None,
+                        read_at: str | None, sharded: str | None = None) -> None:
+        """Monitor(step_fn=...): rerun the failing step in the process and add what it found to its bundle at
+        `path` (nanscan.runtime.incident_rerun NOTE: [in-process rerun]); `sharded`: why this rank's weights cannot
+        be rerun alone. Never raises: the incident goes on to on_invalid whatever the rerun does."""
+        if self.step_fn is None:
+            return
+        start = start if start is not None else StepStart(self._rng, self._snapshot)
+        state, reason = None, sharded
+        if batch is None:
+            reason = "check() was given no batch, so there is nothing to rerun the step on"
+        elif read_at is not None and reason is None:
+            if started and start.snapshot is not None:
+                state = start.snapshot.result()
+            else:
+                reason = (f"the verdict was read at {read_at.replace('_', ' ')}, after the step's update, and "
+                          "snapshot='none' kept no copy of the state the step started from (snapshot='cpu' does)")
+        if reason is not None:
+            result = RerunResult(step, function_name(self.step_fn), "not run", reason=reason)
+        else:
+            armed, self._armed = self._armed, False  # the rerun's forward is no step's start
+            try:
+                result = rerun_step(self.model, self.optimizer, self.step_fn, batch, step=step,
+                                    rng=start.rng if started else None, autocast=self._autocast,
+                                    micro_batch=self._deciding_micro, state=state, timeout=self.rerun_timeout,
+                                    in_group=self._agreement is not None)
+            finally:
+                self._armed = armed
+        self.rerun = result
+        if path is None:
+            return
+        try:
+            load_bundle(path, whole_set=False).add_finding(RERUN_FINDING, f"Rerun in process: {result.headline()}",
+                                                           result.markdown(), result.to_dict())
+        except Exception as exc:  # noqa: BLE001 - the bundle stands without the finding; the message still says it
+            log.error("nanscan: could not add the in-process rerun's finding to %s: %s: %s", path,
+                      type(exc).__name__, exc)
 
     def update_incident(self, report: ScanReport, context: Any, *, tensors: list[str] | None = None,
                         seen_at: int | None = None) -> None:
@@ -367,6 +414,8 @@ class StepVerdicts:
                         f"{step}'s check and nothing else wrote them since")
         if streak:
             text += f"; GradScaler skipped every step since: {streak}"
+        if self.rerun is not None and step == self.first_invalid_step and not update and not streak:
+            text += f"; rerun in process: {self.rerun.headline()}"
         if read_at == "next_check" and seen_at is None:
             text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
                      "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "

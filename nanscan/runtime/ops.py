@@ -3,16 +3,17 @@ ones, forward (an aten op, seen by a TorchDispatchMode) and backward (an autogra
 graph's nodes), with the module it ran in and the user's source line that called it.
 
 NOTE: [op localization]
-Replay runs this after the module-level pass (nanscan.replay.localize), on one more run of the step, so its cost
-never reaches the Monitor or the other replays. Forward: a TorchDispatchMode, active only around step_fn, sees every
-aten op of the model's forward and of step_fn's own code (the loss); the first op whose floating outputs hold a
-kind of non-finite value its inputs did not explain (localize.creates_nonfinite; a Python float argument such as
-masked_fill's -inf counts as an input) is kept. Backward: a TorchFunctionMode, active over the same span, tags
-every autograd node that a torch call created (the call's name, the module it ran in, the caller's source line) and
-hooks it; the first node, in the order backward runs them, whose gradients are non-finite while the gradients it
-received were not is kept, named by the node (SqrtBackward0) and the forward call that made it. The source line
-is the innermost frame outside torch, the standard library and nanscan.replay: the user's code that called the op
-(a model's forward, step_fn, or a library's modeling code).
+A rerun (replay, or the Monitor's in-process rerun at an incident) runs this after the module-level pass
+(nanscan.runtime.localize), on one more run of the step, so its cost never reaches the every-step check. Forward:
+a TorchDispatchMode, active only around step_fn, sees every aten op of the model's forward and of step_fn's own
+code (the loss); the first op whose floating outputs hold a kind of non-finite value its inputs did not explain
+(localize.creates_nonfinite; a Python float argument such as masked_fill's -inf counts as an input) is kept.
+Backward: a TorchFunctionMode, active over the same span, tags every autograd node that a torch call created (the
+call's name, the module it ran in, the caller's source line) and hooks it; the first node, in the order backward
+runs them, whose gradients are non-finite while the gradients it received were not is kept, named by the node
+(SqrtBackward0) and the forward call that made it. The source line is the innermost frame outside torch, the
+standard library and the nanscan modules that run a step again (nanscan.runtime, nanscan.replay): the user's code
+that called the op (a model's forward, step_fn, or a library's modeling code).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanscan.replay.localize import ValueSummary, creates_nonfinite, summarize_values
+from nanscan.runtime.localize import ValueSummary, creates_nonfinite, summarize_values
 
 # Frames in these directories are not "the user's code that called the op" (NOTE: [op localization]).
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
 _INTERNAL_DIRS = tuple(os.path.normcase(os.path.abspath(d)) + os.sep for d in (
-    os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"]))
+    os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.join(_PACKAGE, "replay"),
+    sysconfig.get_paths()["stdlib"]))
 # Ops whose outputs are uninitialized memory: whatever bits they hold were made by no computation.
 _UNINITIALIZED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
 # Where torch's C functions are documented: torch._C._nn.linear is torch.nn.functional.linear.
@@ -313,3 +316,12 @@ class OpTracer:
                                                 received, produced, caller=caller)
             return None
         return hook
+
+
+def op_markdown(site: OpSite) -> str:
+    """The first bad op as INCIDENT.md shows it."""
+    where = f", at `{site.location}`" if site.location else ""
+    code = f":\n\n    {site.code}" if site.code else "."
+    return (f"**First bad op:** `{site.op}` ({site.made} `{site.call}`), {site.phase}, in `{site.label}` "
+            f"({site.module_type}){where}{code}\n\nIt received: {site.received.describe()}. It produced: "
+            f"{site.produced.describe()}.")

@@ -95,6 +95,9 @@ def creates_nonfinite(received: ValueSummary, produced: ValueSummary) -> bool:
 
 
 JUMP_BINADES = 16
+# The localizations that computation made, where an op can be named next (nanscan.runtime.ops): not the batch (its
+# record is named) nor a state that was non-finite before the step ran.
+OP_PHASES = ("forward", "backward", "loss")
 
 
 def overflow_made(received: ValueSummary, parameters: ValueSummary, produced: ValueSummary) -> str | None:
@@ -156,6 +159,16 @@ class Localization:
             began = self.overflow_began
             text = f"{began.label} ({began.module_type}) {began.detail}; then {text}"
         return text
+
+    def markdown_lines(self) -> list[str]:
+        """The first bad module as INCIDENT.md shows it (replay's finding and the in-process rerun's)."""
+        lines = [f"**First bad module:** `{self.label}` ({self.module_type}), {self.phase}"
+                 f"{f' ({self.detail})' if self.detail else ''}.",
+                 f"It received: {self.received.describe()}.", f"It produced: {self.produced.describe()}."]
+        if self.overflow_began is not None:  # NOTE: [overflow onset]
+            began = self.overflow_began
+            lines.append(f"**Where the overflow began:** `{began.label}` ({began.module_type}) {began.detail}.")
+        return lines
 
     def to_dict(self) -> dict:
         return {"phase": self.phase, "module": self.module, "module_type": self.module_type, "label": self.label,

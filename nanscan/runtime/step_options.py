@@ -1,0 +1,39 @@
+"""The options a rerun training step runs under (StepOptions: the factors one ablation changes) and the precisions
+by name, free of torch: the Monitor's in-process rerun (nanscan.runtime.rerun) and replay's (nanscan.replay) run
+the step under them, and the subcommands' help shows them without importing torch (NOTE: [fast help] in
+nanscan/cli/main.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The precisions a rerun step can run in: "float32" turns autocast off, the others autocast to that dtype.
+PRECISION_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a rerun step differs from the recorded one (the ablation factors), all off by default.
+
+    lr_scale: multiplies every param group's learning rate. precision: None (as recorded: the run's autocast region
+    re-applied around step_fn, NOTE: [replayed precision] in nanscan/runtime/rerun.py), "float32" (weights and batch
+    in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
+    clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
+    algorithms (warn-only where an operation has none) and deterministic cuDNN. eps: the optimizer's eps in every
+    param group that has one (Adam's, where an update trap points at it: nanscan.replay.traps).
+    """
+
+    lr_scale: float = 1.0
+    precision: str | None = None
+    clip_grad_norm: float | None = None
+    deterministic: bool = False
+    eps: float | None = None
+
+    def __post_init__(self):
+        if self.precision is not None and self.precision not in PRECISION_NAMES:
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISION_NAMES)} or None")
+
+    def to_dict(self) -> dict:
+        return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
+                "deterministic": self.deterministic, "eps": self.eps}
