@@ -59,11 +59,14 @@ from nanscan.runtime import monitor as monitor_module
 from nanscan._atomic import write_results_json
 from nanscan.bench_scan import cpu_model
 from nanscan.runtime.monitor import Monitor
+from nanscan.runtime.rollback import Rollback
 from nanscan.runtime.window import Window
 
 MODES = ("plain", "check")
 # Variants compared with the default Monitor ("check"): the Monitor options each adds.
-SPIKE_MODES = {"nospikes": {"spikes": None}, "noupdate": {"post_update": False}, "scan": {"post_update": "scan"}}
+SPIKE_MODES = {"nospikes": {"spikes": None}, "noupdate": {"post_update": False}, "scan": {"post_update": "scan"},
+               # on_invalid=Rollback (NOTE: [rollback]): on healthy steps it should cost nothing beyond the window
+               "rollback": {"on_invalid": Rollback()}}
 # The run's window (nanscan.runtime.window NOTE: [run window]): the default keeps one; off, and a larger one
 WINDOW_MODES = {"nowindow": {"window": None}, "bigwindow": {"window": Window(steps=64, every=4)}}
 TB_MODES = {"tb100": 100, "tb1": 1}  # the Monitor with TensorBoard export, by log_every
@@ -100,8 +103,8 @@ class Trainer:
             variants.update({v: {"tensorboard": bundle_dir / v, "log_every": every} for v, every in TB_MODES.items()})
         for variant, options in variants.items():
             self.monitors[variant] = Monitor(self.model, self.optimizer, bundle_dir=bundle_dir, config=config,
-                                             run_id=f"bench-overhead-{variant}", on_invalid="raise",
-                                             **options, **monitor_kwargs)
+                                             run_id=f"bench-overhead-{variant}",
+                                             **{"on_invalid": "raise", **options}, **monitor_kwargs)
         self.steps = dict.fromkeys(self.monitors, 0)
         # The window's work, timed where it runs, per Monitor: its state copies at a step's start (the forward
         # pre-hook, begin) and its stage inside check() (keep); spread over the Monitor's checks.
@@ -260,6 +263,10 @@ def run(reps: int, block: int, warmup: int, snapshot: str, history: int, profile
                                                                   - check_alone) / plain
                                        for v in TB_MODES if tensorboard},
         "median_check_nospikes_ms": statistics.median(trainer.check_seconds["nospikes"]) * 1e3,
+        # on_invalid=Rollback() against "raise", both with the default window: steps (adjacent blocks) and check()
+        "rollback_overhead_pct": 100.0 * (statistics.median(variant_ratios["rollback"]) - 1.0),
+        "rollback_check_cost_pct": 100.0 * (statistics.median(trainer.check_seconds["rollback"]) - check_alone)
+                                   / plain,
         # the default check (spikes="warn") against spikes=None, median over rounds
         "spike_detection_overhead_pct": 100.0 * (1.0 / statistics.median(variant_ratios["nospikes"]) - 1.0),
         # the default Monitor (post_update="auto": dated updates) against post_update=False: steps, and
@@ -379,6 +386,9 @@ def main(argv=None) -> int:
     print(f"pooled medians: checked/plain = {result['pooled_overhead_pct']:+.1f}% (sensitive to load drift)")
     print(f"check alone without spike detection: median {result['median_check_nospikes_ms']:.3f} ms")
     print(f"monitor_overhead = {result['monitor_overhead_pct']:.1f}% of step (median over adjacent block pairs)")
+    print(f"rollback_overhead = {result['rollback_overhead_pct']:+.1f}% of a checked step (on_invalid=Rollback() vs "
+          f"'raise', adjacent blocks); rollback_check_cost = {result['rollback_check_cost_pct']:+.2f}% of a plain "
+          "step (medians of check())")
     print(f"spike_detection_overhead = {result['spike_detection_overhead_pct']:.1f}% of a checked step "
           "(spikes='warn' vs spikes=None, adjacent blocks)")
     print(f"post_update_overhead = {result['post_update_overhead_pct']:.1f}% of a checked step "

@@ -26,6 +26,7 @@ _HOMES = {
     "SnapshotWarning": "nanscan.incident", "GradientWarning": "nanscan.incident", "replay_entry": "nanscan.entry",
     "UnsupportedTensorError": "nanscan.engine.inputs",
     "Monitor": "nanscan.runtime.monitor",
+    "Rollback": "nanscan.runtime.rollback", "RollbackWarning": "nanscan.runtime.rollback",
     "check": "nanscan.runtime.default", "first_invalid": "nanscan.runtime.default",
     "scan": "nanscan.scan",
     "Spike": "nanscan.runtime.spikes", "SpikeRule": "nanscan.runtime.spikes",
@@ -40,7 +41,7 @@ __all__ = [
     "backend_info", "check", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
     "GradientWarning", "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
-    "QuarantinedDataset", "QuarantinedIterableDataset", "skip_quarantined",
+    "QuarantinedDataset", "QuarantinedIterableDataset", "skip_quarantined", "Rollback", "RollbackWarning",
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.engine.inputs import UnsupportedTensorError
     from nanscan.runtime.default import check, first_invalid
     from nanscan.runtime.monitor import Monitor
+    from nanscan.runtime.rollback import Rollback, RollbackWarning
     from nanscan.scan import scan
     from nanscan.engine.stats import PendingReport, ScanReport, TensorStats
     from nanscan.data.quarantine import QuarantinedDataset, QuarantinedIterableDataset, skip_quarantined

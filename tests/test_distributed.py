@@ -26,7 +26,7 @@ from torch import nn
 
 from spawn_ranks import spawn
 
-from nanscan import Monitor, NonFiniteError, NonFiniteWarning, load_bundle
+from nanscan import Monitor, NonFiniteError, NonFiniteWarning, Rollback, load_bundle
 from nanscan.bundle import BundleError
 from nanscan.cli.main import main
 from nanscan.bundle import BundleSet
@@ -169,6 +169,7 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
         results["rerun"]["hashes_before"], results["rerun"]["hashes_after"] = before, _file_hashes(set_dir)
     run("async", "aux", agreement="async")  # no run_id: every rank takes rank 0's
     run("skip", "aux", on_invalid="skip", run_id="ddp-skip")
+    run("rollback", "x", on_invalid=Rollback(skip="step"), run_id="ddp-rollback")
     # a rank that numbers its steps differently must not leave the others waiting: all raise
     model = make_model()
     optimizer = make_optimizer(model)
@@ -367,6 +368,23 @@ def test_ddp_skip_keeps_every_rank_in_lockstep(ddp):
         assert r["first_invalid_step"] == FAULT_STEP and r["bundle_path"].endswith(f"step-{FAULT_STEP}")
         assert len(r["warnings"]) == 1 and "rank 1 first" in r["warnings"][0]
         assert all(torch.equal(states[0][k], states[rank][k]) for k in states[0])
+
+
+def test_ddp_every_rank_rolls_back_at_the_same_step(ddp):
+    """on_invalid=Rollback(skip="step") (nanscan.runtime.rollback NOTE: [rollback]): the NaN in rank 1's batch at
+    step 7 reaches every rank through the all-reduce; every rank drops that step's update, no rank hangs, all go on
+    to the end in lockstep with the same weights, and one rollbacks.json records it."""
+    out, ranks = ddp
+    for r in ranks:
+        result = r["rollback"]
+        assert result["error"] is None and result["finite"]
+        assert result["updated"] == [s for s in range(STEPS) if s != FAULT_STEP]
+    states = [load_file(out / f"rollback-rank{r}.safetensors") for r in range(4)]
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
+    data = json.loads((out / "bundles" / "ddp-rollback" / "rollbacks.json").read_text())
+    (entry,) = data["rollbacks"]
+    assert (entry["at_step"], entry["skipped_steps"], entry["category"]) == (FAULT_STEP, [FAULT_STEP], "input")
+    assert entry["outcome"] == {"status": "pending", "finite_steps": STEPS - FAULT_STEP - 1}  # as Monitor.close left it
 
 
 def test_ddp_ranks_checking_different_steps_all_raise(ddp):

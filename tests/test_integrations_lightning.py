@@ -5,6 +5,7 @@ micro-batch, "stop" ends training cleanly, and zero-config replay rebuilds the m
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -103,6 +104,22 @@ def test_stop_skips_the_bad_update_and_ends_training_cleanly(tmp_path):
     assert trainer.global_step < 6 and trainer.should_stop
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert trainer.callback_metrics["nanscan/skipped_steps"] == 1
+
+
+def test_rollback_skips_the_bad_step_and_training_goes_on(tmp_path):
+    """on_invalid=Rollback(skip="step") (nanscan.runtime.rollback NOTE: [rollback]): the NaN row's step is dropped,
+    each epoch (4 steps apart, more than settle_steps=2), and training runs all its steps, finite, with the rollbacks
+    in the run's record."""
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="rollback",
+                               on_invalid=nanscan.Rollback(skip="step", settle_steps=2))
+    module = TinyRegressor()
+    with pytest.warns(nanscan.RollbackWarning, match="rolled back: back to step 1's start"):
+        trainer = fit(module, regression_rows(nan_rows=(9,)), callback, steps=6)
+    assert trainer.global_step == 6 and not trainer.should_stop
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    entries = json.loads((tmp_path / "bundles" / "rollback" / "rollbacks.json").read_text())["rollbacks"]
+    assert [(e["at_step"], e["skipped_steps"]) for e in entries] == [(1, [1]), (5, [5])]
+    assert trainer.callback_metrics["nanscan/skipped_steps"] == 2
 
 
 def test_a_module_without_saved_hyperparameters_makes_replay_ask_for_an_entry(tmp_path):

@@ -5,6 +5,7 @@ category and micro-batch, and zero-config replay reproduces and localizes them."
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -146,6 +147,25 @@ def test_stop_skips_the_bad_update_and_ends_training_cleanly(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     last = [log for log in trainer.state.log_history if "nanscan/skipped_steps" in log][-1]
     assert last["nanscan/skipped_steps"] == 1 and last["nanscan/nonfinite_steps"] == 1
+
+
+def test_rollback_goes_back_to_the_window_and_training_goes_on(tmp_path):
+    """on_invalid=Rollback() (nanscan.runtime.rollback NOTE: [rollback]): the NaN micro-batch's step is rolled back to
+    the window's state and training runs all its steps, finite, with the rollback in the run's record."""
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="rollback", on_invalid=nanscan.Rollback())
+    model = tiny_vit()
+    trainer = make_trainer(tmp_path, model, ImageData(), PlantingCollator("nan", at=(2,)), callback=callback,
+                           steps=5)
+    with pytest.warns(nanscan.RollbackWarning, match="rolled back: back to step 1's start"):
+        trainer.train()
+    assert trainer.state.global_step == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    (entry,) = json.loads((tmp_path / "bundles" / "rollback" / "rollbacks.json").read_text())["rollbacks"]
+    # the Trainer counts steps from 1: the window kept step 1's start, the NaN came at step 2
+    assert (entry["at_step"], entry["restored_step"], entry["skipped_steps"]) == (2, 1, [1, 2])
+    assert entry["outcome"] == {"status": "pending", "finite_steps": 3}
+    last = [log for log in trainer.state.log_history if "nanscan/skipped_steps" in log][-1]
+    assert last["nanscan/skipped_steps"] == 1
 
 
 def test_a_custom_compute_loss_makes_replay_ask_for_an_entry(tmp_path):

@@ -119,6 +119,10 @@ WINDOW_REPLAY_FINDING = "replay:window"
 RERUN_FINDING = "rerun"
 
 
+# A rollback the Monitor made at the incident (on_invalid=Rollback(...), nanscan.runtime.rollback).
+ROLLBACK_FINDING = "rollback"
+
+
 ABLATE_FINDING_PREFIX = "ablate:"
 
 

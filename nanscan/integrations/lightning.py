@@ -46,7 +46,8 @@ class NanscanCallback(pl.Callback):
     """A Lightning Callback that runs a nanscan Monitor over the LightningModule and its (first) optimizer.
 
     monitor_options: nanscan.Monitor's keyword arguments (bundle_dir, run_id, config, snapshot, mode, ...);
-    on_invalid is "raise" (default: NonFiniteError leaves trainer.fit()), "warn", "skip", "stop" or a callable;
+    on_invalid is "raise" (default: NonFiniteError leaves trainer.fit()), "warn", "skip", "stop", a callable, or a
+    nanscan.Rollback(...) (back to the window's kept state, the bad step's update dropped, training goes on);
     sample_id_field: the key of a (dict) batch that holds each sample's id, recorded for bisection.
     nanscan's numbers (nanscan.integrations.session.LOG_KEYS) are logged with pl_module.log at every step.
     """

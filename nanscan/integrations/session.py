@@ -27,6 +27,7 @@ from nanscan.incident import NonFiniteError, tensor_name
 from nanscan.engine.inputs import batch_size, iter_batch_tensors
 from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_loss, with_recipe
 from nanscan.runtime.monitor import Monitor
+from nanscan.runtime.rollback import Rollback
 from nanscan.scan import scan
 from nanscan.engine.stats import ScanReport
 
@@ -53,9 +54,9 @@ def autocast_region(precision: str | None, device_type: str) -> Any:
 
 
 def check_on_invalid(policy: Any) -> None:
-    if not (callable(policy) or policy in ON_INVALID):
-        raise ValueError(f"on_invalid={policy!r}: use one of {', '.join(ON_INVALID)} or a callable "
-                         "f(report, bundle_path)")
+    if not (callable(policy) or policy in ON_INVALID or isinstance(policy, Rollback)):
+        raise ValueError(f"on_invalid={policy!r}: use one of {', '.join(ON_INVALID)}, a nanscan.Rollback(...), or a "
+                         "callable f(report, bundle_path)")
 
 
 def micro_batch_finding(micro_batches: list, losses: list, compute_dtype: str | None = None) -> tuple[str, str, dict]:
@@ -203,7 +204,7 @@ class StepSession:
             step = self.monitor.step
         self._kept = {s: kept for s, kept in self._kept.items() if s >= step - 1}
         self._kept[step] = (micro, losses)
-        first_before = self.monitor.first_invalid_step
+        first_before = self.monitor.bundle_path
         try:
             report = self.monitor.check(batch={MICRO_BATCHES: micro, **(extra or {})}, loss=loss, step=step,
                                         sample_ids=self._sample_ids(micro, ids))
@@ -216,8 +217,8 @@ class StepSession:
             self.nonfinite_tensors = 0
             return report
         self.nonfinite_tensors = self._count(report)
-        if self.policy in ("skip", "stop") and self._drops_update:
-            self.skipped_steps += 1
+        if (self.policy in ("skip", "stop") or isinstance(self.policy, Rollback)) and self._drops_update:
+            self.skipped_steps += 1  # a rollback drops the failing step's gradients too (NOTE: [rollback])
             self._skipped_now = True
         if self.policy == "stop" and not self.stop_requested:
             self.stop_requested = True
@@ -235,7 +236,7 @@ class StepSession:
         index = len(self._inputs) - 1
         if index < 0:
             raise RuntimeError("check_micro_batch: no micro-batch was added since the step's check")
-        first_before = self.monitor.first_invalid_step
+        first_before = self.monitor.bundle_path
         if step is None:
             step = self.monitor.step
         self._kept[step] = (list(self._inputs), list(self._losses))
@@ -259,13 +260,16 @@ class StepSession:
         decided = getattr(report, "decided_step", None)  # a PendingReport: its verdict is an earlier step's
         return next((len(e.report.nonfinite) for e in self.monitor.history if e.step == decided), 0)
 
-    def _record_micro_batches(self, first_before: int | None) -> None:
-        """The run's first incident happened in this check: say in its bundle which micro-batch went bad."""
+    def _record_micro_batches(self, bundle_before: Any) -> None:
+        """An incident was bundled in this check (the run's first, or the first since a rollback): say in its bundle
+        which micro-batch went bad."""
         monitor = self.monitor
-        step = monitor.first_invalid_step
-        if first_before is not None or step is None or monitor.bundle_path is None or step not in self._kept:
+        if monitor.bundle_path is None or monitor.bundle_path == bundle_before:
             return
         try:
+            step = load_bundle(monitor.bundle_path).step
+            if step not in self._kept:
+                return
             finding = micro_batch_finding(*self._kept[step], (monitor.autocast or {}).get("dtype"))
             load_bundle(monitor.bundle_path).add_finding(MICRO_BATCH_FINDING, *finding)
         except Exception as exc:  # noqa: BLE001 - the bundle is written; a failed note must not hide the NaN
@@ -283,7 +287,7 @@ class StepSession:
     def abandon(self, exc: BaseException) -> None:
         """The training loop is failing with `exc`: close the Monitor as its with-block would (a pending verdict is
         still bundled, without replacing the loop's exception) and remove its hook."""
-        first_before = self.monitor.first_invalid_step
+        first_before = self.monitor.bundle_path
         try:
             self.monitor.__exit__(type(exc), exc, exc.__traceback__)
         finally:
@@ -291,7 +295,7 @@ class StepSession:
 
     def close(self) -> None:
         """Read a pending verdict (mode="async") and remove the Monitor's hook."""
-        first_before = self.monitor.first_invalid_step
+        first_before = self.monitor.bundle_path
         try:
             self.monitor.close()
         finally:

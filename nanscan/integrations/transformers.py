@@ -75,7 +75,9 @@ class NanscanCallback(TrainerCallback):
     """A TrainerCallback that runs a nanscan Monitor over the Trainer's model and optimizer.
 
     monitor_options: nanscan.Monitor's keyword arguments (bundle_dir, run_id, config, snapshot, mode, ...);
-    on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop" or a callable;
+    on_invalid is "raise" (default: NonFiniteError leaves trainer.train()), "warn", "skip", "stop", a callable, or
+    a nanscan.Rollback(...) (back to the window's kept state, the bad step's update dropped, training goes on;
+    nanscan.skip_quarantined(train_dataset, bundle_dir) keeps the records it quarantined out of the next run);
     sample_id_field: a column of the batch that holds each sample's id (a dataset index, a record id), recorded
     for bisection and taken out of the model's inputs (TrainingArguments(remove_unused_columns=False) keeps it).
     micro_batches: under gradient accumulation, also check each micro-batch but the last after its backward

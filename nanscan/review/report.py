@@ -92,6 +92,18 @@ def load_history(bundle) -> list:
     return sorted(bundle.history(), key=lambda e: e.step)
 
 
+def _run_rollbacks(bundle) -> list[dict]:
+    """The rollbacks of the bundle's run (its directory's rollbacks.json); a broken record is one row saying so."""
+    from nanscan.bundle.format import BundleError  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+    from nanscan.bundle.rollbacks import read_rollbacks  # noqa: PLC0415
+
+    run_dir = Path(getattr(bundle, "set_path", None) or bundle.path).parent
+    try:
+        return read_rollbacks(run_dir)
+    except BundleError as exc:
+        return [{"error": str(exc)}]
+
+
 def summarize(bundle, history: list | None = None) -> dict:
     """Every fact the report shows, as a JSON-ready dict (see the module docstring for non-finite values).
     `history`: load_history(bundle), when the caller already has it."""
@@ -144,6 +156,8 @@ def summarize(bundle, history: list | None = None) -> dict:
         "mixed_precision": _mixed_precision(manifest.get("mixed_precision"), history, failing),
         # what replay, ablate and reviewers added to the ledger so far
         "findings": recorded_findings(bundle),
+        # the run's rollbacks (on_invalid=Rollback: nanscan.runtime.rollback), this incident's among them
+        "rollbacks": _run_rollbacks(bundle),
         # the run's spikes up to this step (nanscan.runtime.spikes); a spike bundle's own is "spike"
         "spikes": [{"step": s["step"], "quantity": s["quantity"], "ratio": s["scores"][0]["ratio"]}
                    for s in manifest.get("spikes", [])],
@@ -690,7 +704,7 @@ def _mark_nonfinite(ax, step: int, text: str | None = None) -> None:
 
 def plot_curves(summary: dict, history):
     """Loss and gradient norm over the history, with the first invalid step marked; a non-finite value is drawn
-    as a red X at the top of the axis, labelled with what it was."""
+    as a red X at the top of the axis, labelled with what it was; the run's rollbacks as purple dotted lines."""
     if not history:
         return None
     step = summary["first_invalid_step"]
@@ -713,6 +727,14 @@ def plot_curves(summary: dict, history):
         for s, v in points:
             if not math.isfinite(v):
                 _mark_nonfinite(ax, s, _json_float(v))
+        shown = [r for r in summary.get("rollbacks", []) if "at_step" in r and points
+                 and points[0][0] <= r["at_step"] <= points[-1][0]]
+        for r in shown:  # the Monitor went back to an earlier state here (on_invalid=Rollback)
+            ax.axvline(r["at_step"], color="purple", ls=":", lw=1.5)
+            if key == "loss":
+                ax.annotate(f"rollback to step {r['restored_step']}", xy=(r["at_step"], 0.92),
+                            xycoords=("data", "axes fraction"), xytext=(-4, 0), textcoords="offset points",
+                            ha="right", color="purple", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     if step is not None:

@@ -1,5 +1,6 @@
 """`nanscan triage DIR`: every bundle under DIR grouped by failure category and then by first bad module (from the
-replay or ablation findings when those ran), with counts, so incidents are reviewed by kind and not as one blended
+replay or ablation findings when those ran, else the Monitor's in-process rerun), with what a rollback at it did,
+and counts, so incidents are reviewed by kind and not as one blended
 number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part, and so
 do copies of one incident (same run, step and detection time). Spike bundles (category "spike": early warnings,
 every value finite) are listed apart, not counted as incidents. Unreadable bundles are listed separately with the
@@ -18,7 +19,7 @@ from nanscan._atomic import is_temp_name
 from nanscan.cli.errors import cli_errors, json_out
 from nanscan.bundle import BundleError, load_bundle
 from nanscan.bundle.findings import NOT_REPLAYED, first_bad_module
-from nanscan.bundle.format import INDEX, MANIFEST, PENDING_PREFIX
+from nanscan.bundle.format import INDEX, MANIFEST, PENDING_PREFIX, ROLLBACK_FINDING
 from nanscan.incident import REPLAY_VERDICT_WORDS, SPIKE
 
 
@@ -36,6 +37,7 @@ class TriageEntry:
     world_size: int | None = None
     copies: list[str] = field(default_factory=list)  # other directories holding the same incident, not counted
     note_edited: list[str] = field(default_factory=list)  # INCIDENT.md's automatic sections edited by hand
+    rollback: str | None = None  # what the Monitor's rollback at this incident did (nanscan.runtime.rollback)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -100,9 +102,11 @@ def triage(root: str | os.PathLike) -> TriageResult:
                 moving = (bundle.spike or {}).get("first_moving") or []
                 module, source = ", ".join(str(g.get("layer")) for g in moving[:3]) or "(none moved first)", "spike"
             ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
+            rolled = next((f["title"].removeprefix("Rollback: ") for f in bundle.findings()
+                           if f.get("key") == ROLLBACK_FINDING), None)
             entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
                                 module, source, verdict, bundle.manifest.get("detected_at"), *ranks,
-                                note_edited=list(bundle.note_review().edited))
+                                note_edited=list(bundle.note_review().edited), rollback=rolled)
             identity = _incident_identity(bundle)
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
@@ -149,14 +153,18 @@ def print_triage(result: TriageResult, console) -> None:
     console.print(summary)
     for cat, mods in groups.items():
         table = Table(title=f"category {escape(cat)}")
-        for column in ("first bad module", "run", "step", "first bad ranks", "verdict", "bundle"):
+        rolled = any(e.rollback for items in mods.values() for e in items)
+        columns = ("first bad module", "run", "step", "first bad ranks", "verdict", *(("rolled back",) if rolled
+                                                                                        else ()), "bundle")
+        for column in columns:
             table.add_column(column, overflow="fold")
         for mod, items in mods.items():
             for e in items:
                 ranks = "" if e.world_size is None else \
                     f"{', '.join(map(str, e.first_bad_ranks))} of {e.world_size}"
                 verdict = REPLAY_VERDICT_WORDS.get(e.verdict, e.verdict or "")  # "transient": not reproduced
-                table.add_row(*map(escape, (mod, e.run_id, str(e.step), ranks, verdict, e.path)))
+                row = (mod, e.run_id, str(e.step), ranks, verdict, *((e.rollback or "",) if rolled else ()), e.path)
+                table.add_row(*map(escape, row))
         console.print(table)
     copies = [e for e in result.entries if e.copies]
     if copies:

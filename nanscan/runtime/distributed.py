@@ -67,6 +67,7 @@ from nanscan.bundle.tree import map_tree, tree_items
 from nanscan.incident import OTHER_RANK, NonFiniteError, categorize, category_rank, shown_names, warn_user
 from nanscan.engine.plans import ModelScanPlan
 from nanscan.engine.stats import ScanReport
+from nanscan.runtime.rollback import Rollback
 
 log = logging.getLogger("nanscan")
 
@@ -288,6 +289,11 @@ class MonitorSide(Protocol):
 
     def rerun_record(self) -> dict | None: ...
 
+    def finite_step(self, step: int) -> None: ...
+
+    def roll_back(self, step: int, category: str, tensors: list[str], message: str, *, live_start: bool,
+                  batch: Any = None, sample_ids: Any = None, ledger: bool = True) -> None: ...
+
     def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: Any,
                        read_at: str | None, sharded: str | None = None) -> None: ...
 
@@ -364,6 +370,7 @@ class Agreement:
             verdict = self._read(work, payload, step)
             self.verdict = verdict
             if verdict.ok:
+                monitor.finite_step(step)
                 return report
             verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, late=False)
             return self._apply_policy(monitor, verdict, report, report, late=False)
@@ -373,7 +380,9 @@ class Agreement:
         if pending is not None:
             verdict = self._read(pending.work, pending.payload, pending.step)
             self.verdict = verdict
-            if not verdict.ok:
+            if verdict.ok:
+                monitor.finite_step(pending.step)
+            else:
                 verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
                                        pending.started, late=True)
                 # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.
@@ -543,6 +552,9 @@ class Agreement:
             category, tensors = local_category, categorize(failing)[1]
         message = self._message(monitor, verdict, category, tensors, local_category, late)
         policy = monitor.on_invalid
+        if isinstance(policy, Rollback):  # every rank, at the same step: the agreement decided it for all
+            monitor.roll_back(verdict.step, category, tensors, message, live_start=not late, ledger=self.rank == 0)
+            return AgreedScanReport(current, verdict, ok=False)
         if policy == "raise":
             raise DistributedNonFiniteError(message, rank=self.rank, local_category=local_category, verdict=verdict,
                                             bundle_path=monitor.bundle_path, step=verdict.step, category=category,

@@ -88,6 +88,7 @@ from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_stat
 from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
 from nanscan.runtime.incident_rerun import DEFAULT_TIMEOUT_S as DEFAULT_RERUN_TIMEOUT_S, RerunResult
 from nanscan.runtime.observed import ObservedMicroBatches
+from nanscan.runtime.rollback import Rollback, Rollbacks
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import POLICIES as SPIKE_POLICIES
 from nanscan.runtime.spikes import Spike, SpikeRule, SpikeWatch
@@ -203,7 +204,9 @@ class Monitor(StepVerdicts):
         "raise" (NonFiniteError), "warn" (NonFiniteWarning once, then go on), "skip" (set the gradient of every
         parameter of the model and the optimizer to None, so torch optimizers skip them all and optimizer.step()
         changes nothing, then go on; zeroed gradients would not do, as Adam's momentum would still move the
-        weights), or a callable `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
+        weights), a nanscan.Rollback(...) (go back to a state the window kept, skip what broke the run, optionally
+        change one factor, and keep training; nanscan.runtime.rollback NOTE: [rollback]), or a callable
+        `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
         report whose `.ok` is False: the loop should `continue` (skip optimizer.step() and the scheduler) for
         that step.
         Later non-finite steps are counted in `invalid_steps`, not bundled again.
@@ -315,9 +318,9 @@ class Monitor(StepVerdicts):
                             "parameters: use nanscan.integrations.deepspeed.DeepSpeedMonitor(engine)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if not (callable(on_invalid) or on_invalid in ON_INVALID):
-            raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)} or a callable "
-                             "f(report, bundle_path)")
+        if not (callable(on_invalid) or on_invalid in ON_INVALID or isinstance(on_invalid, Rollback)):
+            raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)}, a "
+                             "nanscan.Rollback(...), or a callable f(report, bundle_path)")
         if not (spikes is None or callable(spikes) or spikes in SPIKE_POLICIES):
             raise ValueError(f"spikes={spikes!r}: use one of {', '.join(SPIKE_POLICIES)}, a callable f(spike, "
                              "bundle_path), or None to turn spike detection off")
@@ -414,6 +417,14 @@ class Monitor(StepVerdicts):
                              "the module's state, which the window copies; pass window=None")
         setting = window_setting(window)
         self._window = WindowKeeper(setting) if setting is not None else None
+        self._rollbacks: Rollbacks | None = None  # on_invalid=Rollback(...): NOTE: [rollback]
+        if isinstance(on_invalid, Rollback):
+            if setting is None:
+                raise ValueError("on_invalid=Rollback(...) goes back to a state the window kept, and this Monitor keeps "
+                                 "no window" + (" (a TensorSource's tensors, such as DeepSpeed's ZeRO partitions, are "
+                                                "not the module's state the window copies)" if source is not None else
+                                                ": pass window=Window(...) (the default keeps one)"))
+            self._rollbacks = Rollbacks(on_invalid, self.bundle_dir / self.run_id, settle_default=setting.steps)
         self._plan: TensorSource = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
@@ -428,6 +439,10 @@ class Monitor(StepVerdicts):
                 self._snapshot = CpuSnapshot(local=distributed.local_tensor)  # and copy the local part
             if self._window is not None and distributed.has_dtensors(model):
                 self._window = WindowKeeper(self._window.window, local=distributed.local_tensor)  # each rank's own
+                if self._rollbacks is not None:
+                    raise ValueError("on_invalid=Rollback(...) with sharded weights (FSDP2's DTensors): the window "
+                                     "keeps each rank's local shards, which a rollback does not load back into the "
+                                     "sharded parameters yet; use 'raise' or 'skip', or DDP")
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.runtime.distributed import Agreement  # noqa: PLC0415
 
@@ -502,7 +517,8 @@ class Monitor(StepVerdicts):
         return result
 
     def close(self) -> None:
-        """Act on a pending verdict (flush()), then remove the forward pre-hook from the model."""
+        """Act on a pending verdict (flush()), then remove the forward pre-hook from the model (and a rollback's
+        optimizer hooks, its record brought up to date)."""
         try:
             self.flush()
         finally:
@@ -511,6 +527,8 @@ class Monitor(StepVerdicts):
                 self._updates.close()
             if self._export is not None:
                 self._export.close()
+            if self._rollbacks is not None:
+                self._rollbacks.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -708,7 +726,7 @@ class Monitor(StepVerdicts):
         if self._agreement is not None:
             return self._agreement.decide(self, report, step, check.batch, check.sample_ids, check.started)
         if report.ok:
-            self._finite_step()
+            self.finite_step(step)
             if self._updates is not None:
                 start = StepStart(self._rng, self._snapshot) if check.started else StepStart(None, None)
                 context = UpdateContext(step, check.batch, check.sample_ids, check.started, start)
@@ -814,7 +832,7 @@ class Monitor(StepVerdicts):
         if self._export is not None:  # step s's records came back before its flag (_check_async)
             self._export.poll()
         if not nonfinite:
-            self._finite_step()
+            self.finite_step(pending.step)
             self._read_spike(pending, read_at)
             if self._updates is not None:  # its update's verdict, enqueued after the step's own
                 self._updates.read()

@@ -30,8 +30,10 @@ from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
 from nanscan.runtime.incident_rerun import RERUN_FINDING, RerunResult, function_name, rerun_step
+from nanscan.runtime.rollback import (Rollback, RollbackWarning, describe, episode_start, nonfinite_rows,
+                                      quarantine_rows, restore_rng_of)
 from nanscan.runtime.snapshot import CpuSnapshot
-from nanscan.runtime.spikes import EPISODE_GAP, Spike
+from nanscan.runtime.spikes import EPISODE_GAP, Spike, SpikeWatch
 from nanscan.runtime.stages import StepCheck
 from nanscan.runtime.update import broken_by_update
 
@@ -167,7 +169,7 @@ class StepVerdicts:
         else:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at,
-                           why=reason_title(reason, step).lstrip(", ") or None)
+                           why=reason_title(reason, step).lstrip(", ") or None, batch=batch, sample_ids=sample_ids)
         return report
 
     def rerun_record(self) -> dict | None:
@@ -296,9 +298,12 @@ class StepVerdicts:
             self._deciding_micro = None
 
     # -- GradScaler overflow skips (nanscan.runtime.amp NOTE: [overflow skips]) ----------------------------------------
-    def _finite_step(self) -> None:
+    def finite_step(self, step: int) -> None:
+        """A step decided finite: it ends an overflow-skip streak and counts toward a rollback's outcome."""
         if self._scaler is not None:
             self._scaler.end_streak()
+        if self._rollbacks is not None:
+            self._rollbacks.after_check(step)
 
     def _overflow_skip(self, report: ScanReport, batch: Any, sample_ids: Any, started: bool, *,
                        start: StepStart | None, read_at: str | None, slot: int | None) -> ScanReport:
@@ -432,11 +437,17 @@ class StepVerdicts:
 
     def _apply_policy(self, report: ScanReport, step: int, category: str, tensors: list[str], first: bool, *,
                       read_at: str | None = None, streak: str | None = None, update: bool = False,
-                      why: str | None = None, seen_at: int | None = None) -> None:
+                      why: str | None = None, seen_at: int | None = None, batch: Any = None,
+                      sample_ids: Any = None) -> None:
         """on_invalid for a non-finite step (streak: why a streak of overflow skips from `step` is an incident;
         update: the post-update check found it, nanscan.runtime.update; why: what the deciding tensors are, when
-        they are not the non-finite ones)."""
+        they are not the non-finite ones; batch, sample_ids: the failing step's, for a rollback's quarantine)."""
         policy = self.on_invalid
+        if isinstance(policy, Rollback):
+            message = self._message(step, category, tensors, read_at, streak, update, why, seen_at)
+            self.roll_back(step, category, tensors, message, live_start=read_at is None and not update,
+                           batch=batch, sample_ids=sample_ids)
+            return
         if policy == "raise":
             raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update, why, seen_at),
                                  bundle_path=self.bundle_path, step=step, category=category,
@@ -448,6 +459,64 @@ class StepVerdicts:
                 warn_user(self._message(step, category, tensors, read_at, streak, update, why, seen_at))
             return
         policy(report, self.bundle_path)
+
+    def roll_back(self, step: int, category: str, tensors: list[str], message: str, *, live_start: bool,
+                  batch: Any = None, sample_ids: Any = None, ledger: bool = True) -> None:
+        """on_invalid=Rollback(...) at the incident of `step` (nanscan.runtime.rollback NOTE: [rollback]): restore the
+        chosen kept state, drop this step's gradients, record it, and let the run go on; or raise NonFiniteError
+        (every attempt's bundle named) when the limits say the failure came back. `live_start`: the live weights are
+        still the step's own start (a check before its update). `ledger`: write the run's rollbacks.json and the
+        finding (one rank of a process group does)."""
+        rollbacks = self._rollbacks
+        refusal = rollbacks.refusal(step)
+        found = None
+        policy = rollbacks.policy
+        if refusal is None and not (policy.skip == "step" and live_start):
+            first = episode_start([s.step for s in self.spikes], step)
+            try:
+                found = self._window.state_at_or_before(first)
+            except ValueError as exc:
+                refusal = f"on_invalid=Rollback: {exc}"
+            else:
+                if found is None:
+                    refusal = (f"on_invalid=Rollback: the window keeps no state from at or before step {first} (it "
+                               f"keeps {self._window.kept_states() or 'none'}); a longer window (Window(steps=...)) "
+                               "reaches further back")
+        if refusal is not None:
+            rollbacks.failed_again(step)
+            bundles = [*rollbacks.bundles(), *([str(self.bundle_path)] if self.bundle_path is not None else [])]
+            raise NonFiniteError(f"{message}; {refusal}; the bundles of every attempt: {', '.join(bundles)}",
+                                 bundle_path=self.bundle_path, step=step, category=category,
+                                 tensors=tensors) from self.bundle_error
+        rollbacks.failed_again(step)  # an earlier rollback that had not settled yet
+        model, optimizer = self.model, self.optimizer
+        if found is None:  # skip="step" at a check before the update: the live state is the step's own start
+            restored_step, restored_from, scale = step, "the live state at its check, before its update", None
+            skipped = [{"step": step, "sample_ids": _plain_ids(sample_ids)}]
+        else:
+            kept, (model_state, optimizer_state), rng, scale = found
+            restored_step = kept.step
+            restored_from = f"the window's state kept at step {restored_step}"
+            skipped = self._window.steps_between(restored_step, step) or [{"step": step,
+                                                                            "sample_ids": _plain_ids(sample_ids)}]
+            model.load_state_dict(model_state, strict=False)  # in place; frozen weights are not in it
+            if optimizer is not None and optimizer_state is not None:
+                optimizer.load_state_dict(optimizer_state)
+            restore_rng_of(rng)
+            if scale is not None and self._scaler is not None and self._scaler.scaler.is_enabled():
+                self._scaler.scaler.update(new_scale=float(scale))
+            self._window.restart(kept, step + 1)
+        self._drop_gradients()
+        if self._spike_watch is not None:  # its statistic held the abandoned steps
+            self._spike_watch = SpikeWatch(self._spike_watch.rule)
+        quarantined = quarantine_rows(self.bundle_dir, nonfinite_rows(batch, sample_ids), step=step,
+                                      bundle=self.bundle_path) if ledger and category == "input" else []
+        entry = rollbacks.record(step=step, category=category, bundle=self.bundle_path if ledger else None,
+                                 restored_step=restored_step, restored_from=restored_from, skipped=skipped,
+                                 scale=scale, quarantined=quarantined, write=ledger)
+        rollbacks.attach(optimizer)
+        self.first_invalid_step, self.rerun = None, None  # the next incident is bundled (and rerun) again
+        warn_user(f"{message}; rolled back: {describe(entry)}", RollbackWarning)
 
     def _drop_gradients(self) -> None:
         """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes
@@ -534,3 +603,8 @@ class StepVerdicts:
         if bundle_path is not None:
             text += f"; evidence in {bundle_path} (see `nanscan report {bundle_path}`)"
         return text + ". Values are still finite: this is an early warning, not an invalid step"
+
+
+def _plain_ids(sample_ids: Any) -> Any:
+    """Sample ids as JSON holds them (a tensor's as a list)."""
+    return sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids

@@ -378,6 +378,47 @@ class WindowKeeper:
                           note="the loop wrote into this step's batch tensors after its check (NOTE: [window "
                                "batches])" if changed else None)
 
+    # -- a rollback (nanscan.runtime.rollback NOTE: [rollback]) ----------------------------------------------------
+    def state_at_or_before(self, step: int) -> tuple[_Kept, tuple, dict | None, float | None] | None:
+        """The newest kept state that began at or before `step`: it, its (model state, optimizer state), and the
+        torch generators' state and GradScaler scale recorded at its step's start; None when there is none. Raises
+        ValueError for a state kept on disk (Window(directory=...)), which a rollback does not read back."""
+        for kept in reversed(self._states):
+            if kept.step is None or kept.step > step:
+                continue
+            if kept.snapshot is None:
+                raise ValueError("the window keeps its states on disk (Window(directory=...)), which a rollback does "
+                                 "not read back; keep them in host memory (the default) to roll back")
+            record = next((s for s in self._steps if s.step == kept.step), None)
+            rng = {key: record.rng[key] for key in _TORCH_RNG_KEYS if key in record.rng} \
+                if record is not None and record.rng else None
+            scale = record.scaling.scale if record is not None and record.scaling is not None else None
+            return kept, kept.snapshot.result(), rng, scale
+        return None
+
+    def steps_between(self, first: int, last: int) -> list[dict]:
+        """The kept steps from `first` through `last`: their step and sample ids (a rollback skips them)."""
+        ids: dict[int, list] = {}
+        for s in self._steps:
+            if first <= s.step <= last:
+                kept = ids.setdefault(s.step, [])
+                if s.sample_ids is not None:  # each micro-batch's, as its check gave them
+                    kept.append(s.sample_ids.tolist() if isinstance(s.sample_ids, torch.Tensor) else s.sample_ids)
+        return [{"step": step, "sample_ids": (kept[0] if len(kept) == 1 else kept) or None}
+                for step, kept in ids.items()]
+
+    def restart(self, kept: _Kept, step: int) -> None:
+        """After a rollback to `kept`: it becomes the state the steps from `step` on start from, and the steps and
+        states of the abandoned branch are let go."""
+        for other in self._states:
+            if other is not kept and other.spilled is not None:
+                self.spill.remove(other.spilled)
+        self._states = deque([kept])
+        kept.step = step
+        while self._steps:
+            self._drop_step()
+        self._starting, self._since_state = None, 0
+
     def kept_steps(self) -> list[int]:
         """The steps the window holds now (a step checked per micro-batch appears once)."""
         return sorted({s.step for s in self._steps})

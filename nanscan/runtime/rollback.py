@@ -1,0 +1,298 @@
+"""on_invalid=Rollback(...): after the evidence is safe, the run goes back to a state the window kept, skips what broke
+it, may change one factor for a while, and records every decision (NOTE: [rollback]).
+
+NOTE: [rollback]
+At an incident, once its bundle is written (and the in-process rerun has run), a Monitor whose on_invalid is a
+Rollback restores the newest state its window kept (nanscan.runtime.window NOTE: [run window]) from at or before the
+first warning of the episode that ended in the incident (its first SpikeWarning no more than EPISODE_GAP steps
+before the next; with no warning, the failing step itself): the model's weights and buffers and the optimizer's state
+(loaded in place), the GradScaler's scale of that step, and the torch generators' state at its start. The loop does
+not change: the failing step's gradients are dropped (set to None, never multiplied by 0, which would still carry a
+NaN into Adam's moments), check() returns a report that is not ok (the loop skips optimizer.step() as for "skip",
+and one that calls it anyway updates nothing), and the loop goes on with its next batch. So the batches from the
+restored state through the failing step are skipped: their updates are undone and they are not fed again
+(skip="window", PaLM's "restart about 100 steps before the spike and skip the batches"); skip="step" restores only
+the failing step's own start (the live weights at a check before its update), skipping its batch alone; skip_next
+drops the updates of that many more steps, through an optimizer step pre-hook (their checks stay as they are).
+One factor may change for the next steps, named and recorded, never several: lr_scale multiplies every param group's
+learning rate inside optimizer.step() only (pre- and post-hooks), so a loop that sets the learning rate itself, or a
+scheduler, keeps its own schedule and the factor applies on top of it.
+Limits: at most max_rollbacks per run; a failure within settle_steps of a rollback (default: the window's steps) is
+the same failure coming back, and raises NonFiniteError naming every attempt's bundle, as does a failure with no
+kept state to go back to. Under a process group every rank rolls back at the same step (the ranks' agreement decides
+it) to its own kept state, which DDP keeps identical. The window then starts again from the restored state, as the
+first state of the steps that follow (the abandoned steps are no one's lineage). What the user saved is never
+touched: the state comes from the window's host copies, not from a checkpoint.
+The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (what was restored, which steps and
+sample ids were skipped, the factor, what happened next: "recovered" after settle_steps finite steps, or "failed
+again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
+"rollback" of the incident's bundle, updated with the outcome; records the failing step's batch names as its
+non-finite rows (sample ids) go into the run directory's quarantine (nanscan.bundle.quarantine NOTE: [quarantine
+file]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanscan.bundle import load_bundle
+from nanscan.bundle.format import ROLLBACK_FINDING
+from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
+from nanscan.bundle.provenance import capture_rng, restore_rng
+from nanscan.bundle.quarantine import NamedRecord, add_records
+from nanscan.engine.inputs import iter_batch_tensors
+from nanscan.runtime.spikes import EPISODE_GAP
+
+log = logging.getLogger("nanscan")
+
+SKIPS = ("window", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """on_invalid=Rollback(...): go back to a kept state and keep training (NOTE: [rollback]).
+
+    skip: "window" (restore the newest kept state from before the episode's first warning: the batches since, the
+        failing one included, are skipped) or "step" (the failing step's batch alone: its own start is restored).
+    skip_next: drop the updates of this many more steps after the rollback.
+    lr_scale: the one factor changed, the learning rate times this inside optimizer.step() for `factor_steps` steps
+        after the rollback (None: no factor).
+    max_rollbacks: rollbacks allowed in a run; the next incident raises.
+    settle_steps: a failure within this many steps after a rollback raises (the same failure came back); also the
+        finite steps after which a rollback counts as recovered. None: the window's steps."""
+
+    skip: str = "window"
+    skip_next: int = 0
+    lr_scale: float | None = None
+    factor_steps: int = 32
+    max_rollbacks: int = 3
+    settle_steps: int | None = None
+
+    def __post_init__(self):
+        if self.skip not in SKIPS:
+            raise ValueError(f"Rollback(skip={self.skip!r}): use 'window' (back to the kept state before the first "
+                             "warning) or 'step' (the failing step's batch alone)")
+        for name in ("skip_next", "factor_steps", "max_rollbacks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Rollback({name}={value!r}): give a number, 0 or more")
+        if self.settle_steps is not None and (not isinstance(self.settle_steps, int) or self.settle_steps < 1):
+            raise ValueError(f"Rollback(settle_steps={self.settle_steps!r}): give a number of steps, or None")
+        if self.lr_scale is not None and not (isinstance(self.lr_scale, (int, float)) and 0 < self.lr_scale):
+            raise ValueError(f"Rollback(lr_scale={self.lr_scale!r}): give a positive factor, or None")
+
+    @property
+    def factor(self) -> str | None:
+        return f"learning rate x{self.lr_scale:g} for {self.factor_steps} steps" if self.lr_scale is not None else None
+
+
+class RollbackWarning(UserWarning):
+    """The Monitor rolled the run back at an incident and goes on (NOTE: [rollback]); the message says what it did."""
+
+
+def episode_start(spike_steps: list[int], step: int) -> int:
+    """The first warning of the episode that ends at `step`: the earliest of the spikes each at most EPISODE_GAP
+    before the next (the last within EPISODE_GAP of `step`), else `step` itself."""
+    start = step
+    for s in sorted((s for s in spike_steps if s <= step), reverse=True):
+        if start - s > EPISODE_GAP:
+            break
+        start = s
+    return start
+
+
+class Rollbacks:
+    """The Monitor's rollbacks (NOTE: [rollback]): `decide` at an incident, `restore` the chosen state, `after_check`
+    at each finite check (the outcome), and the optimizer hooks of skip_next and the factor."""
+
+    def __init__(self, policy: Rollback, run_dir: Path, settle_default: int):
+        self.policy = policy
+        self.run_dir = run_dir
+        self.settle = policy.settle_steps or settle_default
+        self.records: list[dict] = []
+        self._skip_left = 0
+        self._factor_left = 0
+        self._saved_lrs: list | None = None
+        self._handles: list[Any] = []
+        self.writes = True  # this process writes rollbacks.json and the findings (one rank of a group does)
+
+    # -- at an incident ---------------------------------------------------------------------------------------------
+    def refusal(self, step: int) -> str | None:
+        """Why the incident of `step` is not rolled back (the limits), or None."""
+        if len(self.records) >= self.policy.max_rollbacks:
+            return f"on_invalid=Rollback: {len(self.records)} rollback(s) already, max_rollbacks={self.policy.max_rollbacks}"
+        last = self.records[-1] if self.records else None
+        if last is not None and step - last["at_step"] <= self.settle:
+            return (f"on_invalid=Rollback: failed again at step {step}, {step - last['at_step']} step(s) after the "
+                    f"rollback at step {last['at_step']} (within settle_steps={self.settle}): the same failure")
+        return None
+
+    def bundles(self) -> list[str]:
+        return [str(self.run_dir / r["bundle"]) for r in self.records if r.get("bundle")]
+
+    def record(self, *, step: int, category: str, bundle: Path | None, restored_step: int, restored_from: str,
+               skipped: list[dict], scale: float | None, quarantined: list[str], write: bool = True) -> dict:
+        # the bundle relative to the run directory, as its step directory (the record moves with the run's folder)
+        shown = (Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)) if bundle else None
+        entry = {"at_step": step, "category": category, "bundle": shown,
+                 "restored_step": restored_step, "restored_from": restored_from,
+                 "skipped_steps": sorted({s["step"] for s in skipped}),
+                 "skipped_sample_ids": [s["sample_ids"] for s in skipped if s.get("sample_ids") is not None],
+                 "skip_next": self.policy.skip_next, "factor": self.policy.factor, "loss_scale": scale,
+                 "quarantined": quarantined, "outcome": {"status": "pending", "finite_steps": 0}}
+        self.records.append(entry)
+        self._skip_left = self.policy.skip_next
+        self._factor_left = self.policy.factor_steps if self.policy.lr_scale is not None else 0
+        self.writes = write
+        self._write(entry)
+        return entry
+
+    # -- after it ---------------------------------------------------------------------------------------------------
+    def after_check(self, step: int) -> None:
+        """A finite check: count it toward the last rollback's outcome."""
+        last = self.records[-1] if self.records else None
+        if last is None or last["outcome"]["status"] != "pending" or step <= last["at_step"]:
+            return
+        last["outcome"]["finite_steps"] += 1
+        if last["outcome"]["finite_steps"] >= self.settle:
+            last["outcome"]["status"] = "recovered"
+            self._write(last)
+
+    def failed_again(self, step: int) -> None:
+        last = self.records[-1] if self.records else None
+        if last is not None and last["outcome"]["status"] == "pending":
+            last["outcome"].update(status="failed again", failed_at=step)
+            self._write(last)
+
+    def close(self) -> None:
+        """The run ends (Monitor.close): the last rollback's count of finite steps so far goes into its record."""
+        self.detach()
+        last = self.records[-1] if self.records else None
+        if last is not None and last["outcome"]["status"] == "pending":
+            self._write(last)
+
+    # -- the optimizer hooks: skip_next and the factor ------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None or self._handles:
+            return
+        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                         optimizer.register_step_post_hook(self._post_step)]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._skip_left > 0:  # dropped, never multiplied by 0 (NOTE: [rollback])
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        if self._factor_left > 0:
+            self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.policy.lr_scale
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._saved_lrs is not None:
+            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
+                group["lr"] = lr
+            self._saved_lrs = None
+            self._factor_left -= 1
+        if self._skip_left > 0:
+            self._skip_left -= 1
+        if self._skip_left <= 0 and self._factor_left <= 0:
+            self.detach()
+
+    # -- the record -------------------------------------------------------------------------------------------------
+    def _write(self, entry: dict) -> None:
+        """The run's rollbacks.json and the finding of the incident's bundle (NOTE: [rollback]); a failure to write
+        is logged, never raised (the run goes on, and the error says what was not saved)."""
+        if not self.writes:
+            return
+        try:
+            write_rollbacks(self.run_dir, self.records)
+        except Exception as exc:  # noqa: BLE001
+            log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
+        if entry.get("bundle"):
+            try:
+                load_bundle(self.run_dir / entry["bundle"]).add_finding(
+                    ROLLBACK_FINDING, f"Rollback: {describe(entry)}", markdown(entry), entry)
+            except Exception as exc:  # noqa: BLE001
+                log.error("nanscan: could not add the rollback to %s: %s: %s", entry["bundle"], type(exc).__name__,
+                          exc)
+
+
+def describe(entry: dict) -> str:
+    """One line: what was restored, skipped and changed, and what happened next."""
+    skipped = entry["skipped_steps"]
+    span = f"steps {skipped[0]}-{skipped[-1]}" if len(skipped) > 1 else f"step {skipped[0]}" if skipped else "none"
+    text = f"back to step {entry['restored_step']}'s start ({entry['restored_from']}); skipped {span}"
+    if entry["skip_next"]:
+        text += f" and the next {entry['skip_next']} update(s)"
+    if entry["factor"]:
+        text += f"; {entry['factor']}"
+    outcome = entry["outcome"]
+    if outcome["status"] == "recovered":
+        text += f"; recovered: finite for {outcome['finite_steps']} steps"
+    elif outcome["status"] == "failed again":
+        text += f"; failed again at step {outcome['failed_at']}"
+    else:
+        text += f"; finite for {outcome['finite_steps']} step(s) since"
+    return text
+
+
+def markdown(entry: dict) -> str:
+    lines = [f"The Monitor rolled the run back at step {entry['at_step']} (on_invalid=Rollback): "
+             f"{describe(entry)}.", "",
+             f"- restored: the model's weights and buffers, the optimizer's state and the torch generators of step "
+             f"{entry['restored_step']}'s start, from {entry['restored_from']}"
+             + (f"; the GradScaler's scale set to {entry['loss_scale']:g}" if entry["loss_scale"] is not None else ""),
+             f"- skipped (updates undone, batches not fed again): steps {entry['skipped_steps']}"]
+    if entry["skipped_sample_ids"]:
+        lines.append(f"- their sample ids: {entry['skipped_sample_ids']}")
+    if entry["quarantined"]:
+        lines.append(f"- quarantined (non-finite rows of the failing batch): {entry['quarantined']}; "
+                     "`nanscan quarantine list` shows them, `nanscan.skip_quarantined` keeps them out of the next run")
+    lines.append(f"- factor changed: {entry['factor'] or 'none'}")
+    lines.append(f"- what happened next: {entry['outcome']['status']}")
+    lines += ["", "Every rollback of the run is in rollbacks.json in the run's directory."]
+    return "\n".join(lines)
+
+
+def nonfinite_rows(batch: Any, sample_ids: Any) -> list:
+    """The sample ids of the batch rows whose floating tensors hold a NaN or an infinity (rows: the leading
+    dimension, when `sample_ids` names one per row)."""
+    if not isinstance(sample_ids, (list, tuple)) or not sample_ids:
+        return []
+    bad = torch.zeros(len(sample_ids), dtype=torch.bool)
+    for _, t in iter_batch_tensors(batch):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == len(sample_ids):
+            bad |= ~torch.isfinite(t.detach().reshape(len(sample_ids), -1)).all(dim=1).cpu()
+    return [sample_ids[i] for i in torch.nonzero(bad).flatten().tolist()]
+
+
+def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | None) -> list:
+    """Put the failing batch's non-finite rows into the quarantine of `bundle_dir`; the ids added."""
+    if not rows:
+        return []
+    source = {"bundle": str(bundle) if bundle is not None else None, "step": step, "rollback": True}
+    named = [NamedRecord(sample_id=row, source=source) for row in rows]
+    try:
+        add_records(bundle_dir, named, reason=f"non-finite input at step {step}, rolled back by the Monitor",
+                    by="nanscan rollback", at=f"step {step}")
+    except Exception as exc:  # noqa: BLE001 - the rollback stands without it; said in the log
+        log.error("nanscan: could not quarantine %s: %s: %s", rows, type(exc).__name__, exc)
+        return []
+    return list(rows)
+
+
+def restore_rng_of(rng: dict | None) -> None:
+    """The torch generators of a kept step's start (the other sources as they are)."""
+    if rng:
+        restore_rng({**capture_rng(), **rng})

@@ -1,0 +1,177 @@
+"""on_invalid=Rollback(...) (nanscan.runtime.rollback NOTE: [rollback]) in real loops: a learning rate too large for
+its warm-up recovers with half of it and the run finishes finite; a corrupt record is skipped, quarantined, and
+never seen by the next run through skip_quarantined; a fault in every batch stops after max_rollbacks with every
+bundle named; the HF Trainer and Lightning roll back once each. Every decision is in the run's rollbacks.json and
+the incident's INCIDENT.md."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import nanscan
+from nanscan import Monitor, NonFiniteError, Rollback, RollbackWarning
+from nanscan.bundle import load_bundle
+from nanscan.bundle.quarantine import read_quarantine
+from nanscan.cli.main import main
+from nanscan.engine.plans import ModelScanPlan
+
+from nanogpt_runs import DIVERGING, train
+
+
+def rollbacks(run_dir: Path) -> list[dict]:
+    data = json.loads((run_dir / "rollbacks.json").read_text())
+    assert data["format"] == "nanscan.rollbacks/1"
+    return data["rollbacks"]
+
+
+def finding(bundle: str) -> dict:
+    (found,) = [f for f in load_bundle(bundle).findings() if f["key"] == "rollback"]
+    return found
+
+
+def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
+    """nanoGPT's loop with lr 30 goes non-finite at step 29 (tests/nanogpt_runs.py); rolled back to the window's
+    state with the learning rate x0.5, it runs its 70 steps finite."""
+    run = train(DIVERGING, tmp_path, iters=70, micro_checks=False,
+                on_invalid=Rollback(lr_scale=0.5, factor_steps=1000))
+    assert run.error is None and run.steps == 70
+    (entry,) = rollbacks(tmp_path / "nanogpt")
+    assert (entry["at_step"], entry["restored_step"], entry["category"]) == (29, 0, "gradient")
+    assert entry["skipped_steps"] == list(range(30))
+    assert entry["factor"] == "learning rate x0.5 for 1000 steps"
+    assert entry["outcome"] == {"status": "recovered", "finite_steps": 32}
+    assert entry["bundle"] == "step-29"  # relative to the run's directory
+    found = finding(tmp_path / "nanogpt" / entry["bundle"])
+    assert "recovered: finite for 32 steps" in found["title"] and "learning rate x0.5" in found["title"]
+    assert "## Reviewer notes" in load_bundle(tmp_path / "nanogpt" / entry["bundle"]).incident_text()
+    # where users look: report (its HTML marks the rollback on the loss curve) and triage
+    bundle_dir = tmp_path / "nanogpt" / entry["bundle"]
+    shown = CliRunner().invoke(main, ["report", str(bundle_dir), "--html", str(tmp_path / "report.html")])
+    assert shown.exit_code == 0, shown.output
+    assert "finding: Rollback: back to step 0's start" in shown.output
+    summary = json.loads(CliRunner().invoke(main, ["report", str(bundle_dir), "--json"]).output)
+    assert [r["at_step"] for r in summary["rollbacks"]] == [29]
+    assert (tmp_path / "report.html").stat().st_size > 0
+    triaged = json.loads(CliRunner().invoke(main, ["triage", str(tmp_path / "nanogpt"), "--json"]).output)
+    (row,) = [b for c in triaged["categories"] for m in c["modules"] for b in m["bundles"]]
+    assert row["rollback"].startswith("back to step 0's start") and row["module"] == "(not replayed)"
+    # the same run without the rollback fails at that step
+    assert train(DIVERGING, tmp_path / "plain", iters=70, micro_checks=False).nonfinite_step == 29
+
+
+class Records(torch.utils.data.Dataset):
+    """64 records (x, y) with stable ids "rec-<i>"; record `bad` holds a NaN."""
+
+    def __init__(self, bad: int | None = 37):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+        if bad is not None:
+            self.x[bad, 2] = float("nan")
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"id": f"rec-{i}", "x": self.x[i], "y": self.y[i]}
+
+
+def fit_records(bundle_dir: Path, dataset, policy, *, epochs: int = 2, run_id: str = "records") -> tuple[Monitor, nn.Module, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, opt, bundle_dir=bundle_dir, run_id=run_id, on_invalid=policy,
+                  window=nanscan.runtime.window.Window(steps=4, every=4))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=False)
+    updates = 0
+    for _ in range(epochs):
+        for batch in loader:
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+            loss.backward()
+            report = mon.check(batch={"x": batch["x"], "y": batch["y"]}, loss=loss, sample_ids=batch["id"])
+            if report.ok:
+                opt.step()
+                updates += 1
+    return mon, model, updates
+
+
+def test_a_corrupt_record_is_skipped_quarantined_and_kept_out_of_the_next_run(tmp_path):
+    with pytest.warns(RollbackWarning, match="rolled back: back to step 4's start"):
+        mon, model, updates = fit_records(tmp_path, Records(), Rollback(skip="step", settle_steps=2))
+    # record 37 is in batch 4 of each epoch: both rolled back (8 steps apart, more than settle_steps=2)
+    entries = rollbacks(tmp_path / "records")
+    assert [e["at_step"] for e in entries] == [4, 12]
+    assert entries[0]["skipped_steps"] == [4] and entries[0]["quarantined"] == ["rec-37"]
+    assert entries[0]["restored_from"] == "the live state at its check, before its update"
+    assert entries[0]["outcome"] == {"status": "recovered", "finite_steps": 2}
+    assert entries[1]["outcome"] == {"status": "recovered", "finite_steps": 2}
+    assert updates == 14 and all(torch.isfinite(p).all() for p in model.parameters())
+    quarantine = read_quarantine(tmp_path)
+    assert [r.sample_id for r in quarantine.records] == ["rec-37"]
+    # the next run never sees it: no incident, no rollback, one record fewer
+    kept = nanscan.skip_quarantined(Records(), tmp_path, id_field="id")
+    assert len(kept) == 63
+    mon2, model2, updates2 = fit_records(tmp_path / "next", kept, Rollback(skip="step"), run_id="next")
+    assert mon2.first_invalid_step is None and not (tmp_path / "next" / "next" / "rollbacks.json").exists()
+    assert updates2 == 16
+
+
+def test_a_fault_in_every_batch_stops_after_max_rollbacks_with_every_bundle(tmp_path):
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.step = 0
+
+        def forward(self, x):
+            out = self.fc(x)
+            return out * float("inf") if self.step >= 5 and self.step % 3 == 2 else out  # steps 5, 8, 11, ...
+
+    model = Broken()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt, bundle_dir=tmp_path, run_id="broken",
+                  on_invalid=Rollback(skip="step", max_rollbacks=2, settle_steps=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RollbackWarning)
+        with pytest.raises(NonFiniteError, match="max_rollbacks=2") as caught:
+            for step in range(20):
+                model.step = step
+                x, y = torch.randn(8, 4), torch.randn(8, 1)
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                if mon.check(batch={"x": x, "y": y}, loss=loss).ok:
+                    opt.step()
+    assert caught.value.step == 11
+    entries = rollbacks(tmp_path / "broken")
+    assert [e["at_step"] for e in entries] == [5, 8]
+    assert [e["outcome"]["status"] for e in entries] == ["recovered", "recovered"]  # for settle_steps=1 each
+    message = str(caught.value)
+    for step in (5, 8, 11):  # every attempt's bundle, none hidden
+        assert str(tmp_path / "broken" / f"step-{step}") in message
+        assert (tmp_path / "broken" / f"step-{step}" / "manifest.json").exists()
+
+
+def test_a_failure_again_within_settle_steps_raises(tmp_path):
+    """The NaN record comes back 8 steps after the first rollback: within settle_steps=10 it is the same failure."""
+    with pytest.warns(RollbackWarning):
+        with pytest.raises(NonFiniteError, match="failed again at step 12, 8 step.* the same failure") as caught:
+            fit_records(tmp_path, Records(), Rollback(skip="step", settle_steps=10))
+    assert str(tmp_path / "records" / "step-4") in str(caught.value)
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="Rollback\\(skip='all'\\)"):
+        Rollback(skip="all")
+    with pytest.raises(ValueError, match="keeps no window"):
+        Monitor(nn.Linear(2, 1), on_invalid=Rollback(), window=None)
+    # a framework's tensor source (DeepSpeed's ZeRO partitions) keeps no window: refused at once, with the reason
+    with pytest.raises(ValueError, match="keeps no window .a TensorSource's tensors, such as DeepSpeed's ZeRO"):
+        Monitor(nn.Linear(2, 1), on_invalid=Rollback(), source=ModelScanPlan())
