@@ -157,7 +157,8 @@ def validate(backend, named: dict[str, torch.Tensor], subset: list[str]) -> dict
     clean = backend.scan_async(inputs)
     clean_records = clean.records()
     clean_ok = not clean_records[:, L.REC_NAN:L.REC_NEGINF + 1].any() and float(clean.found_inf.item()) == 0.0
-    numel_ok = all(int(clean_records[i, L.REC_ZERO]) + int(clean_records[i, L.REC_HIST:].sum()) == item.numel
+    numel_ok = all(int(clean_records[i, L.REC_ZERO]) + int(clean_records[i, L.REC_HIST:L.REC_HIST_END].sum())
+                   == item.numel
                    for i, item in enumerate(inputs))
     sub = [inputs[[i.name for i in inputs].index(name)] for name in subset]
     want = ReferenceBackend().scan_records(sub)

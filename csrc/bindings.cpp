@@ -127,6 +127,7 @@ py::dict build_info_py() {
   slots["absmin_bits"] = record::kAbsMinBits;
   slots["sumsq"] = record::kSumSq;
   slots["hist"] = record::kHist;
+  slots["fingerprint"] = record::kFingerprint;
   info["record_slots"] = slots;
   py::dict codes;
   codes["float16"] = static_cast<int>(kFloat16);

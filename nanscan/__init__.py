@@ -28,6 +28,7 @@ _HOMES = {
     "Monitor": "nanscan.runtime.monitor",
     "Rollback": "nanscan.runtime.rollback", "RollbackWarning": "nanscan.runtime.rollback",
     "check": "nanscan.runtime.default", "first_invalid": "nanscan.runtime.default",
+    "compare_state_dicts": "nanscan.engine.fingerprint", "StateDictComparison": "nanscan.engine.fingerprint",
     "scan": "nanscan.scan",
     "Spike": "nanscan.runtime.spikes", "SpikeRule": "nanscan.runtime.spikes",
     "PendingReport": "nanscan.engine.stats", "ScanReport": "nanscan.engine.stats",
@@ -37,8 +38,8 @@ _HOMES = {
 }
 
 __all__ = [
-    "BackendUnavailable", "PendingReport", "ScanReport", "TensorStats", "UnsupportedTensorError",
-    "backend_info", "check", "first_invalid", "headroom", "scan",
+    "BackendUnavailable", "PendingReport", "ScanReport", "StateDictComparison", "TensorStats",
+    "UnsupportedTensorError", "backend_info", "check", "compare_state_dicts", "first_invalid", "headroom", "scan",
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
     "GradientWarning", "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
     "QuarantinedDataset", "QuarantinedIterableDataset", "skip_quarantined", "Rollback", "RollbackWarning",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.engine.backends import BackendUnavailable, backend_info
     from nanscan.bundle import Bundle, BundleError, HistoryEntry, load_bundle
     from nanscan.entry import ReplaySpec, replay_entry
+    from nanscan.engine.fingerprint import StateDictComparison, compare_state_dicts
     from nanscan.engine.headroom import headroom
     from nanscan.incident import GradientWarning, NonFiniteError, NonFiniteWarning, SnapshotWarning
     from nanscan.engine.inputs import UnsupportedTensorError

@@ -257,7 +257,7 @@ def train_steps(spec: ReplaySpec, model: torch.nn.Module, optimizer: torch.optim
             for name, record in zip(scanned.names, scanned.records) if scanned is not None else ():
                 group = _group_of(name)
                 hists.setdefault(group, np.zeros(L.HIST_BINS, dtype=np.int64))
-                hists[group] += record[L.REC_HIST:]
+                hists[group] += record[L.REC_HIST:L.REC_HIST_END]
         problem = None if out.finite else _step_problem(out)
         results.append(StepResult(step, info.label(), out.loss, out.finite, problem))
         if problem is not None:

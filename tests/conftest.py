@@ -58,6 +58,8 @@ def native():
 
 
 def slot_name(slot: int) -> str:
+    if slot == L.REC_FINGERPRINT:
+        return "fingerprint"
     if slot >= L.REC_HIST:
         return f"hist[2**{slot - L.REC_HIST + L.MIN_BIN_EXPONENT}]"
     return _SLOT_NAMES.get(slot, str(slot))

@@ -1,6 +1,7 @@
 """The history window's on-disk encoding (NOTE: [sparse history records] in nanscan.bundle.history): exact round
 trips of adversarial and scanned records, the same bytes twice, damaged payloads refused by name, dense bundles
-written before the sparse encoding still loading, and the size per tensor-step."""
+written before the sparse encoding and sparse ones written before the fingerprint still loading (their fingerprints
+absent, not 0), and the size per tensor-step."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from record_cases import adversarial_records, random_records
 
 # Written by the dense writer (nanscan.bundle.history at commit 06e20bb) from dense_fixture_entries().
 DENSE_FIXTURE = Path(__file__).parent / "fixtures" / "history-dense"
+# Written by the sparse writer before records carried the fingerprint (record width 264; nanscan.bundle.history at
+# commit e680c82) from dense_fixture_entries().
+UNFINGERPRINTED_FIXTURE = Path(__file__).parent / "fixtures" / "history-sparse-264"
 SIZE_BOUND = 400  # bytes per tensor-step, history.safetensors and history.json together (issue 19)
 
 
@@ -87,6 +91,8 @@ def _damaged(change) -> dict[str, torch.Tensor]:
     (lambda t: t.update(hist_counts=t["hist_counts"].view(torch.int64)), "hist_counts are int64"),
     (lambda t: t.update(hist_counts=torch.full_like(t["hist_counts"], -1)), "count beyond int64"),
     (lambda t: t.update(scalars=t["scalars"][:, :7].contiguous()), "scalars are"),
+    (lambda t: t.update(scalars=t["scalars"][:, :L.REC_HIST].contiguous()),
+     "scalars are .* expected int64 \\(n, 9\\)"),  # a fingerprinted index, scalars without the fingerprint
     (lambda t: t.update(scalars=t["scalars"][:-1].contiguous()), "expected int16 \\(8, 2\\)"),
     (lambda t: t["scalars"].__setitem__((0, L.REC_NAN), -4), "negative counts"),
     (lambda t: t.pop("hist_counts"), "hist_counts"),
@@ -121,6 +127,36 @@ def test_a_dense_history_written_before_the_sparse_encoding_still_loads():
                                                                      for e in expected]
     for s, e in zip(stored, expected):
         assert np.array_equal(s.report.records, e.report.records) and s.report.names == e.report.names
+        assert not s.report.fingerprinted and s.report.fingerprints is None  # written before the fingerprint
+
+
+def test_a_history_written_before_the_fingerprint_loads_without_one():
+    """Its fingerprints are absent, not 0: no TensorStats claims a fingerprint the scan never took, and writing the
+    entries again keeps them absent."""
+    index = json.loads((UNFINGERPRINTED_FIXTURE / "history.json").read_text())
+    tensors, _ = load_tensors(UNFINGERPRINTED_FIXTURE / "history.safetensors")
+    assert index["record_width"] == L.RECORD_WIDTH_WITHOUT_FINGERPRINT and tensors["scalars"].shape[1] == L.REC_HIST
+    stored, expected = history_from_payload(tensors, index), dense_fixture_entries()
+    for s, e in zip(stored, expected):
+        assert np.array_equal(s.report.records, e.report.records) and s.report.names == e.report.names
+        assert not s.report.fingerprinted and s.report.fingerprints is None
+        assert all(stats.fingerprint is None for stats in s.report)
+        assert s.report["layer.8.weight"].absmax == e.report["layer.8.weight"].absmax  # the rest decodes as before
+    again, again_index = history_payload(stored)
+    assert again_index["record_width"] == L.RECORD_WIDTH_WITHOUT_FINGERPRINT
+    assert all(not e.report.fingerprinted for e in history_from_payload(again, again_index))
+
+
+def test_fingerprints_survive_the_history_and_an_unknown_width_is_refused():
+    entries = demo_like_entries(2)
+    tensors, index = history_payload(entries)
+    assert index["record_width"] == L.RECORD_WIDTH and tensors["scalars"].shape[1] == L.SCALAR_WIDTH
+    stored = history_from_payload(safetensors_load(safetensors_save(tensors)), json.loads(json.dumps(index)))
+    for s, e in zip(stored, entries):
+        assert s.report.fingerprinted and s.report.fingerprints == e.report.fingerprints
+        assert len(set(e.report.fingerprints.values())) > len(e.report) // 2  # real ones (zero biases share 0)
+    with pytest.raises(BundleError, match="records are 300 slots wide"):
+        history_from_payload(tensors, {**index, "record_width": 300})
 
 
 def demo_like_entries(steps: int) -> list[HistoryEntry]:

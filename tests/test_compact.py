@@ -58,8 +58,20 @@ def scanned_records() -> np.ndarray:
     return nanscan.scan(tensors, backend="reference").records
 
 
+def fingerprinted_records() -> np.ndarray:
+    """Random records with fingerprints over the whole uint64 range (NOTE: [scan fingerprint]): stored as int64
+    bits, half of them negative. The compact scalars must keep them as they are."""
+    records = random_records(200, seed=5)
+    rng = np.random.default_rng(6)
+    records[:, L.REC_FINGERPRINT] = rng.integers(0, 2**64, size=len(records), dtype=np.uint64).view(np.int64)
+    records[0, L.REC_FINGERPRINT] = np.iinfo(np.int64).min
+    records[1, L.REC_FINGERPRINT] = -1
+    return records
+
+
 CASES = {"adversarial": adversarial_records, "boundaries": boundary_records, "scanned": scanned_records,
-         "random": lambda: random_records(300, seed=3), "empty": lambda: L.empty_records(0)}
+         "random": lambda: random_records(300, seed=3), "empty": lambda: L.empty_records(0),
+         "fingerprinted": fingerprinted_records}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,12 +109,13 @@ def device_records(records: np.ndarray, device: str = "cpu") -> DeviceRecords:
 
 
 @needs_native
-@pytest.mark.parametrize("case", ["adversarial", "boundaries", "scanned", "empty"])
+@pytest.mark.parametrize("case", ["adversarial", "boundaries", "scanned", "empty", "fingerprinted"])
 def test_fixed_capacity_compaction_fits_or_keeps_the_dense_records(case):
     records = CASES[case]()
     kept = device_records(records)
     total = int(compact.encode_reference(records).ranges[:, 1].astype(np.int64).sum())
-    fits = total <= len(records) * DEVICE_BINS_PER_ROW and records[:, L.REC_HIST:].max(initial=0) < (1 << 32)
+    largest = records[:, L.REC_HIST:L.REC_HIST_END].max(initial=0)
+    fits = total <= len(records) * DEVICE_BINS_PER_ROW and largest < (1 << 32)
     assert kept.fits == fits and (kept.dense is None) == fits
     assert np.array_equal(kept.host_records(), records)
     assert kept.nbytes == kept.buffer.nbytes + (0 if fits else records.nbytes)
@@ -128,7 +141,7 @@ def test_fixed_capacity_is_exact_at_its_edge():
 def test_compact_fixed_writes_no_count_past_its_capacity():
     records = random_records(50, seed=7)
     counts = torch.full((10,), -1, dtype=torch.int32)
-    out = [torch.empty(50 * L.REC_HIST, dtype=torch.int64), torch.empty(100, dtype=torch.int16),
+    out = [torch.empty(50 * L.SCALAR_WIDTH, dtype=torch.int64), torch.empty(100, dtype=torch.int16),
            torch.empty(2, dtype=torch.int64)]
     source = torch.from_numpy(records)
     _C.compact_fixed(source.data_ptr(), 50, out[0].data_ptr(), out[1].data_ptr(), counts.data_ptr(), 10,

@@ -65,7 +65,7 @@ def train(monitor, model, optimizer, steps=8, fail_at=FAIL_AT):
 def assert_exponent_buckets(buckets: np.ndarray, record: np.ndarray) -> None:
     """NOTE: [exponent buckets], written out slowly: bin b is the bucket [b - 128, b - 127), over the occupied bins;
     no bucket for a record with nothing binned."""
-    hist = record[L.REC_HIST:]
+    hist = record[L.REC_HIST:L.REC_HIST_END]
     occupied = [b for b in range(L.HIST_BINS) if hist[b]]
     bins = range(occupied[0], occupied[-1] + 1) if occupied else range(0)
     assert buckets.shape == (len(bins), 3) and buckets.dtype == np.float64

@@ -182,7 +182,7 @@ def test_scalars_every_step_with_the_nonfinite_count_at_the_planted_nan(live_run
 
 def expected_bins(record: np.ndarray) -> tuple[list[int], list[int]]:
     """NOTE: [exponent buckets], written out slowly: bin b is the bucket [b - 128, b - 127) of log2|x|."""
-    hist = record[L.REC_HIST:]
+    hist = record[L.REC_HIST:L.REC_HIST_END]
     occupied = [b for b in range(L.HIST_BINS) if hist[b]]
     bins = range(occupied[0], occupied[-1] + 1)
     return [int(hist[b]) for b in bins], [b + L.MIN_BIN_EXPONENT for b in range(bins[0], bins[-1] + 2)]
@@ -202,7 +202,8 @@ def test_histograms_at_log_every_and_at_the_failing_step_equal_the_records(live_
         report = history[step].report
         for i, t in enumerate(report.tensors):
             logged = by_step[step].get(hist_key(t.name))
-            if not report.records[i, L.REC_HIST:].any():  # only zeros, NaNs or infinities: no histogram to draw
+            # only zeros, NaNs or infinities: no histogram to draw
+            if not report.records[i, L.REC_HIST:L.REC_HIST_END].any():
                 assert logged is None
                 continue
             counts, edges = expected_bins(report.records[i])

@@ -154,7 +154,7 @@ def test_history_is_bounded_and_records_loss_lr_grad_norm(tmp_path):
     expected_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
     assert last.grad_norm == pytest.approx(expected_norm, rel=1e-9)
     assert math.isfinite(last.loss)
-    assert last.report.records.shape == (len(last.report), 264)
+    assert last.report.records.shape == (len(last.report), 265)  # the last slot: the fingerprint (NOTE: [stats record])
     assert mon.first_invalid_step is None and mon.bundle_path is None
 
 

@@ -42,7 +42,7 @@ def test_build_info_matches_layout(native):
     assert info["record_slots"] == {
         "nan": L.REC_NAN, "posinf": L.REC_POSINF, "neginf": L.REC_NEGINF, "zero": L.REC_ZERO,
         "subnormal": L.REC_SUBNORMAL, "absmax_bits": L.REC_ABSMAX_BITS, "absmin_bits": L.REC_ABSMIN_BITS,
-        "sumsq": L.REC_SUMSQ, "hist": L.REC_HIST,
+        "sumsq": L.REC_SUMSQ, "hist": L.REC_HIST, "fingerprint": L.REC_FINGERPRINT,
     }
     assert info["dtype_codes"] == L.DTYPE_CODES
     assert info["cpu_simd"] in ("avx512", "avx2", "baseline", "none")
@@ -502,7 +502,7 @@ def test_plan_check_refuses_inconsistent_tables_and_passes_errors_out_of_the_sca
     numels, codes = np.array([weight.numel()]), np.array([L.FLOAT32], dtype=np.int32)
     records = L.empty_records(1)
     assert check.check_and_scan(None, [], numels, codes, records, 4096, 2) == 0
-    assert records[0, L.REC_HIST:].sum() == weight.numel()
+    assert records[0, L.REC_HIST:L.REC_HIST_END].sum() == weight.numel()
     ptrs, grads = check.check(None, [])
     assert ptrs.tolist() == [weight.data_ptr()] and grads == []
     with pytest.raises(ValueError, match="numels and dtypes must have the same length"):

@@ -67,6 +67,7 @@ NATIVE_PASS_ONLY = {
     "test_export": "export-regression's files",
     "test_export_tb": "TensorBoard and table export of records",
     "test_export_wandb": "W&B export of records",
+    "test_fingerprint": "names every backend it checks",
     "test_float8_scan": "names every backend it checks",
     "test_frozen_bundle": "the bundle's references to frozen weights",
     "test_frozen_peft": "a framework's model (PEFT), the cpu backend named",

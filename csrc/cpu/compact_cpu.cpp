@@ -65,7 +65,7 @@ int64_t compact_ranges(const int64_t* records, int64_t rows, int64_t* scalars, i
   uint64_t top = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t* record = records + r * record::kWidth;
-    for (int s = 0; s < record::kHist; ++s) scalars[r * record::kHist + s] = record[s];
+    for (int s = 0; s < kScalarSlots; ++s) scalars[r * kScalarSlots + s] = record[scalar_slot(s)];
     const BinRange range = occupied_range(record + record::kHist);
     ranges[2 * r] = static_cast<int16_t>(stored_first(range));
     ranges[2 * r + 1] = static_cast<int16_t>(stored_width(range));

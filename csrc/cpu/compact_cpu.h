@@ -15,7 +15,7 @@ namespace compact {
 BinRange occupied_range(const int64_t* hist);
 
 // Writes each row's scalars and (first, width) and returns the total of the widths; `largest` gets the largest
-// count. records: rows x record::kWidth int64; scalars: rows x record::kHist; ranges: rows x 2.
+// count. records: rows x record::kWidth int64; scalars: rows x kScalarSlots; ranges: rows x 2.
 int64_t compact_ranges(const int64_t* records, int64_t rows, int64_t* scalars, int16_t* ranges, uint64_t* largest);
 
 // Writes the counts of the ranges compact_ranges wrote, in row order, as Count (uint8/16/32/64: the caller picks

@@ -21,6 +21,7 @@ constexpr int kLanes = 32;
 constexpr int kRowsPerBlock = 8;  // warps of the per-row kernels
 constexpr int kOffsetThreads = 1024;
 constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(compact::kScalarSlots <= kLanes, "a lane copies each scalar slot");
 
 __global__ void ranges_kernel(const int64_t* records, int64_t rows, int64_t* scalars, int16_t* ranges,
                               int64_t* widths, u64* row_largest) {
@@ -28,7 +29,7 @@ __global__ void ranges_kernel(const int64_t* records, int64_t rows, int64_t* sca
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
   if (r >= rows) return;  // the whole warp: r is the warp's
   const int64_t* record = records + r * record::kWidth;
-  if (lane < record::kHist) scalars[r * record::kHist + lane] = record[lane];
+  if (lane < compact::kScalarSlots) scalars[r * compact::kScalarSlots + lane] = record[compact::scalar_slot(lane)];
   compact::BinRange range = compact::scan_bins(record + record::kHist, lane, kLanes);
   for (int offset = kLanes / 2; offset > 0; offset /= 2) {
     const compact::BinRange other{__shfl_xor_sync(kFullMask, range.first, offset),

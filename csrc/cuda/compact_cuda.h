@@ -11,7 +11,7 @@ namespace cuda {
 struct CompactParams {
   const int64_t* records;  // device memory, rows x record::kWidth int64, as the scan wrote them
   int64_t rows;
-  int64_t* scalars;        // device memory, rows x record::kHist int64
+  int64_t* scalars;        // device memory, rows x compact::kScalarSlots int64
   int16_t* ranges;         // device memory, rows x 2 int16: (first bin, width)
   uint32_t* counts;        // device memory, `capacity` uint32: written only when the step fits
   int64_t capacity;

@@ -43,8 +43,11 @@ namespace cuda {
 //     record]), then folds only the table rows between the slots of its absmin and absmax (plus slot 0), the only
 //     rows any element can have touched, into the record's bins. The sum of squares takes a float64 atomicAdd,
 //     the one slot whose last bits may vary with the order blocks finish. Every count is exact and the same on
-//     every run. A last one-block kernel ORs the NaN/inf counts of all records into a float found_inf flag (1.0 or
-//     0.0), the form torch's fused optimizers take, so a step can be skipped without the host reading anything.
+//     every run, and so is the fingerprint (NOTE: [scan fingerprint] in stats_record.h): each thread sums the terms
+//     of the elements it reads, placed by their index in the tensor, and the block's sum is added with a wrapping
+//     64-bit atomicAdd, in whatever order blocks finish. A last one-block kernel ORs the NaN/inf counts of all
+//     records into a float found_inf flag (1.0 or 0.0), the form torch's fused optimizers take, so a step can be
+//     skipped without the host reading anything.
 
 constexpr int kWarpSize = 32;
 constexpr int kWarps = kThreads / kWarpSize;
@@ -158,6 +161,20 @@ struct LaneScan {
   Wide absmax = 0;
   Wide absmin_minus_one = kNone;
   double sumsq = 0.0;
+  uint64_t fingerprint = 0;  // this thread's terms (NOTE: [scan fingerprint])
+
+  // The fingerprint terms of one element, or of a whole vector whose first element is element `first` of the tensor.
+  NANSCAN_HD void add_fingerprint(Bits bits, int64_t index) { fingerprint += fingerprint_term(bits, index); }
+  NANSCAN_HD void add_fingerprint(const Vector& v, int64_t first) {
+    uint64_t s0 = 0, s1 = 0;
+#pragma unroll
+    for (int j = 0; j < kPerVector; ++j) {
+      const uint64_t x = fingerprint_mix(element(v, j));
+      s0 += x;
+      s1 += static_cast<uint64_t>(j) * x;
+    }
+    fingerprint += fingerprint_run(s0, s1, first);
+  }
 
   // Any element: classify.h decides. Head and tail elements and vectors that hold special values come here.
   template <typename Hist>
@@ -285,7 +302,10 @@ NANSCAN_HD void scan_range(const typename F::Bits* data, int64_t begin, int64_t 
   using Bits = typename F::Bits;
   constexpr int kPerVector = LaneScan<F>::kPerVector;
   const VectorSplit split = split_for_vectors(reinterpret_cast<uint64_t>(data), begin, end, sizeof(Bits));
-  if (begin + tid < split.head_end) lane.add_element(data[begin + tid], hist);
+  if (begin + tid < split.head_end) {
+    lane.add_element(data[begin + tid], hist);
+    lane.add_fingerprint(data[begin + tid], begin + tid);
+  }
   const Bits* body = data + split.head_end;
   const int64_t num_vectors = (split.body_end - split.head_end) / kPerVector;
   int64_t v = tid;
@@ -294,10 +314,20 @@ NANSCAN_HD void scan_range(const typename F::Bits* data, int64_t begin, int64_t 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) x[u] = load_vector(body + (v + u * kThreads) * kPerVector);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) lane.add_vector(x[u], hist);
+    for (int u = 0; u < kUnroll; ++u) {
+      lane.add_vector(x[u], hist);
+      lane.add_fingerprint(x[u], split.head_end + (v + u * kThreads) * kPerVector);
+    }
   }
-  for (; v < num_vectors; v += kThreads) lane.add_vector(load_vector(body + v * kPerVector), hist);
-  if (split.body_end + tid < end) lane.add_element(data[split.body_end + tid], hist);
+  for (; v < num_vectors; v += kThreads) {
+    const Vector x = load_vector(body + v * kPerVector);
+    lane.add_vector(x, hist);
+    lane.add_fingerprint(x, split.head_end + v * kPerVector);
+  }
+  if (split.body_end + tid < end) {
+    lane.add_element(data[split.body_end + tid], hist);
+    lane.add_fingerprint(data[split.body_end + tid], split.body_end + tid);
+  }
 }
 
 }  // namespace cuda

@@ -30,6 +30,7 @@ struct BlockShared {
   u64 absmax[kWarps];
   u64 absmin_minus_one[kWarps];  // ULLONG_MAX: no finite non-zero value
   double sumsq[kWarps];
+  u64 fingerprint[kWarps];  // NOTE: [scan fingerprint]
   int first_row, last_row;
   bool any_subnormal;
 };
@@ -75,6 +76,12 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// A wrapping sum mod 2^64 (the fingerprint's): exact in any order.
+__device__ __forceinline__ u64 warp_sum(u64 v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // End of a piece (NOTE: [cuda scan], 5): every thread of the block calls it. Leaves the table and bins zeroed.
 template <typename F>
 __device__ void flush_piece(const LaneScan<F>& lane, BlockShared& sh, int64_t* rec) {
@@ -87,11 +94,13 @@ __device__ void flush_piece(const LaneScan<F>& lane, BlockShared& sh, int64_t* r
   const u64 absmin_minus_one =
       warp_min(lane.absmin_minus_one == LaneScan<F>::kNone ? ULLONG_MAX : u64(lane.absmin_minus_one));
   const double sumsq = warp_sum(lane.sumsq);
+  const u64 fingerprint = warp_sum(static_cast<u64>(lane.fingerprint));
   if (lane_id == 0) {
     for (int k = 0; k < kScalarCounts; ++k) sh.counts[warp][k] = counts[k];
     sh.absmax[warp] = absmax;
     sh.absmin_minus_one[warp] = absmin_minus_one;
     sh.sumsq[warp] = sumsq;
+    sh.fingerprint[warp] = fingerprint;
   }
   __syncthreads();  // the piece's table increments and the per-warp partials are all in shared memory
 
@@ -102,6 +111,7 @@ __device__ void flush_piece(const LaneScan<F>& lane, BlockShared& sh, int64_t* r
     const u64 block_max = warp_max(has ? sh.absmax[lane_id] : 0ull);
     const u64 block_min_minus_one = warp_min(has ? sh.absmin_minus_one[lane_id] : ULLONG_MAX);
     const double block_sumsq = warp_sum(has ? sh.sumsq[lane_id] : 0.0);
+    const u64 block_fingerprint = warp_sum(has ? sh.fingerprint[lane_id] : 0ull);
     if (lane_id == 0) {
       for (int k = 0; k < kScalarCounts; ++k)
         if (total[k] != 0) add_to_record(rec + k, total[k]);
@@ -109,6 +119,7 @@ __device__ void flush_piece(const LaneScan<F>& lane, BlockShared& sh, int64_t* r
       if (block_max != 0) atomicMax(reinterpret_cast<u64*>(rec + record::kAbsMaxBits), block_max);
       if (has_min) atomicMin(reinterpret_cast<u64*>(rec + record::kAbsMinBits), block_min_minus_one + 1);
       if (block_sumsq != 0.0) atomicAdd(reinterpret_cast<double*>(rec + record::kSumSq), block_sumsq);
+      if (block_fingerprint != 0) add_to_record(rec + record::kFingerprint, block_fingerprint);
       touched_rows<F>(has_min, block_min_minus_one + 1, block_max, &sh.first_row, &sh.last_row);
       sh.any_subnormal = total[record::kSubnormal] != 0;
     }
@@ -221,6 +232,7 @@ void scan_pass_on_host(const ChunkMeta& meta, int64_t begin, int64_t end, int64_
     memcpy(&sumsq, rec + record::kSumSq, sizeof sumsq);
     sumsq += lane.sumsq;
     memcpy(rec + record::kSumSq, &sumsq, sizeof sumsq);
+    add_fingerprint(rec, lane.fingerprint);
   }
   const bool has_min = block_min_minus_one != ULLONG_MAX;
   if (static_cast<int64_t>(block_max) > rec[record::kAbsMaxBits]) rec[record::kAbsMaxBits] = block_max;

@@ -162,7 +162,7 @@ ScanTable::ScanTable(const CArray<int64_t>& numels, const CArray<int32_t>& dtype
     : tasks_(make_tasks(numels, dtypes, where)) {}
 
 py::tuple compact_arrays(const int64_t* records, py::ssize_t rows) {
-  py::array_t<int64_t> scalars({rows, static_cast<py::ssize_t>(record::kHist)});
+  py::array_t<int64_t> scalars({rows, static_cast<py::ssize_t>(compact::kScalarSlots)});
   py::array_t<int16_t> ranges({rows, static_cast<py::ssize_t>(2)});
   uint64_t largest = 0;
   const int64_t total = compact::compact_ranges(records, rows, scalars.mutable_data(), ranges.mutable_data(),

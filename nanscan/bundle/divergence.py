@@ -52,7 +52,7 @@ _NONE = np.iinfo(np.int64).min  # no finite non-zero value (or no such tensor) a
 def top_binades(report: Any) -> dict[str, int]:
     """{tensor name: floor(log2 max|x|)} of a scan report's finite non-zero values, read from its records'
     exponent histograms; gradients unscaled by the report's loss scale (NOTE: [unscaled gradients])."""
-    hist = report.records[:, L.REC_HIST:]
+    hist = report.records[:, L.REC_HIST:L.REC_HIST_END]
     occupied = hist > 0
     top = L.HIST_BINS - 1 - np.argmax(occupied[:, ::-1], axis=1) + L.MIN_BIN_EXPONENT
     shift = report.scaling.grad_exponent if report.scaling is not None else 0

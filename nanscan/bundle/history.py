@@ -6,13 +6,18 @@ NOTE: [sparse history records]
 The records are stored as RECORDS_FORMAT: the compact records of every kept step (NOTE: [compact records] in
 csrc/include/nanscan/compact.h; nanscan.engine.compact), not the dense int64 (rows, RECORD_WIDTH) array (2.1 KB per
 tensor-step). history.safetensors holds
-  "scalars"      int64 (rows, REC_HIST): the slots before the histogram, as they are;
+  "scalars"      int64 (rows, SCALAR_WIDTH): the slots outside the histogram, as they are (those before it, then the
+                 fingerprint after it);
   "hist_ranges"  int16 (rows, 2): each row's first occupied bin and width ((0, 0) for an empty histogram);
   "hist_counts"  the counts of those ranges in row order, in the narrowest of uint8/16/32/64 that holds them all;
   "row_offsets"  int64 (steps + 1,): where each step's rows start, as before.
 Ranges are trimmed to the first and last nonzero bin, so the same entries give the same bytes; the reader accepts
 any range that fits and decodes to exactly the original int64 records. An index without
 "records_format" is a bundle written before it: its dense "records" array still loads.
+An index whose "record_width" is RECORD_WIDTH_WITHOUT_FINGERPRINT (264) is a bundle written before records carried
+the fingerprint (NOTE: [scan fingerprint] in csrc/include/nanscan/stats_record.h): its scalars (or dense records)
+stop at the histogram's end, and its reports load with fingerprinted=False, so every TensorStats.fingerprint is None:
+absent, never a fingerprint of 0.
 """
 
 from __future__ import annotations
@@ -50,9 +55,14 @@ def history_payload(entries: Sequence[HistoryEntry]) -> tuple[dict[str, torch.Te
                               "grad_norm": json_float(entry.grad_norm), "layout": layout_index[key],
                               "backend": report.backend, **_scaler_fields(report)})
     records = np.concatenate(rows) if rows else L.empty_records(0)
-    tensors = {**encode_records(records), "row_offsets": torch.tensor(offsets, dtype=torch.int64)}
-    index = {"record_width": L.RECORD_WIDTH, "records_format": RECORDS_FORMAT, "entries": index_entries,
-             "layouts": layouts}
+    # Entries read from a bundle without fingerprints are written without them again: absent stays absent.
+    fingerprinted = all(entry.report.fingerprinted for entry in entries)
+    encoded = encode_records(records)
+    if not fingerprinted:
+        encoded["scalars"] = encoded["scalars"][:, :L.REC_HIST].contiguous()
+    tensors = {**encoded, "row_offsets": torch.tensor(offsets, dtype=torch.int64)}
+    width = L.RECORD_WIDTH if fingerprinted else L.RECORD_WIDTH_WITHOUT_FINGERPRINT
+    index = {"record_width": width, "records_format": RECORDS_FORMAT, "entries": index_entries, "layouts": layouts}
     return tensors, index
 
 
@@ -65,25 +75,34 @@ def encode_records(records: np.ndarray) -> dict[str, torch.Tensor]:
     return dict(zip(_PAYLOAD_KEYS, map(torch.from_numpy, compact.encode(records))))
 
 
-def decode_records(tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
+def decode_records(tensors: Mapping[str, torch.Tensor], *, fingerprinted: bool = True) -> np.ndarray:
     """The int64 records back from encode_records' tensors; ValueError naming the tensor for a payload whose
-    shapes, ranges or counts do not fit together."""
-    return compact.decode(*(tensors[k].numpy() for k in _PAYLOAD_KEYS))
+    shapes, ranges or counts do not fit together. `fingerprinted`: False for scalars written before the fingerprint
+    (they stop at the histogram; its slot decodes as 0)."""
+    slots = L.SCALAR_SLOTS if fingerprinted else np.arange(L.REC_HIST)
+    return compact.decode(*(tensors[k].numpy() for k in _PAYLOAD_KEYS), scalar_slots=slots)
 
 
-def _stored_records(tensors: Mapping[str, torch.Tensor], index: Mapping) -> np.ndarray:
-    """The int64 records of either encoding: RECORDS_FORMAT, or the dense array of a bundle written before it."""
+def _stored_records(tensors: Mapping[str, torch.Tensor], index: Mapping, fingerprinted: bool) -> np.ndarray:
+    """The int64 records of either encoding: RECORDS_FORMAT, or the dense array of a bundle written before it;
+    records stored without the fingerprint get its slot, 0."""
     stored_format = index.get("records_format")
     if stored_format == RECORDS_FORMAT:
-        return decode_records(tensors)
+        return decode_records(tensors, fingerprinted=fingerprinted)
     if stored_format is not None:
         raise BundleError(f"{HISTORY_INDEX}: records are stored as {stored_format!r}, this nanscan reads "
                           f"{RECORDS_FORMAT!r} and the dense records of older bundles; use the nanscan version "
                           "that wrote the bundle")
     records = tensors["records"]
-    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] != L.RECORD_WIDTH:
-        raise ValueError(f"records are {records.dtype} {tuple(records.shape)}, expected int64 (n, {L.RECORD_WIDTH})")
-    return records.numpy()
+    width = L.RECORD_WIDTH if fingerprinted else L.RECORD_WIDTH_WITHOUT_FINGERPRINT
+    if records.dtype != torch.int64 or records.dim() != 2 or records.shape[1] != width:
+        raise ValueError(f"records are {records.dtype} {tuple(records.shape)}, expected int64 (n, {width})")
+    if fingerprinted:
+        return records.numpy()
+    out = L.empty_records(records.shape[0])
+    out[:, :width] = records.numpy()
+    out[:, L.REC_FINGERPRINT] = 0
+    return out
 
 
 def _scaler_fields(report: ScanReport) -> dict:
@@ -115,11 +134,14 @@ def history_from_payload(tensors: Mapping[str, torch.Tensor], index: Mapping) ->
     payload the writer could not have produced, so a damaged file never yields plausible-looking statistics."""
     if not isinstance(index, dict):
         raise ValueError(f"{HISTORY_INDEX} holds a {type(index).__name__}, not an object")
-    if index.get("record_width") != L.RECORD_WIDTH:
-        raise BundleError(f"{HISTORY_INDEX}: records are {index.get('record_width')} slots wide, this nanscan "
-                          f"reads {L.RECORD_WIDTH}; use the nanscan version that wrote the bundle")
-    records, row_offsets = _stored_records(tensors, index), tensors["row_offsets"]
-    if (records[:, :L.REC_ABSMAX_BITS] < 0).any() or (records[:, L.REC_HIST:] < 0).any():
+    width = index.get("record_width")
+    if width not in (L.RECORD_WIDTH, L.RECORD_WIDTH_WITHOUT_FINGERPRINT):
+        raise BundleError(f"{HISTORY_INDEX}: records are {width} slots wide, this nanscan reads "
+                          f"{L.RECORD_WIDTH} (and {L.RECORD_WIDTH_WITHOUT_FINGERPRINT}, without fingerprints); use "
+                          "the nanscan version that wrote the bundle")
+    fingerprinted = width == L.RECORD_WIDTH
+    records, row_offsets = _stored_records(tensors, index, fingerprinted), tensors["row_offsets"]
+    if (records[:, :L.REC_ABSMAX_BITS] < 0).any() or (records[:, L.REC_HIST:L.REC_HIST_END] < 0).any():
         raise ValueError("records hold negative counts")
     entries, layouts = index["entries"], index["layouts"]
     if row_offsets.dtype != torch.int64 or row_offsets.dim() != 1:
@@ -143,6 +165,6 @@ def history_from_payload(tensors: Mapping[str, torch.Tensor], index: Mapping) ->
         scaling, overflow_skip = _scaling_from(entry, i)
         report = ScanReport(scanned, records[offsets[i]:offsets[i + 1]].copy(), skipped=layout["skipped"],
                             backend=entry["backend"], step=entry["step"], scaling=scaling,
-                            overflow_skip=overflow_skip)
+                            overflow_skip=overflow_skip, fingerprinted=fingerprinted)
         out.append(HistoryEntry(entry["step"], *map(float_from_json, values), report))
     return out

@@ -66,8 +66,15 @@ REC_ABSMAX_BITS = 5
 REC_ABSMIN_BITS = 6
 REC_SUMSQ = 7
 REC_HIST = 8
-RECORD_WIDTH = REC_HIST + HIST_BINS
+REC_HIST_END = REC_HIST + HIST_BINS  # the histogram is records[:, REC_HIST:REC_HIST_END]; a slot follows it
+REC_FINGERPRINT = REC_HIST_END  # a uint64's bits (NOTE: [scan fingerprint] in stats_record.h)
+RECORD_WIDTH = REC_FINGERPRINT + 1
 ABSMIN_NONE = np.iinfo(np.int64).max
+# The record width before the fingerprint was appended: what older bundles hold (nanscan.bundle.history).
+RECORD_WIDTH_WITHOUT_FINGERPRINT = REC_HIST_END
+# The slots outside the histogram, in record order: the compact records' scalars (NOTE: [compact records]).
+SCALAR_SLOTS = np.r_[0:REC_HIST, REC_FINGERPRINT:RECORD_WIDTH]
+SCALAR_WIDTH = len(SCALAR_SLOTS)
 
 # Elements per work chunk in the native and numba backends (NOTE: [chunking] in csrc/cpu/scan_cpu.cpp).
 DEFAULT_CHUNK_ELEMS = 1 << 16
@@ -76,6 +83,11 @@ DEFAULT_CHUNK_ELEMS = 1 << 16
 def sumsq_values(records: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The float64 sums of squares of the given rows (REC_SUMSQ holds them as their bits)."""
     return np.ascontiguousarray(records[rows, REC_SUMSQ]).view(np.float64).reshape(-1)
+
+
+def fingerprints(records: np.ndarray) -> np.ndarray:
+    """The records' fingerprints as uint64 (NOTE: [scan fingerprint] in stats_record.h)."""
+    return np.ascontiguousarray(records[:, REC_FINGERPRINT]).view(np.uint64)
 
 
 def any_nonfinite(records: np.ndarray) -> bool:

@@ -2,7 +2,8 @@
 (NOTE: [compact records] in csrc/include/nanscan/compact.h), for the history kept in memory and in bundles.
 
 A tensor's values span a few dozen binades at most, so most of a record's 256 bins are zero: the dense int64
-record is 2112 bytes, its compact form about 70 to 140 (scalars 64, range 4, a few dozen counts). `encode` is the
+record is 2120 bytes, its compact form about 75 to 145 (scalars 72, range 4, a few dozen counts). The scalars are
+the slots outside the histogram (SCALAR_SLOTS: those before it and the fingerprint after it). `encode` is the
 native encoder when nanscan._C is built, else `encode_reference`, the numpy reference the tests hold it to; both
 give the same arrays, and `decode` gives back exactly the int64 records.
 """
@@ -23,7 +24,7 @@ COUNT_DTYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
 class CompactRecords(NamedTuple):
     """One or more steps' records, compacted (NOTE: [compact records])."""
 
-    scalars: np.ndarray  # int64 (rows, REC_HIST)
+    scalars: np.ndarray  # int64 (rows, SCALAR_WIDTH): the slots outside the histogram (_layout.SCALAR_SLOTS)
     ranges: np.ndarray  # int16 (rows, 2): first bin, width
     counts: np.ndarray  # the ranges' counts in row order, unsigned
 
@@ -55,12 +56,12 @@ def occupied_ranges(hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def encode_reference(records: np.ndarray) -> CompactRecords:
     """The int64 (rows, RECORD_WIDTH) records compacted, in numpy: the reference the native encoder matches."""
-    hist = records[:, L.REC_HIST:]
+    hist = records[:, L.REC_HIST:L.REC_HIST_END]
     first, width = occupied_ranges(hist)
     bins = np.arange(L.HIST_BINS)
     counts = hist[(bins >= first[:, None]) & (bins < (first + width)[:, None])]  # row-major: ranges in row order
     largest = int(counts.max()) if counts.size else 0
-    return CompactRecords(np.ascontiguousarray(records[:, :L.REC_HIST]),
+    return CompactRecords(np.ascontiguousarray(records[:, L.SCALAR_SLOTS]),
                           np.stack([first, width], axis=1).astype(np.int16), counts.astype(narrowest(largest)))
 
 
@@ -75,11 +76,15 @@ def encode(records: np.ndarray) -> CompactRecords:
     return CompactRecords(*_native_encode(records))
 
 
-def decode(scalars: np.ndarray, ranges: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def decode(scalars: np.ndarray, ranges: np.ndarray, counts: np.ndarray, *,
+           scalar_slots: np.ndarray = L.SCALAR_SLOTS) -> np.ndarray:
     """The int64 records back from their compact arrays; ValueError naming the array for arrays whose shapes,
-    ranges or counts do not fit together (what a damaged file gives), so they never decode to plausible records."""
-    if scalars.dtype != np.int64 or scalars.ndim != 2 or scalars.shape[1] != L.REC_HIST:
-        raise ValueError(f"scalars are {scalars.dtype} {scalars.shape}, expected int64 (n, {L.REC_HIST})")
+    ranges or counts do not fit together (what a damaged file gives), so they never decode to plausible records.
+    `scalar_slots`: the record slots the scalars' columns hold (older bundles' scalars stop before the fingerprint,
+    whose slot then stays 0: nanscan.bundle.history)."""
+    width = len(scalar_slots)
+    if scalars.dtype != np.int64 or scalars.ndim != 2 or scalars.shape[1] != width:
+        raise ValueError(f"scalars are {scalars.dtype} {scalars.shape}, expected int64 (n, {width})")
     rows = scalars.shape[0]
     if ranges.dtype != np.int16 or ranges.shape != (rows, 2):
         raise ValueError(f"hist_ranges are {ranges.dtype} {ranges.shape}, expected int16 ({rows}, 2)")
@@ -96,7 +101,7 @@ def decode(scalars: np.ndarray, ranges: np.ndarray, counts: np.ndarray) -> np.nd
     if counts.dtype == np.uint64 and counts.size and counts.max() > np.iinfo(np.int64).max:
         raise ValueError("hist_counts hold a count beyond int64")
     records = np.zeros((rows, L.RECORD_WIDTH), dtype=np.int64)
-    records[:, :L.REC_HIST] = scalars
+    records[:, scalar_slots] = scalars
     row_of = np.repeat(np.arange(rows), width)
     starts = np.cumsum(width) - width
     records[row_of, L.REC_HIST + first[row_of] + np.arange(counts.size) - starts[row_of]] = counts.astype(np.int64)

@@ -59,7 +59,7 @@ def overflow_count(stats) -> int:
 
 def overflow_counts(records: np.ndarray) -> np.ndarray:
     """overflow_count for raw stats records (one row per scanned tensor, laid out as in nanscan.engine._layout)."""
-    return records[:, L.REC_HIST:][:, _OVERFLOW_BINS].sum(axis=1)
+    return records[:, L.REC_HIST:L.REC_HIST_END][:, _OVERFLOW_BINS].sum(axis=1)
 
 
 def out_of_range(stats, compute_dtype: str | None = None) -> bool:

@@ -25,6 +25,8 @@ Bin 0 (values below 2**-127) is exact under e >= 0 (it stays bin 0) but under a 
 fp32 (no value reaches 2**128), and for a float64 tensor under e > 0 it moves down to 127 - e, the lower bound of
 its values. A scale that is not a power of two leaves the views scaled (Scaling.unscaled is False and the report
 says so), as does a scaler whose unscale_() already ran (the gradients are real then: Scaling.scaled is False).
+The fingerprint (NOTE: [scan fingerprint] in csrc/include/nanscan/stats_record.h) is always that of the bits the
+scan read: of the scaled gradients, which no division undoes.
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ class Scaling:
 class TensorStats:
     """What one scan found in one tensor. Counts are exact; `sumsq` is a float64 accumulation.
 
+    `fingerprint`: an exact 64-bit fingerprint of the tensor's bits, as an unsigned int (NOTE: [scan fingerprint] in
+    csrc/include/nanscan/stats_record.h; docs/scan.md): equal tensors, bit for bit and element for element, give equal
+    ones; one changed element, or two unequal ones swapped, gives another. None for a record stored without it (a
+    bundle written before fingerprints were).
+
     The squares of float16, bfloat16 and float32 values are exact in float64 and their sum cannot leave its range.
     A float64 tensor's can: `sumsq` (and `norm`) is +inf once the sum passes the float64 maximum (about 1.8e308,
     e.g. from two values of 1e154, or one above 2**512) although every value is finite, and a square below about
@@ -141,6 +148,7 @@ class TensorStats:
     absmin: float  # smallest |x| over finite non-zero values (0.0 if none)
     sumsq: float  # sum of x*x over finite values, accumulated in float64 (float64 tensors: may be inf, see above)
     exp_hist: np.ndarray = field(repr=False)  # int64[256], bin = clamp(floor(log2|x|), -128, 127) + 128
+    fingerprint: int | None = None  # unsigned 64-bit (NOTE: [scan fingerprint])
 
     @property
     def finite(self) -> int:
@@ -164,7 +172,7 @@ class TensorStats:
             "name": self.name, "dtype": self.dtype, "device": self.device, "numel": self.numel,
             "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf, "zero": self.zero,
             "subnormal": self.subnormal, "finite": self.finite, "absmax": self.absmax,
-            "absmin": self.absmin, "sumsq": self.sumsq,
+            "absmin": self.absmin, "sumsq": self.sumsq, "fingerprint": self.fingerprint,
         }
         if hist:
             out["exp_hist"] = [int(c) for c in self.exp_hist]
@@ -172,9 +180,10 @@ class TensorStats:
 
     @classmethod
     def from_record(cls, name: str, dtype: str, device: str, numel: int, scanned_code: int,
-                    record: np.ndarray, scale_exponent: int = 0) -> "TensorStats":
+                    record: np.ndarray, scale_exponent: int = 0, fingerprinted: bool = True) -> "TensorStats":
         """Decode one stats record (NOTE: [stats record] in stats_record.h); `scale_exponent`: e of a record
-        scanned from x * 2**e, decoded as x (NOTE: [unscaled gradients])."""
+        scanned from x * 2**e, decoded as x (NOTE: [unscaled gradients]); `fingerprinted`: False for a record
+        stored without its fingerprint (its slot is 0 and means nothing)."""
         absmin_bits = int(record[L.REC_ABSMIN_BITS])
         absmax = L.abs_bits_to_float(int(record[L.REC_ABSMAX_BITS]), scanned_code)
         absmin = 0.0 if absmin_bits == L.ABSMIN_NONE else L.abs_bits_to_float(absmin_bits, scanned_code)
@@ -185,7 +194,9 @@ class TensorStats:
             zero=int(record[L.REC_ZERO]), subnormal=int(record[L.REC_SUBNORMAL]),
             absmax=_times_power_of_two(absmax, -scale_exponent), absmin=_times_power_of_two(absmin, -scale_exponent),
             sumsq=_times_power_of_two(sumsq, -2 * scale_exponent),
-            exp_hist=unscaled_hist(record[L.REC_HIST:], scale_exponent),
+            exp_hist=unscaled_hist(record[L.REC_HIST:L.REC_HIST_END], scale_exponent),
+            fingerprint=int(record[L.REC_FINGERPRINT : L.REC_FINGERPRINT + 1].view(np.uint64)[0]) if fingerprinted
+            else None,
         )
 
 
@@ -250,15 +261,20 @@ class ScanReport:
     nanscan.runtime.amp). Without a scaler: None, None and False.
     `spike`: the nanscan.runtime.spikes.Spike the Monitor found at this check (a finite step far outside its recent
     range), else None.
+    `fingerprinted`: False for records stored without their fingerprints (a bundle written before they were): each
+    TensorStats.fingerprint is then None, and so is `fingerprints`.
     """
 
     spike = None
+    fingerprinted = True
 
     def __init__(self, tensors: Sequence[ScannedTensor], records: np.ndarray, *, skipped: Sequence[str] = (),
                  backend: str = "", step: int | None = None, found_inf: torch.Tensor | None = None,
-                 any_nonfinite: bool | None = None, scaling: Scaling | None = None, overflow_skip: bool = False):
+                 any_nonfinite: bool | None = None, scaling: Scaling | None = None, overflow_skip: bool = False,
+                 fingerprinted: bool = True):
         self.tensors = tuple(tensors)
         self.records = _check_records(records, self.tensors)
+        self.fingerprinted = fingerprinted
         self.skipped = list(skipped)
         self.backend = backend
         self.step = step
@@ -287,6 +303,15 @@ class ScanReport:
         return self._found_inf
 
     @property
+    def fingerprints(self) -> dict[str, int] | None:
+        """Each tensor's fingerprint by name, as unsigned 64-bit ints (NOTE: [scan fingerprint] in
+        csrc/include/nanscan/stats_record.h), read from the records without decoding them; None when the records
+        were stored without them."""
+        if not self.fingerprinted:
+            return None
+        return {t.name: int(f) for t, f in zip(self.tensors, L.fingerprints(self.records))}
+
+    @property
     def nonfinite(self) -> list[str]:
         """Names of the tensors holding a NaN or an infinity, in scan order."""
         bad = np.flatnonzero(self.records[:, L.REC_NAN : L.REC_NEGINF + 1].any(axis=1))
@@ -306,7 +331,8 @@ class ScanReport:
     def stats(self) -> list[TensorStats]:
         exponent = self._grad_exponent
         return [TensorStats.from_record(t.name, t.dtype, t.device, t.numel, t.scanned_code, r,
-                                        exponent if exponent and is_kind(t.name, "gradient") else 0)
+                                        exponent if exponent and is_kind(t.name, "gradient") else 0,
+                                        self.fingerprinted)
                 for t, r in zip(self.tensors, self.records)]
 
     def __getitem__(self, name: str) -> TensorStats:
@@ -347,7 +373,7 @@ class ScanReport:
             return np.zeros(L.HIST_BINS, np.int64)
         if self._grad_exponent:  # the gradients' rows decoded unscaled (NOTE: [unscaled gradients])
             return np.sum([s.exp_hist for s in self.stats], axis=0)
-        return self.records[:, L.REC_HIST:].sum(axis=0)
+        return self.records[:, L.REC_HIST:L.REC_HIST_END].sum(axis=0)
 
     def to_dict(self, *, hist: bool = True) -> dict:
         t = self.totals

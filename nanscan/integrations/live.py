@@ -193,7 +193,7 @@ def exponent_histograms(tensors: Sequence[ScannedTensor], records: np.ndarray, r
         return ()
     if groups is None:
         groups = [group_of(tensors[i].name) for i in rows]
-    hist = records[rows, L.REC_HIST:]
+    hist = records[rows, L.REC_HIST:L.REC_HIST_END]
     first, width = compact.occupied_ranges(hist)
     end = (first + width).tolist()
     first = first.tolist()

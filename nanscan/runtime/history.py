@@ -2,7 +2,7 @@
 
 NOTE: [history ring]
 The Monitor keeps its last `size` steps, each step's records compacted (NOTE: [compact records] in
-csrc/include/nanscan/compact.h): about 70 to 140 bytes per tensor where the dense record is 2112, so a GPT-2-sized
+csrc/include/nanscan/compact.h): about 75 to 145 bytes per tensor where the dense record is 2120, so a GPT-2-sized
 model's 64 steps take a few MiB, not 200. A host scan's records are compacted by nanscan._C when the ring takes
 them (a few microseconds: the step's report keeps the dense array the scan returned, the ring copies nothing
 else). A GPU scan's are compacted on the device, behind the scan on the same stream (csrc/cuda/compact_cuda.cu):
@@ -30,8 +30,8 @@ from nanscan.engine.pending import CompletedScan, StepScan
 from nanscan.engine.stats import ScannedTensor, ScanReport, Scaling
 
 # The device compaction's room: this many histogram bins a row on average (NOTE: [history ring]). With the scalars,
-# the ranges and the kernels' workspace, 64 + 4 + 24 + 4 x 64 = 348 bytes a tensor-step; a step whose tensors span
-# more binades on average keeps its dense records (2112 bytes a tensor) instead, still exact.
+# the ranges and the kernels' workspace, 72 + 4 + 24 + 4 x 64 = 356 bytes a tensor-step; a step whose tensors span
+# more binades on average keeps its dense records (2120 bytes a tensor) instead, still exact.
 DEVICE_BINS_PER_ROW = 64
 STATUS_TOTAL, STATUS_FITS = 0, 1  # slots of a device compaction's status (compact.h: kStatusTotal, kStatusFits)
 
@@ -101,7 +101,7 @@ class DeviceRecords:
     def _sizes(self) -> list[int]:
         """int64 slots of the buffer's parts: scalars, status, workspace, ranges (int16), counts (uint32)."""
         rows = self.rows
-        return [rows * L.REC_HIST, 2, 3 * rows, (2 * rows + 3) // 4, (self.capacity + 1) // 2]
+        return [rows * L.SCALAR_WIDTH, 2, 3 * rows, (2 * rows + 3) // 4, (self.capacity + 1) // 2]
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """The parts of `buffer` (the device buffer, or its host copy), each in its shape and dtype."""
@@ -110,7 +110,7 @@ class DeviceRecords:
             parts.append(buffer[at:at + size])
             at += size
         scalars, status, workspace, ranges, counts = parts
-        return [scalars.view(self.rows, L.REC_HIST), status, workspace,
+        return [scalars.view(self.rows, L.SCALAR_WIDTH), status, workspace,
                 ranges.view(torch.int16)[: 2 * self.rows].view(self.rows, 2), counts.view(torch.int32)[: self.capacity]]
 
     def fits_shape(self, records: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 //
 // NOTE: [compact records]
 // A step's records compact into three arrays:
-//   scalars  int64 (rows, record::kHist): the slots before the histogram, as they are;
+//   scalars  int64 (rows, kScalarSlots): the slots outside the histogram, as they are, in record order (the slots
+//            before it, then the fingerprint after it: scalar_slot);
 //   ranges   int16 (rows, 2): the row's first occupied bin and the number of bins from it to its last occupied
 //            one, the empty bins between included; (0, 0) for a row whose histogram is empty (a tensor of zeros,
 //            NaNs or infinities only);
@@ -20,6 +21,11 @@
 
 namespace nanscan {
 namespace compact {
+
+// A record's slots outside its histogram, which the scalars hold as they are: s < record::kHist before it, the
+// others (the fingerprint, NOTE: [scan fingerprint]) after it.
+constexpr int kScalarSlots = record::kWidth - kHistBins;
+NANSCAN_HD int scalar_slot(int s) { return s < record::kHist ? s : s + kHistBins; }
 
 // The occupied part of a histogram seen so far: bins [first, last] hold every nonzero count, `largest` is the
 // largest count. Empty: first > last.

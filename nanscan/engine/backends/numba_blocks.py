@@ -1,6 +1,6 @@
 """Building blocks of the numba kernels (nanscan/engine/backends/numba_cpu.py, numba_bytes.py): typed pointers, prefetch
-hints, narrow integer arithmetic, float32/float64 bit casts, rotations, byte blocks read as 8-byte words and the residue
-counters of NOTE: [numba blocks]."""
+hints, narrow integer arithmetic, float32/float64 bit casts, rotations, byte blocks read as 8-byte words, the residue
+counters of NOTE: [numba blocks] and the fingerprint's terms (NOTE: [scan fingerprint] in stats_record.h)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,28 @@ def float64_of_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.DoubleType())
 
     return types.float64(types.uint64), codegen
+
+
+@njit(cache=True)
+def fingerprint_part(block, first):
+    """The fingerprint terms (NOTE: [scan fingerprint] in csrc/include/nanscan/stats_record.h) of a block of raw bits
+    whose element 0 is element `first` of its tensor, as a uint64: (2 first + 1) * S0 + 2 * S1 with S0 the sum of
+    mix(u_k) = u_k ^ (u_k >> 32) and S1 that of k * mix(u_k), wrapping mod 2**64 (numba's uint64 arithmetic does;
+    every operand is kept uint64, as a mix with int64 would turn the sum into a float64)."""
+    s0 = np.uint64(0)
+    s1 = np.uint64(0)
+    for k in range(block.size):
+        u = np.uint64(block[k])
+        x = u ^ (u >> np.uint64(32))
+        s0 += x
+        s1 += x * np.uint64(k)
+    return (np.uint64(2) * np.uint64(first) + np.uint64(1)) * s0 + np.uint64(2) * s1
+
+
+@njit(cache=True)
+def add_fingerprint(counts, slot, part):
+    """Adds a fingerprint part (uint64) to record slot `slot` of an int64 record, wrapping mod 2**64."""
+    counts[slot] = np.int64(np.uint64(counts[slot]) + part)
 
 
 def count_residues(block, mant_bits):

@@ -63,9 +63,10 @@ from numba.extending import overload
 
 from nanscan.engine import _layout as L
 from nanscan.engine.backends.byte_formats import TABLE_BIN, TABLE_CLASS, TABLE_SQUARE
-from nanscan.engine.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES, add_slots,
-                                                  byte_words, count_residues_wide, float64_of_bits, four_counts,
-                                                  pointer_at, prefetch_lines, rotated_count, rotated_words, wide_counts)
+from nanscan.engine.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, GROUP_ROWS, RESIDUES, WORD_LANES,
+                                                  add_fingerprint, add_slots, byte_words, count_residues_wide,
+                                                  fingerprint_part, float64_of_bits, four_counts, pointer_at,
+                                                  prefetch_lines, rotated_count, rotated_words, wide_counts)
 
 _BYTE_BLOCK = 4 * GROUP_ELEMS  # 3840 bytes: whole residue groups, in L1 between the passes
 _BYTE_TABLES = 4  # pattern counters in interleaved tables, as the C++ kernel's kByteTables
@@ -78,7 +79,7 @@ _BELOW_WINDOW = 5
 
 _REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
 _REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
-_REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
+_REC_ABSMAX, _REC_ABSMIN, _REC_FINGERPRINT = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS, L.REC_FINGERPRINT
 _ABSMIN_NONE = L.ABSMIN_NONE
 _NORMAL, _ZERO, _SUBNORMAL, _POSINF, _NEGINF, _NAN = L.NORMAL, L.ZERO, L.SUBNORMAL, L.POSINF, L.NEGINF, L.NAN
 
@@ -404,10 +405,11 @@ def _fold_patterns(patterns, table, counts, absmax, absmin):
 
 
 @njit(parallel=True, cache=True)
-def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial_counts, partial_sumsq):
+def scan_byte_chunks(addresses, numels, firsts, groups, segments, table, traits, partial_counts, partial_sumsq):
     """Each group of chunks of a one-byte format (groups[g] .. groups[g + 1] - 1) is scanned by one thread, in order,
     each chunk added to its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE:
-    [numba bytes]). `table` is byte_formats.byte_table of the format, `traits` its byte_traits."""
+    [numba bytes]); firsts[c] is chunk c's first element in its tensor (NOTE: [scan fingerprint]). `table` is
+    byte_formats.byte_table of the format, `traits` its byte_traits."""
     bits_like = np.empty(0, np.uint8)
     exp_bits, mant_bits = traits[0], traits[1]
     special_lo, sign_only_nan = traits[3], traits[4]
@@ -427,8 +429,10 @@ def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial
             absmin = np.int64(_ABSMIN_NONE)
             s = 0.0
             by_pattern = False
+            fingerprint = np.uint64(0)
             for begin in range(0, data.size, _BYTE_BLOCK):
                 block = data[begin:begin + _BYTE_BLOCK]
+                fingerprint += fingerprint_part(block, firsts[c] + begin)  # the block's raw bits, any path
                 # As in numba_cpu's _scan_chunks: the next block is asked for in halves, before each pass.
                 ahead = addresses[c] + min(begin + _BYTE_BLOCK, data.size)
                 ahead_size = addresses[c] + min(begin + 2 * _BYTE_BLOCK, data.size) - ahead
@@ -465,6 +469,7 @@ def scan_byte_chunks(addresses, numels, groups, segments, table, traits, partial
                 patterns[:] = 0
             counts[_REC_ABSMAX] = max(counts[_REC_ABSMAX], absmax)
             counts[_REC_ABSMIN] = min(counts[_REC_ABSMIN], absmin)
+            add_fingerprint(counts, _REC_FINGERPRINT, fingerprint)
             partial_sumsq[c] = s
         if fields_segment >= 0:
             _fold_byte_fields(fields, table, mant_bits, partial_counts[fields_segment])

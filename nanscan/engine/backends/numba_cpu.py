@@ -70,10 +70,10 @@ from numba.extending import overload
 from nanscan.engine import _layout as L
 from nanscan.engine.backends.byte_formats import byte_table
 from nanscan.engine.backends.numba_bytes import byte_traits, scan_byte_chunks
-from nanscan.engine.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, count_residues,
-                                                  count_residues_wide, float32_bits, float32_of_bits,
-                                                  float32_of_float16_bits, narrow, pointer_at, prefetch_lines,
-                                                  wide_counts)
+from nanscan.engine.backends.numba_blocks import (CACHE_LINE, GROUP_ELEMS, RESIDUES, add_fingerprint, count_residues,
+                                                  count_residues_wide, fingerprint_part, float32_bits,
+                                                  float32_of_bits, float32_of_float16_bits, narrow, pointer_at,
+                                                  prefetch_lines, wide_counts)
 from nanscan.engine.inputs import ScanInput, as_scan_inputs
 
 # A whole number of groups; 1920 float32 are 7.5 KiB, so a block stays in L1 between the passes over it.
@@ -89,7 +89,7 @@ _F16_FIELD_BASE = 127 - 15
 _REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
 _REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
 _REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
-_REC_SUMSQ, _RECORD_WIDTH = L.REC_SUMSQ, L.RECORD_WIDTH
+_REC_SUMSQ, _RECORD_WIDTH, _REC_FINGERPRINT = L.REC_SUMSQ, L.RECORD_WIDTH, L.REC_FINGERPRINT
 _MIN_BIN, _MAX_BIN = L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT
 _ABSMIN_NONE = L.ABSMIN_NONE
 
@@ -456,10 +456,11 @@ _MAX_TABLED = 2**31 - 1
 
 
 @njit(parallel=True, cache=True)
-def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale, partial_counts,
-                 partial_sumsq):
+def _scan_chunks(addresses, numels, firsts, groups, segments, bits_like, masks, exp_bits, mant_bits, scale,
+                 partial_counts, partial_sumsq):
     """Each group of chunks (groups[g] .. groups[g + 1] - 1) is scanned by one thread, in order, each chunk added to
-    its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE: [numba blocks])."""
+    its segment's partial record and its sum of squares kept apart (NOTE: [chunking], NOTE: [numba blocks]); firsts[c]
+    is chunk c's first element in its tensor (the fingerprint's index, NOTE: [scan fingerprint])."""
     abs_mask, min_normal, inf_bits = masks[0], masks[1], masks[2]
     # float16's subnormals widen to normal float32 values (_widen_one): its blocks with subnormals stay fast.
     exact_small = bits_like.itemsize == 2 and exp_bits == 5
@@ -481,6 +482,7 @@ def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits
             absmax = np.int64(0)
             absmin = np.int64(_ABSMIN_NONE)
             s = 0.0
+            fingerprint = np.uint64(0)
             # Small chunks go element by element: folding the tables would cost more than they save.
             use_tables = data.size >= table_size
             if use_tables:
@@ -488,6 +490,7 @@ def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits
                 tabled_segment = segments[c]
             for begin in range(0, data.size, _BLOCK_ELEMS):
                 block = data[begin:begin + _BLOCK_ELEMS]
+                fingerprint += fingerprint_part(block, firsts[c] + begin)  # the block's raw bits, any path
                 # The passes over this block read only it, so the hardware prefetcher stops running ahead: ask for
                 # the next block meanwhile, a quarter before each pass (a whole block's lines at once would stall on
                 # the core's few slots for outstanding misses).
@@ -516,6 +519,7 @@ def _scan_chunks(addresses, numels, groups, segments, bits_like, masks, exp_bits
                 s += block_sumsq
             counts[_REC_ABSMAX] = max(counts[_REC_ABSMAX], absmax)
             counts[_REC_ABSMIN] = min(counts[_REC_ABSMIN], absmin)
+            add_fingerprint(counts, _REC_FINGERPRINT, fingerprint)
             partial_sumsq[c] = s
         if tabled:
             _fold_segment(field_tables, count_exp_bits, partial_counts[tabled_segment], bits_like.itemsize, exp_bits,
@@ -533,6 +537,8 @@ def _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sum
                 records[t, k] = max(records[t, k], partial_counts[g, k])
             elif k == _REC_ABSMIN:
                 records[t, k] = min(records[t, k], partial_counts[g, k])
+            elif k == _REC_FINGERPRINT:  # a wrapping sum (NOTE: [scan fingerprint])
+                add_fingerprint(records[t], k, np.uint64(partial_counts[g, k]))
             else:
                 records[t, k] += partial_counts[g, k]
     for c in range(chunk_task.size):
@@ -548,12 +554,12 @@ def _merge(segment_task, partial_counts, chunk_task, partial_sumsq, records, sum
 @njit(cache=True)
 def _format_plan(ptrs, numels, tasks, itemsize, chunk_elems, threads):
     """chunk_plan of the inputs `tasks`, with their identity partial records and the chunks' sums."""
-    addresses, chunk_numels, chunk_task, groups, segments, segment_task = chunk_plan(
+    addresses, chunk_numels, chunk_first, chunk_task, groups, segments, segment_task = chunk_plan(
         ptrs[tasks], numels[tasks], itemsize, chunk_elems, threads)
     partial_counts = np.zeros((segment_task.size, _RECORD_WIDTH), np.int64)
     partial_counts[:, _REC_ABSMIN] = _ABSMIN_NONE
-    return addresses, chunk_numels, tasks[chunk_task], groups, segments, tasks[segment_task], partial_counts, \
-        np.zeros(chunk_task.size, np.float64)
+    return addresses, chunk_numels, chunk_first, tasks[chunk_task], groups, segments, tasks[segment_task], \
+        partial_counts, np.zeros(chunk_task.size, np.float64)
 
 
 @njit(cache=True)
@@ -571,9 +577,9 @@ def _scan_word_format(ptrs, numels, tasks, chunk_elems, threads, bits_like, mask
                       records):
     """The inputs `tasks` of one format of 2, 4 or 8 bytes scanned into their rows of `records` (NOTE: [numba
     call])."""
-    addresses, chunk_numels, chunk_task, groups, segments, segment_task, partial_counts, partial_sumsq = \
-        _format_plan(ptrs, numels, tasks, bits_like.itemsize, chunk_elems, threads)
-    _scan_chunks(addresses, chunk_numels, groups, segments, bits_like, masks, exp_bits, mant_bits, scale,
+    addresses, chunk_numels, chunk_first, chunk_task, groups, segments, segment_task, partial_counts, \
+        partial_sumsq = _format_plan(ptrs, numels, tasks, bits_like.itemsize, chunk_elems, threads)
+    _scan_chunks(addresses, chunk_numels, chunk_first, groups, segments, bits_like, masks, exp_bits, mant_bits, scale,
                  partial_counts, partial_sumsq)
     _merge_format(segment_task, partial_counts, chunk_task, partial_sumsq, records)
 
@@ -581,9 +587,10 @@ def _scan_word_format(ptrs, numels, tasks, chunk_elems, threads, bits_like, mask
 @njit(cache=True)
 def _scan_byte_format(ptrs, numels, tasks, chunk_elems, threads, table, traits, records):
     """The inputs `tasks` of one one-byte format scanned into their rows of `records` (NOTE: [numba call])."""
-    addresses, chunk_numels, chunk_task, groups, segments, segment_task, partial_counts, partial_sumsq = \
-        _format_plan(ptrs, numels, tasks, 1, chunk_elems, threads)
-    scan_byte_chunks(addresses, chunk_numels, groups, segments, table, traits, partial_counts, partial_sumsq)
+    addresses, chunk_numels, chunk_first, chunk_task, groups, segments, segment_task, partial_counts, \
+        partial_sumsq = _format_plan(ptrs, numels, tasks, 1, chunk_elems, threads)
+    scan_byte_chunks(addresses, chunk_numels, chunk_first, groups, segments, table, traits, partial_counts,
+                     partial_sumsq)
     _merge_format(segment_task, partial_counts, chunk_task, partial_sumsq, records)
 
 
@@ -623,24 +630,26 @@ def thread_groups(chunk_task, chunk_numels, threads):
 @njit(cache=True)
 def chunk_plan(bases, numels, itemsize, chunk_elems, threads):
     """The chunks of the tensors at `bases` (NOTE: [chunking]), each at most chunk_elems elements, and their threads'
-    work (thread_groups): (chunk addresses, chunk element counts, each chunk's tensor index, groups, segments, each
-    segment's tensor index). Compiled, with thread_groups in the same call: in numpy the cutting alone cost ~12 us
-    a scan, about a fifth of the numba backend's fixed cost per call."""
+    work (thread_groups): (chunk addresses, chunk element counts, each chunk's first element in its tensor, each
+    chunk's tensor index, groups, segments, each segment's tensor index). Compiled, with thread_groups in the same
+    call: in numpy the cutting alone cost ~12 us a scan, about a fifth of the numba backend's fixed cost per call."""
     n = 0
     for t in range(numels.size):
         n += (numels[t] + chunk_elems - 1) // chunk_elems
     addresses = np.empty(n, np.int64)
     chunk_numels = np.empty(n, np.int64)
+    chunk_first = np.empty(n, np.int64)
     chunk_task = np.empty(n, np.int64)
     c = 0
     for t in range(numels.size):
         for begin in range(0, numels[t], chunk_elems):
             addresses[c] = bases[t] + begin * itemsize
             chunk_numels[c] = min(chunk_elems, numels[t] - begin)
+            chunk_first[c] = begin
             chunk_task[c] = t
             c += 1
     groups, segments, segment_task = thread_groups(chunk_task, chunk_numels, threads)
-    return addresses, chunk_numels, chunk_task, groups, segments, segment_task
+    return addresses, chunk_numels, chunk_first, chunk_task, groups, segments, segment_task
 
 
 # -- the backend ---------------------------------------------------------------------------------------------------

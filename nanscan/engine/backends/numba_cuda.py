@@ -23,7 +23,10 @@ fewer than 2**31 elements), keeps |x| extremes and the sum of squares per thread
 global record with 64-bit atomics: add for the counts, max/min on the |x| bit patterns (non-negative, so their int64
 order is their value order), and a float64 add for the sum of squares, in a separate float64 array because the record
 holds it as bits. Counts are therefore exact; the sum of squares depends on the order in which atomics land (its last
-bits may vary from run to run).
+bits may vary from run to run). The fingerprint (NOTE: [scan fingerprint] in csrc/include/nanscan/stats_record.h) is
+exact too: each thread sums its elements' terms, placed by their index in the tensor (arena index less starts[row],
+the arena index of the tensor's element 0), as uint64, and the block's sum is added to the record with a 64-bit
+atomic add, which wraps as the sum mod 2**64 does.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ PIECE_BEGIN, PIECE_END, PIECE_ROW = 0, 1, 2
 # Record slots and histogram geometry as plain globals: numba freezes them into the compiled kernels.
 _REC_NAN, _REC_POSINF, _REC_NEGINF = L.REC_NAN, L.REC_POSINF, L.REC_NEGINF
 _REC_ZERO, _REC_SUBNORMAL, _REC_HIST = L.REC_ZERO, L.REC_SUBNORMAL, L.REC_HIST
-_REC_ABSMAX, _REC_ABSMIN = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS
+_REC_ABSMAX, _REC_ABSMIN, _REC_FINGERPRINT = L.REC_ABSMAX_BITS, L.REC_ABSMIN_BITS, L.REC_FINGERPRINT
 _RECORD_WIDTH = L.RECORD_WIDTH
 _MIN_BIN, _MAX_BIN = L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT
 _ABSMIN_NONE = L.ABSMIN_NONE
@@ -86,9 +89,10 @@ _FORMATS = {code: _Format(f.exp_bits, f.mant_bits, f.bias, f.specials) for code,
 def _kernel(code: int):
     """The scan kernel of one format (NOTE: [numba-cuda arena], NOTE: [numba-cuda pieces]), compiled on first launch.
 
-    kernel[blocks, threads, stream](arena, pieces, scale, records, sumsq): arena holds the elements' bits (uint8,
-    uint16, uint32 or uint64), pieces the int64 piece table, scale the format's _Format.scale(); records
-    (n, RECORD_WIDTH) int64 and sumsq (n,) float64 start in their identity state and are merged into.
+    kernel[blocks, threads, stream](arena, pieces, starts, scale, records, sumsq): arena holds the elements' bits
+    (uint8, uint16, uint32 or uint64), pieces the int64 piece table, starts (n,) int64 each record row's arena index
+    of its tensor's element 0, scale the format's _Format.scale(); records (n, RECORD_WIDTH) int64 and sumsq (n,)
+    float64 start in their identity state and are merged into.
     """
     fmt = _FORMATS[code]
     # Every constant that meets a bit pattern is a uint64: numba turns uint64 mixed with int64 into float64. Casts and
@@ -110,10 +114,11 @@ def _kernel(code: int):
     nan_neg_zero = fmt.specials == L.NAN_NEG_ZERO
 
     @cuda.jit
-    def scan_pieces(arena, pieces, scale, records, sumsq):
-        counts = cuda.shared.array(_RECORD_WIDTH, np.int32)  # slots as in the record; 5-7 stay 0
+    def scan_pieces(arena, pieces, starts, scale, records, sumsq):
+        counts = cuda.shared.array(_RECORD_WIDTH, np.int32)  # slots as in the record; 5-7 and the last stay 0
         extremes = cuda.shared.array(2, np.int64)  # largest |x| bits, smallest non-zero |x| bits
         piece_sumsq = cuda.shared.array(1, np.float64)
+        piece_fingerprint = cuda.shared.array(1, np.uint64)
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
         for piece in range(cuda.blockIdx.x, pieces.shape[0], cuda.gridDim.x):
@@ -123,12 +128,19 @@ def _kernel(code: int):
                 extremes[0] = 0
                 extremes[1] = _ABSMIN_NONE
                 piece_sumsq[0] = 0.0
+                piece_fingerprint[0] = np.uint64(0)
             cuda.syncthreads()
             absmax = np.int64(0)
             absmin = np.int64(_ABSMIN_NONE)
             s = 0.0
+            row = pieces[piece, PIECE_ROW]
+            start = starts[row]
+            fingerprint = np.uint64(0)
             for i in range(pieces[piece, PIECE_BEGIN] + tid, pieces[piece, PIECE_END], threads):
                 bits = np.uint64(arena[i])
+                # NOTE: [scan fingerprint]: mix(u) * (2 index + 1), every operand uint64.
+                odd = np.uint64(2) * np.uint64(i - start) + np.uint64(1)
+                fingerprint += (bits ^ (bits >> np.uint64(32))) * odd
                 field = np.int64((bits >> mant_shift) & field_mask)
                 mant = bits & mant_mask
                 if (nan_all_ones and (bits & abs_mask) == abs_mask) or (nan_neg_zero and bits == sign_mask):
@@ -178,8 +190,9 @@ def _kernel(code: int):
                 cuda.atomic.max(extremes, 0, absmax)
                 cuda.atomic.min(extremes, 1, absmin)
                 cuda.atomic.add(piece_sumsq, 0, s)
+            if fingerprint != np.uint64(0):
+                cuda.atomic.add(piece_fingerprint, 0, fingerprint)
             cuda.syncthreads()
-            row = pieces[piece, PIECE_ROW]
             for k in range(tid, _RECORD_WIDTH, threads):
                 c = counts[k]
                 if c != 0:
@@ -188,16 +201,25 @@ def _kernel(code: int):
                 cuda.atomic.max(records, (row, _REC_ABSMAX), extremes[0])
                 cuda.atomic.min(records, (row, _REC_ABSMIN), extremes[1])
                 cuda.atomic.add(sumsq, row, piece_sumsq[0])
+            if tid == 0 and piece_fingerprint[0] != np.uint64(0):
+                cuda.atomic.add(records, (row, _REC_FINGERPRINT), np.int64(piece_fingerprint[0]))
             cuda.syncthreads()  # the next piece clears the shared record only after every thread has merged it
 
     return scan_pieces
 
 
-def launch_pieces(code: int, arena, pieces, scale, records, sumsq, *, blocks: int, threads: int, stream=0) -> None:
+def launch_pieces(code: int, arena, pieces, starts, scale, records, sumsq, *, blocks: int, threads: int,
+                  stream=0) -> None:
     """Enqueue the kernel of format `code` over a non-empty piece table. The arrays are CUDA arrays (anything with a
     __cuda_array_interface__) on a GPU, or numpy arrays under the simulator (NUMBA_ENABLE_CUDASIM=1); the kernel is
     the same."""
-    _kernel(code)[blocks, threads, stream](arena, pieces, scale, records, sumsq)
+    _kernel(code)[blocks, threads, stream](arena, pieces, starts, scale, records, sumsq)
+
+
+def arena_starts(ptrs: np.ndarray, base: int, itemsize: int) -> np.ndarray:
+    """Each input's arena index of its element 0 (NOTE: [numba-cuda arena]), for the fingerprint's index; inputs of
+    other formats get values no piece reads."""
+    return (np.asarray(ptrs, dtype=np.int64) - base) // itemsize
 
 
 # -- host side ------------------------------------------------------------------------------------------------------
@@ -290,8 +312,10 @@ def scan_bit_arrays(arrays: Sequence[np.ndarray], codes: Sequence[int], *, threa
     for code, base, length, pieces in plan_scan(ptrs, numels, codes, piece_elems):
         arena = arenas[code]
         first = (base - arena.ctypes.data) // arena.itemsize
-        launch_pieces(code, arena[first:first + length], pieces, _FORMATS[code].scale(), records, sumsq,
-                      blocks=blocks, threads=threads)
+        # The simulator runs the kernels as Python: their uint64 sums wrap as numpy scalars, which warn.
+        with np.errstate(over="ignore"):
+            launch_pieces(code, arena[first:first + length], pieces, arena_starts(ptrs, base, arena.itemsize),
+                          _FORMATS[code].scale(), records, sumsq, blocks=blocks, threads=threads)
     return finish_records(records, sumsq)
 
 
@@ -383,7 +407,8 @@ class NumbaCudaBackend:
             for code, base, length, pieces in plan_scan(ptrs, numels, codes, self.piece_elems):
                 # The arena is read in place (NOTE: [numba-cuda arena]); the inputs outlive this call.
                 arena = _DeviceSpan(base, (length,), L.BITS_DTYPES[code])
-                launch_pieces(code, arena, _DeviceSpan.of(_to_device(pieces, device)),
+                starts = _to_device(arena_starts(ptrs, base, L.FORMATS[code].bytes), device)
+                launch_pieces(code, arena, _DeviceSpan.of(_to_device(pieces, device)), _DeviceSpan.of(starts),
                               _DeviceSpan.of(self._scale(code, index)), _DeviceSpan.of(records), _DeviceSpan.of(sumsq),
                               blocks=min(blocks, len(pieces)), threads=self.threads, stream=stream)
             host_records = records.cpu().numpy()  # a copy on the current stream: it waits for the kernels

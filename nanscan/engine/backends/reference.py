@@ -2,7 +2,9 @@
 other backend and the last-resort fallback on any device (it runs wherever torch runs).
 
 It deliberately shares nothing with the kernels: it classifies with torch.isnan/isinf and floating comparisons
-and takes floor(log2|x|) from torch.frexp, where the kernels work on raw bits (classify.h).
+and takes floor(log2|x|) from torch.frexp, where the kernels work on raw bits (classify.h). The fingerprint is
+defined here, as the one formula over every element (NOTE: [scan fingerprint] in stats_record.h), where the kernels
+sum it in pieces.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def _abs_bits(value: torch.Tensor, dtype: torch.dtype) -> int:
     return raw & ((1 << (8 * value.to(dtype).element_size())) - 1)
 
 
+_BITS_TYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def fingerprint(bits: np.ndarray) -> int:
+    """The fingerprint of a tensor given as its elements' raw bits in flat order, an unsigned integer array (NOTE:
+    [scan fingerprint] in stats_record.h): the sum over i of mix(u_i) * (2 i + 1) mod 2**64, mix(u) = u ^ (u >> 32),
+    u_i element i's bits zero-extended to 64. numpy's uint64 products and sums wrap mod 2**64."""
+    u = np.asarray(bits).reshape(-1).astype(np.uint64)
+    mixed = u ^ (u >> np.uint64(32))
+    odd = np.arange(u.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    return int(np.sum(mixed * odd, dtype=np.uint64))
+
+
 def scan_one(flat: torch.Tensor, dtype_code: int) -> np.ndarray:
     """One stats record (NOTE: [stats record]) for a 1-D tensor of a supported floating dtype."""
     record = L.empty_records(1)[0]
@@ -62,9 +77,11 @@ def scan_one(flat: torch.Tensor, dtype_code: int) -> np.ndarray:
         # frexp: |x| = m * 2**e with m in [0.5, 1), so floor(log2|x|) = e - 1, exactly.
         _, e = torch.frexp(values)
         bins = (e.to(torch.int64) - 1).clamp(L.MIN_BIN_EXPONENT, L.MAX_BIN_EXPONENT) - L.MIN_BIN_EXPONENT
-        record[L.REC_HIST:] = torch.bincount(bins, minlength=L.HIST_BINS).cpu().numpy()
+        record[L.REC_HIST:L.REC_HIST_END] = torch.bincount(bins, minlength=L.HIST_BINS).cpu().numpy()
     sumsq = float((x[finite] * x[finite]).sum()) if finite.any() else 0.0
     record[L.REC_SUMSQ : L.REC_SUMSQ + 1] = np.array([sumsq], dtype=np.float64).view(np.int64)
+    bits = flat.detach().view(_BITS_TYPES[flat.element_size()]).cpu().numpy()
+    record[L.REC_FINGERPRINT] = np.array([fingerprint(bits)], dtype=np.uint64).view(np.int64)[0]
     return record
 
 
