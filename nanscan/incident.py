@@ -51,7 +51,11 @@ OPTIMIZER_UPDATE = "optimizer_update"  # non-finite right after optimizer.step()
 # nanscan/engine/headroom.py) and the step then went non-finite in the loss or the gradients: category "input", the
 # tensors those inputs.
 INPUT_OVERFLOW = "input_overflow"
-REASONS = (NONFINITE, SKIP_STREAK, OPTIMIZER_UPDATE, INPUT_OVERFLOW)
+# Replicas that must be bit-identical were not (nanscan.runtime.distributed NOTE: [replica agreement]): every value
+# may be finite. Both the category and the reason of such an incident; after the non-finite categories in
+# category_rank, so a step that is non-finite too is categorised by its non-finite values.
+REPLICA_MISMATCH = "replica_mismatch"
+REASONS = (NONFINITE, SKIP_STREAK, OPTIMIZER_UPDATE, INPUT_OVERFLOW, REPLICA_MISMATCH)
 OVERFLOW_SKIP = "overflow_skip"
 REASON_EXPLANATIONS = {
     SKIP_STREAK: "GradScaler skipped every step from this one on: only gradients were non-finite (inputs, weights, "
@@ -101,6 +105,15 @@ CATEGORY_EXPLANATIONS = {
            "once with the loss: the batch or the learning rate).",
     OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
                 "index (index.json, one directory up) names the rank that went bad first.",
+    REPLICA_MISMATCH: "Tensors that every data-parallel replica must hold bit for bit (parameters, optimizer state, "
+                      "and at a step's own check the all-reduced gradients) had different fingerprints on different "
+                      "ranks, whether or not any value was non-finite: silent corruption of memory, compute or "
+                      "communication on the odd rank(s). The bundle set's index names them (by majority with 3 or "
+                      "more replicas; with 2 it cannot tell which), the first differing tensors, and whether the "
+                      "reduced gradients already differed (the all-reduce or the compute around it) or only the "
+                      "parameters and optimizer state (memory, or an earlier update on that rank); its ranks' rows "
+                      "name each rank's host and device, so a machine that keeps appearing stands out in "
+                      "`nanscan triage`.",
 }
 
 

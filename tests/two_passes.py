@@ -38,6 +38,7 @@ BOTH_PASSES = {
     "test_replay": "replay scans every rerun step and localizes with scans",
     "test_replay_precision": "replay, ablation and export rerun under the run's precision, scanned",
     "test_replay_window": "the window's rerun, matched against its recorded history",
+    "test_replicas": "the ranks' replica agreement on the fingerprints in each rank's own scan records (DDP)",
     "test_rollback": "the Monitor's rollback to the window's states, decided by its check's verdict",
     "test_scan_api": "nanscan.scan through the default backend, as users call it",
     "test_scan_plan": "the Monitor's every-step inputs against a fresh scan",

@@ -11,8 +11,8 @@ from nanscan.bundle.divergence import DIVERGENCE_FINDING, divergence, lr_text, o
 from nanscan.bundle.format import DETECT_FINDING, MANIFEST, HistoryEntry, Incident
 from nanscan.engine.headroom import FORMATS, headroom_by_kind
 from nanscan.engine.targets import ignored_targets
-from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, SPIKE,
-                              explain_category, is_kind, reason_title)
+from nanscan.incident import (CATEGORY_EXPLANATIONS, INPUT_OVERFLOW, LOSS, REASON_EXPLANATIONS, REPLICA_MISMATCH,
+                              SPIKE, explain_category, is_kind, reason_title)
 
 MIXED_PRECISION_FINDING = "mixed_precision"
 SKIPS_SHOWN = 12
@@ -297,8 +297,14 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
         largest = {s.name: s.absmax for s in inc.report.stats}
         shown_inputs = [f"`{n}` (largest |x| {largest.get(n, float('nan')):.4g})" for n in inc.tensors[:10]]
         deciding_line = f"Inputs with finite values beyond the step's range, deciding the category: {', '.join(shown_inputs)}"
+    elif inc.category == REPLICA_MISMATCH:
+        deciding_line = f"Tensors that differed across the replicas: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
     else:
         deciding_line = f"Non-finite tensors deciding the category: {', '.join(f'`{n}`' for n in inc.tensors[:10])}"
+    replicas = (inc.distributed or {}).get("replicas") if inc.category == REPLICA_MISMATCH else None
+    if replicas:  # nanscan.runtime.distributed NOTE: [replica agreement]: who, and where it began
+        explanation += (f"\n\nReplicas: {replicas['ranks_text']}; {replicas['cause']} "
+                        f"({replicas['differing_count']} tensor(s) differed).")
     body = [explanation, "",
             deciding_line
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")
@@ -322,8 +328,9 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
               "nonfinite_count": len(nonfinite), "reason": inc.reason, "micro_batch": inc.micro_batch}
     if ignored:
         record["ignored_targets"] = [found.to_dict() for found in ignored]
-    return {"kind": "finding", "key": DETECT_FINDING,
-            "title": f"First non-finite step: {inc.step} ({inc.category}{reason_title(inc.reason, inc.step)})",
+    title = (f"Replicas differ at step {inc.step} ({inc.category})" if inc.category == REPLICA_MISMATCH else
+             f"First non-finite step: {inc.step} ({inc.category}{reason_title(inc.reason, inc.step)})")
+    return {"kind": "finding", "key": DETECT_FINDING, "title": title,
             "body": "\n".join(body), "record": record, "at": inc.detected_at}
 
 

@@ -20,6 +20,9 @@ log = logging.getLogger("nanscan")
 INDEX_SCHEMA = "nanscan.bundle-index/1"
 
 
+# Optional keys, absent from indexes written before them: "replicas_compared" and "replicas" (the replica verdict of
+# nanscan.runtime.distributed NOTE: [replica agreement], None when the replicas agreed), "hosts" (each host with its
+# ranks and devices), and each rank's row's "device" ({host, device, index, name, uuid, pci_bus_id}).
 INDEX_REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "world_size", "first_bad_ranks", "bad_ranks",
                        "category", "ranks")
 
@@ -27,6 +30,15 @@ INDEX_REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "world_size", "
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
 
+
+
+def device_label(info: dict | None) -> str:
+    """One line for a rank's device as its part records it: "cuda:3 (GPU-1234..., 0000:41:00.0)", "cpu", or
+    "unknown" for a part written before devices were recorded."""
+    if not info:
+        return "unknown"
+    extra = ", ".join(str(info[k]) for k in ("uuid", "pci_bus_id") if info.get(k))
+    return f"{info.get('device')}{f' ({extra})' if extra else ''}"
 
 
 def write_index(set_dir: Path, index: dict) -> Path:
@@ -145,6 +157,17 @@ class BundleSet(Bundle):
     def world_size(self) -> int:
         return int(self.index["world_size"])
 
+    @property
+    def replicas(self) -> dict | None:
+        """The replica verdict (odd ranks, first differing tensors, whether the gradients differed), or None: the
+        replicas agreed, were not compared, or the index predates the comparison."""
+        return self.index.get("replicas")
+
+    def device_of(self, rank: int) -> dict | None:
+        """A rank's host and device as its row in the index records them (None for an index without them)."""
+        row = next((r for r in self.index["ranks"] if r.get("rank") == rank), None)
+        return (row or {}).get("device")
+
     def part(self, rank: int) -> Bundle:
         try:
             return self.parts[rank]
@@ -156,7 +179,8 @@ class BundleSet(Bundle):
         return {"set": str(self.set_path), "world_size": self.world_size, "backend": self.index.get("backend"),
                 "agreement": self.index.get("agreement"), "first_bad_ranks": self.first_bad_ranks,
                 "bad_ranks": self.bad_ranks, "shown_rank": self.rank,
-                "ranks": [{k: row.get(k) for k in ("rank", "host", "dir", "category", "category_tensors",
+                "replicas": self.replicas,
+                "ranks": [{k: row.get(k) for k in ("rank", "host", "device", "dir", "category", "category_tensors",
                                                    "nonfinite_count", "error")} for row in self.index["ranks"]]}
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict | None]:

@@ -4,7 +4,9 @@ and counts, so incidents are reviewed by kind and not as one blended
 number. A distributed incident (a bundle set: one part per rank) counts once, as its first bad rank's part, and so
 do copies of one incident (same run, step and detection time). Spike bundles (category "spike": early warnings,
 every value finite) are listed apart, not counted as incidents. Unreadable bundles are listed separately with the
-reason; a hand-edited INCIDENT.md is not unreadable (its edited automatic sections are named).
+reason; a hand-edited INCIDENT.md is not unreadable (its edited automatic sections are named). Incidents are also
+counted by the host and device of their first bad rank (a replica mismatch's odd rank: nanscan.runtime.distributed
+NOTE: [replica agreement]), so a machine that keeps appearing across runs stands out.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class TriageEntry:
     copies: list[str] = field(default_factory=list)  # other directories holding the same incident, not counted
     note_edited: list[str] = field(default_factory=list)  # INCIDENT.md's automatic sections edited by hand
     rollback: str | None = None  # what the Monitor's rollback at this incident did (nanscan.runtime.rollback)
+    host: str | None = None  # where the first bad rank ran (a single process: its host), None where not recorded
+    device: str | None = None  # its device (nanscan.bundle.rank_set.device_label), None where not recorded
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -58,6 +62,20 @@ class TriageResult:
         ordered = sorted(by_category.items(), key=lambda kv: (-sum(map(len, kv[1].values())), kv[0]))
         return {cat: dict(sorted(mods.items(), key=lambda kv: (-len(kv[1]), kv[0]))) for cat, mods in ordered}
 
+    def by_host(self) -> list[dict]:
+        """Incidents by the host of their first bad rank, most first: {"host", "count", "devices": {device: count},
+        "ranks": {rank: count}, "categories": {category: count}}; a host seen only once is still listed."""
+        hosts: dict[str, dict] = {}
+        for e in self.entries:
+            row = hosts.setdefault(e.host or "unknown", {"host": e.host or "unknown", "count": 0, "devices": {},
+                                                          "ranks": {}, "categories": {}})
+            row["count"] += 1
+            for key, value in (("devices", e.device or "unknown"), ("categories", e.category),
+                               ("ranks", None if e.first_bad_ranks is None else str(e.first_bad_ranks[0]))):
+                if value is not None:
+                    row[key][value] = row[key].get(value, 0) + 1
+        return sorted(hosts.values(), key=lambda r: (-r["count"], r["host"]))
+
     def to_dict(self) -> dict:
         groups = self.groups()
         return {
@@ -68,6 +86,7 @@ class TriageResult:
                              for mod, items in mods.items()]}
                 for cat, mods in groups.items()],
             "spikes": [e.to_dict() for e in sorted(self.spikes, key=lambda e: (e.run_id, e.step, e.path))],
+            "hosts": self.by_host(),
         }
 
 
@@ -87,6 +106,7 @@ def find_bundle_dirs(root: str | os.PathLike) -> list[Path]:
 def triage(root: str | os.PathLike) -> TriageResult:
     """Read every bundle under `root`; the ones that fail to load are listed with their error, not skipped."""
     from nanscan.bundle import BundleSet  # noqa: PLC0415 - it needs torch (NOTE: [fast help] in nanscan/cli/main.py)
+    from nanscan.bundle.rank_set import device_label  # noqa: PLC0415 - beside BundleSet
 
     root = Path(root)
     if not root.is_dir():
@@ -104,9 +124,15 @@ def triage(root: str | os.PathLike) -> TriageResult:
             ranks = (bundle.first_bad_ranks, bundle.world_size) if isinstance(bundle, BundleSet) else (None, None)
             rolled = next((f["title"].removeprefix("Rollback: ") for f in bundle.findings()
                            if f.get("key") == ROLLBACK_FINDING), None)
+            host, device = (bundle.manifest.get("environment") or {}).get("host"), None
+            if isinstance(bundle, BundleSet) and bundle.first_bad_ranks:
+                info = bundle.device_of(bundle.first_bad_ranks[0])
+                if info:
+                    host, device = info.get("host", host), device_label(info)
             entry = TriageEntry(str(path), str(bundle.manifest["run_id"]), bundle.step, bundle.category,
                                 module, source, verdict, bundle.manifest.get("detected_at"), *ranks,
-                                note_edited=list(bundle.note_review().edited), rollback=rolled)
+                                note_edited=list(bundle.note_review().edited), rollback=rolled, host=host,
+                                device=device)
             identity = _incident_identity(bundle)
         except (BundleError, OSError, ValueError, KeyError, TypeError) as exc:
             unreadable.append({"path": str(path), "error": f"{type(exc).__name__}: {exc}"})
@@ -165,6 +191,16 @@ def print_triage(result: TriageResult, console) -> None:
                 verdict = REPLAY_VERDICT_WORDS.get(e.verdict, e.verdict or "")  # "transient": not reproduced
                 row = (mod, e.run_id, str(e.step), ranks, verdict, *((e.rollback or "",) if rolled else ()), e.path)
                 table.add_row(*map(escape, row))
+        console.print(table)
+    hosts = result.by_host()
+    if any(h["host"] != "unknown" for h in hosts):
+        # NOTE: [replica agreement] (nanscan.runtime.distributed): the same machine under many incidents is a lead
+        table = Table(title="incidents by the host and device of their first bad rank")
+        for column in ("host", "incidents", "devices", "first bad ranks", "categories"):
+            table.add_column(column, overflow="fold")
+        for h in hosts:
+            counts = [", ".join(f"{k} x{v}" for k, v in h[key].items()) for key in ("devices", "ranks", "categories")]
+            table.add_row(*map(escape, (h["host"], str(h["count"]), *counts)))
         console.print(table)
     copies = [e for e in result.entries if e.copies]
     if copies:

@@ -6,9 +6,10 @@ A Monitor created while torch.distributed is initialized agrees over the world g
 is given); nothing here runs for a single process.
 
 Agreement. At every check each rank all-reduces (MAX) four int64 values: its non-finite flag, the step, minus the
-step and minus its rank when its flag is set. One collective tells every rank whether any rank saw NaN/inf at this
-step, which rank was the lowest to see it, and whether all ranks checked the same step. Every rank then applies the
-same `on_invalid` at the same step, so no rank is left waiting in a collective that the others never join.
+step and minus its rank when its flag is set (and, with replicas compared, six more: NOTE: [replica agreement]).
+One collective tells every rank whether any rank saw NaN/inf at this step, which rank was the lowest to see it, and
+whether all ranks checked the same step. Every rank then applies the same `on_invalid` at the same step, so no rank
+is left waiting in a collective that the others never join.
 
 - agreement="sync" (default): the all-reduce is issued and waited for inside the check. Every rank decides step s
   before its optimizer.step(): with on_invalid="raise" all ranks raise NonFiniteError naming step s, and step s's
@@ -27,6 +28,10 @@ it (`if not report.ok: continue`) keeps the ranks in lockstep; `report.local_ok`
 AgreedScanReport) is the rank's own answer where the two differ. In sync mode `ok` is False on every rank at the
 failing step, also where the rank's own tensors were finite. In async mode it is False from the check where the
 verdict arrives; until then a rank that saw NaN/inf itself gets `ok` True like the others, which do not know yet.
+
+Replicas. Under DDP the same all-reduce also compares what every replica must hold bit for bit: a few more int64
+slots carry each group's combined fingerprint (parameters, optimizer state, reduced gradients), and a difference is
+an incident of its own category, replica_mismatch, with no NaN needed (NOTE: [replica agreement] below).
 
 Names. Under DDP each rank scans whole parameters under their unwrapped names (the Monitor unwraps
 DistributedDataParallel, so the names and the stored state match the single-process model). Under FSDP2
@@ -53,6 +58,7 @@ import json
 import logging
 import socket
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
@@ -62,9 +68,11 @@ import torch.distributed as dist
 
 from nanscan.bundle import BundleError, Incident, bundle_path, write_bundle
 from nanscan.bundle.format import MANIFEST
-from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, write_index
+from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, device_label, write_index
 from nanscan.bundle.tree import map_tree, tree_items
-from nanscan.incident import OTHER_RANK, NonFiniteError, categorize, category_rank, shown_names, warn_user
+from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, categorize, category_rank, is_kind,
+                              shown_names, warn_user)
+from nanscan.engine import _layout as L
 from nanscan.engine.plans import ModelScanPlan
 from nanscan.engine.stats import ScanReport
 from nanscan.runtime.rollback import Rollback
@@ -77,8 +85,12 @@ DISCARD_WAIT = datetime.timedelta(seconds=60)
 AGREEMENTS = ("sync", "async")
 SHARD_SUFFIX = "@shard"
 NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every one is in the rank's own manifest
-# Payload slots of the per-step all-reduce (MAX); see the module docstring.
+# Payload slots of the per-step all-reduce (MAX); see the module docstring. With replicas compared, each group of
+# REPLICA_GROUPS adds two: its combined fingerprint and that value's bitwise complement (NOTE: [replica agreement]).
 _FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
+_REPLICA_SLOT = 4
+REPLICA_GROUPS = ("parameter", "optimizer_state", "gradient")  # kinds of tensor (nanscan.incident), in slot order
+REPLICA_LISTED = 20  # differing tensors listed in the replica verdict (and the incident's category tensors)
 
 
 # -- DTensor shards -----------------------------------------------------------------------------------------------
@@ -201,19 +213,199 @@ def _all_gather_json(value: Any, group, device: torch.device) -> list:
     return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes)]
 
 
+# -- replica agreement ------------------------------------------------------------------------------------------
+
+# NOTE: [replica agreement]
+# Under DDP every rank holds bit-identical parameters and optimizer state, and after the gradient all-reduce
+# bit-identical gradients; a replica that differs is silent corruption (memory, compute, communication), finite or
+# not. Every scan record already carries an exact fingerprint of its tensor's bits (NOTE: [scan fingerprint] in
+# csrc/include/nanscan/stats_record.h), so each rank combines, on the host, the fingerprints of its `param:`,
+# `optim:` and `grad:` records into one 64-bit value per group: h = sum of fp_k * (2k + 1) mod 2**64, k the
+# tensor's index within its group in scan order (the names, and so the order, are the same on every DDP rank). The
+# odd multipliers are invertible mod 2**64, so a change of any one tensor's fingerprint changes h, and swapping two
+# tensors' contents changes it too. The per-step all-reduce (MAX) carries h and ~h per group, read as int64: MAX of
+# ~h is ~MIN of h, so one collective gives each group's MAX and MIN, and MAX != MIN is a mismatch (no extra
+# collective on a healthy step; six more int64 in the payload).
+# What is compared when: parameters and optimizer state at every check; the gradients only at a step's own check,
+# after the gradient all-reduce, never at a micro-batch check (under no_sync() each rank's gradients are its own;
+# NOTE: [micro-batch checks] in nanscan/runtime/verdict.py). A parameter without a gradient (find_unused_parameters)
+# has none on every rank, so the groups still line up. Only for a model given as DistributedDataParallel (the
+# default); DTensor shards (FSDP2, names with @shard) and FSDP's flat parameters hold different bytes on each rank
+# and are never compared (replicas=True is refused for them); a TensorSource's tensors only with replicas=True.
+# On the failure path only, the ranks gather their per-tensor fingerprints (names and uint64) to name the odd
+# rank(s) out by per-tensor majority when there are 3 or more replicas (with 2 both are named: it cannot tell
+# which), the first differing tensors, and whether the reduced gradients already differed (communication, or the
+# compute around it) or only the parameters and optimizer state (memory, or an earlier update on that rank). A
+# step that is non-finite too keeps its non-finite category; the replica verdict is recorded beside it.
+
+def is_replicated(model: Any) -> bool:
+    """Whether `model`, as it was given to the Monitor, is a DistributedDataParallel (possibly inside torch.compile's
+    wrapper): what replicas= compares by default."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return True
+        if compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.DataParallel):
+            model = model.module
+        else:
+            return False
+
+
+def device_info(model: torch.nn.Module) -> dict:
+    """This rank's host and device, as a part and the index record them: the device of the model's first parameter,
+    its index, and on a GPU its name, UUID and PCI bus id (None where torch does not give them, and on the CPU)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    info = {"host": socket.gethostname(), "device": str(device), "index": device.index, "name": None, "uuid": None,
+            "pci_bus_id": None}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        bus, domain, slot = (getattr(props, f"pci_{k}_id", None) for k in ("bus", "domain", "device"))
+        info.update(device=f"cuda:{index}", index=index, name=props.name, uuid=None if uuid is None else str(uuid),
+                    pci_bus_id=None if bus is None else f"{domain or 0:04x}:{bus:02x}:{slot or 0:02x}.0")
+    return info
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaView:
+    """What one rank compares of one check: the compared tensors' names and fingerprints (a copy: the records may be
+    reused by the next scan) and each group's combined value as a signed int64, in REPLICA_GROUPS order."""
+
+    names: tuple[str, ...]
+    fingerprints: np.ndarray  # uint64, one per name
+    combined: tuple[int, ...]
+    gradients: bool  # whether the gradients were compared (a step's own check)
+
+
+class ReplicaCombine:
+    """The every-step host side of NOTE: [replica agreement]: which records are compared, found again only when the
+    scanned names change, and their combined values per group."""
+
+    def __init__(self):
+        self._names: tuple[str, ...] | None = None
+        self._selection: list[tuple[np.ndarray, np.ndarray]] = []  # per group: record rows, multipliers
+
+    def _select(self, names: tuple[str, ...]) -> None:
+        rows: dict[str, list[int]] = {group: [] for group in REPLICA_GROUPS}
+        for i, name in enumerate(names):
+            if SHARD_SUFFIX in name:
+                continue  # a shard holds different bytes on each rank
+            for group in REPLICA_GROUPS:
+                if is_kind(name, group):
+                    rows[group].append(i)
+                    break
+        self._names = names
+        self._selection = [(np.asarray(rows[g], dtype=np.intp),
+                            np.arange(len(rows[g]), dtype=np.uint64) * np.uint64(2) + np.uint64(1))
+                           for g in REPLICA_GROUPS]
+
+    def view(self, report: ScanReport, *, gradients: bool) -> ReplicaView:
+        names = tuple(t.name for t in report.tensors)
+        if names != self._names:
+            self._select(names)
+        all_fps = L.fingerprints(report.records) if report.fingerprinted else np.zeros(len(names), np.uint64)
+        combined, taken = [], []
+        for group, (rows, weights) in zip(REPLICA_GROUPS, self._selection):
+            if group == "gradient" and not gradients:
+                combined.append(0)
+                continue
+            taken.append(rows)
+            with np.errstate(over="ignore"):  # mod 2**64 is the point
+                h = (all_fps[rows] * weights).sum(dtype=np.uint64)
+            combined.append(int(np.uint64(h).view(np.int64)))
+        rows = np.concatenate(taken) if taken else np.zeros(0, np.intp)
+        rows.sort()  # scan order
+        return ReplicaView(tuple(names[i] for i in rows), all_fps[rows].copy(), tuple(combined), gradients)
+
+
+def replica_slots(view: ReplicaView) -> list[int]:
+    """The payload's replica slots: each group's combined value and its complement (MAX of ~h is ~MIN of h)."""
+    return [v for h in view.combined for v in (h, ~h)]
+
+
+def differing_groups(values: list[int]) -> tuple[str, ...]:
+    """The groups whose combined fingerprint differed across the ranks, from the reduced payload."""
+    return tuple(g for i, g in enumerate(REPLICA_GROUPS)
+                 if values[_REPLICA_SLOT + 2 * i] != ~values[_REPLICA_SLOT + 2 * i + 1])
+
+
+def replica_verdict(everyone: list[dict], groups: tuple[str, ...], *, gradients: bool) -> dict:
+    """What the gathered per-tensor fingerprints say (NOTE: [replica agreement]): `everyone` is each rank's
+    {"names", "fingerprints" (16 hex digits each)} in rank order. The same on every rank."""
+    world = len(everyone)
+    names = list(dict.fromkeys(n for e in everyone for n in e["names"]))  # rank 0's order first
+    by_rank = [dict(zip(e["names"], e["fingerprints"])) for e in everyone]
+    values = {n: [fps.get(n) for fps in by_rank] for n in names}
+    differing = [n for n in names if len(set(values[n])) > 1]
+    odd: set[int] = set()
+    undecided = []
+    for name in differing:
+        top, count = Counter(values[name]).most_common(1)[0]
+        if world >= 3 and 2 * count > world:
+            odd |= {r for r, v in enumerate(values[name]) if v != top}
+        else:
+            undecided.append(name)
+            odd |= set(range(world))
+    if world < 3:
+        who = "cannot_tell"
+        ranks_text = (f"ranks {' and '.join(map(str, sorted(odd)))} differ; with 2 replicas nanscan cannot tell which "
+                      "one is wrong")
+    elif undecided:
+        who = "no_majority"
+        ranks_text = (f"no majority among the {world} replicas for {shown_names(undecided, 3)}, so every rank is "
+                      "named")
+    else:
+        who = "majority"
+        agree = sorted(set(range(world)) - odd)
+        ranks_text = (f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, sorted(odd)))} "
+                      f"{'are' if len(odd) > 1 else 'is'} the odd one out (ranks {', '.join(map(str, agree))} agree)")
+    grads = "gradient" in groups
+    others = [g.replace("_", " ") for g in groups if g != "gradient"]
+    if grads:
+        cause = ("the all-reduced gradients already differed: the gradient communication (the all-reduce, or a "
+                 "communication hook) or the compute around it on the odd rank(s)"
+                 + (f"; the {' and '.join(others)} differed too" if others else ""))
+    else:
+        cause = (f"only the {' and '.join(others) or 'parameters'} differed, "
+                 + ("the all-reduced gradients agreed" if gradients else
+                    "the gradients were not compared at this micro-batch check (no_sync: each rank's are its own)")
+                 + ": memory corruption, or an earlier optimizer update computed differently on the odd rank(s)")
+    return {"groups": list(groups), "odd_ranks": sorted(odd), "who": who, "ranks_text": ranks_text,
+            "gradients_compared": gradients, "gradients_differed": grads, "cause": cause,
+            "differing_count": len(differing), "tensors": differing[:REPLICA_LISTED],
+            "first_differing": [{"name": n, "fingerprints": {str(r): v for r, v in enumerate(values[n])}}
+                                for n in differing[:REPLICA_LISTED]]}
+
+
+def _hex_fingerprints(view: ReplicaView) -> dict:
+    return {"names": list(view.names), "fingerprints": [f"{int(f):016x}" for f in view.fingerprints]}
+
+
 # -- verdicts ---------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the ranks agreed about one step. `lowest_bad_rank`: the lowest rank that saw NaN/inf (None when ok).
     On the first failing step `first_bad_ranks` and `bad_ranks` come from the gathered summaries (see the module
-    docstring for "first"); later failing steps only carry lowest_bad_rank."""
+    docstring for "first"); later failing steps only carry lowest_bad_rank. `replica_groups`: the groups whose
+    replicas differed (NOTE: [replica agreement]); `replicas`: on the first failing step, what the gathered
+    fingerprints say (replica_verdict)."""
 
     step: int
     ok: bool
     lowest_bad_rank: int | None = None
     first_bad_ranks: tuple[int, ...] = ()
     bad_ranks: tuple[int, ...] = ()
+    replica_groups: tuple[str, ...] = ()
+    replicas: dict | None = None
+
+    @property
+    def replica_only(self) -> bool:
+        """The replicas differed and no rank saw NaN/inf: an incident of category replica_mismatch."""
+        return bool(self.replica_groups) and self.lowest_bad_rank is None
 
 
 class AgreedScanReport(ScanReport):
@@ -254,6 +446,19 @@ class DistributedNonFiniteError(NonFiniteError):
         self.bad_ranks = list(verdict.bad_ranks)
 
 
+class ReplicaMismatchError(DistributedNonFiniteError):
+    """Raised on every rank at the same step when replicas that must be bit-identical differed and no value was
+    non-finite (category replica_mismatch, NOTE: [replica agreement]); a DistributedNonFiniteError, so a loop that
+    stops on NonFiniteError stops on it too. `odd_ranks`: the ranks named (by majority with 3 or more replicas,
+    both with 2); `replicas`: the whole replica verdict, as in the bundle set's index."""
+
+    def __init__(self, message: str, **fields):
+        super().__init__(message, **fields)
+        replicas = fields["verdict"].replicas or {}
+        self.odd_ranks = list(replicas.get("odd_ranks", []))
+        self.replicas = replicas
+
+
 @dataclasses.dataclass
 class _Pending:
     """An issued, not yet read all-reduce (async mode) and the evidence of its step."""
@@ -265,6 +470,7 @@ class _Pending:
     batch: Any
     sample_ids: Any
     started: bool
+    view: ReplicaView | None = None  # what this rank compares of the step (NOTE: [replica agreement])
 
 
 class MonitorSide(Protocol):
@@ -278,6 +484,7 @@ class MonitorSide(Protocol):
     bundle_dir: Path
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
+    step: int  # the step the next check will use: equal to a micro-batch check's own (NOTE: [micro-batch checks])
     first_invalid_step: int | None
     invalid_steps: int
     bundle_path: Path | None
@@ -302,7 +509,8 @@ class Agreement:
     """The Monitor's side of the distributed protocol (see the module docstring). Created by Monitor when a process
     group is in effect; every method that runs a collective is reached by every rank in the same order."""
 
-    def __init__(self, monitor: MonitorSide, process_group=None, mode: str = "sync", *, run_id_given: bool):
+    def __init__(self, monitor: MonitorSide, process_group=None, mode: str = "sync", *, run_id_given: bool,
+                 replicas: bool | None = None, replicated: bool = False):
         if mode not in AGREEMENTS:
             raise ValueError(f"agreement={mode!r}: use 'sync' (decide each step before optimizer.step()) or 'async' "
                              "(the verdict arrives one step later)")
@@ -323,6 +531,15 @@ class Agreement:
         self._pending: _Pending | None = None
         self._early: tuple[int, Path | None, BaseException | None] | None = None  # async: part written at once
         self._first_bad: tuple[str, list[str]] | None = None  # category and tensors of the first bad rank
+        sharded = _sharded(monitor.model)
+        if replicas and sharded is not None:
+            raise ValueError("replicas=True with sharded weights (FSDP's DTensors or flat parameters): each rank "
+                             "holds other bytes, there is nothing replicated to compare; leave replicas at its "
+                             "default (compared only for a DistributedDataParallel model) or pass replicas=False")
+        # NOTE: [replica agreement]: by default for a DDP model only; a TensorSource's or a plain module's tensors
+        # are compared only when the caller says they are replicated.
+        self.replicas = bool(replicated and sharded is None) if replicas is None else bool(replicas)
+        self._combine = ReplicaCombine() if self.replicas else None
         self._agree_on_settings(monitor, run_id_given)
 
     def _agree_on_settings(self, monitor: MonitorSide, run_id_given: bool) -> None:
@@ -330,9 +547,9 @@ class Agreement:
         would raise while another waits for it in the next collective."""
         policy = monitor.on_invalid if isinstance(monitor.on_invalid, str) else "callable"
         mine = {"run_id": monitor.run_id if run_id_given else None, "proposed": monitor.run_id,
-                "on_invalid": policy, "agreement": self.mode}
+                "on_invalid": policy, "agreement": self.mode, "replicas": self.replicas}
         everyone = _all_gather_json(mine, self.group, self.device)
-        for key in ("on_invalid", "agreement"):
+        for key in ("on_invalid", "agreement", "replicas"):
             values = sorted({str(e[key]) for e in everyone})
             if len(values) > 1:
                 raise ValueError(f"the ranks created their Monitors with different {key} ({', '.join(values)}): "
@@ -345,12 +562,16 @@ class Agreement:
         monitor.run_id = everyone[0]["run_id"] or everyone[0]["proposed"]
 
     # -- every step ------------------------------------------------------------------------------------------------
-    def _issue(self, report: ScanReport, step: int):
+    def _issue(self, monitor: MonitorSide, report: ScanReport, step: int):
         bad = not report.ok
-        payload = torch.tensor([int(bad), step, -step, -(self.rank if bad else self.world_size)],
-                               dtype=torch.int64, device=self.device)
+        values = [int(bad), step, -step, -(self.rank if bad else self.world_size)]
+        view = None
+        if self._combine is not None:  # NOTE: [replica agreement]; a micro-batch check leaves _next_step at its step
+            view = self._combine.view(report, gradients=monitor.step != step)
+            values += replica_slots(view)
+        payload = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return work, payload
+        return work, payload, view
 
     def _read(self, work, payload: torch.Tensor, step: int) -> Verdict:
         work.wait()
@@ -361,18 +582,19 @@ class Agreement:
                                f"this rank {step}): call Monitor.check exactly once per training step on every rank "
                                "of the group, with the same step= if you pass one")
         bad = values[_FLAG] > 0
-        return Verdict(step, not bad, -values[_NEG_BAD_RANK] if bad else None)
+        groups = differing_groups(values) if len(values) > _REPLICA_SLOT else ()
+        return Verdict(step, not bad and not groups, -values[_NEG_BAD_RANK] if bad else None, replica_groups=groups)
 
     def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
         """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
         if self.mode == "sync":
-            work, payload = self._issue(report, step)
+            work, payload, view = self._issue(monitor, report, step)
             verdict = self._read(work, payload, step)
             self.verdict = verdict
             if verdict.ok:
                 monitor.finite_step(step)
                 return report
-            verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, late=False)
+            verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, view, late=False)
             return self._apply_policy(monitor, verdict, report, report, late=False)
 
         pending, self._pending = self._pending, None
@@ -384,15 +606,15 @@ class Agreement:
                 monitor.finite_step(pending.step)
             else:
                 verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
-                                       pending.started, late=True)
+                                       pending.started, pending.view, late=True)
                 # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.
                 outcome = self._apply_policy(monitor, verdict, pending.report, report, late=True)
         if outcome is None and not report.ok and monitor.first_invalid_step is None and self._early is None:
             # This rank knows now, the others learn it at the next check. Its evidence is exact only now, before
             # optimizer.step() changes the weights, and writing it involves no other rank.
             self._early = (step, *self._write_part(monitor, report, step, batch, sample_ids, started, late=False))
-        work, payload = self._issue(report, step)
-        self._pending = _Pending(work, payload, step, report, batch, sample_ids, started)
+        work, payload, view = self._issue(monitor, report, step)
+        self._pending = _Pending(work, payload, step, report, batch, sample_ids, started, view)
         if outcome is not None:
             return outcome
         return report if report.ok else AgreedScanReport(report, self.verdict, ok=True)
@@ -408,7 +630,7 @@ class Agreement:
         if not verdict.ok:
             # Still before this step's optimizer.step(): the evidence is that of the failing check itself.
             verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
-                                   pending.started, late=False)
+                                   pending.started, pending.view, late=False)
             self._apply_policy(monitor, verdict, pending.report, pending.report, late=False)
         return self.verdict
 
@@ -426,24 +648,34 @@ class Agreement:
 
     # -- the failure path ------------------------------------------------------------------------------------------
     def _failed(self, monitor: MonitorSide, verdict: Verdict, report: ScanReport, batch: Any, sample_ids: Any, started: bool,
-                *, late: bool) -> Verdict:
-        """On the first failing step: write this rank's part, gather every rank's summary and let rank 0 write the
-        index; returns the verdict with the rank lists. Later failing steps are only counted."""
+                view: ReplicaView | None, *, late: bool) -> Verdict:
+        """On the first failing step: (replicas that differed: gather every rank's fingerprints, NOTE: [replica
+        agreement]) write this rank's part, gather every rank's summary and let rank 0 write the index; returns the
+        verdict with the rank lists. Later failing steps are only counted."""
         if monitor.first_invalid_step is not None:
             monitor.invalid_steps += 1
             return verdict
         monitor.first_invalid_step = verdict.step
+        if verdict.replica_groups and view is not None:  # the failure path's own collective, on every rank
+            everyone = _all_gather_json(_hex_fingerprints(view), self.group, self.device)
+            verdict = dataclasses.replace(verdict, replicas=replica_verdict(everyone, verdict.replica_groups,
+                                                                            gradients=view.gradients))
         if self._early is not None and self._early[0] == verdict.step:
             _, path, error = self._early
         else:
             # A late part's step-start captures (RNG, snapshot) already belong to the next step: take them now.
             path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started and not late,
-                                           late=late)
-        summaries = _all_gather_json(self._summary(report, path, error), self.group, self.device)
-        first, bad = first_bad_ranks(summaries)
+                                           late=late, verdict=verdict)
+        summaries = _all_gather_json(self._summary(report, path, error, device_info(monitor.model)), self.group,
+                                     self.device)
+        if verdict.replica_only and verdict.replicas is not None:
+            first = bad = verdict.replicas["odd_ranks"]
+            self._first_bad = (REPLICA_MISMATCH, list(verdict.replicas["tensors"]))
+        else:
+            first, bad = first_bad_ranks(summaries)
         verdict = dataclasses.replace(verdict, first_bad_ranks=tuple(first), bad_ranks=tuple(bad))
         self.verdict = verdict
-        if first:
+        if first and not verdict.replica_only:
             row = next(s for s in summaries if s["rank"] == first[0])
             self._first_bad = (row["category"], list(row["category_tensors"]))
         set_dir = bundle_path(monitor.bundle_dir, monitor.run_id, verdict.step)
@@ -465,10 +697,15 @@ class Agreement:
         return verdict
 
     def _write_part(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool, *,
-                    late: bool) -> tuple[Path | None, BaseException | None]:
+                    late: bool, verdict: Verdict | None = None) -> tuple[Path | None, BaseException | None]:
         try:
             category, tensors = categorize(report)
+            replicas = verdict.replicas if verdict is not None else None
+            if verdict is not None and verdict.replica_only:  # every rank's part: the group's incident
+                category, tensors = REPLICA_MISMATCH, list(replicas["tensors"]) if replicas else []
             incident = monitor.incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
+            if category == REPLICA_MISMATCH:
+                incident = dataclasses.replace(incident, reason=REPLICA_MISMATCH)
             model, optimizer = monitor.model, monitor.optimizer
             layout, groups = {}, []
             if has_dtensors(model):  # placements are static, so the live state describes a snapshot's too
@@ -490,6 +727,7 @@ class Agreement:
                 "backend": self.backend, "agreement": self.mode, "host": socket.gethostname(),
                 "index": f"../{INDEX}", "written": "one_step_late" if late else "at_check",
                 "sharded": bool(layout), "shards": layout, "shard_groups": groups,
+                "device": device_info(model), "replicas_compared": self.replicas, "replicas": replicas,
             }
             path = write_bundle(incident, monitor.bundle_dir)
         except Exception as exc:  # noqa: BLE001 - a failed write must not keep this rank out of the gather
@@ -498,14 +736,14 @@ class Agreement:
             return None, exc
         if rerun:  # before the gather: a rank that raised first could end the job while this one reruns
             monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
-                                   sharded=_sharded(monitor.model))
+                                   sharded=_sharded(monitor.model), report=report)
         return path, None
 
-    def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None) -> dict:
+    def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None, device: dict) -> dict:
         """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that
         were kept (the same incident written again) comes out identical."""
         row = {"rank": self.rank, "global_rank": self.global_rank, "host": socket.gethostname(), "dir": None,
-               "error": None if error is None else f"{type(error).__name__}: {error}"}
+               "error": None if error is None else f"{type(error).__name__}: {error}", "device": device}
         manifest = None
         if path is not None:
             try:
@@ -537,6 +775,7 @@ class Agreement:
             "category_tensors": {str(s["rank"]): s["category_tensors"] for s in first},
             "detected_at": next((s["detected_at"] for s in first if s["detected_at"]), None),
             "ranks": sorted(summaries, key=lambda s: s["rank"]),
+            "replicas_compared": self.replicas, "replicas": verdict.replicas, "hosts": hosts_summary(summaries),
         }
 
     # -- the policy ------------------------------------------------------------------------------------------------
@@ -545,7 +784,7 @@ class Agreement:
         """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
         what check returns for the `current` step."""
         first = monitor.first_invalid_step == verdict.step
-        local_category = categorize(failing)[0] or OTHER_RANK
+        local_category = categorize(failing)[0] or (REPLICA_MISMATCH if verdict.replica_only else OTHER_RANK)
         if first and self._first_bad is not None:
             category, tensors = self._first_bad
         else:  # a later failing step: no summaries were gathered, this rank speaks for itself
@@ -556,7 +795,8 @@ class Agreement:
             monitor.roll_back(verdict.step, category, tensors, message, live_start=not late, ledger=self.rank == 0)
             return AgreedScanReport(current, verdict, ok=False)
         if policy == "raise":
-            raise DistributedNonFiniteError(message, rank=self.rank, local_category=local_category, verdict=verdict,
+            error = ReplicaMismatchError if verdict.replica_only else DistributedNonFiniteError
+            raise error(message, rank=self.rank, local_category=local_category, verdict=verdict,
                                             bundle_path=monitor.bundle_path, step=verdict.step, category=category,
                                             tensors=tensors) from monitor.bundle_error
         agreed = AgreedScanReport(current, verdict, ok=False)
@@ -573,6 +813,17 @@ class Agreement:
     def _message(self, monitor: MonitorSide, verdict: Verdict, category: str, tensors: list[str], local_category: str,
                  late: bool) -> str:
         shown = shown_names(tensors)
+        if verdict.replica_only:
+            replicas = verdict.replicas or {}
+            text = (f"nanscan: replicas differ at step {verdict.step} (no value non-finite) in the "
+                    f"{', '.join(verdict.replica_groups).replace('_', ' ')}: "
+                    + (f"{replicas['ranks_text']}; first differing: {shown}; {replicas['cause']}"
+                       if replicas else "a later step, not analysed again")
+                    + f"; every rank of the group stops at this step (this is rank {self.rank})")
+            if "gradient" in verdict.replica_groups:
+                text += ("; a check inside no_sync() must pass micro_batch=True, else its local gradients are "
+                         "compared")
+            return self._with_evidence(monitor, text)
         if verdict.first_bad_ranks:
             ranks = ", ".join(map(str, verdict.first_bad_ranks))
             who = f"rank{'s' if len(verdict.first_bad_ranks) > 1 else ''} {ranks} first ({category}: {shown})"
@@ -583,13 +834,29 @@ class Agreement:
         if late:
             text += (f"; agreement='async': the verdict arrived at the next check, after step {verdict.step}'s "
                      "update (call Monitor.flush() before optimizer.step() to decide each step before its update)")
+        if verdict.replica_groups:
+            text += f"; the replicas differed too, in the {', '.join(verdict.replica_groups).replace('_', ' ')}"
         if monitor.rerun is not None:
             text += f"; rerun in process on this rank: {monitor.rerun.headline()}"
+        return self._with_evidence(monitor, text)
+
+    @staticmethod
+    def _with_evidence(monitor: MonitorSide, text: str) -> str:
         if monitor.bundle_path is not None:
             return f"{text}; evidence in {monitor.bundle_path} (see `nanscan report {monitor.bundle_path}`)"
         if monitor.bundle_error is not None:
             return f"{text}; the evidence could not be written: {monitor.bundle_error}"
         return text
+
+
+def hosts_summary(summaries: list[dict]) -> list[dict]:
+    """The index's hosts: each host with its ranks and their devices (device_label), in rank order."""
+    hosts: dict[str, dict] = {}
+    for row in sorted(summaries, key=lambda s: s["rank"]):
+        entry = hosts.setdefault(str(row.get("host")), {"host": row.get("host"), "ranks": [], "devices": []})
+        entry["ranks"].append(row["rank"])
+        entry["devices"].append(device_label(row.get("device")))
+    return list(hosts.values())
 
 
 def first_bad_ranks(summaries: list[dict]) -> tuple[list[int], list[int]]:

@@ -238,6 +238,17 @@ class Monitor(StepVerdicts):
         optimizer.step()) or "async" (the verdict for step s arrives at step s+1's check, after step s's update;
         `flush()` waits for it at once). Either way the report's `.ok` is the ranks' agreed answer, the same on
         every rank, so the loop below keeps them in lockstep.
+    replicas: with a process group, whether the ranks also check every step that their replicas are bit-identical
+        (nanscan.runtime.distributed NOTE: [replica agreement]; docs/replicas.md): parameters and optimizer state at
+        every check, the all-reduced gradients at each step's own check (not at micro_batch=True checks). A
+        difference, finite or not, is an incident of category "replica_mismatch" naming the odd rank(s) (by
+        majority with 3 or more ranks), the first differing tensors and whether the gradients already differed;
+        with on_invalid="raise" every rank raises ReplicaMismatchError. None (the default): on for a model given as
+        DistributedDataParallel, off otherwise (FSDP shards and other per-rank tensors are never compared); False:
+        off; True: also for a TensorSource's or a plain module's tensors that the caller knows are replicated. Cost:
+        six more int64 slots in the all-reduce the agreement already makes (no extra collective on a healthy step)
+        and, on the host, one multiply-add over the step's per-tensor fingerprints, which every scan record already
+        holds (benchmarks/bench_replicas.py); on a failing step one more all-gather of the fingerprints.
     mode: "sync" (check() waits for the scan and decides the step), "async" (check() returns at once; see the
         module docstring) or "auto" (the default): "async" when the model's parameters are on a GPU at the first
         check, else "sync"; `mode` holds the choice after the first check. In async mode check() returns a
@@ -309,7 +320,7 @@ class Monitor(StepVerdicts):
                  log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None,
                  frozen_weights: str = "digest", window: Window | int | None | str = "default",
                  step_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
-                 rerun_timeout: float = DEFAULT_RERUN_TIMEOUT_S):
+                 rerun_timeout: float = DEFAULT_RERUN_TIMEOUT_S, replicas: bool | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
@@ -351,6 +362,7 @@ class Monitor(StepVerdicts):
             raise ValueError(f"rerun_timeout={rerun_timeout!r}: give the seconds the in-process rerun may take (> 0)")
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
+        given = model  # as passed: replicas= compares a DistributedDataParallel's replicas by default
         hooked, model = _unwrap(model)
 
         self._model: torch.nn.Module | None = model
@@ -444,7 +456,7 @@ class Monitor(StepVerdicts):
                                      "keeps each rank's local shards, which a rollback does not load back into the "
                                      "sharded parameters yet; use 'raise' or 'skip', or DDP")
         if process_group is not False and (process_group is not None or _distributed_ready()):
-            from nanscan.runtime.distributed import Agreement  # noqa: PLC0415
+            from nanscan.runtime.distributed import Agreement, is_replicated  # noqa: PLC0415
 
             if scaler is not None:
                 raise ValueError("scaler= with a process group: overflow skips are decided per process, the ranks' "
@@ -454,7 +466,8 @@ class Monitor(StepVerdicts):
                 raise ValueError("mode='async' with a process group: the ranks' agreement reads every rank's scan at "
                                  "its check; pass agreement='async' (the verdict arrives one step later) and leave "
                                  "mode at 'auto' or 'sync'")
-            self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None)
+            self._agreement = Agreement(self, process_group, agreement, run_id_given=run_id is not None,
+                                        replicas=replicas, replicated=is_replicated(given))
         # NOTE: [post-update check]: the ranks would have to agree on it, so not under a process group.
         if post_update not in (True, False, "auto", "scan", "date"):
             raise ValueError(f"post_update={post_update!r}: use 'scan' (or True), 'date', 'auto' (scan float16/"
