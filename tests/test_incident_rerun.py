@@ -174,6 +174,9 @@ def test_gradients_buffers_and_rng_are_put_back(tmp_path):
     assert all(same_bits(a, b) for a, b in zip(seen["grads"], after["grads"], strict=True))
     assert all(same_bits(a, b) for a, b in zip(seen["buffers"], after["buffers"], strict=True))
     assert torch.equal(seen["rng"], after["rng"])
+    # bit for bit (NOTE: [bit-exact rerun]): the batch, weights, Adam's state, loss and gradients the check saw
+    assert mon.rerun.bitwise["first_difference"] is None and mon.rerun.bitwise["left_out"] == []
+    assert mon.rerun.bitwise["compared"] == 2 + 6 + 1 + 6  # input:x, input:y; 6 parameters; the loss; 6 gradients
     assert mon.rerun.localization.phase in ("forward", "loss")  # from the step's finite weights
 
 

@@ -19,6 +19,7 @@ BOTH_PASSES = {
     "test_amp": "the Monitor under GradScaler: overflow skips read from the check's records",
     "test_async": "the Monitor's async mode: verdicts read a step later from the default backend's records",
     "test_backends": "the selection itself: backend= over NANSCAN_BACKEND over auto",
+    "test_bitwise": "replay's reruns compared bit for bit with the record, through the default backend's scans",
     "test_batch_plan": "the Monitor's batch inputs, compared with the default backend's scan of fresh ones",
     "test_compact": "the history ring under a Monitor whose compact records come from either path",
     "test_compile": "the Monitor over torch.compile'd models",

@@ -2,13 +2,25 @@
 back, a resumed run's first step against the original, two replicas. Each tensor is told by its scan fingerprint
 (NOTE: [scan fingerprint] in csrc/include/nanscan/stats_record.h), so nothing is copied between devices and no
 tensor is compared element by element: a tensor on a GPU and its copy on the CPU are each scanned where they are.
+compare_scans does the same for two scans already made: a recorded step and its rerun (NOTE: [bit-exact rerun]).
+
+NOTE: [bit-exact rerun]
+A bundle keeps its failing step's records, fingerprints included (the history). A rerun of that step (`nanscan
+replay`, the Monitor's in-process rerun) scans the same names and compares them: "reproduced bit for bit", or the
+first tensor whose bits differ, finite in both or not. Only what the rerun recomputes from the same inputs is
+comparable: the inputs, the starting weights and optimizer state, and the gradients of a step checked once after
+its backward; not a micro-batch's partial sum, nor an accumulated step rerun one micro-batch at a time, nor
+gradients the record holds scaled by a GradScaler. Replay runs deterministic algorithms; where its reruns agree
+with each other and with one more rerun without them, the kernels' nondeterminism does not explain a difference
+from the record, and what remains is code outside the rerun that wrote into those tensors, or the hardware: the only
+way nanscan names the hardware, and it says what it measured (nanscan.replay.reproduce).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -165,3 +177,61 @@ def compare_state_dicts(a: Mapping, b: Mapping, *, backend: Any = None) -> State
             differences.append(Difference(name, BITS, "values differ"))
     differences += [Difference(name, MISSING_IN_A, "in b only") for name in leaves_b if name not in leaves_a]
     return StateDictComparison(differences, compared=len(both))
+
+
+def compare_scans(recorded: Iterable[TensorStats], rerun: Iterable[TensorStats], *,
+                  kinds: tuple[str, ...] | None = None) -> StateDictComparison:
+    """Compare two scans of the same step's tensors by name, bit for bit (a recorded step and its rerun: replay and
+    the Monitor's in-process rerun, NOTE: [bit-exact rerun]). `kinds`: the name prefixes compared ("grad:", ...),
+    None for every name. A tensor without a fingerprint on either side (a bundle written before fingerprints) is not
+    compared; names on one side only are MISSING_IN_A / MISSING_IN_B, in `recorded`'s order then `rerun`'s."""
+    def wanted(stats: TensorStats) -> bool:
+        return kinds is None or stats.name.startswith(kinds)
+
+    a = {s.name: s for s in recorded if wanted(s)}
+    b = {s.name: s for s in rerun if wanted(s)}
+    differences, compared = [], 0
+    for name, sa in a.items():
+        sb = b.get(name)
+        if sb is None:
+            differences.append(Difference(name, MISSING_IN_B, "in the record only"))
+        elif sa.dtype != sb.dtype:
+            differences.append(Difference(name, DTYPE, f"dtype {sa.dtype} vs {sb.dtype}"))
+        elif sa.numel != sb.numel:
+            differences.append(Difference(name, SHAPE, f"{sa.numel} vs {sb.numel} elements"))
+        elif sa.fingerprint is not None and sb.fingerprint is not None:
+            compared += 1
+            if sa.fingerprint != sb.fingerprint:
+                finite = sa.ok and sb.ok
+                differences.append(Difference(
+                    name, BITS, "finite in both" if finite else
+                    f"non-finite values: {sa.nonfinite} in the record, {sb.nonfinite} in the rerun",
+                    finite_in_both=finite, a=sa, b=sb))
+    differences += [Difference(name, MISSING_IN_A, "in the rerun only") for name in b if name not in a]
+    return StateDictComparison(differences, compared=compared)
+
+
+# What a rerun recomputes from the same inputs (NOTE: [bit-exact rerun]); the gradients only with the same loss.
+RERUN_KINDS = ("input:", "param:", "optim:")
+
+
+def compare_rerun(recorded: Iterable[TensorStats], rerun: Iterable[TensorStats], *,
+                  gradients: bool = True) -> tuple[StateDictComparison, list[str]]:
+    """A recorded step against its rerun (NOTE: [bit-exact rerun]): the inputs, the starting state and, when the
+    rerun's loss has the recorded loss's bits (the loss given to check() is the one step_fn returns, not divided by
+    an accumulation count), the loss and the gradients. Names scanned on one side only are not
+    compared. Returns the comparison and what was left out, and why."""
+    recorded, rerun = list(recorded), list(rerun)
+    left_out = []
+    kinds = RERUN_KINDS
+    if gradients:
+        same_loss = compare_scans(recorded, rerun, kinds=("loss",))
+        if same_loss.compared and same_loss.equal:
+            kinds = (*RERUN_KINDS, "loss", "grad:")
+        else:
+            left_out.append("the loss and the gradients (the loss given to check() is not the loss the rerun "
+                            "computed: divided by an accumulation count, or another loss)")
+    compared = compare_scans(recorded, rerun, kinds=kinds)
+    # a tensor on one side only was not compared (the in-process rerun scans no optimizer state): no difference
+    kept = [d for d in compared.differences if d.what not in (MISSING_IN_A, MISSING_IN_B)]
+    return StateDictComparison(kept, compared=compared.compared), left_out

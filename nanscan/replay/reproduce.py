@@ -15,6 +15,7 @@ hardware is never the conclusion: a finite rerun is no evidence pointing at it.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,7 @@ from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.runtime.localize import OP_PHASES, Localization, fmt_value
+from nanscan.engine.fingerprint import compare_rerun, compare_scans
 from nanscan.engine.targets import NLL_OPS, ignored_targets
 from nanscan.incident import (INTERMITTENT, LOSS, NOT_REPRODUCED, PERSISTENT, REPLAY_VERDICT_WORDS, UPDATE,
                               is_kind)
@@ -55,6 +57,9 @@ class ReplayResult:
     # What in the batch made the failure (NOTE: [no supervised tokens] in nanscan/engine/targets.py): the text and
     # {"scope", "path", "count", "ignore_index"}; None when nothing in it is known to.
     cause: dict | None = None
+    # The reruns against the recorded step, bit for bit (bitwise_record; NOTE: [bit-exact rerun] in
+    # nanscan/engine/fingerprint.py); None when nothing could be compared.
+    bitwise: dict | None = None
 
     @property
     def failing_run(self) -> StepOutcome | None:
@@ -75,7 +80,7 @@ class ReplayResult:
                 "op": self.op.to_dict() if self.op else None, "update": self.update,
                 "bisect": self.bisect.to_dict() if self.bisect else None, "notes": list(self.notes),
                 "inexact": list(self.inexact), "phase_errors": [dict(e) for e in self.phase_errors],
-                "cause": dict(self.cause) if self.cause else None,
+                "cause": dict(self.cause) if self.cause else None, "bitwise": self.bitwise,
                 "unseen": [{"candidate": c, "tells_apart": t} for c, t in self.unseen()]}
 
     def unseen(self) -> list[tuple[str, str]]:
@@ -106,6 +111,8 @@ class ReplayResult:
                 where += f"; {traps[0]['setting']}={traps[0]['value']:g}: {traps[0]['problem'].split(' (')[0]}"
         if self.cause is not None:
             where += f"; cause: {self.cause['short']}"
+        if self.bitwise is not None:
+            where += f"; {self.bitwise['short']}"
         if self.verdict == INTERMITTENT:
             bad = sum(1 for r in self.runs if not r.finite and r.error is None)
             return f"reproduced {bad} time(s) out of {len(self.runs)}, intermittent: {failing.category}{where}"
@@ -221,6 +228,7 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
             bisected = BisectResult(False, batch_size=replayer.sample_count,
                                     reason=f"the failure is {verdict}, so a subset's result would not be reliable")
     cause = batch_cause(replayer, op) if reproduced and failing.category in (LOSS, "gradient") else None
+    bitwise = optional("bit-exact comparison", lambda: bitwise_record(replayer, outcomes, options))
     notes = list(replayer.notes)
     if reproduced and failing.category != replayer.bundle.category:
         notes.append(f"the bundle's category is {replayer.bundle.category}, the replay first saw non-finite "
@@ -228,7 +236,76 @@ def replay(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, runs
     return ReplayResult(str(replayer.bundle.path), replayer.bundle.manifest["run_id"], replayer.bundle.step,
                         replayer.bundle.category, replayer.entry, replayer.state_description, reproduced, verdict,
                         outcomes, localization, bisected, op, update, notes, list(replayer.inexact), phase_errors,
-                        cause)
+                        cause, bitwise)
+
+
+def bitwise_record(replayer: Replayer, outcomes: Sequence[StepOutcome], options: StepOptions) -> dict | None:
+    """The reruns against the recorded step, tensor by tensor (NOTE: [bit-exact rerun] in
+    nanscan/engine/fingerprint.py): "reproduced bit for bit", or the first tensor that differs, and whether the
+    deterministic reruns agree with each other and with one rerun without deterministic algorithms (which tells the
+    kernels' nondeterminism from the rest). None when the bundle holds no fingerprints or no rerun ran."""
+    bundle = replayer.bundle
+    entry = next((e for e in bundle.history() if e.step == bundle.step), None)
+    runs = [o for o in outcomes if o.error is None]
+    if entry is None or not runs or all(s.fingerprint is None for s in entry.report.stats):
+        return None
+    batch = replayer.batch
+    left_out, gradients = [], True
+    if bundle.micro_batch is not None or bundle.manifest.get("micro_batch_observed") or (
+            isinstance(batch, dict) and isinstance(batch.get(MICRO_BATCHES), list) and len(batch[MICRO_BATCHES]) > 1):
+        gradients = False
+        left_out.append("the loss and the gradients (the record's sum over the step's micro-batches)")
+    scaling = entry.report.scaling
+    if gradients and scaling is not None and getattr(scaling, "scale", 1.0) not in (None, 1.0):
+        gradients = False
+        left_out.append(f"the loss and the gradients (recorded scaled by the GradScaler, scale {scaling.scale:g})")
+    first, more = compare_rerun(entry.report.stats, runs[0].scanned(), gradients=gradients)
+    left_out += more
+    agree = all(compare_scans(runs[0].scanned(), o.scanned()).equal for o in runs[1:])
+    record = {"compared": first.compared, "equal": first.equal, "differences": len(first.differences),
+              "left_out": left_out, "reruns": len(runs), "reruns_agree": agree, "nondeterministic_rerun_agrees": None,
+              "first_difference": None, "points_at": None}
+    if first.equal:
+        record["short"] = f"bit for bit ({first.compared} tensors)"
+        return record
+    diff = first.first_difference
+    record["first_difference"] = {"name": diff.name, "what": diff.what, "detail": diff.detail,
+                                  "finite_in_both": diff.finite_in_both}
+    record["short"] = f"the rerun first differs at {diff.name} ({diff.detail})"
+    if replayer.inexact:
+        record["not_judged"] = f"the replay's conditions were inexact ({', '.join(replayer.inexact)})"
+    elif agree:
+        loose = replayer.run(dataclasses.replace(options, deterministic=False))
+        same = loose.error is None and compare_scans(runs[0].scanned(), loose.scanned()).equal
+        record["nondeterministic_rerun_agrees"] = same
+        record["points_at"] = "code outside the rerun, or the hardware" if same else "nondeterministic kernels"
+    return record
+
+
+def bitwise_markdown(record: dict) -> str:
+    """The bit-exact comparison as INCIDENT.md shows it."""
+    if record["equal"]:
+        text = (f"**Bit for bit:** the rerun reproduced the recorded step exactly: {record['compared']} tensors "
+                "(inputs, starting state, gradients) have the recorded fingerprints.")
+    else:
+        first = record["first_difference"]
+        text = (f"**Bit for bit:** the rerun differs from the recorded step in {record['differences']} of "
+                f"{record['compared']} tensors; first `{first['name']}` ({first['detail']}).")
+        if record["points_at"] == "nondeterministic kernels":
+            text += (" A rerun without deterministic algorithms differs from the deterministic ones: the kernels are "
+                     "nondeterministic here, which can explain it.")
+        elif record["points_at"]:
+            text += (f" {record['reruns']} deterministic reruns agree with each other and with a rerun without "
+                     "deterministic algorithms, from exact conditions: the kernels' nondeterminism does not explain "
+                     "the difference. What remains is code outside the rerun that wrote into these tensors (a hook, "
+                     "an in-place edit in the loop), a batch the loop laid out at other addresses (the CPU's math "
+                     "library rounds by alignment), or the hardware; the same rerun on another device tells the last "
+                     "apart.")
+    if record.get("not_judged"):
+        text += f" What explains the difference was not judged: {record['not_judged']}."
+    if record["left_out"]:
+        text += f" Not compared: {'; '.join(record['left_out'])}."
+    return text
 
 
 def batch_cause(replayer: Replayer, op: OpSite | None) -> dict | None:
@@ -270,6 +347,8 @@ def replay_markdown(result: ReplayResult) -> str:
         lines += ["", op_markdown(result.op)]
     if result.update is not None:
         lines += ["", update_markdown(result.update)]
+    if result.bitwise is not None:
+        lines += ["", bitwise_markdown(result.bitwise)]
     if result.bisect is not None:
         b = result.bisect
         if b.applicable:

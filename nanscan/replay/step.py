@@ -78,8 +78,11 @@ def select_samples(batch: Any, indices: Sequence[int], spec: ReplaySpec | None =
 
 
 def prepare_batch(batch: Any, device: torch.device, options: StepOptions) -> Any:
+    """The batch on the model's device, each tensor in an allocation of its own: a bundle's tensors are views into
+    its file's buffer at any offset, and the CPU's math library (MKL) rounds a product differently by the operands'
+    alignment, so a rerun on them would not give the recorded bits (NOTE: [bit-exact rerun])."""
     def convert(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(device)
+        t = t.to(device, copy=True)
         if options.precision is not None and t.dtype in HALF_DTYPES:
             t = t.float()  # the precision rows start from float32 data; autocast does the rest
         return t

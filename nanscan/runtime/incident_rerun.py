@@ -45,6 +45,7 @@ import torch
 
 from nanscan.bundle.format import RERUN_FINDING  # noqa: F401 - the finding's key, re-exported for the Monitor
 from nanscan.bundle.provenance import capture_rng, restore_rng
+from nanscan.engine.fingerprint import compare_rerun
 from nanscan.engine.targets import NLL_OPS, ignored_targets
 from nanscan.incident import LOSS
 from nanscan.runtime.localize import OP_PHASES, Localization, fmt_value
@@ -90,6 +91,9 @@ class RerunResult:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     in_group: bool = False  # one rank of a process group: OTHER_RANKS is among what the rerun cannot see
+    # the rerun against the checked step, bit for bit (nanscan.engine.fingerprint NOTE: [bit-exact rerun]): the
+    # tensors compared, and the first that differs ({"name", "detail", "finite_in_both"}) or None
+    bitwise: dict | None = None
     # Where the step's starting state came from: "live" (the model and optimizer, not updated yet) or "snapshot"
     # (snapshot="cpu"'s copy, loaded for the rerun: the verdict came after the update).
     state: str = "live"
@@ -142,6 +146,11 @@ class RerunResult:
                 lines += ["", *self.localization.markdown_lines()]
             if self.op is not None:
                 lines += ["", op_markdown(self.op)]
+        if self.bitwise is not None:
+            first = self.bitwise["first_difference"]
+            lines += ["", f"**Bit for bit:** {self.bitwise['compared']} tensors compared with the check's: "
+                          + ("the rerun gave the recorded bits." if first is None else
+                             f"the rerun first differs at `{first['name']}` ({first['detail']}).")]
         lines += [f"- note: {n}" for n in ([""] if self.notes else []) + self.notes if n]
         lines += ["", f"Next: {NEEDS_ENTRY}."]
         return "\n".join(lines)
@@ -155,7 +164,7 @@ class RerunResult:
                 "category": self.outcome.category if self.outcome is not None else None,
                 "localization": self.localization.to_dict() if self.localization else None,
                 "op": self.op.to_dict() if self.op else None, "cause": dict(self.cause) if self.cause else None,
-                "notes": list(self.notes),
+                "notes": list(self.notes), "bitwise": self.bitwise,
                 "unseen": [{"candidate": c, "tells_apart": t} for c, t in self.unseen()]}
 
     def unseen(self) -> list[tuple[str, str]]:
@@ -227,11 +236,13 @@ def _host_copy(value: Any) -> Any:
 
 def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch: Any, *, step: int,
                rng: dict | None, autocast: Any, micro_batch: int | None, state: tuple[dict, dict | None] | None,
-               timeout: float, in_group: bool = False) -> RerunResult:
+               timeout: float, in_group: bool = False, checked: Any = None,
+               gradients_comparable: bool = False) -> RerunResult:
     """Rerun the failing step in the process (NOTE: [in-process rerun]): the module pass, then the op pass within
     `timeout` seconds; `rng`: the step-start RNG states (None when not taken); `state`: the step's starting state
     to load first (a verdict read after the update), None when the live state is the step's own; `in_group`: one
-    rank of a process group."""
+    rank of a process group; `checked`: the check's ScanReport, compared bit for bit with the rerun (its gradients
+    only where `gradients_comparable`: a step checked once, unscaled)."""
     name = function_name(step_fn)
     began = time.monotonic()
     result = RerunResult(step, name, "error", state="live" if state is None else "snapshot", in_group=in_group)
@@ -254,6 +265,14 @@ def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch:
         with set_aside(model, optimizer, state) as reset_buffers:
             outcome = run_localized(attempt)
             result.outcome = outcome
+            if checked is not None and outcome.error is None:
+                compared, left_out = compare_rerun(checked.stats, outcome.scanned(), gradients=gradients_comparable)
+                first = compared.first_difference
+                result.bitwise = {"compared": compared.compared, "differences": len(compared.differences),
+                                  "left_out": left_out,
+                                  "first_difference": None if first is None else {
+                                      "name": first.name, "detail": first.detail,
+                                      "finite_in_both": first.finite_in_both}}
             if outcome.error is not None:
                 result.error = outcome.error
             elif outcome.finite:

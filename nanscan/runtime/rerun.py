@@ -84,6 +84,16 @@ class StepOutcome:
     # gradients after backward (and clipping) and the weights and optimizer state after optimizer.step().
     gradients: ScanReport | None = field(default=None, repr=False, compare=False)
     updated: ScanReport | None = field(default=None, repr=False, compare=False)
+    # and the batch and the starting state as the step began (compared with a record: NOTE: [bit-exact rerun])
+    inputs: ScanReport | None = field(default=None, repr=False, compare=False)
+    start: ScanReport | None = field(default=None, repr=False, compare=False)
+    loss_scan: ScanReport | None = field(default=None, repr=False, compare=False)  # "loss": one part's, as returned
+
+    def scanned(self) -> list:
+        """Every tensor this step scanned before its update: the batch, the starting state, the loss (a step of one
+        part), the gradients."""
+        reports = (self.inputs, self.start, self.loss_scan, self.gradients)
+        return [s for report in reports if report is not None for s in report.stats]
 
     @property
     def signature(self) -> tuple:
@@ -184,8 +194,10 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             seen_autocast.append(str(torch.get_autocast_dtype(device_type)).removeprefix("torch.") if enabled
                                  else None)
 
+    scans: dict[str, ScanReport] = {}
+
     def outcome(category, nonfinite, loss_value=None, grads=None, error=None, localization=None, updated=None):
-        return StepOutcome(op_site=tracer.first if tracer is not None else None,
+        return StepOutcome(op_site=tracer.first if tracer is not None else None, **scans,
             finite=category is None and error is None, category=category, loss=loss_value, nonfinite=nonfinite,
             grad_norm=float(np.sqrt(grads.totals.sumsq)) if grads is not None and len(grads) else None,
             grad_max_exponent=top_exponent(grads) if grads is not None else None,
@@ -217,6 +229,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         shown = parts if isinstance(batch, Accumulation) else batch  # a step's micro-batches: input:<i>.<path>
         batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(shown)])
         state_report = scan_inputs(model_inputs(model, optimizer))
+        scans.update(inputs=batch_report, start=state_report)
         if not state_report.ok:
             bad = state_report.nonfinite
             category = "parameter" if any(is_kind(n, "parameter") for n in bad) else "optimizer_state"
@@ -245,6 +258,8 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                 return outcome("loss", [], error=f"step_fn returned {what}; it must return the scalar loss tensor")
             if len(parts) > 1:
                 loss = loss / len(parts)
+            else:
+                scans["loss_scan"] = scan([("loss", loss.detach())])
             loss_value += float(loss.detach().float())
             try:
                 loss.backward()

@@ -165,7 +165,7 @@ class StepVerdicts:
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                           type(exc).__name__, exc)
-            self.rerun_incident(self.bundle_path, step, batch, started, start=start, read_at=read_at)
+            self.rerun_incident(self.bundle_path, step, batch, started, start=start, read_at=read_at, report=report)
         else:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at,
@@ -179,10 +179,11 @@ class StepVerdicts:
         return {"step_fn": function_name(self.step_fn), "timeout_s": self.rerun_timeout}
 
     def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: StepStart | None,
-                        read_at: str | None, sharded: str | None = None) -> None:
+                        read_at: str | None, sharded: str | None = None, report: ScanReport | None = None) -> None:
         """Monitor(step_fn=...): rerun the failing step in the process and add what it found to its bundle at
         `path` (nanscan.runtime.incident_rerun NOTE: [in-process rerun]); `sharded`: why this rank's weights cannot
-        be rerun alone. Never raises: the incident goes on to on_invalid whatever the rerun does."""
+        be rerun alone; `report`: the check's, compared bit for bit with the rerun. Never raises: the incident goes on
+        to on_invalid whatever the rerun does."""
         if self.step_fn is None:
             return
         start = start if start is not None else StepStart(self._rng, self._snapshot)
@@ -203,7 +204,9 @@ class StepVerdicts:
                 result = rerun_step(self.model, self.optimizer, self.step_fn, batch, step=step,
                                     rng=start.rng if started else None, autocast=self._autocast,
                                     micro_batch=self._deciding_micro, state=state, timeout=self.rerun_timeout,
-                                    in_group=self._agreement is not None)
+                                    in_group=self._agreement is not None, checked=report,
+                                    gradients_comparable=self._deciding_micro is None and not self._deciding_observed
+                                    and (report is None or report.scaling is None))
             finally:
                 self._armed = armed
         self.rerun = result
