@@ -284,6 +284,12 @@ def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def restore_rng_sources(state: dict) -> None:
+    """Put back the sources `state` holds (a step start's torch generators, which the Monitor takes every step) and
+    leave the others as they are now."""
+    restore_rng({**capture_rng(), **state})
+
+
 def rng_to_tensors(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split an RNG state into tensors (for safetensors) and a small JSON-ready dict."""
     algorithm, keys, pos, has_gauss, cached_gaussian = state["numpy"]

@@ -52,6 +52,10 @@ class Difference:
     def __str__(self) -> str:
         return f"{self.name}: {self.detail}"
 
+    def to_dict(self) -> dict:
+        """As a finding records it (replay's and the in-process rerun's bit-exact comparison)."""
+        return {"name": self.name, "what": self.what, "detail": self.detail, "finite_in_both": self.finite_in_both}
+
 
 @dataclass(frozen=True)
 class StateDictComparison:

@@ -60,6 +60,18 @@ class IgnoredTargets:
                                                        "ignore index", "scope": scope, **self.to_dict()}
 
 
+def targets_cause(parts: list[tuple[str, Any]], op: str | None = None) -> dict | None:
+    """The cause record (IgnoredTargets.cause) of the first of `parts` ((scope, batch): "micro-batch 0", its batch)
+    whose targets are all ignored, or None; the ignore index is torch's default, or the loss's own when the first
+    bad op `op` is a negative log-likelihood (NOTE: [no supervised tokens]). Replay and the in-process rerun ask."""
+    loss_ignores = op in NLL_OPS
+    for scope, part in parts:
+        found = ignored_targets(part, None) if loss_ignores else ignored_targets(part)
+        if found:
+            return found[0].cause(scope)
+    return None
+
+
 def ignored_targets(batch: Any, ignore_index: int | None = DEFAULT_IGNORE_INDEX) -> list[IgnoredTargets]:
     """The integer tensors of `batch` whose every value is `ignore_index` (NOTE: [no supervised tokens]). None: the
     loss is known to be a negative log-likelihood, and a tensor holding one negative value throughout holds its

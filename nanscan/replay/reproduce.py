@@ -24,7 +24,7 @@ from nanscan.bundle.format import REPLAY_FINDING
 from nanscan.replay.bisect import BisectResult, bisect_samples
 from nanscan.runtime.localize import OP_PHASES, Localization, fmt_value
 from nanscan.engine.fingerprint import compare_rerun, compare_scans
-from nanscan.engine.targets import NLL_OPS, ignored_targets
+from nanscan.engine.targets import targets_cause
 from nanscan.incident import (INTERMITTENT, LOSS, NOT_REPRODUCED, PERSISTENT, REPLAY_VERDICT_WORDS, UPDATE,
                               is_kind)
 from nanscan.integrations.rebuild import MICRO_BATCHES
@@ -269,8 +269,7 @@ def bitwise_record(replayer: Replayer, outcomes: Sequence[StepOutcome], options:
         record["short"] = f"bit for bit ({first.compared} tensors)"
         return record
     diff = first.first_difference
-    record["first_difference"] = {"name": diff.name, "what": diff.what, "detail": diff.detail,
-                                  "finite_in_both": diff.finite_in_both}
+    record["first_difference"] = diff.to_dict()
     record["short"] = f"the rerun first differs at {diff.name} ({diff.detail})"
     if replayer.inexact:
         record["not_judged"] = f"the replay's conditions were inexact ({', '.join(replayer.inexact)})"
@@ -317,12 +316,7 @@ def batch_cause(replayer: Replayer, op: OpSite | None) -> dict | None:
     recorded = replayer.bundle.manifest.get("micro_batch")
     parts = [(f"micro-batch {i}", part) for i, part in enumerate(micro)] if isinstance(micro, list) else \
         [("the batch" if recorded is None else f"micro-batch {recorded}", batch)]
-    loss_ignores = op is not None and op.op in NLL_OPS
-    for scope, part in parts:
-        found = ignored_targets(part, None) if loss_ignores else ignored_targets(part)
-        if found:
-            return found[0].cause(scope)
-    return None
+    return targets_cause(parts, op.op if op is not None else None)
 
 
 def localize(bundle: Bundle | str | os.PathLike, entry: str | None = None) -> Localization | None:

@@ -8,8 +8,8 @@ forward, which `step_fn(model, batch) -> loss` gives (a closure over the script'
 bundle is written (the evidence first: a rerun that fails or stalls loses nothing), before on_invalid acts, the
 Monitor reruns the failing step through nanscan.runtime.rerun.run_step with the module hooks
 (nanscan.runtime.localize), then, while under the time limit, once more with the op tracer (nanscan.runtime.ops
-NOTE: [op localization]), and adds the result to the bundle as the finding RERUN_FINDING (ledger and INCIDENT.md;
-the manifest names the step_fn) and to the error's message.
+NOTE: [op localization]), and adds the result to the bundle as the finding nanscan.bundle.format.RERUN_FINDING
+(ledger and INCIDENT.md; the manifest names the step_fn) and to the error's message.
 
 It starts from the step's own state without copying it: at a check decided before optimizer.step() (mode="sync",
 a micro-batch check, an observed micro-batch) the weights and optimizer state are still those the step started
@@ -43,10 +43,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from nanscan.bundle.format import RERUN_FINDING  # noqa: F401 - the finding's key, re-exported for the Monitor
-from nanscan.bundle.provenance import capture_rng, restore_rng
+from nanscan.bundle.provenance import capture_rng, restore_rng, restore_rng_sources
+from nanscan.bundle.tree import map_tree
 from nanscan.engine.fingerprint import compare_rerun
-from nanscan.engine.targets import NLL_OPS, ignored_targets
+from nanscan.engine.targets import targets_cause
 from nanscan.incident import LOSS
 from nanscan.runtime.localize import OP_PHASES, Localization, fmt_value
 from nanscan.runtime.ops import OpSite, op_markdown
@@ -198,7 +198,8 @@ def set_aside(model: torch.nn.Module, optimizer: Any,
     live = None
     if state is not None:
         live = ({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-                _host_copy(optimizer.state_dict()) if optimizer is not None else None)
+                map_tree(optimizer.state_dict(), lambda _, t: t.detach().to("cpu", copy=True))
+                if optimizer is not None else None)
         model.load_state_dict(state[0], strict=False)
         if optimizer is not None and state[1] is not None:
             optimizer.load_state_dict(state[1])
@@ -224,16 +225,6 @@ def set_aside(model: torch.nn.Module, optimizer: Any,
         restore_rng(rng)
 
 
-def _host_copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_host_copy(v) for v in value)
-    return value
-
-
 def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch: Any, *, step: int,
                rng: dict | None, autocast: Any, micro_batch: int | None, state: tuple[dict, dict | None] | None,
                timeout: float, in_group: bool = False, checked: Any = None,
@@ -256,8 +247,8 @@ def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch:
 
     def attempt(backward_module_hooks: bool, *, trace_ops: bool = False) -> StepOutcome:
         reset_buffers()
-        if rng is not None:  # the sources the step's start took (torch's, at least); the others as they are now
-            restore_rng({**capture_rng(), **rng})
+        if rng is not None:  # the sources the step's start took (torch's, at least)
+            restore_rng_sources(rng)
         return run_step(model, None, step_fn, batch, options=options, localize=not trace_ops,
                         backward_module_hooks=backward_module_hooks, trace_ops=trace_ops, train=False)
 
@@ -269,10 +260,7 @@ def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch:
                 compared, left_out = compare_rerun(checked.stats, outcome.scanned(), gradients=gradients_comparable)
                 first = compared.first_difference
                 result.bitwise = {"compared": compared.compared, "differences": len(compared.differences),
-                                  "left_out": left_out,
-                                  "first_difference": None if first is None else {
-                                      "name": first.name, "detail": first.detail,
-                                      "finite_in_both": first.finite_in_both}}
+                                  "left_out": left_out, "first_difference": None if first is None else first.to_dict()}
             if outcome.error is not None:
                 result.error = outcome.error
             elif outcome.finite:
@@ -289,11 +277,8 @@ def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch:
                                             f"{time.monotonic() - began:.1f} s of the {timeout:g} s limit "
                                             "(Monitor(rerun_timeout=...))")
                 if outcome.category in (LOSS, "gradient"):
-                    loss_ignores = result.op is not None and result.op.op in NLL_OPS
-                    found = ignored_targets(batch, None) if loss_ignores else ignored_targets(batch)
-                    if found:
-                        scope = "the batch" if micro_batch is None else f"micro-batch {micro_batch}"
-                        result.cause = found[0].cause(scope)
+                    scope = "the batch" if micro_batch is None else f"micro-batch {micro_batch}"
+                    result.cause = targets_cause([(scope, batch)], result.op.op if result.op is not None else None)
     except Exception as exc:  # noqa: BLE001 - the rerun is a diagnostic: its failure is reported, never raised
         result.verdict, result.error = "error", f"{type(exc).__name__}: {exc}"
     result.seconds = time.monotonic() - began

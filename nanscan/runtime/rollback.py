@@ -43,10 +43,8 @@ import torch
 from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
-from nanscan.bundle.provenance import capture_rng, restore_rng
 from nanscan.bundle.quarantine import NamedRecord, add_records
 from nanscan.engine.inputs import iter_batch_tensors
-from nanscan.runtime.spikes import EPISODE_GAP
 
 log = logging.getLogger("nanscan")
 
@@ -95,17 +93,6 @@ class RollbackWarning(UserWarning):
     """The Monitor rolled the run back at an incident and goes on (NOTE: [rollback]); the message says what it did."""
 
 
-def episode_start(spike_steps: list[int], step: int) -> int:
-    """The first warning of the episode that ends at `step`: the earliest of the spikes each at most EPISODE_GAP
-    before the next (the last within EPISODE_GAP of `step`), else `step` itself."""
-    start = step
-    for s in sorted((s for s in spike_steps if s <= step), reverse=True):
-        if start - s > EPISODE_GAP:
-            break
-        start = s
-    return start
-
-
 class Rollbacks:
     """The Monitor's rollbacks (NOTE: [rollback]): `decide` at an incident, `restore` the chosen state, `after_check`
     at each finite check (the outcome), and the optimizer hooks of skip_next and the factor."""
@@ -125,7 +112,8 @@ class Rollbacks:
     def refusal(self, step: int) -> str | None:
         """Why the incident of `step` is not rolled back (the limits), or None."""
         if len(self.records) >= self.policy.max_rollbacks:
-            return f"on_invalid=Rollback: {len(self.records)} rollback(s) already, max_rollbacks={self.policy.max_rollbacks}"
+            return (f"on_invalid=Rollback: {len(self.records)} rollback(s) already, "
+                    f"max_rollbacks={self.policy.max_rollbacks}")
         last = self.records[-1] if self.records else None
         if last is not None and step - last["at_step"] <= self.settle:
             return (f"on_invalid=Rollback: failed again at step {step}, {step - last['at_step']} step(s) after the "
@@ -176,7 +164,7 @@ class Rollbacks:
         if last is not None and last["outcome"]["status"] == "pending":
             self._write(last)
 
-    # -- the optimizer hooks: skip_next and the factor ------------------------------------------------------------------
+    # -- the optimizer hooks: skip_next and the factor -----------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is None or self._handles:
             return
@@ -290,9 +278,3 @@ def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | N
         log.error("nanscan: could not quarantine %s: %s: %s", rows, type(exc).__name__, exc)
         return []
     return list(rows)
-
-
-def restore_rng_of(rng: dict | None) -> None:
-    """The torch generators of a kept step's start (the other sources as they are)."""
-    if rng:
-        restore_rng({**capture_rng(), **rng})

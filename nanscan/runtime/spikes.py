@@ -86,6 +86,17 @@ FIRST_MOVING_SHOWN = 8
 LN2 = math.log(2.0)  # a binade in natural-log units
 
 
+def episode_start(spike_steps: list[int], step: int) -> int:
+    """The first warning of the episode that ends at `step`: the earliest of the spikes each at most EPISODE_GAP
+    before the next (the last within EPISODE_GAP of `step`), else `step` itself."""
+    start = step
+    for s in sorted((s for s in spike_steps if s <= step), reverse=True):
+        if start - s > EPISODE_GAP:
+            break
+        start = s
+    return start
+
+
 @dataclass(frozen=True)
 class SpikeRule:
     """The spike statistic's settings (NOTE: [spike statistic] says how each default was measured)."""

@@ -22,18 +22,18 @@ import numpy as np
 import torch
 
 from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, write_bundle
-from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
+from nanscan.bundle.format import RERUN_FINDING
+from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment, restore_rng_sources
 from nanscan.engine.headroom import overflowing_inputs
 from nanscan.engine.pending import StepScan
 from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
-from nanscan.runtime.incident_rerun import RERUN_FINDING, RerunResult, function_name, rerun_step
-from nanscan.runtime.rollback import (Rollback, RollbackWarning, describe, episode_start, nonfinite_rows,
-                                      quarantine_rows, restore_rng_of)
+from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
+from nanscan.runtime.rollback import Rollback, RollbackWarning, describe, nonfinite_rows, quarantine_rows
 from nanscan.runtime.snapshot import CpuSnapshot
-from nanscan.runtime.spikes import EPISODE_GAP, Spike, SpikeWatch
+from nanscan.runtime.spikes import EPISODE_GAP, Spike, SpikeWatch, episode_start
 from nanscan.runtime.stages import StepCheck
 from nanscan.runtime.update import broken_by_update
 
@@ -485,27 +485,27 @@ class StepVerdicts:
                     refusal = (f"on_invalid=Rollback: the window keeps no state from at or before step {first} (it "
                                f"keeps {self._window.kept_states() or 'none'}); a longer window (Window(steps=...)) "
                                "reaches further back")
+        rollbacks.failed_again(step)  # an earlier rollback that had not settled yet
         if refusal is not None:
-            rollbacks.failed_again(step)
             bundles = [*rollbacks.bundles(), *([str(self.bundle_path)] if self.bundle_path is not None else [])]
             raise NonFiniteError(f"{message}; {refusal}; the bundles of every attempt: {', '.join(bundles)}",
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
-        rollbacks.failed_again(step)  # an earlier rollback that had not settled yet
         model, optimizer = self.model, self.optimizer
         if found is None:  # skip="step" at a check before the update: the live state is the step's own start
             restored_step, restored_from, scale = step, "the live state at its check, before its update", None
-            skipped = [{"step": step, "sample_ids": _plain_ids(sample_ids)}]
+            skipped = [{"step": step, "sample_ids": plain_ids(sample_ids)}]
         else:
             kept, (model_state, optimizer_state), rng, scale = found
             restored_step = kept.step
             restored_from = f"the window's state kept at step {restored_step}"
             skipped = self._window.steps_between(restored_step, step) or [{"step": step,
-                                                                            "sample_ids": _plain_ids(sample_ids)}]
+                                                                            "sample_ids": plain_ids(sample_ids)}]
             model.load_state_dict(model_state, strict=False)  # in place; frozen weights are not in it
             if optimizer is not None and optimizer_state is not None:
                 optimizer.load_state_dict(optimizer_state)
-            restore_rng_of(rng)
+            if rng:
+                restore_rng_sources(rng)
             if scale is not None and self._scaler is not None and self._scaler.scaler.is_enabled():
                 self._scaler.scaler.update(new_scale=float(scale))
             self._window.restart(kept, step + 1)
@@ -608,6 +608,6 @@ class StepVerdicts:
         return text + ". Values are still finite: this is an early warning, not an invalid step"
 
 
-def _plain_ids(sample_ids: Any) -> Any:
-    """Sample ids as JSON holds them (a tensor's as a list)."""
+def plain_ids(sample_ids: Any) -> Any:
+    """Sample ids as JSON holds them (a tensor's as a list): a rollback's record, the window's skipped steps."""
     return sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids

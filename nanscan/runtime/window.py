@@ -41,7 +41,7 @@ from nanscan.incident import warn_user
 from nanscan.runtime.history import kept_scalar, read_scalar
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spill import SpilledState, StateSpill
-from nanscan.runtime.verdict import retained
+from nanscan.runtime.verdict import plain_ids, retained
 
 # The torch generators' states, as nanscan.bundle.provenance.capture_rng names them.
 _TORCH_RNG_KEYS = ("torch_cpu", "torch_cuda")
@@ -370,7 +370,7 @@ class WindowKeeper:
     def _recorded(self, kept: _Step) -> WindowStep:
         """A kept step as the bundle holds it: its scalars read, its batch left out if the loop overwrote it."""
         changed = self._batches.changed(kept.held)
-        rng = {key: kept.rng[key] for key in _TORCH_RNG_KEYS if key in kept.rng} if kept.rng else None
+        rng = _torch_rng(kept.rng)
         return WindowStep(step=kept.step, micro_batch=kept.micro, batch=None if changed else kept.batch,
                           sample_ids=None if changed else kept.sample_ids, lrs=[read_scalar(lr) for lr in kept.lrs],
                           loss_scale=None if kept.scaling is None else kept.scaling.scale,
@@ -390,8 +390,7 @@ class WindowKeeper:
                 raise ValueError("the window keeps its states on disk (Window(directory=...)), which a rollback does "
                                  "not read back; keep them in host memory (the default) to roll back")
             record = next((s for s in self._steps if s.step == kept.step), None)
-            rng = {key: record.rng[key] for key in _TORCH_RNG_KEYS if key in record.rng} \
-                if record is not None and record.rng else None
+            rng = _torch_rng(record.rng) if record is not None else None
             scale = record.scaling.scale if record is not None and record.scaling is not None else None
             return kept, kept.snapshot.result(), rng, scale
         return None
@@ -403,7 +402,7 @@ class WindowKeeper:
             if first <= s.step <= last:
                 kept = ids.setdefault(s.step, [])
                 if s.sample_ids is not None:  # each micro-batch's, as its check gave them
-                    kept.append(s.sample_ids.tolist() if isinstance(s.sample_ids, torch.Tensor) else s.sample_ids)
+                    kept.append(plain_ids(s.sample_ids))
         return [{"step": step, "sample_ids": (kept[0] if len(kept) == 1 else kept) or None}
                 for step, kept in ids.items()]
 
@@ -431,6 +430,11 @@ class WindowKeeper:
         states = self.spill.nbytes() if self.spill is not None else \
             sum(kept.snapshot.nbytes() for kept in self._states)
         return states + sum(self._batches.nbytes(kept.held) for kept in self._steps)
+
+
+def _torch_rng(rng: dict | None) -> dict | None:
+    """The torch generators' part of a step start's RNG states (capture_rng's), as a window keeps them."""
+    return {key: rng[key] for key in _TORCH_RNG_KEYS if key in rng} if rng else None
 
 
 def window_span(record: RunWindow) -> tuple[int, int] | None:
