@@ -35,6 +35,7 @@ WORLD = 2
 STEPS = 5
 FAULT_STEP = 3
 GRAD_PARAM = "2.weight"  # the NaN goes into the gradient of this parameter, in the partition rank 1 holds
+FLIP_PARAM = "0.weight"  # a bit of this bfloat16 weight is flipped on rank 1 (ZeRO-1/2 replicate it on every rank)
 SPAWN_TIMEOUT_S = 200
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
@@ -111,11 +112,20 @@ class _HookedNaN:
         return grad
 
 
+def _flip_weight_bit(engine, name: str) -> None:
+    """Flip the lowest mantissa bit of one element of the module's bfloat16 weight `name`, in DeepSpeed's own flat
+    buffer (the parameter's data is a view of it): the value stays finite."""
+    p = dict(engine.module.named_parameters())[name]
+    with torch.no_grad():
+        p.data.view(-1).view(torch.int16)[1] ^= 1
+
+
 def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool = False) -> dict:
     """One scenario on a fresh engine: train STEPS steps under a DeepSpeedMonitor (on_invalid="raise"; for
     "streak", on_invalid="warn" and a NaN gradient at every step from step 1, which DeepSpeed's bf16 overflow check
-    skips every time). offload: ZeRO-Offload, whose gradients are planted through a hook (_HookedNaN), since
-    DeepSpeed copies its partitions into the CPU masters' gradients only inside engine.step()."""
+    skips every time; for "flip", a weight bit flipped on rank 1 before step FAULT_STEP's forward). offload:
+    ZeRO-Offload, whose gradients are planted through a hook (_HookedNaN), since DeepSpeed copies its partitions
+    into the CPU masters' gradients only inside engine.step()."""
     import deepspeed
 
     from nanscan.integrations.deepspeed import DeepSpeedMonitor
@@ -127,10 +137,12 @@ def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool =
     mon = DeepSpeedMonitor(engine, bundle_dir=bundle_dir, run_id=f"zero{stage}-{scenario}",
                            on_invalid="warn" if streak else "raise", max_skips=2)
     record = {"error": None, "scanned_grads": [], "planted": False, "optimizer": type(engine.optimizer).__name__,
-              "warnings": []}
+              "warnings": [], "replicas": mon._agreement.replicas}
     hooked = _HookedNaN(engine, GRAD_PARAM, rank) if offload and rank == 1 else None
     for step in range(STEPS):
         batch = _batch(rank, step, scenario == "input")
+        if scenario == "flip" and rank == 1 and step == FAULT_STEP:
+            _flip_weight_bit(engine, FLIP_PARAM)
         plant = rank == 1 and (scenario == "gradient" and step == FAULT_STEP or streak and step >= 1)
         if hooked is not None:
             hooked.armed = plant
@@ -151,6 +163,7 @@ def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool =
                                "category": getattr(err, "category", None), "tensors": getattr(err, "tensors", None),
                                "first_bad_ranks": getattr(err, "first_bad_ranks", None),
                                "local_category": getattr(err, "local_category", None),
+                               "odd_ranks": getattr(err, "odd_ranks", None),
                                "bundle_path": str(getattr(err, "bundle_path", None)), "message": str(err)}
             break
         record["scanned_grads"].append(sum(name.startswith("grad:") for name in report.names))
@@ -170,7 +183,7 @@ def _worker(rank: int, variant: tuple, store: str, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     stage, offload = variant
     results = {scenario: _run(stage, rank, Path(out) / "bundles", scenario, offload)
-               for scenario in ("healthy", "gradient", "input", "streak")}
+               for scenario in ("healthy", "gradient", "input", "streak") + (("flip",) if stage < 3 else ())}
     results["plain_monitor"] = _plain_monitor_refuses_an_engine(stage)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -234,6 +247,29 @@ def test_a_gradient_nan_on_rank_1_is_caught_at_its_step_on_every_rank(zero):
     result = CliRunner().invoke(main, ["report", str(Path(ranks[0]["gradient"]["error"]["bundle_path"]))])
     assert result.exit_code == 0, result.output
     assert GRAD_PARAM in result.output
+
+
+def test_zero12_compares_the_replicated_low_precision_weights_and_catches_a_flipped_bit(zero):
+    """NOTE: [replica agreement]: under ZeRO-1/2 every rank holds the whole bfloat16 weights, which the healthy run
+    compares at every step without an alarm; a mantissa bit flipped in rank 1's copy (still finite) stops both ranks
+    at that step as replica_mismatch naming the weight (2 replicas: both named). ZeRO-3 partitions everything and
+    compares nothing."""
+    stage, out, ranks = zero
+    for rank, results in enumerate(ranks):
+        assert results["healthy"]["replicas"] is (stage < 3)
+        if stage == 3:
+            assert "flip" not in results
+            continue
+        error = results["flip"]["error"]
+        assert error is not None and error["type"] == "ReplicaMismatchError", (stage, rank, error)
+        assert (error["step"], error["category"], error["odd_ranks"]) == (FAULT_STEP, "replica_mismatch", [0, 1])
+        assert error["tensors"] == [f"param:{FLIP_PARAM}"], error
+        assert "cannot tell which" in error["message"]
+    if stage < 3:
+        index = load_bundle(Path(ranks[0]["flip"]["error"]["bundle_path"])).index
+        replicas = index["replicas"]
+        assert replicas["groups"] == ["parameter"] and replicas["gradients_compared"] is False
+        assert "none is replicated" in replicas["cause"]
 
 
 def test_a_nan_in_rank_0s_batch_is_an_input_incident_of_rank_0(zero):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import shutil
 import warnings
 from datetime import timedelta
@@ -407,7 +408,10 @@ def test_report_reads_the_whole_set(ddp):
     text = CliRunner().invoke(main, ["report", str(set_dir), "--html", str(out / "report.html")])
     assert text.exit_code == 0, text.output
     assert "ranks at step 7" in text.output and "1 (first)" in text.output
-    assert "1 (first)" in (out / "report.html").read_text()
+    page = (out / "report.html").read_text()
+    assert "1 (first)" in page and "host / device" in text.output
+    # each rank's host and device, where a recurring machine shows (the ranks table, terminal and HTML)
+    assert page.count(f"<td class=\"l\">{socket.gethostname()} / cpu</td>") == 4
 
 
 def test_triage_counts_a_set_once_as_its_first_bad_rank(ddp):

@@ -27,7 +27,7 @@ from nanscan.bundle import BundleSet
 from nanscan.bundle.rank_set import INDEX
 from nanscan.incident import REPLICA_MISMATCH
 from nanscan.review.triage import triage
-from nanscan.runtime.distributed import replica_verdict
+from nanscan.runtime.replicas import replica_verdict
 
 FLIP_STEP = 5
 FLIP_STEPS = 8

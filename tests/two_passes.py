@@ -48,6 +48,8 @@ BOTH_PASSES = {
     "test_window": "the run's window as the Monitor keeps it, step by step",
 }
 NATIVE_PASS_ONLY = {
+    "test_replicas_mesh": "the replica sets of DTensors (HSDP, tensor parallelism); the fingerprints they compare are "
+                          "test_replicas' subject in both passes",
     "test_agreement": "names every backend it checks",
     "test_bundle": "the bundle's format, on a Monitor's bundles",
     "test_bundle_history": "the history's on-disk encoding of records",

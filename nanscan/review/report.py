@@ -21,6 +21,7 @@ from typing import Any
 import click
 import numpy as np
 
+from nanscan.bundle.rank_set import device_label
 from nanscan.engine import _layout as L
 from nanscan.engine.headroom import FORMATS, Format, headroom, headroom_by_kind
 from nanscan.incident import (GROWTH, KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
@@ -538,13 +539,19 @@ def _divergence_tables(table, div: dict):
     return Group(grew, steps)
 
 
+RANKS_HEADERS = ("rank", "host / device", "category", "deciding tensors", "non-finite tensors")
+
+
 def _ranks_rows(ranks: dict) -> list[list[str]]:
+    """One row per rank: its host and device (the machine a replica mismatch or a recurring fault points at), its
+    category and tensors."""
     first = set(ranks["first_bad_ranks"])
     rows = []
     for r in ranks["ranks"]:
         tensors = r.get("category_tensors") or []
         shown = ", ".join(tensors[:2]) + (f" +{len(tensors) - 2}" if len(tensors) > 2 else "")
-        rows.append([str(r["rank"]) + (" (first)" if r["rank"] in first else ""), str(r.get("category")),
+        where = f"{r.get('host') or '?'} / {device_label(r.get('device'))}"
+        rows.append([str(r["rank"]) + (" (first)" if r["rank"] in first else ""), where, str(r.get("category")),
                      shown or ("no part: " + r["error"] if r.get("error") else ""), str(r.get("nonfinite_count", "-"))])
     return rows
 
@@ -555,8 +562,7 @@ def _ranks_title(ranks: dict, step) -> str:
 
 
 def _ranks_table(table, ranks: dict, step):
-    t = table(_literal(_ranks_title(ranks, step))[0], "rank", "category", "deciding tensors", "non-finite tensors",
-              left=3)
+    t = table(_literal(_ranks_title(ranks, step))[0], *RANKS_HEADERS, left=4)
     for row in _ranks_rows(ranks):
         t.add_row(*_literal(*row))
     return t
@@ -937,8 +943,7 @@ def render_html(bundle, path, *, summary: dict | None = None, history: list | No
 
     if summary.get("distributed"):
         parts.append(f"<h2>{esc(_ranks_title(summary['distributed'], summary['first_invalid_step']))}</h2>")
-        parts.append(_table(["rank", "category", "deciding tensors", "non-finite tensors"],
-                            _ranks_rows(summary["distributed"]), left=3))
+        parts.append(_table(list(RANKS_HEADERS), _ranks_rows(summary["distributed"]), left=4))
     rows = [[label, v["step"], _fmt(v["loss"]), _fmt(v["lr"], ".3e"), _grad_norm_cell(v), v["nonfinite_tensors"]]
             for label, v in (("last finite", summary["last_finite"]), ("first invalid", summary["failing"]))
             if v is not None]

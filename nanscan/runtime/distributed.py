@@ -6,7 +6,8 @@ A Monitor created while torch.distributed is initialized agrees over the world g
 is given); nothing here runs for a single process.
 
 Agreement. At every check each rank all-reduces (MAX) four int64 values: its non-finite flag, the step, minus the
-step and minus its rank when its flag is set (and, with replicas compared, six more: NOTE: [replica agreement]).
+step and minus its rank when its flag is set (and, with replicas compared, six more per replica set: NOTE: [replica
+agreement] in nanscan/runtime/replicas.py).
 One collective tells every rank whether any rank saw NaN/inf at this step, which rank was the lowest to see it, and
 whether all ranks checked the same step. Every rank then applies the same `on_invalid` at the same step, so no rank
 is left waiting in a collective that the others never join.
@@ -29,9 +30,11 @@ AgreedScanReport) is the rank's own answer where the two differ. In sync mode `o
 failing step, also where the rank's own tensors were finite. In async mode it is False from the check where the
 verdict arrives; until then a rank that saw NaN/inf itself gets `ok` True like the others, which do not know yet.
 
-Replicas. Under DDP the same all-reduce also compares what every replica must hold bit for bit: a few more int64
-slots carry each group's combined fingerprint (parameters, optimizer state, reduced gradients), and a difference is
-an incident of its own category, replica_mismatch, with no NaN needed (NOTE: [replica agreement] below).
+Replicas. The same all-reduce also compares what every replica must hold bit for bit: under DDP the parameters,
+optimizer state and reduced gradients; under ZeRO-1/2 the low-precision weights; for DTensors the local tensors of
+the ranks their placements replicate them over (HSDP's replicate dimension, tensor-parallel norms). A few more int64
+slots carry each replica set's combined fingerprints, and a difference is an incident of its own category,
+replica_mismatch, with no NaN needed (NOTE: [replica agreement] in nanscan/runtime/replicas.py).
 
 Names. Under DDP each rank scans whole parameters under their unwrapped names (the Monitor unwraps
 DistributedDataParallel, so the names and the stored state match the single-process model). Under FSDP2
@@ -57,10 +60,8 @@ import datetime
 import json
 import logging
 import socket
-import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -69,13 +70,19 @@ import torch.distributed as dist
 from nanscan.bundle import BundleError, Incident, bundle_path, write_bundle
 from nanscan.bundle.format import MANIFEST
 from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, device_label, write_index
-from nanscan.bundle.tree import map_tree, tree_items
-from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, categorize, category_rank, is_kind,
+from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, categorize, category_rank,
                               shown_names, warn_user)
-from nanscan.engine import _layout as L
-from nanscan.engine.plans import ModelScanPlan
 from nanscan.engine.stats import ScanReport
+from nanscan.runtime.replicas import (ReplicaSets, ReplicaView, hex_fingerprints, is_replicated,
+                                      replica_verdict, replicated_dtensors)
 from nanscan.runtime.rollback import Rollback
+from nanscan.runtime.shards import (SHARD_SUFFIX, has_dtensors, local_scan_plan, local_shard, local_tensor,
+                                    localize_state, shard_layout, shard_suffix)
+
+__all__ = ["AGREEMENTS", "Agreement", "AgreedScanReport", "DistributedNonFiniteError", "ReplicaMismatchError",
+           "SHARD_SUFFIX", "Verdict", "device_info", "distributed_ready", "first_bad_ranks", "has_dtensors",
+           "hosts_summary", "is_replicated", "local_scan_plan", "local_shard", "local_tensor", "shard_layout",
+           "shard_suffix"]
 
 log = logging.getLogger("nanscan")
 
@@ -83,104 +90,41 @@ log = logging.getLogger("nanscan")
 DISCARD_WAIT = datetime.timedelta(seconds=60)
 
 AGREEMENTS = ("sync", "async")
-SHARD_SUFFIX = "@shard"
 NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every one is in the rank's own manifest
-# Payload slots of the per-step all-reduce (MAX); see the module docstring. With replicas compared, each group of
-# REPLICA_GROUPS adds two: its combined fingerprint and that value's bitwise complement (NOTE: [replica agreement]).
+# Payload slots of the per-step all-reduce (MAX); see the module docstring. With replicas compared, two more per
+# replica set and group of REPLICA_GROUPS: its combined fingerprint and that value's bitwise complement (NOTE:
+# [replica agreement] in nanscan/runtime/replicas.py).
 _FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
-_REPLICA_SLOT = 4
-REPLICA_GROUPS = ("parameter", "optimizer_state", "gradient")  # kinds of tensor (nanscan.incident), in slot order
-REPLICA_LISTED = 20  # differing tensors listed in the replica verdict (and the incident's category tensors)
-
-
-# -- DTensor shards -----------------------------------------------------------------------------------------------
-
-def _dtensor_type() -> type | None:
-    """DTensor, if torch.distributed.tensor has been imported: no DTensor can exist before that, and importing it
-    just to ask costs about a second."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
-
-
-def shard_suffix(t: torch.Tensor) -> str:
-    """`@shard<i>/<n>` for a DTensor sharded along a mesh dimension of size n (i: this rank's coordinate there;
-    several sharded mesh dimensions are joined with ','); "" for a replicated DTensor or a plain tensor."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(t, dtensor):
-        return ""
-    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
-    parts = [f"{coordinate[d]}/{mesh.size(d)}" for d, p in enumerate(t.placements) if p.is_shard()]
-    return SHARD_SUFFIX + ",".join(parts) if parts else ""
-
-
-def local_tensor(t: Any) -> Any:
-    """The local shard of a DTensor (no copy, no communication); anything else as it is."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(t, dtensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
-
-
-def has_dtensors(model: torch.nn.Module) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def _sharded(model: torch.nn.Module) -> str | None:
     """Why this rank's weights cannot be rerun alone (nanscan.runtime.incident_rerun NOTE: [in-process rerun]), or
     None: a replicated model (DDP) reruns on the plain module, with no collective."""
-    if has_dtensors(model) or any(type(p).__name__ == "FlatParameter" for p in model.parameters()):
+    if has_dtensors(model) or _flat_parameters(model):
         return ("the weights are sharded across the ranks (FSDP): a rerun on one rank alone cannot gather them; "
                 "`nanscan replay` with a replay entry reruns the step")
     return None
 
 
-def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """What this rank holds of a tensor, and the name suffix saying which shard it is."""
-    return local_tensor(t), shard_suffix(t)
+def _flat_parameters(model: torch.nn.Module) -> bool:
+    """Whether the model holds FSDP (1)'s flat parameters: each rank's bytes are its own, nothing is replicated."""
+    return any(type(p).__name__ == "FlatParameter" for p in model.parameters())
 
 
-def local_scan_plan() -> ModelScanPlan:
-    """nanscan.engine.plans.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with
-    the global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
-    Plain tensors get exactly the names a plain plan gives them."""
-    return ModelScanPlan(local_shard)
-
-
-def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
-    """What BundleSet.state() needs to join the parts of a sharded state again: ({path in the stored state
-    ("model/<key>", "optimizer/state/<index>/<key>"): layout}, shard groups).
-
-    A tensor sharded along exactly one mesh dimension (FSDP; HSDP, whose other dimension replicates) records the
-    tensor dimension it is split along and its shard group: the global ranks holding its pieces, in order, stored
-    once per group in the second value (a group can span the whole world, and every parameter shares it). Other
-    layouts record their placements only, and cannot be joined in one process.
-    """
-    dtensor = _dtensor_type()
-    layout: dict[str, dict] = {}
-    groups: dict[tuple[int, ...], int] = {}
-    if dtensor is None:
-        return layout, []
-    for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
-        for path, t in tree_items(tree, (root,)):
-            if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
-                continue
-            entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
-            sharded = [(m, p.dim) for m, p in enumerate(t.placements) if p.is_shard()]
-            if len(sharded) == 1 and not any(p.is_partial() for p in t.placements):
-                mesh_dim, entry["dim"] = sharded[0]
-                where: list = list(t.device_mesh.get_coordinate())
-                where[mesh_dim] = slice(None)
-                owners = tuple(t.device_mesh.mesh[tuple(where)].tolist())
-                entry["group"] = groups.setdefault(owners, len(groups))
-            layout[path] = entry
-    return layout, [list(owners) for owners in groups]
-
-
-def localize_state(tree: Any) -> Any:
-    """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
-    return map_tree(tree, lambda _path, t: local_tensor(t).detach())
+def device_info(model: torch.nn.Module) -> dict:
+    """This rank's host and device, as a part and the index record them: the device of the model's first parameter,
+    its index, and on a GPU its name, UUID and PCI bus id (None where torch does not give them, and on the CPU)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    info = {"host": socket.gethostname(), "device": str(device), "index": device.index, "name": None, "uuid": None,
+            "pci_bus_id": None}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        bus, domain, slot = (getattr(props, f"pci_{k}_id", None) for k in ("bus", "domain", "device"))
+        info.update(device=f"cuda:{index}", index=index, name=props.name, uuid=None if uuid is None else str(uuid),
+                    pci_bus_id=None if bus is None else f"{domain or 0:04x}:{bus:02x}:{slot or 0:02x}.0")
+    return info
 
 
 # -- the process group ------------------------------------------------------------------------------------------
@@ -211,177 +155,6 @@ def _all_gather_json(value: Any, group, device: torch.device) -> list:
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, sizes)]
-
-
-# -- replica agreement ------------------------------------------------------------------------------------------
-
-# NOTE: [replica agreement]
-# Under DDP every rank holds bit-identical parameters and optimizer state, and after the gradient all-reduce
-# bit-identical gradients; a replica that differs is silent corruption (memory, compute, communication), finite or
-# not. Every scan record already carries an exact fingerprint of its tensor's bits (NOTE: [scan fingerprint] in
-# csrc/include/nanscan/stats_record.h), so each rank combines, on the host, the fingerprints of its `param:`,
-# `optim:` and `grad:` records into one 64-bit value per group: h = sum of fp_k * (2k + 1) mod 2**64, k the
-# tensor's index within its group in scan order (the names, and so the order, are the same on every DDP rank). The
-# odd multipliers are invertible mod 2**64, so a change of any one tensor's fingerprint changes h, and swapping two
-# tensors' contents changes it too. The per-step all-reduce (MAX) carries h and ~h per group, read as int64: MAX of
-# ~h is ~MIN of h, so one collective gives each group's MAX and MIN, and MAX != MIN is a mismatch (no extra
-# collective on a healthy step; six more int64 in the payload).
-# What is compared when: parameters and optimizer state at every check; the gradients only at a step's own check,
-# after the gradient all-reduce, never at a micro-batch check (under no_sync() each rank's gradients are its own;
-# NOTE: [micro-batch checks] in nanscan/runtime/verdict.py). A parameter without a gradient (find_unused_parameters)
-# has none on every rank, so the groups still line up. Only for a model given as DistributedDataParallel (the
-# default); DTensor shards (FSDP2, names with @shard) and FSDP's flat parameters hold different bytes on each rank
-# and are never compared (replicas=True is refused for them); a TensorSource's tensors only with replicas=True.
-# On the failure path only, the ranks gather their per-tensor fingerprints (names and uint64) to name the odd
-# rank(s) out by per-tensor majority when there are 3 or more replicas (with 2 both are named: it cannot tell
-# which), the first differing tensors, and whether the reduced gradients already differed (communication, or the
-# compute around it) or only the parameters and optimizer state (memory, or an earlier update on that rank). A
-# step that is non-finite too keeps its non-finite category; the replica verdict is recorded beside it.
-
-def is_replicated(model: Any) -> bool:
-    """Whether `model`, as it was given to the Monitor, is a DistributedDataParallel (possibly inside torch.compile's
-    wrapper): what replicas= compares by default."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return True
-        if compiled is not None and isinstance(model, compiled):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.DataParallel):
-            model = model.module
-        else:
-            return False
-
-
-def device_info(model: torch.nn.Module) -> dict:
-    """This rank's host and device, as a part and the index record them: the device of the model's first parameter,
-    its index, and on a GPU its name, UUID and PCI bus id (None where torch does not give them, and on the CPU)."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    info = {"host": socket.gethostname(), "device": str(device), "index": device.index, "name": None, "uuid": None,
-            "pci_bus_id": None}
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        uuid = getattr(props, "uuid", None)
-        bus, domain, slot = (getattr(props, f"pci_{k}_id", None) for k in ("bus", "domain", "device"))
-        info.update(device=f"cuda:{index}", index=index, name=props.name, uuid=None if uuid is None else str(uuid),
-                    pci_bus_id=None if bus is None else f"{domain or 0:04x}:{bus:02x}:{slot or 0:02x}.0")
-    return info
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaView:
-    """What one rank compares of one check: the compared tensors' names and fingerprints (a copy: the records may be
-    reused by the next scan) and each group's combined value as a signed int64, in REPLICA_GROUPS order."""
-
-    names: tuple[str, ...]
-    fingerprints: np.ndarray  # uint64, one per name
-    combined: tuple[int, ...]
-    gradients: bool  # whether the gradients were compared (a step's own check)
-
-
-class ReplicaCombine:
-    """The every-step host side of NOTE: [replica agreement]: which records are compared, found again only when the
-    scanned names change, and their combined values per group."""
-
-    def __init__(self):
-        self._names: tuple[str, ...] | None = None
-        self._selection: list[tuple[np.ndarray, np.ndarray]] = []  # per group: record rows, multipliers
-
-    def _select(self, names: tuple[str, ...]) -> None:
-        rows: dict[str, list[int]] = {group: [] for group in REPLICA_GROUPS}
-        for i, name in enumerate(names):
-            if SHARD_SUFFIX in name:
-                continue  # a shard holds different bytes on each rank
-            for group in REPLICA_GROUPS:
-                if is_kind(name, group):
-                    rows[group].append(i)
-                    break
-        self._names = names
-        self._selection = [(np.asarray(rows[g], dtype=np.intp),
-                            np.arange(len(rows[g]), dtype=np.uint64) * np.uint64(2) + np.uint64(1))
-                           for g in REPLICA_GROUPS]
-
-    def view(self, report: ScanReport, *, gradients: bool) -> ReplicaView:
-        names = tuple(t.name for t in report.tensors)
-        if names != self._names:
-            self._select(names)
-        all_fps = L.fingerprints(report.records) if report.fingerprinted else np.zeros(len(names), np.uint64)
-        combined, taken = [], []
-        for group, (rows, weights) in zip(REPLICA_GROUPS, self._selection):
-            if group == "gradient" and not gradients:
-                combined.append(0)
-                continue
-            taken.append(rows)
-            with np.errstate(over="ignore"):  # mod 2**64 is the point
-                h = (all_fps[rows] * weights).sum(dtype=np.uint64)
-            combined.append(int(np.uint64(h).view(np.int64)))
-        rows = np.concatenate(taken) if taken else np.zeros(0, np.intp)
-        rows.sort()  # scan order
-        return ReplicaView(tuple(names[i] for i in rows), all_fps[rows].copy(), tuple(combined), gradients)
-
-
-def replica_slots(view: ReplicaView) -> list[int]:
-    """The payload's replica slots: each group's combined value and its complement (MAX of ~h is ~MIN of h)."""
-    return [v for h in view.combined for v in (h, ~h)]
-
-
-def differing_groups(values: list[int]) -> tuple[str, ...]:
-    """The groups whose combined fingerprint differed across the ranks, from the reduced payload."""
-    return tuple(g for i, g in enumerate(REPLICA_GROUPS)
-                 if values[_REPLICA_SLOT + 2 * i] != ~values[_REPLICA_SLOT + 2 * i + 1])
-
-
-def replica_verdict(everyone: list[dict], groups: tuple[str, ...], *, gradients: bool) -> dict:
-    """What the gathered per-tensor fingerprints say (NOTE: [replica agreement]): `everyone` is each rank's
-    {"names", "fingerprints" (16 hex digits each)} in rank order. The same on every rank."""
-    world = len(everyone)
-    names = list(dict.fromkeys(n for e in everyone for n in e["names"]))  # rank 0's order first
-    by_rank = [dict(zip(e["names"], e["fingerprints"])) for e in everyone]
-    values = {n: [fps.get(n) for fps in by_rank] for n in names}
-    differing = [n for n in names if len(set(values[n])) > 1]
-    odd: set[int] = set()
-    undecided = []
-    for name in differing:
-        top, count = Counter(values[name]).most_common(1)[0]
-        if world >= 3 and 2 * count > world:
-            odd |= {r for r, v in enumerate(values[name]) if v != top}
-        else:
-            undecided.append(name)
-            odd |= set(range(world))
-    if world < 3:
-        who = "cannot_tell"
-        ranks_text = (f"ranks {' and '.join(map(str, sorted(odd)))} differ; with 2 replicas nanscan cannot tell which "
-                      "one is wrong")
-    elif undecided:
-        who = "no_majority"
-        ranks_text = (f"no majority among the {world} replicas for {shown_names(undecided, 3)}, so every rank is "
-                      "named")
-    else:
-        who = "majority"
-        agree = sorted(set(range(world)) - odd)
-        ranks_text = (f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, sorted(odd)))} "
-                      f"{'are' if len(odd) > 1 else 'is'} the odd one out (ranks {', '.join(map(str, agree))} agree)")
-    grads = "gradient" in groups
-    others = [g.replace("_", " ") for g in groups if g != "gradient"]
-    if grads:
-        cause = ("the all-reduced gradients already differed: the gradient communication (the all-reduce, or a "
-                 "communication hook) or the compute around it on the odd rank(s)"
-                 + (f"; the {' and '.join(others)} differed too" if others else ""))
-    else:
-        cause = (f"only the {' and '.join(others) or 'parameters'} differed, "
-                 + ("the all-reduced gradients agreed" if gradients else
-                    "the gradients were not compared at this micro-batch check (no_sync: each rank's are its own)")
-                 + ": memory corruption, or an earlier optimizer update computed differently on the odd rank(s)")
-    return {"groups": list(groups), "odd_ranks": sorted(odd), "who": who, "ranks_text": ranks_text,
-            "gradients_compared": gradients, "gradients_differed": grads, "cause": cause,
-            "differing_count": len(differing), "tensors": differing[:REPLICA_LISTED],
-            "first_differing": [{"name": n, "fingerprints": {str(r): v for r, v in enumerate(values[n])}}
-                                for n in differing[:REPLICA_LISTED]]}
-
-
-def _hex_fingerprints(view: ReplicaView) -> dict:
-    return {"names": list(view.names), "fingerprints": [f"{int(f):016x}" for f in view.fingerprints]}
 
 
 # -- verdicts ---------------------------------------------------------------------------------------------------
@@ -531,29 +304,44 @@ class Agreement:
         self._pending: _Pending | None = None
         self._early: tuple[int, Path | None, BaseException | None] | None = None  # async: part written at once
         self._first_bad: tuple[str, list[str]] | None = None  # category and tensors of the first bad rank
-        sharded = _sharded(monitor.model)
-        if replicas and sharded is not None:
-            raise ValueError("replicas=True with sharded weights (FSDP's DTensors or flat parameters): each rank "
-                             "holds other bytes, there is nothing replicated to compare; leave replicas at its "
-                             "default (compared only for a DistributedDataParallel model) or pass replicas=False")
-        # NOTE: [replica agreement]: by default for a DDP model only; a TensorSource's or a plain module's tensors
-        # are compared only when the caller says they are replicated.
-        self.replicas = bool(replicated and sharded is None) if replicas is None else bool(replicas)
-        self._combine = ReplicaCombine() if self.replicas else None
+        self.replicas = self._compares(monitor.model, replicas, replicated)
+        self._replicas = None
+        if self.replicas:  # NOTE: [replica agreement]: plain tensors across the group for DDP or replicas=True only
+            ranks = {dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r: r
+                     for r in range(self.world_size)}
+            self._replicas = ReplicaSets(monitor.model, ranks, plain=bool(replicas) or replicated)
         self._agree_on_settings(monitor, run_id_given)
+
+    @staticmethod
+    def _compares(model: torch.nn.Module, replicas: bool | None, replicated: bool) -> bool:
+        """Whether replicas are compared (NOTE: [replica agreement]): by default for a DistributedDataParallel
+        model and for DTensors replicated over a mesh dimension (HSDP, tensor-parallel norms); replicas=True also
+        for a TensorSource's or a plain module's tensors that the caller knows are replicated."""
+        if replicas is None:
+            return (replicated and not _flat_parameters(model) and not has_dtensors(model)) or \
+                replicated_dtensors(model)
+        if replicas and (_flat_parameters(model) or has_dtensors(model) and not replicated_dtensors(model)):
+            raise ValueError("replicas=True with sharded weights (FSDP's flat parameters, or DTensors sharded over "
+                             "every mesh dimension): each rank holds other bytes, there is nothing replicated to "
+                             "compare; leave replicas at its default (DDP models and DTensors replicated over a "
+                             "mesh dimension, as HSDP's) or pass replicas=False")
+        return bool(replicas)
 
     def _agree_on_settings(self, monitor: MonitorSide, run_id_given: bool) -> None:
         """One gather at start-up: every rank must write into the same run and react the same way, else one rank
         would raise while another waits for it in the next collective."""
         policy = monitor.on_invalid if isinstance(monitor.on_invalid, str) else "callable"
         mine = {"run_id": monitor.run_id if run_id_given else None, "proposed": monitor.run_id,
-                "on_invalid": policy, "agreement": self.mode, "replicas": self.replicas}
+                "on_invalid": policy, "agreement": self.mode, "replicas": self.replicas,
+                "replica_sets": self._replicas.local if self._replicas is not None else []}
         everyone = _all_gather_json(mine, self.group, self.device)
         for key in ("on_invalid", "agreement", "replicas"):
             values = sorted({str(e[key]) for e in everyone})
             if len(values) > 1:
                 raise ValueError(f"the ranks created their Monitors with different {key} ({', '.join(values)}): "
                                  f"pass the same {key} on every rank, else one rank stops while another waits for it")
+        if self._replicas is not None:
+            self._replicas.agree(e["replica_sets"] for e in everyone)
         given = {e["run_id"] for e in everyone}
         if len(given) > 1:
             shown = ", ".join(sorted(str(g) for g in given))
@@ -566,9 +354,9 @@ class Agreement:
         bad = not report.ok
         values = [int(bad), step, -step, -(self.rank if bad else self.world_size)]
         view = None
-        if self._combine is not None:  # NOTE: [replica agreement]; a micro-batch check leaves _next_step at its step
-            view = self._combine.view(report, gradients=monitor.step != step)
-            values += replica_slots(view)
+        if self._replicas is not None:  # NOTE: [replica agreement]; a micro-batch check leaves monitor.step at its step
+            view = self._replicas.view(report, monitor.model, monitor.optimizer, gradients=monitor.step != step)
+            values += view.slots
         payload = torch.tensor(values, dtype=torch.int64, device=self.device)
         work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return work, payload, view
@@ -582,7 +370,7 @@ class Agreement:
                                f"this rank {step}): call Monitor.check exactly once per training step on every rank "
                                "of the group, with the same step= if you pass one")
         bad = values[_FLAG] > 0
-        groups = differing_groups(values) if len(values) > _REPLICA_SLOT else ()
+        groups = self._replicas.differing(values) if self._replicas is not None else ()
         return Verdict(step, not bad and not groups, -values[_NEG_BAD_RANK] if bad else None, replica_groups=groups)
 
     def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
@@ -657,9 +445,10 @@ class Agreement:
             return verdict
         monitor.first_invalid_step = verdict.step
         if verdict.replica_groups and view is not None:  # the failure path's own collective, on every rank
-            everyone = _all_gather_json(_hex_fingerprints(view), self.group, self.device)
-            verdict = dataclasses.replace(verdict, replicas=replica_verdict(everyone, verdict.replica_groups,
-                                                                            gradients=view.gradients))
+            everyone = _all_gather_json(hex_fingerprints(view), self.group, self.device)
+            verdict = dataclasses.replace(verdict, replicas=replica_verdict(
+                everyone, verdict.replica_groups, gradients=view.gradients, table=self._replicas.table,
+                why_not=view.why_not))
         if self._early is not None and self._early[0] == verdict.step:
             _, path, error = self._early
         else:

@@ -1,0 +1,110 @@
+"""DTensor shards (FSDP2, HSDP, tensor parallelism) as one rank sees them: the local tensor it scans, the name
+suffix saying which shard it is, the ranks that hold the same bytes (NOTE: [replica agreement] in
+nanscan/runtime/replicas.py), and the layout that joins a sharded state again in one process."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+import torch
+
+from nanscan.bundle.tree import map_tree, tree_items
+from nanscan.engine.plans import ModelScanPlan
+
+SHARD_SUFFIX = "@shard"
+
+
+def dtensor_type() -> type | None:
+    """DTensor, if torch.distributed.tensor has been imported: no DTensor can exist before that, and importing it
+    just to ask costs about a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def shard_suffix(t: torch.Tensor) -> str:
+    """`@shard<i>/<n>` for a DTensor sharded along a mesh dimension of size n (i: this rank's coordinate there;
+    several sharded mesh dimensions are joined with ','); "" for a replicated DTensor or a plain tensor."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return ""
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
+    parts = [f"{coordinate[d]}/{mesh.size(d)}" for d, p in enumerate(t.placements) if p.is_shard()]
+    return SHARD_SUFFIX + ",".join(parts) if parts else ""
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard of a DTensor (no copy, no communication); anything else as it is."""
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def has_dtensors(model: torch.nn.Module) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def replica_ranks(t: Any) -> tuple[int, ...] | None:
+    """The global ranks that hold a DTensor's local tensor bit for bit (this one included, ascending): those whose
+    mesh coordinates equal this rank's along every mesh dimension the tensor is not replicated over (HSDP's shard
+    dimension, a tensor-parallel dimension that shards or holds partial sums). None for a plain tensor, a DTensor
+    replicated over no mesh dimension, or a rank outside its mesh."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor) or not any(p.is_replicate() for p in t.placements):
+        return None
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    where = tuple(slice(None) if p.is_replicate() else c for p, c in zip(t.placements, coordinate))
+    ranks = tuple(sorted(int(r) for r in t.device_mesh.mesh[where].flatten().tolist()))
+    return ranks if len(ranks) > 1 else None
+
+
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """What this rank holds of a tensor, and the name suffix saying which shard it is."""
+    return local_tensor(t), shard_suffix(t)
+
+
+def local_scan_plan() -> ModelScanPlan:
+    """nanscan.engine.plans.ModelScanPlan for a rank: DTensors (FSDP2) are scanned as their local shards and named with
+    the global parameter name plus the shard index (`param:w@shard1/4`, `grad:w@shard1/4`, `optim:w@shard1/4.exp_avg`).
+    Plain tensors get exactly the names a plain plan gives them."""
+    return ModelScanPlan(local_shard)
+
+
+def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
+    """What BundleSet.state() needs to join the parts of a sharded state again: ({path in the stored state
+    ("model/<key>", "optimizer/state/<index>/<key>"): layout}, shard groups).
+
+    A tensor sharded along exactly one mesh dimension (FSDP; HSDP, whose other dimension replicates) records the
+    tensor dimension it is split along and its shard group: the global ranks holding its pieces, in order, stored
+    once per group in the second value (a group can span the whole world, and every parameter shares it). Other
+    layouts record their placements only, and cannot be joined in one process.
+    """
+    dtensor = dtensor_type()
+    layout: dict[str, dict] = {}
+    groups: dict[tuple[int, ...], int] = {}
+    if dtensor is None:
+        return layout, []
+    for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
+        for path, t in tree_items(tree, (root,)):
+            if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
+                continue
+            entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
+            sharded = [(m, p.dim) for m, p in enumerate(t.placements) if p.is_shard()]
+            if len(sharded) == 1 and not any(p.is_partial() for p in t.placements):
+                mesh_dim, entry["dim"] = sharded[0]
+                where: list = list(t.device_mesh.get_coordinate())
+                where[mesh_dim] = slice(None)
+                owners = tuple(t.device_mesh.mesh[tuple(where)].tolist())
+                entry["group"] = groups.setdefault(owners, len(groups))
+            layout[path] = entry
+    return layout, [list(owners) for owners in groups]
+
+
+def localize_state(tree: Any) -> Any:
+    """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
+    return map_tree(tree, lambda _path, t: local_tensor(t).detach())
