@@ -2,7 +2,12 @@
 Two gloo ranks on the CPU train the demo model under DistributedDataParallel with two Monitors, one with
 replicas=True and one with replicas=False, and each step calls one of them, in blocks whose order alternates so
 that drift falls on both alike. Each mode's cost is the median time of its check() calls (on the rank where it was
-larger), and the ratio of the two; the plain training step is timed too, for scale.
+larger), and the ratio of the two; the plain training step is timed too, for scale. An untimed barrier before each
+check lets both ranks enter it together: without it a check's time held however far the other rank had drifted
+behind, and the ratio swung between 0.81 and 1.58 over eight runs (0.94 to 1.24 over three with it). The host's own work is timed apart as well: the replica view
+(nanscan.runtime.replicas.ReplicaSets.view, the combined fingerprints of the step's records) repeated on each
+replicas check's report, a stable number of microseconds; the payload grows by six int64, which the collective's
+latency hides.
 
     .venv/bin/python benchmarks/bench_replicas.py --blocks 20 --block 10 --json benchmarks/results/bench_replicas.json
 
@@ -51,6 +56,7 @@ def _rank(rank: int, store: str, out: str, blocks: int, block: int) -> None:
                 "weights": torch.ones(config["batch_size"], config["seq_len"])} for _ in range(8)]
     checks: dict[str, list[float]] = {mode: [] for mode in MODES}
     steps: list[float] = []
+    views: list[float] = []
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-replicas-") as tmp:
         monitors = {mode: Monitor(ddp, optimizer, bundle_dir=tmp, run_id=mode, spikes=None, window=None,
                                   replicas=mode == "replicas") for mode in MODES}
@@ -60,9 +66,16 @@ def _rank(rank: int, store: str, out: str, blocks: int, block: int) -> None:
             batch = batches[i % len(batches)]
             loss = D.step_fn(ddp, batch)
             loss.backward()
+            dist.barrier()  # untimed: both ranks enter check() together, so neither's time holds the other's drift
             before = time.perf_counter()
-            monitors[mode].check(batch=batch, loss=loss)
+            report = monitors[mode].check(batch=batch, loss=loss)
             after = time.perf_counter()
+            if timed and mode == "replicas":  # the host's work again, alone (NOTE: [replica agreement])
+                agreement = monitors[mode]._agreement
+                start_view = time.perf_counter()
+                agreement._replicas.view(report, model, optimizer, gradients=True)
+                views.append(time.perf_counter() - start_view)
+                start += time.perf_counter() - start_view
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if timed:
@@ -77,7 +90,7 @@ def _rank(rank: int, store: str, out: str, blocks: int, block: int) -> None:
                     step(mode, i, timed=True)
         for monitor in monitors.values():
             monitor.close()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"checks": checks, "steps": steps}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"checks": checks, "steps": steps, "views": views}))
     dist.destroy_process_group()
 
 
@@ -88,6 +101,7 @@ def run(blocks: int, block: int) -> dict:
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
     median = {mode: max(statistics.median(r["checks"][mode]) for r in ranks) for mode in MODES}
     step = max(statistics.median(r["steps"]) for r in ranks)
+    view = max(statistics.median(r["views"]) for r in ranks)
     return {
         "question": "the cost per step of comparing the DDP replicas in the ranks' agreement (2 gloo ranks, CPU)",
         "world_size": WORLD, "blocks": blocks, "block_steps": block, "checks_per_mode": blocks * block,
@@ -95,6 +109,9 @@ def run(blocks: int, block: int) -> dict:
         "median_step_ms": 1e3 * step,
         "check_ratio": median["replicas"] / median["no_replicas"],
         "replicas_cost_pct_of_step": 100.0 * (median["replicas"] - median["no_replicas"]) / step,
+        "replica_view_us": 1e6 * view,
+        "replica_view_pct_of_check": 100.0 * view / median["no_replicas"],
+        "replica_view_pct_of_step": 100.0 * view / step,
         "torch_threads_per_rank": 1, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(),
     }
@@ -112,6 +129,8 @@ def main(argv=None) -> int:
     print(f"training step {result['median_step_ms']:.2f} ms (median, check included)")
     print(f"check_ratio = {result['check_ratio']:.3f} (check() with replicas / without)")
     print(f"replicas_cost = {result['replicas_cost_pct_of_step']:.2f}% of a training step")
+    print(f"replica_view = {result['replica_view_us']:.1f} us a check, {result['replica_view_pct_of_check']:.2f}% of "
+          f"a check without replicas, {result['replica_view_pct_of_step']:.3f}% of a training step (the host's work)")
     if args.json:
         print(f"wrote {write_results_json(args.json, result)}")
     return 0

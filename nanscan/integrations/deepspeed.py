@@ -263,6 +263,11 @@ class DeepSpeedMonitor(Monitor):
     gradients under bf16 and fp16). `max_skips`: how many steps DeepSpeed may skip in a row (its overflow check,
     read from `engine.skipped_steps` at each check) before a DeepSpeedSkipWarning says every update is dropped.
 
+    Replicas (nanscan.runtime.replicas NOTE: [replica agreement]): under ZeRO-1/2, where the data-parallel group is
+    the whole world, the ranks compare their whole low-precision weights at every check (`replicas` defaults to
+    True there); a difference is a replica_mismatch incident. replicas=True is refused under ZeRO-3, which
+    replicates nothing; stage 0 compares only with replicas=True.
+
     fp16 (dynamic loss scaling): an overflow skip is DeepSpeed's expected event, but the ranks' agreement has no
     notion of one yet (nanscan.runtime.distributed), so a step whose scaled fp16 gradients overflowed is reported as an
     incident of category "gradient" like any other; pass on_invalid="warn" (or a callable) for fp16 runs, where
@@ -287,12 +292,12 @@ class DeepSpeedMonitor(Monitor):
             raise ValueError("replicas=True under ZeRO-3: every rank holds its own partition of the weights, "
                              "gradients and optimizer state, so nothing is replicated to compare; leave replicas at "
                              "its default (ZeRO-1/2's low-precision weights are compared) or pass replicas=False")
-        # NOTE: [replica agreement]: ZeRO-1/2 (and stage 0) keep the whole low-precision weights on every rank of the
+        # NOTE: [replica agreement]: ZeRO-1/2 keep the whole low-precision weights on every rank of the
         # data-parallel group, bit for bit after the all-gather that follows each step; the source's names of the
         # partitions carry @shard and are never compared. Only where that group is the whole world (no model,
         # pipeline or sequence parallelism splits the weights).
         if "replicas" not in kwargs and kwargs.get("process_group") is None:
-            kwargs["replicas"] = not stage3 and ds_comm.is_initialized() and \
+            kwargs["replicas"] = engine.zero_optimization_stage() in (1, 2) and ds_comm.is_initialized() and \
                 engine.dp_world_size == ds_comm.get_world_size()
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         source = ZeroSource(engine)

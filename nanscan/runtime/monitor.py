@@ -239,16 +239,19 @@ class Monitor(StepVerdicts):
         `flush()` waits for it at once). Either way the report's `.ok` is the ranks' agreed answer, the same on
         every rank, so the loop below keeps them in lockstep.
     replicas: with a process group, whether the ranks also check every step that their replicas are bit-identical
-        (nanscan.runtime.distributed NOTE: [replica agreement]; docs/replicas.md): parameters and optimizer state at
-        every check, the all-reduced gradients at each step's own check (not at micro_batch=True checks). A
-        difference, finite or not, is an incident of category "replica_mismatch" naming the odd rank(s) (by
-        majority with 3 or more ranks), the first differing tensors and whether the gradients already differed;
-        with on_invalid="raise" every rank raises ReplicaMismatchError. None (the default): on for a model given as
-        DistributedDataParallel, off otherwise (FSDP shards and other per-rank tensors are never compared); False:
-        off; True: also for a TensorSource's or a plain module's tensors that the caller knows are replicated. Cost:
-        six more int64 slots in the all-reduce the agreement already makes (no extra collective on a healthy step)
-        and, on the host, one multiply-add over the step's per-tensor fingerprints, which every scan record already
-        holds (benchmarks/bench_replicas.py); on a failing step one more all-gather of the fingerprints.
+        (nanscan.runtime.replicas NOTE: [replica agreement]; docs/replicas.md): parameters and optimizer state at
+        every check, the all-reduced gradients at each step's own check (not at micro_batch=True checks), each
+        within its replica set (the whole group under DDP; for a DTensor the ranks its placements replicate it over,
+        as HSDP's replicate dimension). A difference, finite or not, is an incident of category "replica_mismatch"
+        naming the odd rank(s) (by majority with 3 or more replicas), the first differing tensors and whether the
+        gradients already differed; with on_invalid="raise" every rank raises ReplicaMismatchError. None (the
+        default): on for a model given as DistributedDataParallel and for DTensors replicated over a mesh
+        dimension (HSDP, tensor-parallel norms), off otherwise (shards, FSDP's flat parameters and other per-rank
+        tensors are never compared); False: off; True: also for a TensorSource's or a plain module's tensors that
+        the caller knows are replicated. Cost: six more int64 slots per replica set in the all-reduce the agreement
+        already makes (no extra collective on a healthy step) and, on the host, one multiply-add over the step's
+        per-tensor fingerprints, which every scan record already holds (benchmarks/bench_replicas.py); on a
+        failing step one more all-gather of the fingerprints.
     mode: "sync" (check() waits for the scan and decides the step), "async" (check() returns at once; see the
         module docstring) or "auto" (the default): "async" when the model's parameters are on a GPU at the first
         check, else "sync"; `mode` holds the choice after the first check. In async mode check() returns a
