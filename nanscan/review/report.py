@@ -21,7 +21,6 @@ from typing import Any
 import click
 import numpy as np
 
-from nanscan.bundle.rank_set import device_label
 from nanscan.engine import _layout as L
 from nanscan.engine.headroom import FORMATS, Format, headroom, headroom_by_kind
 from nanscan.incident import (GROWTH, KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
@@ -545,6 +544,8 @@ RANKS_HEADERS = ("rank", "host / device", "category", "deciding tensors", "non-f
 def _ranks_rows(ranks: dict) -> list[list[str]]:
     """One row per rank: its host and device (the machine a replica mismatch or a recurring fault points at), its
     category and tensors."""
+    from nanscan.bundle.rank_set import device_label  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
+
     first = set(ranks["first_bad_ranks"])
     rows = []
     for r in ranks["ranks"]:
