@@ -112,7 +112,6 @@ class ReplicaSets:
         self._index = {s: i for i, s in enumerate(self.table)}
         self._names: tuple[str, ...] | None = None
         self._tensors: Any = None  # the report's identities the selection was made for
-        self._selection: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # set, group, record rows, multipliers
         self._listed: dict[bool, tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]] = {}
         self._compared_grads = False
         self._member_slots: list[int] = []
@@ -174,26 +173,27 @@ class ReplicaSets:
             if where is not None:  # a shard of a plain tensor (ZeRO's partitions) holds its own bytes
                 rows.setdefault((where, group), []).append(i)
         self._names = names
-        self._selection = [(s, g, np.asarray(r, dtype=np.intp),
-                            np.arange(len(r), dtype=np.uint64) * np.uint64(2) + np.uint64(1))
-                           for (s, g), r in sorted(rows.items())]
+        # (set, group, record rows, multipliers 2k + 1) in slot order
+        selection = [(s, g, np.asarray(r, dtype=np.intp),
+                      np.arange(len(r), dtype=np.uint64) * np.uint64(2) + np.uint64(1))
+                     for (s, g), r in sorted(rows.items())]
         # What a view lists, with and without the gradients, in scan order: fixed until the names change.
         self._listed = {}
         for gradients in (False, True):
-            where = {i: s for s, g, r, _ in self._selection
+            where = {i: s for s, g, r, _ in selection
                      if gradients or REPLICA_GROUPS[g] != "gradient" for i in r.tolist()}
             order = np.array(sorted(where), dtype=np.intp)
             self._listed[gradients] = (order, tuple(names[i] for i in order), tuple(where[i] for i in order))
-        self._compared_grads = any(REPLICA_GROUPS[g] == "gradient" for _, g, _, _ in self._selection)
+        self._compared_grads = any(REPLICA_GROUPS[g] == "gradient" for _, g, _, _ in selection)
         # The segments of one gather and one reduceat: every (set, group)'s rows and multipliers end to end.
-        self._rows = np.concatenate([r for _, _, r, _ in self._selection] or [np.zeros(0, np.intp)])
-        self._weights = np.concatenate([w for _, _, _, w in self._selection] or [np.zeros(0, np.uint64)])
-        self._starts = np.cumsum([0] + [len(r) for _, _, r, _ in self._selection[:-1]], dtype=np.intp)
+        self._rows = np.concatenate([r for _, _, r, _ in selection] or [np.zeros(0, np.intp)])
+        self._weights = np.concatenate([w for _, _, _, w in selection] or [np.zeros(0, np.uint64)])
+        self._starts = np.cumsum([0] + [len(r) for _, _, r, _ in selection[:-1]], dtype=np.intp)
         self._segments = [(2 * (len(REPLICA_GROUPS) * s + g), REPLICA_GROUPS[g] == "gradient")
-                          for s, g, _, _ in self._selection]
-        self._member_slots = [0] * self.width  # a member writes 0 for a group it has nothing of, as every member does
-        for at in range(0, self.width, 2):
-            self._member_slots[at], self._member_slots[at + 1] = _ABSENT, _ABSENT
+                          for s, g, _, _ in selection]
+        # A rank outside a set writes the identity of MAX; a member writes 0 for a group it has nothing of, as every
+        # member does (its names are theirs).
+        self._member_slots = [_ABSENT] * self.width
         for s in {self._index[t] for t in self.local if t in self._index}:
             for g in range(len(REPLICA_GROUPS)):
                 at = 2 * (len(REPLICA_GROUPS) * s + g)
@@ -291,6 +291,7 @@ def replica_verdict(everyone: list[dict], groups: tuple[str, ...], *, gradients:
                  + ": memory corruption, or an earlier optimizer update computed differently on the odd rank(s)")
     return {"groups": list(groups), "odd_ranks": sorted(odd), "who": who, "ranks_text": ranks_text,
             "gradients_compared": gradients, "gradients_differed": grads, "cause": cause,
-            "differing_count": len(differing), "tensors": list(dict.fromkeys(n for n, _, _ in differing))[:REPLICA_LISTED],
+            "differing_count": len(differing),
+            "tensors": list(dict.fromkeys(n for n, _, _ in differing))[:REPLICA_LISTED],
             "first_differing": [{"name": n, "fingerprints": {str(m): v for m, v in zip(members, values)}}
                                 for n, members, values in differing[:REPLICA_LISTED]]}
