@@ -103,17 +103,19 @@ CATEGORY_EXPLANATIONS = {
            "growing, by binades, to a new high): an early warning, kept while the weights are still sound. The "
            "tensors whose norms moved first point at the cause (one layer's gradients: that layer; every layer at "
            "once with the loss: the batch or the learning rate).",
-    OTHER_RANK: "This rank's tensors were finite at this step, another rank's were not: the bundle set's "
-                "index (index.json, one directory up) names the rank that went bad first.",
-    REPLICA_MISMATCH: "Tensors that every data-parallel replica must hold bit for bit (parameters, optimizer state, "
-                      "and at a step's own check the all-reduced gradients) had different fingerprints on different "
-                      "ranks, whether or not any value was non-finite: silent corruption of memory, compute or "
-                      "communication on the odd rank(s). The bundle set's index names them (by majority with 3 or "
-                      "more replicas; with 2 it cannot tell which), the first differing tensors, and whether the "
-                      "reduced gradients already differed (the all-reduce or the compute around it) or only the "
-                      "parameters and optimizer state (memory, or an earlier update on that rank); its ranks' rows "
-                      "name each rank's host and device, so a machine that keeps appearing stands out in "
-                      "`nanscan triage`.",
+    OTHER_RANK: "This rank's tensors were finite at this step, and any replicas it holds agreed; another rank's "
+                "were not finite, or differed from their replicas: the bundle set's index (index.json, one directory "
+                "up) names the rank that went bad first.",
+    REPLICA_MISMATCH: "Tensors that a set of replicas must hold bit for bit (under DDP every rank's parameters, "
+                      "optimizer state and, at a step's own check, all-reduced gradients; under ZeRO-1/2 the "
+                      "low-precision weights; a DTensor's local tensor across the ranks it is replicated over, as "
+                      "HSDP's replicate dimension) had different fingerprints on different ranks, whether or not any "
+                      "value was non-finite: silent corruption of memory, compute or communication on the odd "
+                      "rank(s). The bundle set's index names them (by majority with 3 or more replicas; with 2 it "
+                      "cannot tell which), the first differing tensors, and whether the reduced gradients already "
+                      "differed (the all-reduce or the compute around it) or only the parameters and optimizer state "
+                      "(memory, or an earlier update on that rank); its ranks' rows name each rank's host and device, "
+                      "so a machine that keeps appearing stands out in `nanscan triage`.",
 }
 
 

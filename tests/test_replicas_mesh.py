@@ -162,10 +162,18 @@ def test_hsdp_a_flip_in_one_replica_of_a_shard_names_the_shards_two_holders(mesh
     assert first["name"] == tensor and sorted(first["fingerprints"]) == ["1", "3"]
     assert first["fingerprints"]["1"] != first["fingerprints"]["3"]
     assert replicas["gradients_compared"] is True and not replicas["gradients_differed"]
+    # the other shard's replicas agreed: their parts say another rank stopped them
+    assert replicas["involved"] == [1, 3]
+    assert [row["category"] for row in bundle.index["ranks"]] == ["other_rank", REPLICA_MISMATCH, "other_rank",
+                                                                  REPLICA_MISMATCH]
 
 
 def test_tensor_parallel_a_flip_in_a_bias_replicated_over_tp_names_its_tp_group(mesh):
-    _, ranks = mesh
+    out, ranks = mesh
+    index = load_bundle(out / "bundles" / "tp-bias" / f"step-{FLIP_STEP}").index
+    assert index["replicas"]["involved"] == [0, 1] and index["first_bad_ranks"] == [0, 1]
+    assert [row["category"] for row in index["ranks"]] == [REPLICA_MISMATCH, REPLICA_MISMATCH, "other_rank",
+                                                           "other_rank"]
     for rank, results in enumerate(ranks):
         r = results["tp-bias"]
         assert r["compared"] is True and r["sets"] == [[0, 1], [2, 3]]

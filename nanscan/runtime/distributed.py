@@ -490,7 +490,8 @@ class Agreement:
         try:
             category, tensors = categorize(report)
             replicas = verdict.replicas if verdict is not None else None
-            if verdict is not None and verdict.replica_only:  # every rank's part: the group's incident
+            if verdict is not None and verdict.replica_only and self._involved(verdict):
+                # the part of a rank whose replica set differed: the group's incident, its tensors
                 category, tensors = REPLICA_MISMATCH, list(replicas["tensors"]) if replicas else []
             incident = monitor.incident(report, step, category or OTHER_RANK, tensors, batch, sample_ids, started)
             if category == REPLICA_MISMATCH:
@@ -527,6 +528,12 @@ class Agreement:
             monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
                                    sharded=_sharded(monitor.model), report=report)
         return path, None
+
+    def _involved(self, verdict: Verdict) -> bool:
+        """Whether this rank belongs to a replica set that differed (NOTE: [replica agreement]): under HSDP or
+        tensor parallelism the other sets' members agreed, and their parts say another rank stopped them."""
+        replicas = verdict.replicas
+        return replicas is None or self.rank in replicas.get("involved", range(self.world_size))
 
     def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None, device: dict) -> dict:
         """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that
@@ -573,7 +580,8 @@ class Agreement:
         """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
         what check returns for the `current` step."""
         first = monitor.first_invalid_step == verdict.step
-        local_category = categorize(failing)[0] or (REPLICA_MISMATCH if verdict.replica_only else OTHER_RANK)
+        local_category = categorize(failing)[0] or (REPLICA_MISMATCH if verdict.replica_only and self._involved(verdict)
+                                                    else OTHER_RANK)
         if first and self._first_bad is not None:
             category, tensors = self._first_bad
         else:  # a later failing step: no summaries were gathered, this rank speaks for itself

@@ -242,7 +242,8 @@ def replica_verdict(everyone: list[dict], groups: tuple[str, ...], *, gradients:
                     table: list[tuple[int, ...]] | None = None, why_not: str | None = None) -> dict:
     """What the gathered per-tensor fingerprints say (NOTE: [replica agreement]): `everyone` is each rank's
     {"names", "sets" (indices into `table`), "fingerprints" (16 hex digits each)} in rank order; without `table`
-    (or "sets") every rank is one set. `why_not`: why the gradients were not compared. The same on every rank."""
+    (or "sets") every rank is one set. `why_not`: why the gradients were not compared. The same on every rank;
+    "involved" lists the members of every set that differed."""
     world = len(everyone)
     table = table or [tuple(range(world))]
     held: dict[tuple[int, str], dict[int, str]] = {}
@@ -289,7 +290,8 @@ def replica_verdict(everyone: list[dict], groups: tuple[str, ...], *, gradients:
                  + ("the all-reduced gradients agreed" if gradients else
                     f"the gradients were not compared {why_not or MICRO_BATCH}")
                  + ": memory corruption, or an earlier optimizer update computed differently on the odd rank(s)")
-    return {"groups": list(groups), "odd_ranks": sorted(odd), "who": who, "ranks_text": ranks_text,
+    return {"groups": list(groups), "odd_ranks": sorted(odd), "involved": sorted(involved), "who": who,
+            "ranks_text": ranks_text,
             "gradients_compared": gradients, "gradients_differed": grads, "cause": cause,
             "differing_count": len(differing),
             "tensors": list(dict.fromkeys(n for n, _, _ in differing))[:REPLICA_LISTED],
