@@ -287,8 +287,8 @@ class DeepSpeedMonitor(Monitor):
         for given in ("optimizer", "source", "scaler"):
             if given in kwargs:
                 raise TypeError(f"DeepSpeedMonitor takes no {given}=: it reads the engine's")
-        stage3 = isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
-        if kwargs.get("replicas") and stage3:
+        stage = engine.zero_optimization_stage()
+        if kwargs.get("replicas") and stage == 3:
             raise ValueError("replicas=True under ZeRO-3: every rank holds its own partition of the weights, "
                              "gradients and optimizer state, so nothing is replicated to compare; leave replicas at "
                              "its default (ZeRO-1/2's low-precision weights are compared) or pass replicas=False")
@@ -297,7 +297,7 @@ class DeepSpeedMonitor(Monitor):
         # partitions carry @shard and are never compared. Only where that group is the whole world (no model,
         # pipeline or sequence parallelism splits the weights).
         if "replicas" not in kwargs and kwargs.get("process_group") is None:
-            kwargs["replicas"] = engine.zero_optimization_stage() in (1, 2) and ds_comm.is_initialized() and \
+            kwargs["replicas"] = stage in (1, 2) and ds_comm.is_initialized() and \
                 engine.dp_world_size == ds_comm.get_world_size()
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         source = ZeroSource(engine)

@@ -532,8 +532,7 @@ class Agreement:
     def _involved(self, verdict: Verdict) -> bool:
         """Whether this rank belongs to a replica set that differed (NOTE: [replica agreement]): under HSDP or
         tensor parallelism the other sets' members agreed, and their parts say another rank stopped them."""
-        replicas = verdict.replicas
-        return replicas is None or self.rank in replicas.get("involved", range(self.world_size))
+        return verdict.replicas is None or self.rank in verdict.replicas["involved"]
 
     def _summary(self, report: ScanReport, path: Path | None, error: BaseException | None, device: dict) -> dict:
         """This rank's row in the index, read back from its part as it is on disk, so that the index of parts that

@@ -108,13 +108,11 @@ class ReplicaSets:
         if plain and len(self._whole) > 1:
             local.add(self._whole)
         self.local: list[tuple[int, ...]] = sorted(local)
-        self.table: list[tuple[int, ...]] = self.local
-        self._index = {s: i for i, s in enumerate(self.table)}
+        self._set_table(self.local)
         self._names: tuple[str, ...] | None = None
         self._tensors: Any = None  # the report's identities the selection was made for
         self._listed: dict[bool, tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]] = {}
         self._compared_grads = False
-        self._member_slots: list[int] = []
         self._rows, self._weights, self._starts = (np.zeros(0, np.intp), np.zeros(0, np.uint64),
                                                    np.zeros(0, np.intp))
         self._segments: list[tuple[int, bool]] = []  # each segment's first slot, and whether it holds gradients
@@ -126,9 +124,19 @@ class ReplicaSets:
 
     def agree(self, everyone: Iterable[Iterable[Iterable[int]]]) -> None:
         """Take the table every rank uses: the union of every rank's local sets (from the settings gather)."""
-        self.table = sorted({tuple(s) for sets in everyone for s in sets})
-        self._index = {s: i for i, s in enumerate(self.table)}
+        self._set_table(sorted({tuple(s) for sets in everyone for s in sets}))
         self._names = self._tensors = None
+
+    def _set_table(self, table: list[tuple[int, ...]]) -> None:
+        self.table = table
+        self._index = {s: i for i, s in enumerate(table)}
+        # A rank outside a set writes the identity of MAX; a member writes 0 for a group it has nothing of, as every
+        # member does (its names are theirs).
+        self._member_slots = [_ABSENT] * self.width
+        for s in {self._index[t] for t in self.local if t in self._index}:
+            for g in range(len(REPLICA_GROUPS)):
+                at = 2 * (len(REPLICA_GROUPS) * s + g)
+                self._member_slots[at], self._member_slots[at + 1] = 0, ~0
 
     @property
     def width(self) -> int:
@@ -191,13 +199,6 @@ class ReplicaSets:
         self._starts = np.cumsum([0] + [len(r) for _, _, r, _ in selection[:-1]], dtype=np.intp)
         self._segments = [(2 * (len(REPLICA_GROUPS) * s + g), REPLICA_GROUPS[g] == "gradient")
                           for s, g, _, _ in selection]
-        # A rank outside a set writes the identity of MAX; a member writes 0 for a group it has nothing of, as every
-        # member does (its names are theirs).
-        self._member_slots = [_ABSENT] * self.width
-        for s in {self._index[t] for t in self.local if t in self._index}:
-            for g in range(len(REPLICA_GROUPS)):
-                at = 2 * (len(REPLICA_GROUPS) * s + g)
-                self._member_slots[at], self._member_slots[at + 1] = 0, ~0
 
     def view(self, report: ScanReport, model: torch.nn.Module, optimizer: Any, *, gradients: bool) -> ReplicaView:
         """This check's combined values (the every-step part: one multiply-add per compared tensor in numpy) and what
