@@ -56,7 +56,10 @@ def test_caught_at_the_step_an_independent_isfinite_check_finds(diverged):
     config, run = diverged
     assert run.nonfinite_step is not None and run.bundle is not None
     assert run.nonfinite_step == first_nonfinite_without_nanscan(config, 60)
-    assert run.nonfinite_step == {"bfloat16": 29, "float32": 28}[config["dtype"]]
+    # 29 (bf16) and 28 (float32) on the machines this was written on; bf16 matmul kernels round by the CPU's
+    # instruction set, so the bf16 run's step moves by a few on others (31 on a later EPYC): the truth is the
+    # independent check above, this only pins where the divergence happens
+    assert 26 <= run.nonfinite_step <= 33
 
 
 def test_the_window_reruns_every_micro_batch_and_matches_the_record(diverged):
@@ -68,7 +71,10 @@ def test_the_window_reruns_every_micro_batch_and_matches_the_record(diverged):
     compared = [s for s in result.steps[:-1] if s.recorded_grad_norm is not None]
     assert len(compared) == run.nonfinite_step  # every finite step's gradient norm, all of its micro-batches
     assert all(abs(s.grad_norm - s.recorded_grad_norm) <= DEPART_REL_TOL * s.recorded_grad_norm for s in compared)
-    assert any("checked per micro-batch" in note for note in result.notes)
+    # the losses the loop passed (each divided by 2) are observed, compared summed, and scaled the same way
+    assert any("loss scaling observed" in note and "their mean (each loss x 1/2)" in note for note in result.notes)
+    assert all(s.recorded_loss is not None and abs(s.loss - s.recorded_loss) <= DEPART_REL_TOL * abs(s.recorded_loss)
+               for s in result.steps[:-1])
     # bf16 autocast is taken from the record: the run's precision, not float32
     assert result.options.precision is None
 
@@ -91,7 +97,8 @@ def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_facto
 def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence_and_a_lower_rate_fixes_it(tmp_path):
     config = {**N.DIVERGING, "learning_rate": 60.0, "warmup_iters": 60}
     run = N.train(config, tmp_path, iters=80, window=WINDOW)
-    assert run.nonfinite_step == 43  # inside the warm-up: the rate was still rising
+    # inside the warm-up (the rate was still rising): 43 where this was written, 41 on a later EPYC (bf16 rounding)
+    assert run.nonfinite_step == first_nonfinite_without_nanscan(config, 80) and 36 <= run.nonfinite_step < 60
     result = ablate_window(run.bundle, N.ENTRY)
     rows = {r.factor.key: r for r in result.rows}
     assert rows["warmup-x2"].verdict == DELAYS, rows["warmup-x2"].detail

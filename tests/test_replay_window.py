@@ -43,9 +43,10 @@ def diverging_run(tmp_path, *, peak: float = 0.22, steps: int = 80, window=Windo
             batch["x"][3, 5] = float("nan")
         optimizer.zero_grad(set_to_none=True)
         if micro:
-            spec.step_fn(model, batch).backward()
+            first = spec.step_fn(model, batch)
+            first.backward()
             try:
-                mon.check(batch=batch, micro_batch=True)
+                mon.check(batch=batch, loss=first, micro_batch=True)
             except NonFiniteError as exc:
                 return exc
         loss = spec.step_fn(model, batch)
@@ -128,15 +129,21 @@ def test_a_fault_outside_the_replay_entry_is_not_reproduced_and_says_so(tmp_path
     assert "not reproduced over the window" in result.headline()
 
 
-def test_a_loop_that_sums_its_micro_batches_departs_at_the_first_step_and_says_why(tmp_path):
-    """The loop backpropagates two micro-batches' losses undivided; the rerun averages them (NOTE: [replayed
-    accumulation]), so its gradient norm is half the record's from the first step on: a departure, not a match."""
+def test_a_loop_that_sums_its_micro_batches_is_rerun_as_it_summed_them(tmp_path):
+    """The loop backpropagates two micro-batches' losses undivided. The window records the losses it passed, so the
+    rerun sees at the first step that the loop summed them (nanscan.runtime.loop_effects NOTE: [observed loop]) and
+    matches the record at every step; told to average them instead (loss_scale=0.5), it departs at the first step
+    and says why: the loss and the gradient norm are both 1/2 x the record's, a constant loss scaling."""
     error = diverging_run(tmp_path, micro=True)
     result = replay_window(error.bundle_path)
-    first = result.first_departure
-    assert first is not None and first.step == result.start and first.departs == "grad_norm"
+    assert result.reproduced and result.first_departure is None, result.departure_text()
+    assert any("loss scaling observed" in note and "summed over the 2 micro-batches" in note for note in result.notes)
+    averaged = replay_window(error.bundle_path, options=StepOptions(loss_scale=0.5))
+    first = averaged.first_departure
+    assert first is not None and first.step == averaged.start
     assert first.grad_norm == pytest.approx(first.recorded_grad_norm / 2, rel=1e-5)
-    assert any("losses averaged" in note for note in result.notes)
+    assert first.loss == pytest.approx(first.recorded_loss / 2, rel=1e-5)
+    assert "both 1/2 x the record's: a constant loss scaling" in averaged.departure_text()
 
 
 def test_a_bundle_without_a_window_is_refused_with_the_reason(tmp_path):

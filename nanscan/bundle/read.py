@@ -494,7 +494,8 @@ class Bundle:
                                lrs=[float_from_json(lr) for lr in r.get("lr") or ()],
                                loss_scale=float_from_json(r.get("loss_scale")), autocast=r.get("autocast"),
                                rng=decode_tree(r["rng"], tensors) if r.get("rng") is not None else None,
-                               note=r.get("note"))
+                               note=r.get("note"), loss=float_from_json(r.get("loss")),
+                               update_factor=float_from_json(r.get("update_factor")))
                     for r in index["records"]]
 
     def _window_or_error(self) -> dict:

@@ -408,7 +408,8 @@ def _write_window(files: BundleFiles, window: RunWindow | None) -> dict | None:
     records = [{"step": int(r.step), "micro_batch": r.micro_batch, "batch": encoder.encode(r.batch, (str(i), "batch")),
                 "sample_ids": _json_ids(r.sample_ids), "lr": [json_float(lr) for lr in r.lrs],
                 "loss_scale": json_float(r.loss_scale), "autocast": plain_json(r.autocast, "autocast"),
-                "rng": encoder.encode(r.rng, (str(i), "rng")) if r.rng is not None else None, "note": r.note}
+                "rng": encoder.encode(r.rng, (str(i), "rng")) if r.rng is not None else None, "note": r.note,
+                "loss": json_float(r.loss), "update_factor": json_float(r.update_factor)}
                for i, r in enumerate(window.records)]
     files.write_tensors(WINDOW_STEPS, encoder.tensors)
     files.write_bytes(WINDOW_STEPS_INDEX, json_bytes({"records": records}))

@@ -226,10 +226,11 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
                                 if (name == "float32") == (precision != "float32"))]
     for factor in others:
         say(factor.label)
-        clip = factor.options.clip_grad_norm
-        if clip is not None and spec.clip_grad_norm is not None and spec.clip_grad_norm <= clip:
+        clip, loop_clip = factor.options.clip_grad_norm, evidence.loop_clip(spec)
+        if clip is not None and loop_clip is not None and loop_clip <= clip:
+            how = "" if spec.clip_grad_norm is not None else " (observed: NOTE: [observed loop])"
             rows.append(WindowRow(factor, NOT_APPLIED, None, detail=f"the loop already clips the gradient norm at "
-                                                                    f"{spec.clip_grad_norm:g}"))
+                                                                    f"{loop_clip:g}{how}"))
             continue
         if factor.options.precision is not None and spec.autocast == "entry":
             rows.append(WindowRow(factor, NOT_APPLIED, None, detail="the replay entry enters its own autocast "

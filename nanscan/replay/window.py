@@ -12,23 +12,28 @@ update. Each step's loss and gradient norm are compared with the history the bun
 first step where either differs by more than DEPART_REL_TOL (relative) is where the rerun departs; on the CPU a
 faithful rerun matches to the last bits. It is "reproduced over the window" when the rerun goes non-finite at the
 recorded step. A step checked per micro-batch is rerun as its micro-batches, each from the RNG state at its
-forward's start, their losses averaged (nanscan.runtime.rerun NOTE: [replayed accumulation]); the loop's own
-clipping is applied when the entry states it (ReplaySpec.clip_grad_norm). What it cannot rebuild is said, not
-papered over: a GradScaler's scaling (the rerun's gradients are unscaled and skip nothing), updates the run
-skipped.
+forward's start. What the loop did between its backward and its update is taken from the window's own record
+(nanscan.runtime.loop_effects NOTE: [observed loop]), not asked of the entry: each micro-batch's loss is scaled as
+the loop scaled it (the loss it passed over what step_fn returns, at the first step), and the loop's clipping is
+applied at the threshold its update factors imply (a ReplaySpec.clip_grad_norm the entry declares comes first;
+where they disagree a note says so). A step's loss is compared as the sum of the losses the loop passed for its
+micro-batches. Where the rerun departs anyway, the first departing step says why, from the evidence
+(observed_loop.departure_reason). What it cannot rebuild is said, not papered over: a GradScaler's scaling (the
+rerun's gradients are unscaled and skip nothing), updates the run skipped.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
 from nanscan.bundle import Bundle
 from nanscan.bundle.format import WINDOW_REPLAY_FINDING, WindowStep, json_float
+from nanscan.replay.observed_loop import LoopClipping, departure_reason, infer_clipping, simple_ratio
 from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.engine.inputs import batch_size
 from nanscan.replay.step import (Accumulation, ReplayError, StepOptions, StepOutcome, loop_options, model_device,
@@ -50,13 +55,14 @@ class WindowStepResult:
     recorded_grad_norm: float | None
     departs: str | None = None  # "loss" or "grad_norm" where this step differs from the record beyond the tolerance
     error: str | None = None
+    reason: str | None = None  # at the first departing step: why, from the evidence (departure_reason)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "finite": self.finite, "category": self.category,
                 "loss": json_float(self.loss), "grad_norm": json_float(self.grad_norm),
                 "recorded_loss": json_float(self.recorded_loss),
                 "recorded_grad_norm": json_float(self.recorded_grad_norm), "departs": self.departs,
-                "error": self.error}
+                "error": self.error, "reason": self.reason}
 
 
 @dataclass
@@ -106,7 +112,7 @@ class WindowReplay:
         replayed, recorded = (first.loss, first.recorded_loss) if first.departs == "loss" else \
             (first.grad_norm, first.recorded_grad_norm)
         return (f"the rerun first departs from the record at step {first.step}: {first.departs} {replayed:.6g} "
-                f"against {recorded:.6g} recorded")
+                f"against {recorded:.6g} recorded" + (f" ({first.reason})" if first.reason else ""))
 
     def to_dict(self) -> dict:
         first = self.first_departure
@@ -139,11 +145,19 @@ class WindowEvidence:
 
     records: list[WindowStep]
     history: dict[int, tuple[float | None, float | None]]
+    clipping: LoopClipping | None = None  # the loop's, observed (NOTE: [observed loop])
 
     @classmethod
     def of(cls, bundle: Bundle) -> "WindowEvidence":
         records = bundle.window_records()  # a BundleError saying why, for a bundle that holds no window
-        return cls(records, {entry.step: (entry.loss, entry.grad_norm) for entry in bundle.history()})
+        history = {entry.step: (entry.loss, entry.grad_norm) for entry in bundle.history()}
+        return cls(records, history, infer_clipping(records, {step: g for step, (_, g) in history.items()}))
+
+    def loop_clip(self, spec: Any) -> float | None:
+        """The loop's clip threshold: the entry's declaration (ReplaySpec.clip_grad_norm), else the observed one."""
+        if spec.clip_grad_norm is not None:
+            return spec.clip_grad_norm
+        return self.clipping.max_norm if self.clipping is not None else None
 
     def precision(self) -> str:
         """The autocast dtype the window's steps recorded, as a StepOptions precision ("float32": none)."""
@@ -194,10 +208,18 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
         notes.append("the run used a GradScaler: the rerun's gradients are unscaled and it skips no update, so steps "
                      "the run skipped for overflow are applied here")
     steps = _optimizer_steps([r for r in records if start <= r.step <= target.step])
-    if any(len(parts) > 1 for parts in steps):
-        notes.append("the run was checked per micro-batch: each step's micro-batches are rerun with their losses "
-                     "averaged (NOTE: [replayed accumulation]), and compared with the record by gradient norm (the "
-                     "loss the loop passed is its own scaling of the last micro-batch's)")
+    run_options = options
+    clipping = evidence.clipping
+    if clipping is not None and clipping.seen:
+        declared = spec.clip_grad_norm
+        if declared is not None and clipping.max_norm is not None and \
+                not math.isclose(declared, clipping.max_norm, rel_tol=1e-3):
+            notes.append(f"the entry declares clipping at {declared:g} but the run's updates show {clipping.text}; the "
+                         "declaration is applied")
+        elif declared is None:
+            notes.append(clipping.text)
+            if clipping.max_norm is not None and options.clip_grad_norm is None:
+                run_options = replace(run_options, clip_grad_norm=clipping.max_norm)
     results, lrs = [], []
     for parts in steps:
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
@@ -211,15 +233,43 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
             _restore_torch_rng(record.rng)
         # the step's recorded autocast, unless a factor names a precision or the entry enters its own (NOTE:
         # [replayed precision])
+        passed = [part.loss for part in parts]
         outcome = run_step(spec.model, optimizer, spec.step_fn, batch,
-                           options=loop_options(spec, options, record.autocast))
-        results.append(_result(record.step, outcome, evidence.history.get(record.step),
-                               last=record.step == target.step, loss_comparable=len(parts) == 1))
+                           options=loop_options(spec, run_options, record.autocast),
+                           passed_losses=passed)
+        if run_options.loss_scale is None and outcome.loss_scale is not None and passed[0] is not None:
+            run_options = replace(run_options, loss_scale=outcome.loss_scale)  # as seen at the first step
+            notes.append(_loss_scale_note(outcome.loss_scale, len(parts)))
+        recorded_loss, recorded_norm = evidence.history.get(record.step) or (None, None)
+        if None not in passed:
+            recorded_loss = math.fsum(passed)  # what the loop backpropagated, summed over its micro-batches
+        elif len(parts) > 1:
+            recorded_loss = None  # the step's recorded loss is the last micro-batch's alone
+        result = _result(record.step, outcome, (recorded_loss, recorded_norm), last=record.step == target.step)
+        if result.departs is not None and not any(r.departs for r in results):
+            previous = steps[len(results) - 1][-1] if results else None
+            result.reason = departure_reason(outcome.loss, recorded_loss, outcome.grad_norm, recorded_norm,
+                                             previous.update_factor if previous is not None else None,
+                                             run_options.clip_grad_norm or spec.clip_grad_norm, DEPART_REL_TOL)
+        results.append(result)
         if not outcome.finite:
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
     return WindowRun(result, spec, optimizer, list(lrs))
+
+
+def _loss_scale_note(scale: float, parts: int) -> str:
+    """How the rerun scales each micro-batch's loss, as the first step showed the loop did."""
+    simple = simple_ratio(scale)
+    if math.isclose(scale, 1.0 / parts, rel_tol=1e-4) and parts > 1:
+        how = f"their mean (each loss x 1/{parts})"
+    elif scale == 1.0:
+        how = "each loss as step_fn returns it" + (f", summed over the {parts} micro-batches" if parts > 1 else "")
+    else:
+        how = f"each loss x {simple or f'{scale:.6g}'}"
+    return (f"loss scaling observed: the loop backpropagated {how}, from the losses it passed at the first step "
+            "against what step_fn returns (NOTE: [observed loop]); the rerun does the same")
 
 
 def _optimizer_steps(records: list[WindowStep]) -> list[list[WindowStep]]:
@@ -242,12 +292,11 @@ def _kept_rows(record: WindowStep, drop: Callable[[WindowStep], list[int]] | Non
     return select_samples(record.batch, [i for i in range(size) if i not in dropped], spec, size=size)
 
 
-def _result(step: int, outcome: StepOutcome, recorded: tuple | None, *, last: bool,
-            loss_comparable: bool = True) -> WindowStepResult:
+def _result(step: int, outcome: StepOutcome, recorded: tuple, *, last: bool) -> WindowStepResult:
     """`last`: the recorded failing step, whose recorded gradient norm leaves its non-finite values out, so only
-    its loss is compared. `loss_comparable`: False for an accumulated step (NOTE: [replayed accumulation])."""
-    loss, grad_norm = recorded if recorded is not None else (None, None)
-    departs = "loss" if loss_comparable and _departs(outcome.loss, loss) else \
+    its loss is compared. `recorded`: (loss, gradient norm); a loss of None is not compared."""
+    loss, grad_norm = recorded
+    departs = "loss" if _departs(outcome.loss, loss) else \
         "grad_norm" if not last and _departs(outcome.grad_norm, grad_norm) else None
     return WindowStepResult(step=step, finite=outcome.finite, category=outcome.category, loss=outcome.loss,
                             grad_norm=outcome.grad_norm, recorded_loss=loss, recorded_grad_norm=grad_norm,

@@ -545,6 +545,8 @@ class Monitor(StepVerdicts):
                 self._export.close()
             if self._rollbacks is not None:
                 self._rollbacks.close()
+            if self._window is not None:
+                self._window.update_factors.close()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -641,7 +643,7 @@ class Monitor(StepVerdicts):
         started, self._started, self._armed = self._started, False, True  # the next micro-batch's start is its own
         micro, self._micro_batch = self._micro_batch, self._micro_batch + 1
         self._observed.add(micro, loss, batch, sample_ids)
-        self._keep_in_window(self.model, step, micro, started, batch, sample_ids, None)  # its rerun replays each
+        self._keep_in_window(self.model, step, micro, started, batch, sample_ids, None, loss)  # its rerun replays each
 
     # -- check()'s stages (nanscan.runtime.stages NOTE: [check stages]) -----------------------------------------
     def _prepare(self, batch: Any, loss: Any, sample_ids: Any, lr: Any, step: int | None,
@@ -672,6 +674,7 @@ class Monitor(StepVerdicts):
                       "(nanscan.integrations)", SnapshotWarning)
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
+        passed = loss  # as the loop backpropagated it (NOTE: [observed loop])
         if micro is None:  # the step's own check: the losses of its observed micro-batches join its own
             loss = self._observed.fold(step, loss)  # NOTE: [observed micro-batches]
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
@@ -679,7 +682,7 @@ class Monitor(StepVerdicts):
         if self.mode == "auto":
             self.mode = self._auto_mode(model)
         return StepCheck(model, step, batch, loss, sample_ids, lr, started, micro, step_inputs, scaling,
-                         carried=carried, dated=dated)
+                         carried=carried, dated=dated, passed_loss=passed)
 
     def _scan(self, check: StepCheck) -> None:
         """Scan now: on the CPU the plans are confirmed and scanned in one native call (ModelScanPlan.scan_on_host),
@@ -798,15 +801,15 @@ class Monitor(StepVerdicts):
         """The step into the run's window (NOTE: [run window]): its batch and settings, and a state when one is due;
         after an async check's decision on the step before it, so that step's bundle does not hold this one."""
         self._keep_in_window(check.model, check.step, check.micro, check.started, check.batch, check.sample_ids,
-                             check.scaling)
+                             check.scaling, check.passed_loss)
 
     def _keep_in_window(self, model: torch.nn.Module, step: int, micro: int | None, started: bool, batch: Any,
-                        sample_ids: Any, scaling: Any) -> None:
-        """A check's or an observed micro-batch's batch and settings into the run's window, if it keeps one."""
+                        sample_ids: Any, scaling: Any, loss: Any) -> None:
+        """A check's or an observed micro-batch's batch, settings and loss into the run's window, if it keeps one."""
         if self._window is not None:
             self._window.keep(model=model, optimizer=self.optimizer, step=step, micro=micro, started=started,
                               batch=batch, sample_ids=sample_ids, scaling=scaling, autocast=self._autocast,
-                              rng=self._rng)
+                              rng=self._rng, loss=loss)
 
     _SYNC = CheckPath((_scan, _count, _keep_window, _record, _spot_spike), _decide)
     _ASYNC = CheckPath((_read_inputs, _count, _decide_pending, _keep_window, _launch, _record_pending,

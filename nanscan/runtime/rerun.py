@@ -80,6 +80,8 @@ class StepOutcome:
     notes: list[str] = field(default_factory=list)
     start_nonfinite: bool = False  # the weights or optimizer state were non-finite before the step ran
     op_site: OpSite | None = None  # with trace_ops: the first op or autograd node that went non-finite
+    part_losses: list[float] = field(default_factory=list)  # each micro-batch's loss as step_fn returned it
+    loss_scale: float | None = None  # the factor each returned loss was multiplied by before its backward
     # The scans behind the outcome, for callers that read more than the verdict (preflight's headroom): the
     # gradients after backward (and clipping) and the weights and optimizer state after optimizer.step().
     gradients: ScanReport | None = field(default=None, repr=False, compare=False)
@@ -174,7 +176,8 @@ def param_dtypes(model: torch.nn.Module) -> list[str]:
 
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_fn: Callable, batch: Any, *,
              options: StepOptions = StepOptions(), localize: bool = False,
-             backward_module_hooks: bool = True, trace_ops: bool = False, train: bool = True) -> StepOutcome:
+             backward_module_hooks: bool = True, trace_ops: bool = False, train: bool = True,
+             passed_losses: Sequence[float | None] | None = None) -> StepOutcome:
     """Run one training step (forward through step_fn, backward, optional clipping, optimizer.step()) and scan
     the batch, the starting state, the loss, the gradients and the updated state.
 
@@ -183,6 +186,9 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     (nanscan.replay.ops NOTE: [op localization]), whose first site is `outcome.op_site`. Exceptions raised by the
     step become `outcome.error`; nothing is raised for a non-finite step. `train`: put the model in training mode
     first (a model the replay entry built); False keeps each module's mode (the live model, as the loop set it).
+    `passed_losses`: the losses the loop passed for the step's micro-batches (WindowStep.loss); where the options
+    give no loss_scale, the first micro-batch's against what step_fn returns for it sets the scale of them all
+    (observed_loss_scale, nanscan.runtime.loop_effects NOTE: [observed loop]).
     """
     device_type = model_device(model).type
     notes: list[str] = []
@@ -244,6 +250,8 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             return result
 
         loss_value = 0.0
+        scale = options.loss_scale
+        returned: list[float] = []
         for index, part in enumerate(parts):  # one part, or a step's micro-batches (NOTE: [replayed accumulation])
             if isinstance(batch, Accumulation) and batch.before is not None:
                 batch.before(index)
@@ -256,9 +264,13 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                 what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else \
                     f"a tensor of shape {tuple(loss.shape)}"
                 return outcome("loss", [], error=f"step_fn returned {what}; it must return the scalar loss tensor")
-            if len(parts) > 1:
-                loss = loss / len(parts)
-            else:
+            returned.append(float(loss.detach().float()))
+            if scale is None and index == 0 and passed_losses:
+                scale = observed_loss_scale(passed_losses[0], returned[0])
+            factor = scale if scale is not None else 1.0 / len(parts)
+            if factor != 1.0:
+                loss = loss * factor
+            if len(parts) == 1:
                 scans["loss_scan"] = scan([("loss", loss.detach())])
             loss_value += float(loss.detach().float())
             try:
@@ -266,6 +278,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             except Exception as exc:  # noqa: BLE001
                 return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
+        notes_scale = (returned, scale if scale is not None else 1.0 / len(parts))
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
         grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
@@ -305,7 +318,22 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                      f"({range_limit_text(compute_dtype)}; largest |x| {largest:.4g}), which the model turned "
                      f"non-finite ({category}); `nanscan data` flags them as overflow")
         category = "input"
-    return outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
+    result = outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
+    result.part_losses, result.loss_scale = notes_scale
+    return result
+
+
+def observed_loss_scale(passed: float | None, returned: float) -> float | None:
+    """The loop's loss scaling seen on one micro-batch (NOTE: [observed loop] in nanscan/runtime/loop_effects.py):
+    the loss it passed over the loss step_fn returns, from the same state and batch; 1/k for an integer k when it is
+    that to 1e-4 (a mean over k micro-batches), else the ratio itself; None when either is 0 or not finite."""
+    if passed is None or not (math.isfinite(passed) and math.isfinite(returned)) or passed == 0 or returned == 0:
+        return None
+    ratio = passed / returned
+    k = round(1.0 / ratio) if ratio > 0 else 0
+    if k >= 1 and math.isclose(ratio, 1.0 / k, rel_tol=1e-4):
+        return 1.0 / k
+    return ratio
 
 
 def owner_of(names: Sequence[str]) -> str:

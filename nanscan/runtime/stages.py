@@ -42,6 +42,7 @@ class StepCheck:
     scaling: Any  # the GradScaler's state before the scan (nanscan.runtime.amp NOTE: [overflow skips])
     carried: Any = None  # records a finite post-update scan carries in (NOTE: [carried records])
     dated: Any = None  # the dated update before this check (NOTE: [dated updates])
+    passed_loss: Any = None  # the loss as the loop passed it, before observed losses join (NOTE: [observed loop])
     host: Any = None  # the one-call host scan (nanscan.engine.pending.HostScan), when the plan ran one
     inputs: Any = None  # else the check's ScanInputs
     scan: Any = None  # and their launched StepScan

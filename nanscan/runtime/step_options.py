@@ -21,7 +21,10 @@ class StepOptions:
     in float32, autocast off), "bfloat16" or "float16" (float32 weights, torch.autocast to that dtype).
     clip_grad_norm: clip the total gradient norm before optimizer.step(). deterministic: torch's deterministic
     algorithms (warn-only where an operation has none) and deterministic cuDNN. eps: the optimizer's eps in every
-    param group that has one (Adam's, where an update trap points at it: nanscan.replay.traps).
+    param group that has one (Adam's, where an update trap points at it: nanscan.replay.traps). loss_scale: the
+    factor each micro-batch's loss (as step_fn returns it) is multiplied by before its backward, as the loop scaled
+    it (1/n for a mean over n micro-batches, 1 for a sum; nanscan.runtime.loop_effects NOTE: [observed loop]);
+    None: the mean (NOTE: [replayed accumulation]), or what the run recorded where the rerun is told it.
     """
 
     lr_scale: float = 1.0
@@ -29,6 +32,7 @@ class StepOptions:
     clip_grad_norm: float | None = None
     deterministic: bool = False
     eps: float | None = None
+    loss_scale: float | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISION_NAMES:
@@ -36,4 +40,4 @@ class StepOptions:
 
     def to_dict(self) -> dict:
         return {"lr_scale": self.lr_scale, "precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
-                "deterministic": self.deterministic, "eps": self.eps}
+                "deterministic": self.deterministic, "eps": self.eps, "loss_scale": self.loss_scale}

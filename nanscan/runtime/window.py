@@ -39,6 +39,7 @@ import torch
 from nanscan.bundle.format import RunWindow, WindowState, WindowStep
 from nanscan.incident import warn_user
 from nanscan.runtime.history import kept_scalar, read_scalar
+from nanscan.runtime.loop_effects import UpdateFactorProbe
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spill import SpilledState, StateSpill
 from nanscan.runtime.verdict import plain_ids, retained
@@ -229,6 +230,7 @@ class _Step(NamedTuple):
     autocast: dict | None
     rng: dict | None  # the generators' states at the step's start (capture_rng's), None without a step start
     held: _Held
+    loss: Any = None  # the loss the loop passed, kept as the history keeps one (NOTE: [observed loop])
 
 
 @dataclasses.dataclass
@@ -255,6 +257,7 @@ class WindowKeeper:
         self._frozen: tuple | None = None  # (the model's trainable-parameter ids, the frozen keys)
         # NOTE: [spilled states]: with a directory, one host copy at a time, written there in the background
         self.spill = StateSpill(window.directory, local) if window.directory is not None else None
+        self.update_factors = UpdateFactorProbe()  # NOTE: [observed loop]
 
     # -- states -------------------------------------------------------------------------------------------------
     def due(self) -> bool:
@@ -310,9 +313,10 @@ class WindowKeeper:
     # -- steps --------------------------------------------------------------------------------------------------
     def keep(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
              micro: int | None, started: bool, batch: Any, sample_ids: Any, scaling: Any, autocast: dict | None,
-             rng: dict | None) -> None:
-        """At a check: claim the state its step's start kept (or keep one now, before the update, when due and no
-        step start was seen), then record the step."""
+             rng: dict | None, loss: Any = None) -> None:
+        """At a check (or an observed micro-batch): claim the state its step's start kept (or keep one now, before
+        the update, when due and no step start was seen), then record the step, with the loss the loop passed and,
+        at a step's own check, the sample its update will be compared with (NOTE: [observed loop])."""
         starting, self._starting = self._starting, None
         if starting is None and micro in (None, 0) and self.due():
             starting = self._capture(model, optimizer, pre_step=False)
@@ -325,6 +329,8 @@ class WindowKeeper:
             self._forget_steps_before(self._states[0].step)
         if micro is None:  # an optimizer step's own check (its micro-batch checks come before it)
             self._since_state += 1
+            self.update_factors.attach(optimizer)
+            self.update_factors.arm(model, step)
         # NOTE: [window batches]: every step, so as little as can be: the record stays a tuple until an incident
         lrs = [group.get("lr") for group in optimizer.param_groups] if optimizer is not None else []
         for lr in lrs:
@@ -333,7 +339,7 @@ class WindowKeeper:
                 break
         batch, sample_ids, held = self._batches.keep_step(batch, sample_ids)
         self._steps.append(_Step(step, micro, batch, sample_ids, lrs, scaling, autocast, rng if started else None,
-                                 held))
+                                 held, kept_scalar(loss)))
         if not self._states:  # no state to start from (none fits): the last `steps` steps, for what they show
             while len(self._steps) > self.window.steps:
                 self._drop_step()
@@ -376,7 +382,8 @@ class WindowKeeper:
                           loss_scale=None if kept.scaling is None else kept.scaling.scale,
                           autocast=dict(kept.autocast) if kept.autocast else None, rng=rng,
                           note="the loop wrote into this step's batch tensors after its check (NOTE: [window "
-                               "batches])" if changed else None)
+                               "batches])" if changed else None, loss=read_scalar(kept.loss),
+                          update_factor=self.update_factors.take(kept.step) if kept.micro is None else None)
 
     # -- a rollback (nanscan.runtime.rollback NOTE: [rollback]) ----------------------------------------------------
     def state_at_or_before(self, step: int) -> tuple[_Kept, tuple, dict | None, float | None] | None:
@@ -414,6 +421,7 @@ class WindowKeeper:
                 self.spill.remove(other.spilled)
         self._states = deque([kept])
         kept.step = step
+        self.update_factors.forget_after(step - 1)
         while self._steps:
             self._drop_step()
         self._starting, self._since_state = None, 0

@@ -1,0 +1,288 @@
+"""karpathy's nanoGPT `train.py`, statement for statement as it trains on one process (its public design), with
+nanscan added the way docs/monitor.md tells a user to: `observe()` after each earlier micro-batch's backward, `check()`
+after the last, each given the micro-batch its forward consumed (taken before the prefetch overwrites X, Y).
+
+What makes it train.py and not a tidied copy: the batches are drawn with torch's global generator
+(`torch.randint`, as its get_batch does over a memmap), `estimate_loss()` runs eval forwards at iteration 0 (on
+the global generator too, under model.eval() and no_grad), the next micro-batch is fetched right after the forward
+and before backward, each micro-batch's loss is divided by the accumulation count, a GradScaler (disabled unless
+float16) unscales before `clip_grad_norm_(1.0)` and steps, wte and lm_head share one weight, and
+`configure_optimizers` makes two AdamW groups (2-D weights decay, the rest does not). The model is tiny and the
+"dataset" a seeded token stream, so a run repeats exactly.
+
+`train(overrides, bundle_dir, ...)` returns what happened (the failing iteration, the bundle, the warnings, the
+losses); `LR15` is the issue's run: learning rate 15 with a 10-step warm-up in float32, which goes non-finite in
+its twenties.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanscan.entry import ReplaySpec, replay_entry
+from nanscan.incident import NonFiniteError, SpikeWarning
+from nanscan.runtime.monitor import Monitor
+
+ENTRY = f"{Path(__file__).stem}:nanogpt_entry"
+# train.py's defaults, shrunk to a CPU test (block 16, 2 layers, 2 heads, 32 wide; 2 micro-batches of 4)
+CONFIG = {"seed": 1337, "vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
+          "dropout": 0.0, "bias": True, "batch_size": 4, "gradient_accumulation_steps": 2, "learning_rate": 6e-4,
+          "max_iters": 60, "weight_decay": 1e-1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "decay_lr": True,
+          "warmup_iters": 10, "lr_decay_iters": 600, "min_lr": 6e-5, "eval_interval": 250, "eval_iters": 4,
+          "dtype": "float32"}
+LR30 = {"learning_rate": 30.0}
+
+
+class LayerNorm(nn.Module):
+    """train.py's model.py LayerNorm: an optional bias."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c_attn = nn.Linear(c["n_embd"], 3 * c["n_embd"], bias=c["bias"])
+        self.c_proj = nn.Linear(c["n_embd"], c["n_embd"], bias=c["bias"])
+        self.attn_dropout, self.resid_dropout = nn.Dropout(c["dropout"]), nn.Dropout(c["dropout"])
+        self.n_head, self.n_embd, self.dropout = c["n_head"], c["n_embd"], c["dropout"]
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c_fc = nn.Linear(c["n_embd"], 4 * c["n_embd"], bias=c["bias"])
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * c["n_embd"], c["n_embd"], bias=c["bias"])
+        self.dropout = nn.Dropout(c["dropout"])
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.ln_1, self.attn = LayerNorm(c["n_embd"], c["bias"]), CausalSelfAttention(c)
+        self.ln_2, self.mlp = LayerNorm(c["n_embd"], c["bias"]), MLP(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(c["vocab_size"], c["n_embd"]), wpe=nn.Embedding(c["block_size"], c["n_embd"]),
+            drop=nn.Dropout(c["dropout"]), h=nn.ModuleList([Block(c) for _ in range(c["n_layer"])]),
+            ln_f=LayerNorm(c["n_embd"], c["bias"])))
+        self.lm_head = nn.Linear(c["n_embd"], c["vocab_size"], bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c["n_layer"]))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [{"params": decay_params, "weight_decay": weight_decay},
+                        {"params": nodecay_params, "weight_decay": 0.0}]
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas)
+
+
+def full_config(overrides: dict) -> dict:
+    return {**CONFIG, **overrides}
+
+
+def token_stream(c: dict, split: str) -> torch.Tensor:
+    """The memmap's stand-in: a seeded Markov chain of tokens (each token favours a few successors)."""
+    g = torch.Generator().manual_seed(c["seed"] + (0 if split == "train" else 1))
+    table = torch.softmax(3.0 * torch.randn(c["vocab_size"], c["vocab_size"], generator=g), dim=1)
+    return _chain(table, g)
+
+
+def _chain(table: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    tokens = [0]
+    for _ in range(4095):
+        tokens.append(int(torch.multinomial(table[tokens[-1]], 1, generator=g)))
+    return torch.tensor(tokens, dtype=torch.int64)
+
+
+def build_model(c: dict) -> GPT:
+    torch.manual_seed(c["seed"])
+    return GPT(c)
+
+
+def get_lr(it: int, c: dict) -> float:
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    decay_ratio = (it - c["warmup_iters"]) / (c["lr_decay_iters"] - c["warmup_iters"])
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return c["min_lr"] + coeff * (c["learning_rate"] - c["min_lr"])
+
+
+def forward_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The loop's forward as step_fn: one micro-batch's loss as the model returns it (undivided)."""
+    return model(batch["x"], batch["y"])[1]
+
+
+@replay_entry
+def nanogpt_entry(config: dict) -> ReplaySpec:
+    """A replay entry written per the docs: the model, train.py's optimizer groups and the forward; no clipping
+    declared (the Monitor observes it) and no held-out batches (the window's own batches go on past it)."""
+    c = full_config(config)
+    return ReplaySpec(build_model(c), lambda m: m.configure_optimizers(c["weight_decay"], c["learning_rate"],
+                                                                        (c["beta1"], c["beta2"])), forward_loss)
+
+
+@dataclass
+class TrainRun:
+    nonfinite_step: int | None = None
+    bundle: Path | None = None
+    error: NonFiniteError | None = None
+    warnings: list[tuple[int, str]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # each iteration's summed (mean) micro-batch loss
+    monitor: Monitor | None = None
+
+    @property
+    def first_warning(self) -> int | None:
+        return self.warnings[0][0] if self.warnings else None
+
+
+def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum_losses: bool = False,
+          **monitor_options) -> TrainRun:
+    """train.py's loop; `sum_losses`: the micro-batch losses are summed, not averaged (a common variant that
+    makes the gradients `gradient_accumulation_steps` times larger)."""
+    c = full_config(overrides)
+    torch.manual_seed(c["seed"])  # train.py: torch.manual_seed(1337 + seed_offset)
+    data = {split: token_stream(c, split) for split in ("train", "val")}
+    block_size, batch_size, accum = c["block_size"], c["batch_size"], c["gradient_accumulation_steps"]
+
+    def get_batch(split):
+        d = data[split]
+        ix = torch.randint(len(d) - block_size, (batch_size,))
+        x = torch.stack([d[i:i + block_size] for i in ix])
+        y = torch.stack([d[i + 1:i + 1 + block_size] for i in ix])
+        return x, y
+
+    model = build_model(c)
+    torch.manual_seed(c["seed"])  # the data's draws do not depend on the model's build
+    scaler = torch.amp.GradScaler("cpu", enabled=(c["dtype"] == "float16"))
+    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
+    ctx = torch.autocast("cpu", dtype=getattr(torch, c["dtype"]), enabled=c["dtype"] != "float32")
+
+    @torch.no_grad()
+    def estimate_loss():
+        out = {}
+        model.eval()
+        for split in ["train", "val"]:
+            losses = torch.zeros(c["eval_iters"])
+            for k in range(c["eval_iters"]):
+                X, Y = get_batch(split)
+                with ctx:
+                    _, loss = model(X, Y)
+                losses[k] = loss.item()
+            out[split] = losses.mean()
+        model.train()
+        return out
+
+    run = TrainRun()
+    mon = None
+    if monitor:
+        options = {"bundle_dir": bundle_dir, "run_id": "train-py", "config": overrides, "replay_entry": ENTRY,
+                   **monitor_options}
+        mon = run.monitor = Monitor(model, optimizer, scaler=scaler if scaler.is_enabled() else None, **options)
+    X, Y = get_batch("train")
+    iter_num = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SpikeWarning)
+        try:
+            while True:
+                lr = get_lr(iter_num, c) if c["decay_lr"] else c["learning_rate"]
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = lr
+                if iter_num % c["eval_interval"] == 0:
+                    estimate_loss()
+                step_loss = 0.0
+                for micro_step in range(accum):
+                    with ctx:
+                        logits, loss = model(X, Y)
+                        loss = loss if sum_losses else loss / accum
+                    batch = {"x": X, "y": Y}  # the micro-batch this forward consumed
+                    X, Y = get_batch("train")  # prefetch, as train.py does, before backward
+                    scaler.scale(loss).backward()
+                    step_loss += float(loss.detach())
+                    if mon is not None:
+                        seen = len(caught)
+                        if micro_step < accum - 1:
+                            mon.observe(batch=batch, loss=loss)
+                        else:
+                            mon.check(batch=batch, loss=loss)
+                        run.warnings += [(iter_num, str(w.message)) for w in caught[seen:]
+                                         if issubclass(w.category, SpikeWarning)]
+                run.losses.append(step_loss)
+                if c["grad_clip"] != 0.0:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                iter_num += 1
+                if iter_num > c["max_iters"]:
+                    break
+        except NonFiniteError as exc:
+            run.nonfinite_step, run.error = exc.step, exc
+            run.bundle = Path(exc.bundle_path) if exc.bundle_path else None
+    return run
