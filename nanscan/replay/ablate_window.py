@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -51,15 +51,22 @@ from nanscan.replay.step import loop_options, model_device, prepare_batch, run_s
 from nanscan.replay.window import WindowEvidence, WindowReplay, rerun_window, set_learning_rates
 from nanscan.runtime.spikes import SpikeRule, binade_growth
 
-DEFAULT_BEYOND = 16
+DEFAULT_BEYOND = 16  # the fewest steps past the failing one; the horizon is at least twice the window's span
+HORIZON_PER_STEP = 2
+# Recovered: the median loss over the horizon's last quarter (at least TAIL_MIN steps) is at most LOSS_BAND times
+# the run's loss before it diverged (loss_before_divergence). A fixed run trains at or below where it started (a
+# healthy run's loss falls: tests/nanogpt_runs.py's healthy runs end at 0.6-0.9 of their first step's); one binade
+# above that is no training, whatever stayed finite.
+LOSS_BAND = 2.0
+TAIL_MIN = 4
 LR_LADDER = (0.5, 0.1, 0.01, 0.001)
 WARMUP_STRETCH = 2
 WARMUP_MAX_BEYOND = 128
 FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
 
-CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED, NOT_APPLIED = (
+CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED, NOT_APPLIED, NOT_RECOVERED = (
     "confirmed fix", "delays, does not fix", "stays finite over the window, not confirmed", "no effect",
-    "fails earlier", "not judged", "not applied")
+    "fails earlier", "not judged", "not applied", "finite, loss not recovered")
 
 
 @dataclass
@@ -130,10 +137,30 @@ def _climb(failing: int, beyond: int) -> list[float]:
     return (ramp + [1.0] * beyond)[:WARMUP_MAX_BEYOND]
 
 
+def horizon(window: WindowReplay, beyond: int) -> int:
+    """How many steps past the failing one a factor must stay finite and recovered: at least `beyond`, and at least
+    HORIZON_PER_STEP times the steps from the kept state to the failure (a cause that took that long to build must
+    be shown gone for longer than it took, or a delay passes for a fix)."""
+    return max(beyond, HORIZON_PER_STEP * (window.step - window.start + 1))
+
+
+def loss_before_divergence(history: dict[int, tuple[float | None, float | None]]) -> float | None:
+    """The run's loss before it diverged: the median of its recorded losses from the first one up to the step
+    before the first that is more than LOSS_BAND times the first (the first steps' level, before a jump)."""
+    losses = [loss for _, (loss, _) in sorted(history.items()) if loss is not None and math.isfinite(loss)]
+    if not losses:
+        return None
+    calm = list(itertools.takewhile(lambda v: abs(v) <= LOSS_BAND * abs(losses[0]), losses))
+    calm = sorted(calm or losses[:1])
+    return calm[(len(calm) - 1) // 2]
+
+
 def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
-           drop: Callable | None = None, climb: list[float] | None = None) -> WindowRow:
-    """`climb`: the learning rate past the failing step by held-out step, as a fraction of the failing step's
-    (a longer warm-up's); None: the factor's lr_scale throughout."""
+           drop: Callable | None = None, stretched: bool = False, go_on: bool = True) -> WindowRow:
+    """Rerun the window under `factor`, then go on past the failing step for horizon() steps: on the entry's
+    held-out batches, else on the window's own batches again (the loop's data; the process has no later batch),
+    and judge (NOTE: [window ablation]). `stretched`: the rate past the failing step climbs as a longer warm-up's
+    (_climb); else the factor's lr_scale throughout."""
     run = rerun_window(replayer, factor.options, drop, evidence)
     window = run.result
     bad = window.first_nonfinite
@@ -143,37 +170,60 @@ def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_ou
         verdict = NO_EFFECT if bad.step == window.step else EARLIER if bad.step < window.step else DELAYS
         return WindowRow(factor, verdict, window, detail=f"non-finite at step {bad.step} ({bad.category})")
     norms = [s.grad_norm for s in window.steps]
-    if not held_out:
+    if not go_on:
+        return WindowRow(factor, UNCONFIRMED, window, gaining=gaining(norms))
+    batches, options = (held_out, replace(run.options, loss_scale=None)) if held_out else \
+        (run.step_batches, run.options)
+    if not batches:
         return WindowRow(factor, UNCONFIRMED, window, gaining=gaining(norms),
-                         detail="the replay entry gives no ReplaySpec.batches to go on with past the failing step")
-    model, optimizer = run.spec.model, run.optimizer
-    scales = climb if climb is not None else [factor.options.lr_scale] * beyond
+                         detail="no batch to go on with past the failing step")
+    steps = horizon(window, beyond)
+    climb = _climb(window.step, steps) if stretched else None
+    scales = climb if climb is not None else [factor.options.lr_scale] * steps
+    data = "held-out" if held_out else "the window's own"
     weights: list[float | None] = []  # past the failing step: a weight decay too strong for its rate shows there
+    losses: list[float] = []
+    model, optimizer = run.spec.model, run.optimizer
     device = model_device(model)
-    for i, (batch, scale) in enumerate(zip(itertools.cycle(held_out), scales)):
+    for i, (batch, scale) in enumerate(zip(itertools.cycle(batches), scales)):
         set_learning_rates(optimizer, run.last_lrs, scale)
-        outcome = run_step(model, optimizer, run.spec.step_fn, prepare_batch(batch, device, factor.options),
-                           options=loop_options(run.spec, factor.options))
+        if held_out:
+            batch = prepare_batch(batch, device, factor.options)
+        outcome = run_step(model, optimizer, run.spec.step_fn, batch, options=loop_options(run.spec, options))
         if not outcome.finite:
             return WindowRow(factor, DELAYS, window, beyond_run=i + 1, beyond_nonfinite=i + 1,
-                             detail=f"finite over the window, non-finite {i + 1} held-out step(s) past it "
-                                    f"({outcome.category}{_rate_reached(climb, i)})")
+                             detail=f"finite over the window, non-finite {i + 1} step(s) past it on {data} batches "
+                                    f"({outcome.category}{_rate_reached(climb, i)}; judged over {steps} steps: "
+                                    f"twice the {window.step - window.start + 1} it took to fail, at least {beyond})")
         norms.append(outcome.grad_norm)
         weights.append(_weight_norm(outcome))
+        losses.append(outcome.loss)
     for what, values in (("gradient norm", norms), ("weights' norm", weights)):
         growth = gaining(values)
         if growth is not None:
             return WindowRow(factor, DELAYS, window, beyond_run=len(scales), gaining=growth,
                              detail=f"finite, but the {what} still gains binades: {growth:.1f} over its last "
                                     f"{SpikeRule.growth_steps} steps")
+    reference = loss_before_divergence(evidence.history)
+    tail = sorted(losses[-max(TAIL_MIN, len(losses) // 4):])
+    ended = tail[(len(tail) - 1) // 2] if tail else None
+    if reference is not None and ended is not None and abs(ended) > LOSS_BAND * abs(reference):
+        return WindowRow(factor, NOT_RECOVERED, window, beyond_run=len(scales),
+                         detail=f"finite over steps {window.start}-{window.step} and {len(scales)} steps past them on "
+                                f"{data} batches, but the loss ended at {ended:.4g} (median of the last {len(tail)}), "
+                                f"{abs(ended / reference):.3g}x its {reference:.4g} before the run diverged (recovered: "
+                                f"at most {LOSS_BAND:g}x)")
     if climb is not None and climb[-1] < 1.0:
         return WindowRow(factor, UNCONFIRMED, window, beyond_run=len(scales),
-                         detail=f"finite over steps {window.start}-{window.step} and {len(scales)} held-out steps, "
+                         detail=f"finite over steps {window.start}-{window.step} and {len(scales)} steps past them, "
                                 f"but the longer warm-up's rate had climbed back only to {climb[-1]:.2g}x the "
                                 "failing step's")
+    level = f", the loss at {ended:.4g} against {reference:.4g} before it diverged" \
+        if reference is not None and ended is not None else ""
     return WindowRow(factor, CONFIRMED, window, beyond_run=len(scales),
-                     detail=f"finite over steps {window.start}-{window.step} and {len(scales)} held-out steps past "
-                            "them, the gradient norm no longer gaining" +
+                     detail=f"finite over steps {window.start}-{window.step} and {len(scales)} steps past them on "
+                            f"{data} batches (twice the steps it took to fail, at least {beyond}), the gradient norm "
+                            f"no longer gaining{level}" +
                             (" (the rate climbed back to the failing step's and held there for "
                              f"{scales.count(1.0)} steps)" if climb is not None else ""))
 
@@ -200,7 +250,7 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     held_out = list(itertools.islice(spec.batches, beyond)) if spec.batches is not None and beyond > 0 else []
     evidence = WindowEvidence.of(replayer.bundle)
     say("the window as recorded")
-    baseline = _judge(replayer, evidence, BASELINE, [], 0)
+    baseline = _judge(replayer, evidence, BASELINE, [], 0, go_on=False)
     notes = list(baseline.window.notes) if baseline.window else []
     reproduced = baseline.window is not None and baseline.window.reproduced
     baseline.verdict = "reproduced" if reproduced else "not reproduced"
@@ -242,8 +292,9 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     rows.append(_drop_suspicious(replayer, evidence, held_out, beyond) if reproduced else
                 WindowRow(_FACTORS["drop-suspicious"], NOT_JUDGED, None))
     if not held_out:
-        notes.append("the replay entry gives no ReplaySpec.batches: a factor that keeps the window finite cannot be "
-                     "confirmed past the failing step; return some held-out batches there")
+        notes.append("the replay entry gives no ReplaySpec.batches: past the failing step each factor goes on with "
+                     "the window's own batches again (the loop's data, seen before); held-out batches there judge "
+                     "it on data the run did not train on")
     lrs = _first_group_rates(evidence.records)
     return WindowAblation(str(replayer.bundle.path), replayer.bundle.step, replayer.entry, baseline, rows, notes,
                           lrs)
@@ -259,8 +310,7 @@ def _longer_warmup(replayer: Replayer, evidence: WindowEvidence, held_out: list[
                                                            "step (no warm-up to lengthen)")
     if not reproduced:
         return WindowRow(factor, NOT_JUDGED, None)
-    climb = _climb(replayer.bundle.step, beyond) if held_out else None
-    return _judge(replayer, evidence, factor, held_out, beyond, climb=climb)
+    return _judge(replayer, evidence, factor, held_out, beyond, stretched=True)
 
 
 def _safe_eps(replayer: Replayer, evidence: WindowEvidence, held_out: list[Any], beyond: int, reproduced: bool,

@@ -187,6 +187,8 @@ class WindowRun:
     spec: Any
     optimizer: torch.optim.Optimizer
     last_lrs: list
+    options: StepOptions = StepOptions()  # what its steps ran under: the loop's observed clipping and loss scale
+    step_batches: list = field(default_factory=list)  # each rerun step's batch (an Accumulation of its micro-batches)
 
 
 def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
@@ -220,12 +222,13 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
             notes.append(clipping.text)
             if clipping.max_norm is not None and options.clip_grad_norm is None:
                 run_options = replace(run_options, clip_grad_norm=clipping.max_norm)
-    results, lrs = [], []
+    results, lrs, step_batches = [], [], []
     for parts in steps:
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
         lrs = record.lrs
         set_learning_rates(optimizer, lrs, options.lr_scale)
         batches = [prepare_batch(_kept_rows(part, drop, spec), device, options) for part in parts]
+        step_batches.append(Accumulation(batches) if len(parts) > 1 else batches[0])
         if len(parts) > 1:
             batch = Accumulation(batches, before=lambda i, parts=parts: _restore_torch_rng(parts[i].rng))
         else:
@@ -256,7 +259,7 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
-    return WindowRun(result, spec, optimizer, list(lrs))
+    return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches)
 
 
 def _loss_scale_note(scale: float, parts: int) -> str:
