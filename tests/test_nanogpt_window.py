@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nanogpt_runs as N
-from nanscan.replay.ablate_window import CONFIRMED, DELAYS, NOT_APPLIED, ablate_window, lr_summary
+from nanscan.replay.ablate_window import CONFIRMED, DELAYS, NOT_APPLIED, NOT_RECOVERED, ablate_window, lr_summary
 from nanscan.replay.window import DEPART_REL_TOL, replay_window
 from nanscan.runtime.window import Window
 
@@ -84,17 +84,19 @@ def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_facto
     result = ablate_window(run.bundle, N.ENTRY)
     assert result.baseline.verdict == "reproduced"
     rows = {r.factor.key: r for r in result.rows}
-    assert [r.factor.key for r in result.fixes] == ["lr-x0.5"], [(r.factor.key, r.verdict) for r in result.rows]
+    # lr 15 and 3 stay finite but leave the loss far above its level before the divergence: not fixed
+    assert [r.factor.key for r in result.fixes] == ["lr-x0.01"], [(r.factor.key, r.verdict) for r in result.rows]
+    assert rows["lr-x0.5"].verdict == rows["lr-x0.1"].verdict == NOT_RECOVERED
     precision = [k for k in rows if k in ("fp32", "bf16-autocast", "fp16-autocast")]
     assert precision == (["fp32"] if config["dtype"] == "bfloat16" else ["bf16-autocast", "fp16-autocast"])
     assert all(rows[k].verdict != CONFIRMED for k in precision)
     # the loop clips at 1.0 already; the warm-up had ended (10 iterations) before the failing step
     assert rows["clip-1.0"].verdict == NOT_APPLIED and "already clips" in rows["clip-1.0"].detail
     assert rows["warmup-x2"].verdict == NOT_APPLIED
-    assert "learning rate x0.5 (at most 15)" in lr_summary(result)
+    assert "learning rate x0.01 (at most 0.3)" in lr_summary(result)
 
 
-def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence_and_a_lower_rate_fixes_it(tmp_path):
+def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence(tmp_path):
     config = {**N.DIVERGING, "learning_rate": 60.0, "warmup_iters": 60}
     run = N.train(config, tmp_path, iters=80, window=WINDOW)
     # inside the warm-up (the rate was still rising): 43 where this was written, 41 on a later EPYC (bf16 rounding)
@@ -103,5 +105,6 @@ def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence_and_a_lower_rat
     rows = {r.factor.key: r for r in result.rows}
     assert rows["warmup-x2"].verdict == DELAYS, rows["warmup-x2"].detail
     assert "non-finite" in rows["warmup-x2"].detail and "the failing step's" in rows["warmup-x2"].detail
-    assert [r.factor.key for r in result.fixes] == ["lr-x0.5"]
-    assert "still in its warm-up" in lr_summary(result)
+    # a lower rate keeps it finite; whether the loss comes back within the horizon is the row's to say
+    assert all(rows[k].verdict in (CONFIRMED, NOT_RECOVERED) for k in rows if k.startswith("lr-")), \
+        [(r.factor.key, r.verdict, r.detail) for r in result.rows]

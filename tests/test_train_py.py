@@ -9,9 +9,13 @@ the divergence (nanscan.replay.ablate_window NOTE: [window ablation])."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from click.testing import CliRunner
 
 import karpathy_train as K
+from nanscan.cli.main import main
 from nanscan.replay.ablate_window import CONFIRMED, NOT_APPLIED, NOT_RECOVERED, ablate_window, horizon
 from nanscan.replay.window import DEPART_REL_TOL, replay_window
 from nanscan.runtime.window import Window
@@ -64,3 +68,15 @@ def test_the_ablation_judges_each_factor_past_the_failure_and_finite_but_wrecked
     assert "the loss at" in rows["lr-x0.01"].detail
     assert rows["clip-1.0"].verdict == NOT_APPLIED and "observed" in rows["clip-1.0"].detail
     assert all(rows[k].verdict != CONFIRMED for k in ("bf16-autocast", "fp16-autocast"))
+
+
+def test_what_users_type_ablates_over_the_window_and_step_keeps_the_single_step(diverged):
+    """`nanscan ablate BUNDLE` runs over the window when the bundle holds one; --step is the single-step ablation."""
+    out = CliRunner().invoke(main, ["ablate", str(diverged.bundle), "--entry", K.ENTRY, "--no-record", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["baseline"]["verdict"] == "reproduced" and data["fixes"] == ["lr-x0.01"]
+    single = CliRunner().invoke(main, ["ablate", str(diverged.bundle), "--entry", K.ENTRY, "--no-record", "--step",
+                                       "--factor", "lr-x0.5", "--holdout", "0", "--json"])
+    assert single.exit_code == 0, single.output
+    assert "baseline" not in json.loads(single.output)

@@ -9,6 +9,7 @@ change on one batch is not mistaken for the cause.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,20 +363,23 @@ def print_ablation(result: AblationResult, console) -> None:
 @click.option("--holdout", default=DEFAULT_HOLDOUT, show_default=True, type=click.IntRange(0, 100),
               help="Held-out batches that confirm a factor which fixes the step (0: no confirmation).")
 @click.option("--no-record", is_flag=True, help="Do not add the rows to the bundle's ledger and INCIDENT.md.")
-@click.option("--window", is_flag=True,
-              help="Change each factor over the bundle's window of the run instead, from its oldest kept state, and "
-                   "judge it past the failing step on held-out batches.")
+@click.option("--window/--step", "window", default=None,
+              help="Change each factor over the bundle's window of the run, from its oldest kept state, judged past "
+                   "the failing step (the default when the bundle holds a window), or on the failing step alone "
+                   "(the default otherwise, and with --factor).")
 @click.option("--beyond", default=16, show_default=True, type=click.IntRange(0, 1000),
-              help="With --window: held-out steps run past the failing step to confirm a fix.")
+              help="Over the window: the fewest steps run past the failing step to confirm a fix (at least twice "
+                   "the steps it took to fail are run).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_record, window, beyond, as_json):
-    """Change one factor at a time from BUNDLE's state and batch and record the outcome of each.
-
-    With --window, each factor is applied over the window of the run that led to the failure."""
+    """Change one factor at a time and record the outcome of each: over BUNDLE's window of the run when it holds
+    one (a cause that built up over many steps is judged where it built up), else from its state and batch."""
     from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
 
     console = cli_console(stderr=as_json)
+    if window is None:
+        window = not factors and _holds_window(bundle)
     if window:
         _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console)
         return
@@ -395,6 +399,17 @@ def ablate_command(bundle, entry, trust_bundle_paths, factors, holdout, no_recor
                             trust_bundle_paths=trust_bundle_paths)
         changed = None if no_record else record_ablation(result)
     _show(result, changed, as_json, console, print_ablation)
+
+
+def _holds_window(bundle: Path) -> bool:
+    """Whether the bundle's manifest names a window of the run (read as JSON: a broken bundle is refused later, by
+    the command that loads it, with its reason)."""
+    try:
+        manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and isinstance(manifest.get("window"), dict) and \
+        bool(manifest["window"].get("states"))
 
 
 def _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console) -> None:

@@ -145,14 +145,14 @@ def horizon(window: WindowReplay, beyond: int) -> int:
 
 
 def loss_before_divergence(history: dict[int, tuple[float | None, float | None]]) -> float | None:
-    """The run's loss before it diverged: the median of its recorded losses from the first one up to the step
-    before the first that is more than LOSS_BAND times the first (the first steps' level, before a jump)."""
+    """The run's loss before it diverged: the largest of its recorded losses from the first one up to the step
+    before the first that is more than LOSS_BAND times the first (the level it trained down from, before a jump;
+    a factor judged on held-out batches, whose loss sits above the training batches', is held to it too)."""
     losses = [loss for _, (loss, _) in sorted(history.items()) if loss is not None and math.isfinite(loss)]
     if not losses:
         return None
     calm = list(itertools.takewhile(lambda v: abs(v) <= LOSS_BAND * abs(losses[0]), losses))
-    calm = sorted(calm or losses[:1])
-    return calm[(len(calm) - 1) // 2]
+    return max(calm or losses[:1], key=abs)
 
 
 def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
