@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanogpt_runs import get_lr  # train.py's schedule: linear warm-up, cosine decay to min_lr
 from nanscan.entry import ReplaySpec, replay_entry
 from nanscan.incident import NonFiniteError, SpikeWarning
 from nanscan.runtime.monitor import Monitor
@@ -161,16 +162,6 @@ def _chain(table: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 def build_model(c: dict) -> GPT:
     torch.manual_seed(c["seed"])
     return GPT(c)
-
-
-def get_lr(it: int, c: dict) -> float:
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    if it > c["lr_decay_iters"]:
-        return c["min_lr"]
-    decay_ratio = (it - c["warmup_iters"]) / (c["lr_decay_iters"] - c["warmup_iters"])
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-    return c["min_lr"] + coeff * (c["learning_rate"] - c["min_lr"])
 
 
 def forward_loss(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -77,6 +77,8 @@ def test_what_users_type_ablates_over_the_window_and_step_keeps_the_single_step(
     data = json.loads(out.output)
     assert data["baseline"]["verdict"] == "reproduced" and data["fixes"] == ["lr-x0.01"]
     single = CliRunner().invoke(main, ["ablate", str(diverged.bundle), "--entry", K.ENTRY, "--no-record", "--step",
-                                       "--factor", "lr-x0.5", "--holdout", "0", "--json"])
+                                       "--factor", "lr-x0.1", "--holdout", "0", "--json"])
     assert single.exit_code == 0, single.output
-    assert "baseline" not in json.loads(single.output)
+    rows = json.loads(single.output)["rows"]  # the failing step alone: its state already wrecked by 27 steps
+    assert [r["factor"] for r in rows] == ["lr-x0.1"] and rows[0]["finite"] is False
+    assert "run_id" not in data and "window" in data["rows"][0]  # the window's rows name their span

@@ -264,13 +264,12 @@ def rerun_window(replayer: Replayer, options: StepOptions = StepOptions(),
 
 def _loss_scale_note(scale: float, parts: int) -> str:
     """How the rerun scales each micro-batch's loss, as the first step showed the loop did."""
-    simple = simple_ratio(scale)
     if math.isclose(scale, 1.0 / parts, rel_tol=1e-4) and parts > 1:
         how = f"their mean (each loss x 1/{parts})"
     elif scale == 1.0:
         how = "each loss as step_fn returns it" + (f", summed over the {parts} micro-batches" if parts > 1 else "")
     else:
-        how = f"each loss x {simple or f'{scale:.6g}'}"
+        how = f"each loss x {simple_ratio(scale) or f'{scale:.6g}'}"
     return (f"loss scaling observed: the loop backpropagated {how}, from the losses it passed at the first step "
             "against what step_fn returns (NOTE: [observed loop]); the rerun does the same")
 

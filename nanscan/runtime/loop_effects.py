@@ -39,7 +39,6 @@ class UpdateFactorProbe:
 
     def __init__(self):
         self._param: torch.nn.Parameter | None = None
-        self._params_key: tuple | None = None
         self._armed: tuple[int, torch.Tensor, int] | None = None  # (step, the sample's copy, its stride)
         self._factors: dict[int, Any] = {}
         self._hooked: Any = None
@@ -54,10 +53,11 @@ class UpdateFactorProbe:
         self._hooked = optimizer
         self._handle = optimizer.register_step_pre_hook(self._on_update)
 
-    def _largest(self, model: torch.nn.Module) -> torch.nn.Parameter | None:
-        key = tuple(id(p) for p in model.parameters() if p.requires_grad)
-        if key != self._params_key:
-            self._params_key = key
+    def _sampled(self, model: torch.nn.Module) -> torch.nn.Parameter | None:
+        """The parameter whose gradient is sampled: the largest trainable one, chosen again only when it has no
+        gradient (any gradient tells the factor, since clipping scales all alike; walking the parameters at every
+        check would cost more than the sample)."""
+        if self._param is None or self._param.grad is None:
             trainable = [p for p in model.parameters() if p.requires_grad]
             self._param = max(trainable, key=lambda p: p.numel(), default=None)
         return self._param
@@ -65,7 +65,7 @@ class UpdateFactorProbe:
     def arm(self, model: torch.nn.Module, step: int) -> None:
         """At a step's own check: copy the sample the update will be compared with."""
         self._armed = None
-        param = self._largest(model)
+        param = self._sampled(model)
         grad = param.grad if param is not None else None
         if grad is None or grad.is_sparse or not grad.dtype.is_floating_point:
             return
@@ -86,9 +86,6 @@ class UpdateFactorProbe:
         factor = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)),
                              torch.full_like(den, float("nan")))
         self._factors[step] = float(factor) if factor.is_cpu else factor
-        if len(self._factors) > 4096:  # steps the window let go of long ago
-            for old in sorted(self._factors)[:2048]:
-                del self._factors[old]
 
     def take(self, step: int) -> float | None:
         """The factor measured at `step`'s update, read (None: not measured, or a zero sample)."""
@@ -98,9 +95,14 @@ class UpdateFactorProbe:
         value = read_scalar(value)
         return None if value is None or value != value else float(value)
 
+    def forget(self, step: int) -> None:
+        """The window let go of `step`."""
+        self._factors.pop(step, None)
+
     def forget_after(self, step: int) -> None:
-        """A rollback abandoned the steps after `step`."""
+        """A rollback abandoned the steps after `step` (an armed sample of one of them included)."""
         self._factors = {s: f for s, f in self._factors.items() if s <= step}
+        self._armed = None
 
     def close(self) -> None:
         if self._handle is not None:

@@ -278,7 +278,6 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             except Exception as exc:  # noqa: BLE001
                 return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
-        notes_scale = (returned, scale if scale is not None else 1.0 / len(parts))
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
         grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
@@ -319,7 +318,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                      f"non-finite ({category}); `nanscan data` flags them as overflow")
         category = "input"
     result = outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
-    result.part_losses, result.loss_scale = notes_scale
+    result.part_losses, result.loss_scale = returned, factor
     return result
 
 

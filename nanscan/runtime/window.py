@@ -349,7 +349,10 @@ class WindowKeeper:
             self._drop_step()
 
     def _drop_step(self) -> None:
-        self._batches.release(self._steps.popleft().held)
+        dropped = self._steps.popleft()
+        self._batches.release(dropped.held)
+        if dropped.micro is None:
+            self.update_factors.forget(dropped.step)
 
     # -- at an incident -----------------------------------------------------------------------------------------
     def record(self, step: int) -> RunWindow:
