@@ -45,6 +45,7 @@ BOTH_PASSES = {
     "test_scan_plan": "the Monitor's every-step inputs against a fresh scan",
     "test_spikes": "spike detection on the statistic the check's summary feeds",
     "test_tensor_source": "the Monitor scanning a source's tensors",
+    "test_train_py": "the window and the update factors kept by the Monitor on train.py's loop, rerun and ablated",
     "test_window": "the run's window as the Monitor keeps it, step by step",
 }
 NATIVE_PASS_ONLY = {

@@ -47,7 +47,7 @@ from nanscan.replay.replayer import Replayer, open_bundle
 from nanscan.replay.reproduce import suspicious_samples
 from nanscan.replay.options import BASELINE, FACTORS, Factor, StepOptions
 from nanscan.replay.traps import optimizer_traps
-from nanscan.replay.step import loop_options, model_device, prepare_batch, run_step
+from nanscan.replay.step import ReplayError, loop_options, model_device, prepare_batch, run_step
 from nanscan.replay.window import WindowEvidence, WindowReplay, rerun_window, set_learning_rates
 from nanscan.runtime.spikes import SpikeRule, binade_growth
 
@@ -251,6 +251,12 @@ def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, 
     evidence = WindowEvidence.of(replayer.bundle)
     say("the window as recorded")
     baseline = _judge(replayer, evidence, BASELINE, [], 0, go_on=False)
+    failed = baseline.window.first_nonfinite if baseline.window else None
+    if failed is not None and failed.error is not None:
+        # as the single-step ablation: against a window that cannot run, a factor that makes it run looks like a fix
+        raise ReplayError(f"the unchanged window of {replayer.bundle.path} raised an error instead of running (at "
+                          f"step {failed.step}): {failed.error}; fix the replay entry {replayer.entry!r} (or pass "
+                          "--entry) before changing factors")
     notes = list(baseline.window.notes) if baseline.window else []
     reproduced = baseline.window is not None and baseline.window.reproduced
     baseline.verdict = "reproduced" if reproduced else "not reproduced"
