@@ -1,6 +1,6 @@
 """The growth rule (issue 49; nanscan.runtime.spikes NOTE: [growth rule]), measured: nanoGPT's loop with a learning
-rate too large for its warm-up is warned at least LEAD steps (13 to 18, by run and CPU) before its first non-finite step, inside the spike
-statistic's warm-up, in both modes at the same step; healthy nanoGPT-like runs (float32, bf16 autocast, dropout 0.1,
+rate too large for its warm-up is warned at least LEAD steps (13 to 18, by run and CPU) before its first non-finite
+step, inside the spike statistic's warm-up, in both modes at the same step; healthy nanoGPT-like runs (float32, bf16 autocast, dropout 0.1,
 peak learning rates up to 1e-2 with warm-up, accumulation 1 to 4) and fp16 GradScaler runs raise no warning at all;
 the host, the device and the plain definition (binade_growth) agree on every step; a growth goes through the spike
 policies and episodes, and its bundle's finding says "growth"."""
