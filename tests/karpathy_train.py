@@ -105,6 +105,7 @@ class GPT(nn.Module):
             ln_f=LayerNorm(c["n_embd"], c["bias"])))
         self.lm_head = nn.Linear(c["n_embd"], c["vocab_size"], bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.naive_loss = c.get("naive_loss", False)
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith("c_proj.weight"):
@@ -127,7 +128,11 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            if self.naive_loss:  # a code bug users write: log of a softmax that underflows to 0 for a large logit gap
+                probs = torch.softmax(logits.view(-1, logits.size(-1)), dim=-1)
+                loss = -torch.log(probs.gather(1, targets.view(-1, 1))).mean()
+            else:
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         else:
             logits, loss = self.lm_head(x[:, [-1], :]), None
         return logits, loss
