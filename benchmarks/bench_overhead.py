@@ -107,12 +107,17 @@ class Trainer:
                                              **{"on_invalid": "raise", **options}, **monitor_kwargs)
         self.steps = dict.fromkeys(self.monitors, 0)
         # The window's work, timed where it runs, per Monitor: its state copies at a step's start (the forward
-        # pre-hook, begin) and its stage inside check() (keep); spread over the Monitor's checks.
-        self.window_seconds = {v: {"begin": 0.0, "keep": 0.0} for v in self.monitors}
+        # pre-hook, begin), its stage inside check() (keep) and, of the loop's observation (nanscan.runtime.
+        # loop_effects NOTE: [observed loop]), the gradient sample taken inside keep (arm) and the update factor
+        # taken by the optimizer's step pre-hook (update, inside optimizer.step()); spread over the Monitor's checks.
+        self.window_seconds = {v: dict.fromkeys(("begin", "keep", "arm", "update"), 0.0) for v in self.monitors}
         for variant, monitor in self.monitors.items():
             if monitor._window is not None:
                 for part in ("begin", "keep"):
                     setattr(monitor._window, part, self._window_timed(variant, part, getattr(monitor._window, part)))
+                probe = monitor._window.update_factors  # before its hook is registered, at the first check
+                probe.arm = self._window_timed(variant, "arm", probe.arm)
+                probe._on_update = self._window_timed(variant, "update", probe._on_update)
         self.step = 0
         self.check_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
         self.update_seconds: dict[str, list[float]] = {variant: [] for variant in self.monitors}
@@ -314,10 +319,14 @@ def _window_cost(trainer: Trainer, variant: str, plain: float) -> dict:
     checks = len(trainer.check_seconds[variant])
     seconds = trainer.window_seconds[variant]
     in_check, states = seconds["keep"] / checks, seconds["begin"] / checks
+    at_update = seconds["update"] / checks  # the update factor's pre-hook, inside optimizer.step()
     median_diff = statistics.median(trainer.check_seconds[variant]) - statistics.median(
         trainer.check_seconds["nowindow"])
     return {"in_check": 100.0 * in_check / plain, "state_copies": 100.0 * states / plain,
-            "total": 100.0 * (in_check + states) / plain, "check_median_diff": 100.0 * median_diff / plain}
+            "at_update": 100.0 * at_update / plain, "total": 100.0 * (in_check + states + at_update) / plain,
+            "check_median_diff": 100.0 * median_diff / plain,
+            "loop_observation": 100.0 * (seconds["arm"] / checks + at_update) / plain,
+            "loop_observation_us": 1e6 * (seconds["arm"] / checks + at_update)}
 
 
 def _step_and_check(trainer: Trainer, variant: str) -> float:
@@ -406,9 +415,14 @@ def main(argv=None) -> int:
     for variant, cost in result["window_cost_pct"].items():
         window = result["window"][variant]
         print(f"window_cost(steps={window['steps']}, every={window['every']}) = {cost['total']:.2f}% of a plain step "
-              f"(its stage in check() {cost['in_check']:.2f}%, state copies at step starts {cost['state_copies']:.2f}%;"
+              f"(its stage in check() {cost['in_check']:.2f}%, state copies at step starts {cost['state_copies']:.2f}%,"
+              f" the update factor at optimizer.step() {cost['at_update']:.3f}%;"
               f" {window['states']} states of {window['state_bytes'] / max(window['states'], 1) / 1024:.0f} KiB; "
               f"median check vs window=None {cost['check_median_diff']:+.2f}%)")
+    for variant, cost in result["window_cost_pct"].items():
+        print(f"loop_observation({variant}) = {cost['loop_observation']:.3f}% of a plain step "
+              f"({cost['loop_observation_us']:.1f} us a step: the gradient sample at the check and the update factor "
+              "at optimizer.step(), NOTE: [observed loop]; inside window_cost)")
     print(f"window_overhead = {result['window_overhead_pct']:.1f}% of a checked step (the default window vs "
           "window=None, adjacent blocks)")
     for every, pct in result["tensorboard_overhead_pct"].items():

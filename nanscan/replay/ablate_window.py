@@ -211,8 +211,8 @@ def _judge(replayer: Replayer, evidence: WindowEvidence, factor: Factor, held_ou
         return WindowRow(factor, NOT_RECOVERED, window, beyond_run=len(scales),
                          detail=f"finite over steps {window.start}-{window.step} and {len(scales)} steps past them on "
                                 f"{data} batches, but the loss ended at {ended:.4g} (median of the last {len(tail)}), "
-                                f"{abs(ended / reference):.3g}x its {reference:.4g} before the run diverged (recovered: "
-                                f"at most {LOSS_BAND:g}x)")
+                                f"{abs(ended / reference):.3g}x its {reference:.4g} before the run diverged "
+                                f"(recovered: at most {LOSS_BAND:g}x)")
     if climb is not None and climb[-1] < 1.0:
         return WindowRow(factor, UNCONFIRMED, window, beyond_run=len(scales),
                          detail=f"finite over steps {window.start}-{window.step} and {len(scales)} steps past them, "
