@@ -76,14 +76,20 @@ class UpdateFactorProbe:
         dense = [p for p in trainable if id(p) not in embedded] or trainable
         self._param = max(dense, key=lambda p: p.numel(), default=None)
         grad = self._param.grad if self._param is not None else None
-        host = grad is not None and grad.dtype is torch.float32 and grad.is_cpu and not grad.is_sparse and \
-            grad.is_contiguous() and grad.numel() >= SAMPLE
+        # a plain tensor only: a DTensor's (FSDP2, TP) data_ptr is no address of its values
+        host = type(grad) is torch.Tensor and grad.dtype is torch.float32 and grad.is_cpu and not grad.is_sparse \
+            and grad.is_contiguous() and grad.numel() >= SAMPLE
         self._host = ctypes.c_float * SAMPLE if host else None
 
     def _read(self, grad: torch.Tensor) -> list[float] | torch.Tensor | None:
         """The sample of `grad`: host floats on the host path, else a float32 device copy (None: not readable)."""
-        if self._host is not None and grad.dtype is torch.float32:  # the layout the pick checked
+        if self._host is not None and type(grad) is torch.Tensor and grad.dtype is torch.float32:  # as picked
             return self._host.from_address(grad.data_ptr())[:]
+        if type(grad) is not torch.Tensor:  # a DTensor: this rank's own shard, with no collective
+            to_local = getattr(grad, "to_local", None)
+            if to_local is None:
+                return None
+            grad = to_local()
         if grad.is_sparse or not grad.dtype.is_floating_point:
             return None
         return grad.detach().reshape(-1)[:SAMPLE].to(torch.float32, copy=True)
