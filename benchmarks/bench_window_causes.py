@@ -42,7 +42,7 @@ CASES = (
     ("naive-log-softmax", {"learning_rate": 1.5, "naive_loss": True}, {},
      "a code bug: log(softmax) underflows to log(0); with F.cross_entropy the same rate trains"),
 )
-RECOVERED = 2.0  # the real run's final loss at most this times its first (ablate_window.LOSS_BAND)
+RECOVERED = 2.0  # the real run's final loss at most this times its first (nanscan.runtime.window_ablation.LOSS_BAND)
 
 
 def factor_overrides(key: str, config: dict) -> dict | None:

@@ -49,7 +49,7 @@ class ReplaySpec:
     clip_grad_norm: the loop's own gradient clipping (the max norm it gives clip_grad_norm_ between backward and the
         update), which replay then applies as the loop did; None: the loop does not clip.
     autocast: who enters the run's autocast region around step_fn (NOTE: [replayed precision] in
-        nanscan/replay/step.py): "replay" (the default), nanscan re-applies the region the Monitor recorded, as the
+        nanscan/runtime/rerun_inputs.py): "replay" (the default), nanscan re-applies the region the Monitor recorded, as the
         loop's `with torch.autocast(...)` did; "entry", step_fn enters its own and nanscan leaves it alone.
     The model is built on the device it should run on; replay moves the batch and the bundle's state there.
     """

@@ -1,6 +1,6 @@
 """`nanscan preflight`: before a long run, check the data, then train a few steps from the replay entry on a
 fixed review sample with a scan after every backward and every optimizer step, check the optimizer's settings
-against the parameters' dtypes (nanscan.replay.traps NOTE: [update traps]), and give a go / no-go verdict.
+against the parameters' dtypes (nanscan.runtime.traps NOTE: [update traps]), and give a go / no-go verdict.
 
 The review sample holds normal batches and the boundary batches (the longest samples, the largest input
 magnitude) from the entry's healthy batches. Before the real steps, a canary runs on a copy of the model and
@@ -30,7 +30,7 @@ from nanscan.incident import shown_names
 from nanscan.cli.preflight_options import DEFAULT_SAMPLE_BATCHES, DEFAULT_STEPS
 from nanscan.replay.options import PRECISION_NAMES, StepOptions
 from nanscan.replay.step import StepOutcome, autocast_context, model_device, run_step, with_run_precision
-from nanscan.replay.traps import BREAKS, optimizer_traps
+from nanscan.runtime.traps import BREAKS, optimizer_traps
 from nanscan.engine.stats import ScanReport
 
 # Warn when the largest value is this close (in binades, i.e. factors of two) to a low-precision format's maximum.
@@ -308,7 +308,7 @@ def run_preflight(entry: "str | ReplaySpec", *, config: dict | None = None, step
     """Run the preflight. `entry` is "package.module:function" (called with `config`) or a ReplaySpec.
     `precision`: the autocast dtype the run's loop enters around its forward ("bfloat16", "float16"; None or
     "float32": none), entered around step_fn as replay enters a recorded one, unless the entry enters its own
-    (NOTE: [replayed precision] in nanscan/replay/step.py).
+    (NOTE: [replayed precision] in nanscan/runtime/rerun_inputs.py).
 
     Raises EntryError when the entry cannot be found or does not return a ReplaySpec; every other problem
     (including the entry raising) is a reason in the no-go verdict.

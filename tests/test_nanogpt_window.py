@@ -1,7 +1,7 @@
 """nanoGPT's loop (tests/nanogpt_runs.py: the learning rate set by hand, a warm-up, gradient accumulation checked per
 micro-batch, bf16 autocast on the CPU, clipping) with a learning rate too large for its warm-up: caught at the step
 an independent isfinite check finds, the window rerun micro-batch by micro-batch matching the record, and the
-ablation over the window naming the learning rate, never a precision factor (nanscan.replay.ablate_window NOTE:
+ablation over the window naming the learning rate, never a precision factor (nanscan.runtime.window_ablation NOTE:
 [window ablation]); a longer warm-up to the same peak only delays it."""
 
 from __future__ import annotations

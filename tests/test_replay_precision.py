@@ -1,4 +1,4 @@
-"""The run's precision in replay (NOTE: [replayed precision] in nanscan/replay/step.py): a bfloat16-autocast run is
+"""The run's precision in replay (NOTE: [replayed precision] in nanscan/runtime/rerun_inputs.py): a bfloat16-autocast run is
 replayed, ablated, exported and rehearsed in bfloat16 through an entry that has no autocast of its own; an entry
 that declares its own (ReplaySpec.autocast="entry") is left alone; the precision ablation rows apply whether or not
 the run autocast, and where the entry's own region overrides one, the row says so.

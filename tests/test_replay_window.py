@@ -1,4 +1,4 @@
-"""`nanscan replay --window` (nanscan.replay.window NOTE: [window replay]): the bundle's window rerun from its oldest
+"""`nanscan replay --window` (nanscan.runtime.window_rerun NOTE: [window replay]): the bundle's window rerun from its oldest
 kept state reproduces a divergence that built up over many steps at its recorded step, matching the recorded
 history on the way; a factor applied over the window (the learning rate) keeps it finite; a fault outside the
 replay entry is not reproduced, and says so; what the window cannot rerun is refused with the reason."""
@@ -159,7 +159,7 @@ def test_record_window_replay_changes_nothing_the_second_time(tmp_path):
     assert torch.isfinite(torch.tensor(result.steps[0].loss))
 
 
-# -- ablate --window (nanscan.replay.ablate_window NOTE: [window ablation]) ---------------------------------------
+# -- ablate --window (nanscan.runtime.window_ablation NOTE: [window ablation]) ---------------------------------------
 
 def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_factor(diverged):
     from nanscan.replay.ablate_window import CONFIRMED, ablate_window, horizon, lr_summary
@@ -188,7 +188,7 @@ def test_the_single_step_ablation_cannot_see_the_learning_rate(diverged):
 
 
 def test_a_factor_that_only_postpones_the_divergence_delays_it(diverged):
-    from nanscan.replay.ablate_window import DELAYS, gaining
+    from nanscan.runtime.window_ablation import DELAYS, gaining
 
     assert gaining([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]) == pytest.approx(7.0)
     assert gaining([1.0, 2.0, 1.5, 3.0, 2.5, 4.0, 3.0, 5.0]) is None  # noisy, not step after step

@@ -5,7 +5,7 @@ with a replay entry written per the docs that declares neither clipping nor the 
 an independent isfinite check finds, warned long before, the window rerun matching the record at every step from
 what the Monitor observed (nanscan.runtime.loop_effects NOTE: [observed loop]), and the ablation over the window
 judging each factor past the failing step for twice the steps it took to fail, the loss held to its level before
-the divergence (nanscan.replay.ablate_window NOTE: [window ablation])."""
+the divergence (nanscan.runtime.window_ablation NOTE: [window ablation])."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ _HOMES = {
     "summarize_values": "nanscan.runtime.localize",
     "OpSite": "nanscan.runtime.ops", "OpTracer": "nanscan.runtime.ops",
     "StepOptions": "nanscan.runtime.step_options",
-    "Trap": "nanscan.replay.traps", "optimizer_traps": "nanscan.replay.traps",
+    "Trap": "nanscan.runtime.traps", "optimizer_traps": "nanscan.runtime.traps",
     "Replayer": "nanscan.replay.replayer", "open_bundle": "nanscan.replay.replayer",
     "ReplayResult": "nanscan.replay.reproduce", "localize": "nanscan.replay.reproduce",
     "record_replay": "nanscan.replay.reproduce", "recorded_replay": "nanscan.replay.reproduce",
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.replay.replayer import Replayer, open_bundle
     from nanscan.replay.reproduce import ReplayResult, localize, record_replay, recorded_replay, replay
     from nanscan.replay.step import ReplayError, select_samples
-    from nanscan.replay.traps import Trap, optimizer_traps
+    from nanscan.runtime.traps import Trap, optimizer_traps
     from nanscan.runtime.localize import Localization, ValueSummary, summarize_values
     from nanscan.runtime.ops import OpSite, OpTracer
     from nanscan.runtime.rerun import PRECISIONS, StepOutcome, run_step

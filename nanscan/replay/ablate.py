@@ -413,7 +413,7 @@ def _holds_window(bundle: Path) -> bool:
 
 
 def _ablate_window(bundle, entry, trust_bundle_paths, beyond, no_record, as_json, console) -> None:
-    """`ablate --window` (nanscan.replay.ablate_window NOTE: [window ablation])."""
+    """`ablate --window` (nanscan.runtime.window_ablation NOTE: [window ablation])."""
     from nanscan.replay.ablate_window import (ablate_window, print_window_ablation,  # noqa: PLC0415
                                               record_window_ablation)
 

@@ -112,7 +112,7 @@ def replay_command(bundle, entry, trust_bundle_paths, runs, no_bisect, no_record
 
 
 def _replay_window(bundle, entry, trust_bundle_paths, no_record, as_json, console) -> None:
-    """`replay --window` (nanscan.replay.window NOTE: [window replay])."""
+    """`replay --window` (nanscan.runtime.window_rerun NOTE: [window replay])."""
     from nanscan.runtime.localize import fmt_value  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
     from nanscan.replay.window import record_window_replay, replay_window  # noqa: PLC0415
 

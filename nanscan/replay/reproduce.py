@@ -29,7 +29,7 @@ from nanscan.incident import (INTERMITTENT, LOSS, NOT_REPRODUCED, PERSISTENT, RE
                               is_kind)
 from nanscan.integrations.rebuild import MICRO_BATCHES
 from nanscan.runtime.ops import OpSite, op_markdown
-from nanscan.replay.traps import BREAKS, optimizer_traps
+from nanscan.runtime.traps import BREAKS, optimizer_traps
 from nanscan.replay.options import DEFAULT_RUNS
 from nanscan.replay.replayer import Replayer
 from nanscan.replay.step import ReplayError, StepOptions, StepOutcome
@@ -363,7 +363,7 @@ def replay_markdown(result: ReplayResult) -> str:
 
 def update_finding(replayer: Replayer, options: StepOptions, failing: StepOutcome) -> dict:
     """What a non-finite update broke (its parameters and state tensors, from the replayed step) and the numeric
-    traps of its optimizer's settings against the dtypes (nanscan.replay.traps NOTE: [update traps]), the lr * grad
+    traps of its optimizer's settings against the dtypes (nanscan.runtime.traps NOTE: [update traps]), the lr * grad
     check from the replayed step's gradients."""
     spec, optimizer, _ = replayer.prepare(options)
     params = dict(spec.model.named_parameters())

@@ -21,7 +21,7 @@ training mode updates (BatchNorm's statistics) are copied and restored, each mod
 RNG streams are taken before and restored after (the loop's random stream goes on as if no rerun happened), and the
 Monitor's step-start hook is disarmed. The rerun draws from the RNG states taken at the step's start (the same
 dropout masks as the failing forward; for a micro-batch after the first, the masks differ, and the finding says
-so), under the autocast region recorded for the step (nanscan.replay.step NOTE: [replayed precision]: a step_fn
+so), under the autocast region recorded for the step (nanscan.runtime.rerun_inputs NOTE: [replayed precision]: a step_fn
 that enters its own region overrides it), with the run's own kernels (not deterministic algorithms: the question
 is whether this step, as the run computes it, fails). Without an optimizer step: the rerun ends at the gradients.
 

@@ -3,7 +3,7 @@ the factor its optimizer.step() finds them multiplied by (gradient clipping, a G
 optimizer step pre-hook against a small sample of the gradients the check scanned (NOTE: [observed loop]).
 
 NOTE: [observed loop]
-A rerun of the run's window (nanscan.replay.window NOTE: [window replay]) is faithful only if it does what the loop
+A rerun of the run's window (nanscan.runtime.window_rerun NOTE: [window replay]) is faithful only if it does what the loop
 did between the backward and the update, and the loop's code there is not the Monitor's to read. Two things are
 observed at every step of a window, cheaply, and recorded with each of its checks (WindowStep.loss,
 WindowStep.update_factor):
