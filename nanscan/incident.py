@@ -39,6 +39,9 @@ SPIKE = "spike"
 # The other rule behind a spike bundle (Spike.kind, nanscan.runtime.spikes NOTE: [growth rule]): the loss or the
 # gradient norm kept gaining binades to a new high; it needs no window, so it speaks from the first steps.
 GROWTH = "growth"
+# The third (nanscan.runtime.spikes NOTE: [elevated rule]): the loss or the gradient norm jumped and stays up, several
+# binades above its first step, for several finite steps in a row, without rising step after step.
+ELEVATED = "elevated"
 # Kinds of tensor in the order of the categories; a category names its own kind.
 KINDS = (*CATEGORIES, OTHER)
 

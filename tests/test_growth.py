@@ -18,7 +18,7 @@ from torch import nn
 
 from nanscan import demo as D
 from nanscan import load_bundle
-from nanscan.incident import GROWTH, SPIKE, SpikeWarning
+from nanscan.incident import ELEVATED, GROWTH, SPIKE, SpikeWarning
 from nanscan.runtime.monitor import Monitor
 from nanscan.runtime.spikes import QUANTITIES, DeviceStats, HostStats, SpikeRule, binade_growth, scores_from_verdict
 
@@ -41,7 +41,8 @@ MORE_HEALTHY = {
     "bf16-dropout-lr1e-2-accum4": {**N.BASE, **LR_1E2, "dropout": 0.1, "accum": 4},
 }
 DIVERGING = {"bf16": N.DIVERGING, "float32": {**N.DIVERGING, **FLOAT32}}
-WARNED_STEP = re.compile(r"(?:spike|growth) at step (\d+)")
+WARNED_STEP = re.compile(r"(?:spike|growth|elevated) at step (\d+)")
+RULE = re.compile(r"(spike|growth|elevated) at step")
 
 
 def warned_steps(run: N.NanoRun) -> list[int]:
@@ -81,7 +82,7 @@ def test_host_and_device_grow_by_the_definition_on_every_step():
     """Random walks with bursts of growth, some steps without a loss and some not ok (a scaler's overflow skip: not
     judged, not added): every step's growth scores are those of binade_growth over the quantity's finite history,
     on the host and on the device alike."""
-    rule = SpikeRule(threshold=1e9)  # the spike statistic never fires: every score is the growth rule's
+    rule = SpikeRule(threshold=1e9, elevated_steps=0)  # only the growth rule fires
     rng = np.random.default_rng(7)
     steps = 800
     logs = np.cumsum(rng.normal(0.02, 0.15, size=(steps, 2)), axis=0)  # drifting up: new highs are common
@@ -94,7 +95,7 @@ def test_host_and_device_grow_by_the_definition_on_every_step():
     seen: list[list[float]] = [[], []]
     found = 0
     for step in range(steps):
-        verdict = device.observe(torch.tensor(logs[step]), torch.tensor(bool(bad[step]))).numpy()
+        verdict = device.observe(torch.tensor(logs[step]), torch.tensor(bool(bad[step])))[0].numpy()
         if bad[step]:
             assert verdict[4].sum() == 0
             continue
@@ -196,7 +197,7 @@ def test_raise_raises_it_and_growth_steps_0_turns_the_rule_off(tmp_path):
     assert raised.value.step == GROWTH_FROM and raised.value.spike.kind == GROWTH
     with warnings.catch_warnings():
         warnings.simplefilter("error", SpikeWarning)
-        monitor, _ = growing_run(tmp_path / "off", spike_rule=SpikeRule(growth_steps=0))
+        monitor, _ = growing_run(tmp_path / "off", spike_rule=SpikeRule(growth_steps=0, elevated_steps=0))
     assert monitor.spikes == []
 
 
@@ -211,14 +212,16 @@ def diverging(tmp_path_factory):
 def test_the_diverging_nanogpt_run_is_warned_before_its_nan(diverging):
     print("\n| run | first warning | its rule | first non-finite | lead |\n|---|---:|---|---:|---:|")
     for name, run in diverging.items():
-        kind = GROWTH if run.warnings and "growth at step" in run.warnings[0][1] else SPIKE
+        kind = RULE.search(run.warnings[0][1]).group(1) if run.warnings else None
         lead = None if run.first_warning is None else run.nonfinite_step - run.first_warning
         print(f"| nanoGPT {name} | {run.first_warning} | {kind} | {run.nonfinite_step} | {lead} |")
     for name, run in diverging.items():
         assert run.nonfinite_step is not None and run.nonfinite_step < SpikeRule().warmup, name
         assert run.first_warning is not None, f"nanoGPT {name} was never warned about"
         assert run.nonfinite_step - run.first_warning >= LEAD[name], (name, run.first_warning, run.nonfinite_step)
-        assert "growth at step" in run.warnings[0][1]
+        # inside the spike statistic's warm-up: the growth rule, or the elevated rule (nanscan.runtime.spikes NOTE:
+        # [elevated rule]: the bf16 run's loss stays 8x above its first step from its 8th check on)
+        assert RULE.search(run.warnings[0][1]).group(1) in (GROWTH, ELEVATED)
 
 
 def test_async_warns_the_same_steps_as_sync(tmp_path, diverging):

@@ -95,7 +95,7 @@ def test_host_and_device_statistics_agree():
     logs[45] += [0.0, 5.0]  # a gradient-norm spike
     host, device = HostStats(rule), DeviceStats(rule, torch.device("cpu"))
     for step, values in enumerate(logs):
-        got = scores_from_verdict(device.observe(torch.tensor(values), torch.tensor(False)).numpy(), rule)
+        got = scores_from_verdict(device.observe(torch.tensor(values), torch.tensor(False))[0].numpy(), rule)
         want = host.observe(list(values))
         assert [s.quantity for s in got] == [s.quantity for s in want], step
         assert [s.z for s in got] == pytest.approx([s.z for s in want], rel=1e-12), step
@@ -134,7 +134,7 @@ def test_a_non_finite_step_is_neither_judged_nor_counted():
     device = DeviceStats(rule, torch.device("cpu"))
     for _ in range(4):
         device.observe(torch.zeros(2, dtype=torch.float64), torch.tensor(False))
-    verdict = device.observe(torch.full((2,), 9.0, dtype=torch.float64), torch.tensor(True))
+    verdict, _ = device.observe(torch.full((2,), 9.0, dtype=torch.float64), torch.tensor(True))
     assert verdict[0].sum() == 0 and torch.isnan(device.window[4]).all()
 
 

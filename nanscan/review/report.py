@@ -23,8 +23,8 @@ import numpy as np
 
 from nanscan.engine import _layout as L
 from nanscan.engine.headroom import FORMATS, Format, headroom, headroom_by_kind
-from nanscan.incident import (GROWTH, KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE, explain_category,
-                              module_layer, tensor_kind)
+from nanscan.incident import (ELEVATED, GROWTH, KINDS, LOSS, NONFINITE, PREFIX, REASON_EXPLANATIONS, SPIKE,
+                              explain_category, module_layer, tensor_kind)
 
 SUMMARY_SCHEMA = "nanscan.review.report/1"
 
@@ -669,9 +669,12 @@ def _spike_list(spikes: list[dict]) -> str:
 
 def _spike_rows(spike: dict) -> tuple[list[list[str]], list[list[str]]]:
     """(score rows, first-moving rows) of a spike summary, as text cells. A growth's score (NOTE: [growth rule])
-    holds the value where the growth began as its median and the binades gained as its z."""
-    scores = [[s["quantity"] + (" (growth)" if s.get("kind") == GROWTH else ""), _fmt(s["value"]), _fmt(s["median"]),
-               f"{s['ratio']:.3g}x", f"+{s['z']:.1f} binades" if s.get("kind") == GROWTH else f"{s['z']:.1f}"]
+    holds the value where the growth began as its median and the binades gained as its z; an elevated one's (NOTE:
+    [elevated rule]) the first step's value and the binades above it."""
+    by_rule = (GROWTH, ELEVATED)
+    scores = [[s["quantity"] + (f" ({s['kind']})" if s.get("kind") in by_rule else ""), _fmt(s["value"]),
+               _fmt(s["median"]), f"{s['ratio']:.3g}x",
+               f"+{s['z']:.1f} binades" if s.get("kind") in by_rule else f"{s['z']:.1f}"]
               for s in spike["scores"]]
     moving = [[t["layer"], t["name"], str(t["onset"]), f"{t['ratio']:.3g}x", f"{t['z']:.1f}"]
               for t in spike["first_moving"]]
@@ -679,9 +682,12 @@ def _spike_rows(spike: dict) -> tuple[list[list[str]], list[list[str]]]:
 
 
 def _spike_title(spike: dict) -> str:
-    growth = any(s.get("kind") == GROWTH for s in spike["scores"])
-    if growth:
+    kinds = {s.get("kind") for s in spike["scores"]}
+    if GROWTH in kinds:
         return "growth: still rising over its last finite steps, by binades, to a new high (start: where it began)"
+    if ELEVATED in kinds:
+        return (f"elevated: {spike['window']} finite steps in a row far above the first step's value (start: the "
+                "first step's)")
     return f"spike against the last {spike['window']} finite steps (log space, median and MAD)"
 
 

@@ -53,6 +53,29 @@ only at a new high that gained the binades, the rare case (under a microsecond a
 state is a [growth_steps, 2] tensor and a [2] one, shifted and judged by a dozen small element-wise operations
 beside the spike statistic's, with no host sync, so that the growth flag joins the spike flag in `found_inf` (for
 spikes="skip") in the step it belongs to: on CPU tensors DeviceStats.observe went from 67 to 120 us a step.
+
+NOTE: [elevated rule]
+A loss that jumps at once and then stays up (karpathy's train.py at learning rate 15: 4.5 to 45 at iteration 1, then
+100 to 900 for 27 iterations before its NaN) is neither rule's: the jump lands inside the spike statistic's warm-up
+and stays, so it becomes the window's median, and a plateau does not rise step after step. The elevated rule
+compares each quantity with its own first finite value: it fires at the step a quantity has been at least
+`elevated_binades` binades above that value for `elevated_steps` finite steps in a row (once per entry: a quantity
+that stays up does not fire again until it has come down and gone up again). The reference is the first step's
+value itself, not a median of the first few: the run being warned about may jump at its second step. It is judged
+over each quantity's first `warmup + elevated_steps` finite steps only, the span where the spike statistic is
+blind to a jump that stayed (the jump becomes its window's median); later a jump is the spike statistic's, and a
+slow drift far from the first step (a gradient norm over thousands of steps) is no alarm.
+
+Defaults, measured (the largest run of `elevated_steps` finite values, each at least that many binades above the
+first, by quantity) on tests/spike_runs.py's 4 healthy runs (320 steps: 1.21 binades, the gradient norm after a
+new epoch's loss bump; 1.41 over 6 steps), the 10 healthy nanoGPT-like configurations above (200 steps, per
+micro-batch and per step: 0.71) and the fp16 GradScaler runs of tests/test_growth.py (which assert no warning):
+so 8 steps and 3 binades (8x), a margin of 1.8 binades. nanoGPT with a learning rate of 30 fires at its 8th
+check (a fault the growth rule warns about too), train.py at 15 and 30 (tests/karpathy_train.py) at its 8th
+step, 20 steps before its NaN. It runs on the same kept steps and through the same policies and episodes as the
+others (a step past several rules is reported as the spike statistic's, else the growth rule's). A run whose loss
+legitimately climbs far above its start (a loss weight ramped up from near zero) warns once: turn it off with
+SpikeRule(elevated_steps=0).
 """
 
 from __future__ import annotations
@@ -68,7 +91,7 @@ import numpy as np
 import torch
 
 from nanscan.engine import _layout as L
-from nanscan.incident import GROWTH, LOSS, SPIKE, is_kind, layer_of
+from nanscan.incident import ELEVATED, GROWTH, LOSS, SPIKE, is_kind, layer_of
 from nanscan.engine.pending import CompletedScan, StepScan
 from nanscan.engine.stats import Scaling, ScannedTensor, ScanReport, gradient_rows, lower_median
 
@@ -109,6 +132,9 @@ class SpikeRule:
     # NOTE: [growth rule]; growth_steps=0 turns it off
     growth_steps: int = 8
     growth_binades: float = 3.0
+    # NOTE: [elevated rule]; elevated_steps=0 turns it off
+    elevated_steps: int = 8
+    elevated_binades: float = 3.0
 
     def __post_init__(self):
         if not (isinstance(self.window, int) and isinstance(self.warmup, int) and 1 <= self.warmup <= self.window):
@@ -121,20 +147,25 @@ class SpikeRule:
                 and self.growth_binades > 0):
             raise ValueError(f"SpikeRule(growth_steps={self.growth_steps!r}, growth_binades={self.growth_binades!r}): "
                              "need growth_steps 0 (no growth rule) or an integer >= 3, and growth_binades > 0")
+        if not (isinstance(self.elevated_steps, int) and self.elevated_steps >= 0 and self.elevated_binades > 0):
+            raise ValueError(f"SpikeRule(elevated_steps={self.elevated_steps!r}, elevated_binades="
+                             f"{self.elevated_binades!r}): need elevated_steps 0 (no elevated rule) or a positive "
+                             "integer, and elevated_binades > 0")
 
 
 @dataclass(frozen=True)
 class Score:
     """One quantity at a spike: its value, the window's median, how many times the median, and the robust z. Of
     the growth rule (kind GROWTH): `median` is the value `growth_steps` finite steps back, where the growth began,
-    `ratio` how many times that, and `z` the binades gained (log2 of the ratio)."""
+    `ratio` how many times that, and `z` the binades gained (log2 of the ratio). Of the elevated rule (kind
+    ELEVATED): `median` is the quantity's first finite value, `ratio` how many times that, `z` its binades above it."""
 
     quantity: str
     value: float
     median: float
     ratio: float
     z: float
-    kind: str = SPIKE  # the rule it passed: SPIKE (NOTE: [spike statistic]) or GROWTH (NOTE: [growth rule])
+    kind: str = SPIKE  # the rule it passed: SPIKE (NOTE: [spike statistic]), GROWTH (NOTE: [growth rule]) or ELEVATED
 
 
 @dataclass(frozen=True)
@@ -155,7 +186,8 @@ class Spike:
 
     @property
     def kind(self) -> str:
-        """Which rule fired: SPIKE (the spike statistic) or GROWTH (the growth rule); a step past both is a spike."""
+        """Which rule fired: SPIKE (the spike statistic), GROWTH (the growth rule) or ELEVATED (the elevated rule);
+        a step past several is the first of those."""
         return self.scores[0].kind
 
     @property
@@ -174,6 +206,12 @@ class Spike:
                               f"{s.median:.4g})" for s in self.scores)
             text = (f"growth at step {self.step}: {shown} over its last {self.window} finite steps, rising at all but "
                     f"at most one, to its highest yet (growth rule: >= {self.rule.growth_binades:g} binades)")
+        elif self.kind == ELEVATED:
+            shown = "; ".join(f"{s.quantity} {s.value:.4g} is {s.ratio:.3g}x its first step's {s.median:.4g}"
+                              for s in self.scores)
+            text = (f"elevated at step {self.step}: {shown}, and has stayed at least "
+                    f"{2 ** self.rule.elevated_binades:g}x above it for {self.window} finite steps in a row (elevated "
+                    f"rule: a jump that did not come back down)")
         else:
             shown = "; ".join(f"{s.quantity} {s.value:.4g} is {s.ratio:.3g}x its median {s.median:.4g} (robust z "
                               f"{s.z:.1f} > {self.rule.threshold:g}, log space)" for s in self.scores)
@@ -287,6 +325,12 @@ def binade_growth(logs: Sequence[float], steps: int = SpikeRule.growth_steps,
     return gain / LN2 if rises >= steps - 2 else None
 
 
+def elevated_score(quantity: str, log_value: float, log_first: float) -> Score:
+    """The Score of a quantity the elevated rule fired on, from its log now and at its first finite step."""
+    return Score(quantity, math.exp(log_value), math.exp(log_first), math.exp(log_value - log_first),
+                 (log_value - log_first) / LN2, ELEVATED)
+
+
 def growth_score(quantity: str, log_value: float, log_start: float) -> Score:
     """The Score of a quantity the growth rule fired on, from its log now and `growth_steps` finite steps back."""
     return Score(quantity, math.exp(log_value), math.exp(log_start), math.exp(log_value - log_start),
@@ -310,13 +354,18 @@ class HostStats:
         self.tails = [deque(maxlen=rule.growth_steps) for _ in QUANTITIES]  # the growth rule's last finite logs
         self.highs = [-math.inf for _ in QUANTITIES]  # the run's highest log so far
         self._min_log_gain = rule.growth_binades * LN2
+        self.firsts = [math.nan for _ in QUANTITIES]  # NOTE: [elevated rule]: each quantity's first finite log
+        self.above = [0 for _ in QUANTITIES]  # finite steps in a row at least elevated_binades above it
+        self.seen = [0 for _ in QUANTITIES]  # finite steps so far, up to the rule's span
+        self._elevated_span = rule.warmup + rule.elevated_steps if rule.elevated_steps else 0
+        self._min_log_rise = rule.elevated_binades * LN2
         self.span = 0
 
     def observe(self, logs: Sequence[float]) -> list[Score]:
-        """Judge one finite step's log values against the window and the growth rule, then add them; the scores
-        past the spike statistic, else those past the growth rule. `span` is then the most steps a window held
-        before this one."""
-        found, grown = [], []
+        """Judge one finite step's log values against the window, the growth rule and the elevated rule, then add
+        them; the scores past the spike statistic, else those past the growth rule, else the elevated rule's.
+        `span` is then the most steps a window held before this one."""
+        found, grown, raised = [], [], []
         span = 0
         steps = self.rule.growth_steps
         for q, (quantity, window, ordered, v) in enumerate(zip(QUANTITIES, self.windows, self._sorted, logs)):
@@ -343,10 +392,19 @@ class HostStats:
                     if len(tail) == steps and v - tail[0] >= self._min_log_gain and \
                             binade_growth(tail, steps, self.rule.growth_binades, high) is not None:
                         grown.append(growth_score(quantity, v, tail[0]))
+            if self.seen[q] < self._elevated_span:
+                self.seen[q] += 1
+                first = self.firsts[q]
+                if first != first:  # NaN: this is the quantity's first finite step
+                    self.firsts[q] = first = v
+                self.above[q] = self.above[q] + 1 if v - first >= self._min_log_rise else 0
+                if self.above[q] == self.rule.elevated_steps:
+                    raised.append(elevated_score(quantity, v, first))
         self.span = span
-        if found:
-            return sorted(found, key=lambda s: -s.z)
-        return sorted(grown, key=lambda s: -s.z) if grown else grown
+        for scores in (found, grown, raised):
+            if scores:
+                return sorted(scores, key=lambda s: -s.z)
+        return found
 
 
 def _score(quantity: str, v: float, window: list[float], m: float, rule: SpikeRule) -> Score | None:
@@ -362,8 +420,10 @@ class DeviceStats:
     """The same statistic and growth rule on the records' device, with no host sync: the window is a float64
     [window, 2] tensor whose non-finite steps hold NaN (ignored by nanmedian), written in turn; the growth rule's
     last finite logs a [growth_steps, 2] one, oldest first, shifted only where the step is kept (NaN until filled),
-    and the run's high a [2] one. `observe` returns the step's verdict as a float64 [6, 2] tensor (per quantity:
-    spiked 0/1, log value, median, z, grown 0/1, log `growth_steps` finite steps back) still on the device."""
+    and the run's high a [2] one; the elevated rule's first finite logs and steps in a row above them [2] ones.
+    `observe` returns the step's verdict as a float64 [8, 2] tensor (per quantity: spiked 0/1, log value, median,
+    z, grown 0/1, log `growth_steps` finite steps back, elevated 0/1, first log) still on the device, and whether
+    any rule fired, a bool tensor beside it."""
 
     def __init__(self, rule: SpikeRule, device: torch.device):
         self.rule = rule
@@ -371,9 +431,12 @@ class DeviceStats:
         self.tail = torch.full((max(rule.growth_steps, 1), len(QUANTITIES)), math.nan, dtype=torch.float64,
                                device=device)
         self.high = torch.full((len(QUANTITIES),), -math.inf, dtype=torch.float64, device=device)
+        self.first = torch.full((len(QUANTITIES),), math.nan, dtype=torch.float64, device=device)
+        self.above = torch.zeros(len(QUANTITIES), dtype=torch.float64, device=device)
+        self.seen = torch.zeros(len(QUANTITIES), dtype=torch.float64, device=device)
         self.count = 0
 
-    def observe(self, logs: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    def observe(self, logs: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rule, window = self.rule, self.window
         kept = ~bad & (logs == logs)  # a finite step that has the quantity (NaN != NaN): the rules' steps
         m = window.nanmedian(dim=0).values
@@ -384,10 +447,22 @@ class DeviceStats:
         spiked = enough & (z > rule.threshold) & (logs - m > math.log(rule.min_ratio)) & kept
         window[self.count % rule.window] = torch.where(kept, logs, math.nan)
         self.count += 1
-        if not rule.growth_steps:
-            return torch.stack([spiked.to(torch.float64), logs, m, z, torch.zeros_like(logs), logs])
-        grown, start = self._grow(logs, kept)
-        return torch.stack([spiked.to(torch.float64), logs, m, z, grown.to(torch.float64), start])
+        grown, start = self._grow(logs, kept) if rule.growth_steps else (torch.zeros_like(kept), logs)
+        raised = self._raise(logs, kept) if rule.elevated_steps else torch.zeros_like(kept)
+        verdict = torch.stack([spiked.to(torch.float64), logs, m, z, grown.to(torch.float64), start,
+                               raised.to(torch.float64), self.first])
+        return verdict, (spiked | grown | raised).any()
+
+    def _raise(self, logs: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """NOTE: [elevated rule] on the device: a kept step sets the first log where none is yet, and counts one
+        more step in a row above it, or starts again from 0; it fires when the count reaches elevated_steps within
+        the quantity's first warmup + elevated_steps kept steps."""
+        self.seen = self.seen + kept.to(torch.float64)
+        self.first = torch.where(kept & torch.isnan(self.first), logs, self.first)
+        up = logs - self.first >= self.rule.elevated_binades * LN2
+        self.above = torch.where(kept, torch.where(up, self.above + 1, torch.zeros_like(self.above)), self.above)
+        return kept & (self.above == self.rule.elevated_steps) & \
+            (self.seen <= self.rule.warmup + self.rule.elevated_steps)
 
     def _grow(self, logs: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NOTE: [growth rule] on the device, in binade_growth's terms: a kept step joins the tail; it grew when it
@@ -402,13 +477,17 @@ class DeviceStats:
 
 
 def scores_from_verdict(verdict: np.ndarray, rule: SpikeRule) -> list[Score]:
-    """The Scores of a DeviceStats verdict copied to the host: the spike statistic's, else the growth rule's."""
+    """The Scores of a DeviceStats verdict copied to the host: the spike statistic's, else the growth rule's, else
+    the elevated rule's."""
     found = [Score(q, math.exp(verdict[1, i]), math.exp(verdict[2, i]), math.exp(verdict[1, i] - verdict[2, i]),
                    float(verdict[3, i]))
              for i, q in enumerate(QUANTITIES) if verdict[0, i] > 0]
     if not found:
         found = [growth_score(q, float(verdict[1, i]), float(verdict[5, i]))
                  for i, q in enumerate(QUANTITIES) if verdict[4, i] > 0]
+    if not found:
+        found = [elevated_score(q, float(verdict[1, i]), float(verdict[7, i]))
+                 for i, q in enumerate(QUANTITIES) if verdict[6, i] > 0]
     return sorted(found, key=lambda s: -s.z)
 
 
@@ -512,7 +591,7 @@ class SpikeWatch:
         if self.device is None:
             self.device = DeviceStats(self.rule, logs.device)
         flag = scan.found_inf
-        verdict = self.device.observe(logs, (flag > 0).to(logs.device))
+        verdict, fired = self.device.observe(logs, (flag > 0).to(logs.device))
         self._pending = _DeviceStep(step, verdict)
         if verdict.device.type == "cuda":
             if self._pinned is None:
@@ -520,8 +599,7 @@ class SpikeWatch:
             self._pinned.copy_(verdict, non_blocking=True)
             self._pending.event = torch.cuda.Event()
             self._pending.event.record(torch.cuda.current_stream(verdict.device))
-        # rows 0 and 4: spiked and grown (a strided view; a list index would copy its indices to the device)
-        return (verdict[::4].amax() > 0).to(torch.float32).to(flag.device, non_blocking=True)
+        return fired.to(torch.float32).to(flag.device, non_blocking=True)
 
     def _step_logs(self, scan: StepScan, tensors: tuple[ScannedTensor, ...], scaling: Scaling | None) -> torch.Tensor:
         rows = self.rows(tensors)
@@ -557,9 +635,10 @@ class SpikeWatch:
         return self._spike(step, scores, span)
 
     def _spike(self, step: int, scores: list[Score], span: int) -> Spike:
-        """The Spike of `scores`, over the steps its rule judged: the growth rule's last growth_steps, else the
-        spike statistic's window (`span` steps)."""
-        window = self.rule.growth_steps if scores and scores[0].kind == GROWTH else span
+        """The Spike of `scores`, over the steps its rule judged: the growth rule's last growth_steps, the elevated
+        rule's elevated_steps, else the spike statistic's window (`span` steps)."""
+        kind = scores[0].kind if scores else SPIKE
+        window = self.rule.growth_steps if kind == GROWTH else self.rule.elevated_steps if kind == ELEVATED else span
         return Spike(step, tuple(scores), window, self.rule)
 
     def attributed(self, spike: Spike, entries: Sequence[tuple[Any, ScanReport]]) -> Spike:
