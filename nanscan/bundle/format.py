@@ -119,6 +119,11 @@ WINDOW_REPLAY_FINDING = "replay:window"
 RERUN_FINDING = "rerun"
 
 
+# The Monitor's in-process diagnosis over the window (Monitor(step_fn=...), nanscan.runtime.incident_diagnosis): its
+# conclusion; its rows are WINDOW_REPLAY_FINDING and the window ablation's.
+DIAGNOSIS_FINDING = "diagnosis"
+
+
 # A rollback the Monitor made at the incident (on_invalid=Rollback(...), nanscan.runtime.rollback).
 ROLLBACK_FINDING = "rollback"
 

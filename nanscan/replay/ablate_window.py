@@ -14,8 +14,8 @@ from nanscan.replay.reproduce import suspicious_samples
 # re-exported: the tools' names
 from nanscan.runtime.window_ablation import (CONFIRMED, DEFAULT_BEYOND, DELAYS, EARLIER, NO_EFFECT,  # noqa: F401
                                              NOT_APPLIED, NOT_JUDGED, NOT_RECOVERED, UNCONFIRMED, WindowAblation,
-                                             WindowRow, ablate_over_window, horizon, loss_before_divergence,
-                                             lr_summary, record_window_ablation)
+                                             WindowRow, ablate_over_window, conclusion, horizon,
+                                             loss_before_divergence, lr_summary, record_window_ablation)
 
 
 def ablate_window(bundle: Bundle | str | os.PathLike, entry: str | None = None, *, beyond: int = DEFAULT_BEYOND,
@@ -44,13 +44,6 @@ def print_window_ablation(result: WindowAblation, console) -> None:
         color = colors.get(row.verdict, "white")
         table.add_row(escape(row.factor.label), f"[{color}]{escape(row.verdict)}[/{color}]", escape(row.detail))
     console.print(table)
-    summary = lr_summary(result)
-    if summary:
-        console.print(summary, highlight=False, markup=False)
-    elif result.fixes:
-        console.print("confirmed fix over the window: " + ", ".join(r.factor.label for r in result.fixes),
-                      highlight=False, markup=False)
-    else:
-        console.print("no single factor is a confirmed fix over the window", highlight=False, markup=False)
+    console.print(conclusion(result), highlight=False, markup=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False, markup=False)

@@ -263,6 +263,7 @@ class MonitorSide(Protocol):
     bundle_path: Path | None
     bundle_error: BaseException | None
     rerun: Any  # the in-process rerun's result (Monitor(step_fn=...)), None until one ran
+    diagnosis: Any  # the in-process diagnosis over the window (Monitor(step_fn=...)), None until one ran
 
     def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                  sample_ids: Any, started: bool) -> Incident: ...
@@ -276,6 +277,8 @@ class MonitorSide(Protocol):
 
     def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: Any,
                        read_at: str | None, sharded: str | None = None) -> None: ...
+
+    def diagnose_incident(self, path: Path | None, step: int) -> None: ...
 
 
 class Agreement:
@@ -527,6 +530,7 @@ class Agreement:
         if rerun:  # before the gather: a rank that raised first could end the job while this one reruns
             monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
                                    sharded=_sharded(monitor.model), report=report)
+        monitor.diagnose_incident(path, step)  # every rank: each part says the same of the window
         return path, None
 
     def _involved(self, verdict: Verdict) -> bool:
@@ -634,6 +638,8 @@ class Agreement:
             text += f"; the replicas differed too, in the {', '.join(verdict.replica_groups).replace('_', ' ')}"
         if monitor.rerun is not None:
             text += f"; rerun in process on this rank: {monitor.rerun.headline()}"
+        if monitor.diagnosis is not None:
+            text += f"; diagnosis over the window in process: {monitor.diagnosis.headline()}"
         return self._with_evidence(monitor, text)
 
     @staticmethod

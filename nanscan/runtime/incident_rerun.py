@@ -181,25 +181,29 @@ def function_name(fn: Callable) -> str:
 
 
 @contextlib.contextmanager
-def set_aside(model: torch.nn.Module, optimizer: Any,
-              state: tuple[dict, dict | None] | None) -> Iterator[Callable[[], None]]:
+def set_aside(model: torch.nn.Module, optimizer: Any, state: tuple[dict, dict | None] | None, *,
+              weights: bool = False) -> Iterator[Callable[[], None]]:
     """Everything a rerun changes, put back afterwards (NOTE: [in-process rerun]): the gradients (by reference),
-    the buffers (copied), the RNG streams, and with `state` (the step's start, from snapshot="cpu") the weights and
-    optimizer state, which it loads after setting the live ones aside on the host. Yields a function that puts the
-    buffers back to the step's start, for each pass to begin from them (a forward in training mode moves BatchNorm's
-    statistics)."""
+    the buffers (copied), the modules' train/eval modes, the tensors' dtypes, the RNG streams, and with `state`
+    (the step's start, from snapshot="cpu") the weights and optimizer state, which it loads after setting the live
+    ones aside on the host; `weights`: the live weights too, set aside on the host without loading anything (a
+    rerun that updates them: NOTE: [in-process diagnosis]). Yields a function that puts the buffers back to the
+    step's start, for each pass to begin from them (a forward in training mode moves BatchNorm's statistics)."""
     params = list(model.parameters())
     if optimizer is not None:
         seen = {id(p) for p in params}
         params += [p for g in optimizer.param_groups for p in g["params"] if id(p) not in seen]
     grads = [(p, p.grad) for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    dtypes = [(t, t.dtype) for t in [*params, *model.buffers()]]
     rng = capture_rng()
     live = None
-    if state is not None:
+    if state is not None or weights:
         live = ({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
                 map_tree(optimizer.state_dict(), lambda _, t: t.detach().to("cpu", copy=True))
-                if optimizer is not None else None)
+                if optimizer is not None and state is not None else None)
+    if state is not None:
         model.load_state_dict(state[0], strict=False)
         if optimizer is not None and state[1] is not None:
             optimizer.load_state_dict(state[1])
@@ -213,6 +217,10 @@ def set_aside(model: torch.nn.Module, optimizer: Any,
     try:
         yield reset_buffers
     finally:
+        with torch.no_grad():
+            for t, dtype in dtypes:  # a precision factor's float32 copies, back to the run's dtypes
+                if t.dtype != dtype:
+                    t.data = t.data.to(dtype)
         if live is not None:
             model.load_state_dict(live[0], strict=False)
             if optimizer is not None and live[1] is not None:
@@ -222,6 +230,8 @@ def set_aside(model: torch.nn.Module, optimizer: Any,
                 b.copy_(kept)
         for p, g in grads:
             p.grad = g
+        for m, training in modes:
+            m.train(training)
         restore_rng(rng)
 
 

@@ -86,6 +86,7 @@ from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
 from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_scaling
 from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
+from nanscan.runtime.incident_diagnosis import DEFAULT_TIMEOUT_S as DEFAULT_DIAGNOSE_TIMEOUT_S, Diagnosis
 from nanscan.runtime.incident_rerun import DEFAULT_TIMEOUT_S as DEFAULT_RERUN_TIMEOUT_S, RerunResult
 from nanscan.runtime.observed import ObservedMicroBatches
 from nanscan.runtime.rollback import Rollback, Rollbacks
@@ -306,6 +307,14 @@ class Monitor(StepVerdicts):
         bundle (finding "rerun") and the error's message say what it found, or that the rerun stayed finite
         (nanscan.runtime.incident_rerun NOTE: [in-process rerun]). Nothing of the run changes: gradients, buffers,
         modes and RNG streams are put back. rerun_timeout: seconds after which the rerun's op pass is left out.
+    diagnose: with step_fn, after that rerun, the window of the run (window=) is rerun in the process from its
+        oldest kept state with a fresh optimizer of the run's own type and settings, then one factor at a time over
+        it (the learning rate down a ladder, a longer warm-up, clipping, eps, precision), each judged past the
+        failing step (finite, not still growing, the loss back within 2x its level before it diverged); the
+        conclusion goes to the bundle (findings "diagnosis", "replay:window" and "ablate:window:*"),
+        Monitor.diagnosis and the error's message, and everything of the run is put back (nanscan.runtime.
+        incident_diagnosis NOTE: [in-process diagnosis]). diagnose_timeout: seconds after which the factors left
+        are not judged (default 300). diagnose=False turns it off.
 
     The RNG states are captured at the start of each step (same forward pre-hook, a few microseconds) so that
     replay can redraw the failing step's dropout masks; without a forward through `model` they are captured at
@@ -323,7 +332,8 @@ class Monitor(StepVerdicts):
                  log_every: int | None = None, post_update: bool | str = "auto", source: TensorSource | None = None,
                  frozen_weights: str = "digest", window: Window | int | None | str = "default",
                  step_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
-                 rerun_timeout: float = DEFAULT_RERUN_TIMEOUT_S, replicas: bool | None = None):
+                 rerun_timeout: float = DEFAULT_RERUN_TIMEOUT_S, diagnose: bool = True,
+                 diagnose_timeout: float = DEFAULT_DIAGNOSE_TIMEOUT_S, replicas: bool | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)  # set once deepspeed is imported
@@ -363,6 +373,9 @@ class Monitor(StepVerdicts):
             raise TypeError(f"step_fn must be a function step_fn(model, batch) -> loss, got {type(step_fn).__name__}")
         if not (isinstance(rerun_timeout, (int, float)) and rerun_timeout > 0):
             raise ValueError(f"rerun_timeout={rerun_timeout!r}: give the seconds the in-process rerun may take (> 0)")
+        if not (isinstance(diagnose_timeout, (int, float)) and diagnose_timeout > 0):
+            raise ValueError(f"diagnose_timeout={diagnose_timeout!r}: give the seconds the in-process diagnosis may "
+                             "take (> 0)")
         if isinstance(log_files, (str, os.PathLike)):
             log_files = [log_files]
         given = model  # as passed: replicas= compares a DistributedDataParallel's replicas by default
@@ -381,6 +394,9 @@ class Monitor(StepVerdicts):
         self.step_fn = step_fn
         self.rerun_timeout = float(rerun_timeout)
         self.rerun: RerunResult | None = None  # the in-process rerun of the first incident (step_fn)
+        self.diagnose = bool(diagnose)
+        self.diagnose_timeout = float(diagnose_timeout)
+        self.diagnosis: Diagnosis | None = None  # the in-process diagnosis over the window (step_fn, diagnose)
         self.snapshot = snapshot
         self.frozen_weights = frozen_weights
         self.backend = backend

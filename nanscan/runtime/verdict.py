@@ -30,6 +30,7 @@ from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
+from nanscan.runtime.incident_diagnosis import diagnose, record_diagnosis
 from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
 from nanscan.runtime.rollback import Rollback, RollbackWarning, describe, nonfinite_rows, quarantine_rows
 from nanscan.runtime.snapshot import CpuSnapshot
@@ -166,6 +167,7 @@ class StepVerdicts:
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
                           type(exc).__name__, exc)
             self.rerun_incident(self.bundle_path, step, batch, started, start=start, read_at=read_at, report=report)
+            self.diagnose_incident(self.bundle_path, step)
         else:
             self.invalid_steps += 1
         self._apply_policy(report, step, category, tensors, first, read_at=read_at,
@@ -176,7 +178,28 @@ class StepVerdicts:
         """The manifest's "rerun" (Incident.rerun) of an incident the Monitor reruns in the process, or None."""
         if self.step_fn is None:
             return None
-        return {"step_fn": function_name(self.step_fn), "timeout_s": self.rerun_timeout}
+        return {"step_fn": function_name(self.step_fn), "timeout_s": self.rerun_timeout,
+                "diagnose": self.diagnose, "diagnose_timeout_s": self.diagnose_timeout}
+
+    def diagnose_incident(self, path: Path | None, step: int) -> None:
+        """Monitor(step_fn=..., diagnose=True): rerun the window in the process and change one factor at a time over
+        it, adding what it found to the bundle at `path` (nanscan.runtime.incident_diagnosis NOTE: [in-process
+        diagnosis]). Never raises: the incident goes on to on_invalid whatever the diagnosis does."""
+        if self.step_fn is None or not self.diagnose:
+            return
+        armed, self._armed = self._armed, False  # the reruns' forwards are no step's start
+        try:
+            result = diagnose(self.model, self.optimizer, self.step_fn, path, step=step,
+                              timeout=self.diagnose_timeout, in_group=self._agreement is not None)
+        finally:
+            self._armed = armed
+        self.diagnosis = result
+        if path is None:
+            return
+        try:
+            record_diagnosis(result, load_bundle(path, whole_set=False))
+        except Exception as exc:  # noqa: BLE001 - the bundle stands without the finding; the message still says it
+            log.error("nanscan: could not add the in-process diagnosis to %s: %s: %s", path, type(exc).__name__, exc)
 
     def rerun_incident(self, path: Path | None, step: int, batch: Any, started: bool, *, start: StepStart | None,
                         read_at: str | None, sharded: str | None = None, report: ScanReport | None = None) -> None:
@@ -424,6 +447,8 @@ class StepVerdicts:
             text += f"; GradScaler skipped every step since: {streak}"
         if self.rerun is not None and step == self.first_invalid_step and not update and not streak:
             text += f"; rerun in process: {self.rerun.headline()}"
+        if self.diagnosis is not None and step == self.first_invalid_step and not update and not streak:
+            text += f"; diagnosis over the window in process: {self.diagnosis.headline()}"
         if read_at == "next_check" and seen_at is None:
             text += (f"; mode='async': detected at the next check, after step {step}'s optimizer.step() (pass "
                      "report.found_inf to a fused optimizer to skip that update on the GPU, or call Monitor.flush() "
@@ -518,7 +543,8 @@ class StepVerdicts:
                                  restored_step=restored_step, restored_from=restored_from, skipped=skipped,
                                  scale=scale, quarantined=quarantined, write=ledger)
         rollbacks.attach(optimizer)
-        self.first_invalid_step, self.rerun = None, None  # the next incident is bundled (and rerun) again
+        # the next incident is bundled (and rerun, and diagnosed) again
+        self.first_invalid_step, self.rerun, self.diagnosis = None, None, None
         warn_user(f"{message}; rolled back: {describe(entry)}", RollbackWarning)
 
     def _drop_gradients(self) -> None:

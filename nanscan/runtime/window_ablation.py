@@ -391,10 +391,26 @@ def lr_summary(result: WindowAblation) -> str | None:
         return None
     w = fix.window
     lrs = [lr for step, lr in sorted(result.lrs.items()) if w.start <= step <= w.step]
-    return (f"{fix.factor.label} stays finite over steps {w.start}-{w.step} and {fix.beyond_run} held-out steps: "
+    return (f"{fix.factor.label} stays finite over steps {w.start}-{w.step} and {fix.beyond_run} steps past them: "
             "the learning rate is too large for this point of the run"
             + (f" (still in its warm-up: the recorded rate rose from {lrs[0]:.3g} to {lrs[-1]:.3g})"
                if _rising(result.lrs, w.step) else f" (the recorded rate was {lrs[-1]:.3g} there)" if lrs else ""))
+
+
+def conclusion(result: WindowAblation) -> str:
+    """The ablation in one line: the learning-rate finding, else the confirmed factors, else that none is; a factor
+    that only delays the failure is named as such, never as its fix."""
+    summary = lr_summary(result)
+    others = [r.factor.label for r in result.fixes if not r.factor.key.startswith("lr-")]
+    if summary:
+        return summary + (f"; also confirmed: {', '.join(others)}" if others else "")
+    if result.fixes:
+        return "confirmed fix over the window: " + ", ".join(r.factor.label for r in result.fixes)
+    if result.baseline.verdict != "reproduced":
+        return "not judged: the unchanged window does not reproduce the failure"
+    delays = [r.factor.label for r in result.rows if r.verdict in (DELAYS, NOT_RECOVERED)]
+    return "no single factor is a confirmed fix over the window" + (
+        f" ({', '.join(delays)}: only delays it or leaves the loss wrecked)" if delays else "")
 
 
 def _title(row: WindowRow) -> str:

@@ -1,0 +1,129 @@
+"""The in-process diagnosis (Monitor(step_fn=...), nanscan.runtime.incident_diagnosis NOTE: [in-process diagnosis];
+issue 59): at the incident, with no replay entry, the Monitor reruns the window in the training process and
+changes one factor at a time over it. On karpathy's train.py loop as it is (lr 30) the rerun matches the record
+at every step and a learning-rate reduction is confirmed, no precision; its rows are those `nanscan ablate` gives
+through a replay entry; an RNN without clipping has clipping confirmed, each confirmed factor checked by running
+the loop itself with it; nothing of the run changes (the state at the raise is bit for bit the one a run without
+the diagnosis leaves); the time limit, diagnose=False and a run without a window say what they did."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import karpathy_train as K
+import rnn_train as R
+from nanscan import load_bundle
+from nanscan.bundle.format import DIAGNOSIS_FINDING, WINDOW_REPLAY_FINDING
+from nanscan.replay.ablate_window import CONFIRMED, NOT_JUDGED, ablate_window
+from nanscan.runtime.window import Window
+from nanscan.runtime.window_ablation import TIME_SPENT
+
+pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
+WINDOW = Window(steps=32, every=8)
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast")
+
+
+@pytest.fixture(scope="module")
+def diagnosed(tmp_path_factory):
+    return K.train(K.LR30, tmp_path_factory.mktemp("train-py"), window=WINDOW, step_fn=K.forward_loss)
+
+
+def test_train_py_is_diagnosed_in_the_process_with_no_entry(diagnosed):
+    diagnosis = diagnosed.monitor.diagnosis
+    assert diagnosed.nonfinite_step == 27 and diagnosis is not None and diagnosis.verdict == "done"
+    window = diagnosis.ablation.baseline.window
+    assert window.reproduced and window.first_departure is None, window.departure_text()  # the record, every step
+    assert [s.step for s in window.steps] == list(range(28))
+    assert any(key.startswith("lr-") for key in diagnosis.fixes), diagnosis.headline()
+    assert not set(diagnosis.fixes) & set(PRECISIONS), diagnosis.headline()
+    assert diagnosis.headline().startswith("learning rate x") and "too large" in diagnosis.headline()
+    message = str(diagnosed.error)
+    assert f"diagnosis over the window in process: {diagnosis.headline()}" in message
+    bundle = load_bundle(diagnosed.bundle)
+    keys = {f["key"] for f in bundle.findings()}
+    assert {DIAGNOSIS_FINDING, WINDOW_REPLAY_FINDING, *(f"ablate:window:{k}" for k in diagnosis.fixes)} <= keys
+    assert "Diagnosis in process: learning rate x" in (diagnosed.bundle / "INCIDENT.md").read_text()
+    assert bundle.manifest["rerun"]["diagnose"] is True
+
+
+def test_its_rows_are_those_the_replay_entry_gives(diagnosed):
+    """The same window judged through the replay entry (`nanscan ablate BUNDLE`): every factor the same verdict,
+    but the bisection's, which only the entry's side runs."""
+    in_process = {r.factor.key: r.verdict for r in diagnosed.monitor.diagnosis.ablation.rows}
+    entry = {r.factor.key: r.verdict for r in ablate_window(diagnosed.bundle, K.ENTRY).rows}
+    in_process.pop("drop-suspicious"), entry.pop("drop-suspicious")
+    assert in_process == entry
+
+
+def _state(monitor) -> dict:
+    """Everything of the run a diagnosis could change, as bytes."""
+    model, optimizer = monitor.model, monitor.optimizer
+    raw = lambda t: t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).clone()  # noqa: E731 - NaN: by bits
+    state = {f"w:{k}": raw(v) for k, v in model.state_dict().items()}
+    state |= {f"g:{n}": raw(p.grad) if p.grad is not None else None for n, p in model.named_parameters()}
+    for i, (_, values) in enumerate(sorted(optimizer.state_dict()["state"].items())):
+        state |= {f"o:{i}:{k}": raw(v) if torch.is_tensor(v) else v for k, v in values.items()}
+    state["rng"] = torch.get_rng_state()
+    state["modes"] = [m.training for m in model.modules()]
+    state["dtypes"] = [str(p.dtype) for p in model.parameters()]
+    state["lrs"] = [g["lr"] for g in optimizer.param_groups]
+    return state
+
+
+def _equal(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def test_nothing_of_the_run_changes(diagnosed, tmp_path):
+    """The state the loop holds when the incident raises, with the diagnosis run and without, bit for bit."""
+    plain = K.train(K.LR30, tmp_path, window=WINDOW, step_fn=K.forward_loss, diagnose=False)
+    assert plain.monitor.diagnosis is None and plain.nonfinite_step == diagnosed.nonfinite_step
+    got, want = _state(diagnosed.monitor), _state(plain.monitor)
+    assert got.keys() == want.keys()
+    assert [k for k in want if not _equal(got[k], want[k])] == []
+    keys = {f["key"] for f in load_bundle(plain.bundle).findings()}
+    assert DIAGNOSIS_FINDING not in keys and "diagnosis over the window" not in str(plain.error)
+
+
+def test_an_rnn_without_clipping_has_clipping_confirmed_and_each_fix_holds_in_the_real_loop(tmp_path):
+    run = R.train({}, tmp_path, window=WINDOW, step_fn=R.forward_loss)
+    diagnosis = run.monitor.diagnosis
+    assert run.nonfinite_step == 26 and diagnosis.verdict == "done", diagnosis.headline()
+    assert diagnosis.ablation.baseline.window.first_departure is None
+    assert "clip-1.0" in diagnosis.fixes, diagnosis.headline()
+    settings = {"clip-1.0": {"clip": 1.0}, "bf16-autocast": {"dtype": "bfloat16"},
+                "fp16-autocast": {"dtype": "float16"}}
+    for key in diagnosis.fixes:  # a confirmed factor is a fix of the loop itself, for 3x the failing step's steps
+        change = settings.get(key) or {"lr": R.CONFIG["lr"] * float(key.removeprefix("lr-x"))}
+        real = R.train({**change, "iters": 120}, None, monitor=False)
+        ended = sorted(real.losses[-10:])[5]
+        assert real.nonfinite_step is None and ended < 2 * real.losses[0], (key, ended)
+
+
+def test_the_time_limit_leaves_factors_unjudged_and_says_so(tmp_path):
+    run = K.train(K.LR30, tmp_path, window=WINDOW, step_fn=K.forward_loss, diagnose_timeout=1e-6)
+    diagnosis = run.monitor.diagnosis
+    assert diagnosis.verdict == "done" and diagnosis.ablation.baseline.verdict == "reproduced"  # always runs
+    judged = [r for r in diagnosis.ablation.rows if r.verdict not in ("not applied",)]
+    assert judged and all(r.verdict == NOT_JUDGED and r.detail == TIME_SPENT for r in judged)
+    assert diagnosis.fixes == [] and "diagnose_timeout" in diagnosis.headline()
+
+
+def test_a_run_without_a_window_says_why_and_bad_settings_are_refused(tmp_path):
+    run = K.train(K.LR30, tmp_path, window=None, step_fn=K.forward_loss)
+    assert run.monitor.diagnosis.verdict == "not run"
+    assert "holds no window" in run.monitor.diagnosis.headline()
+    assert "diagnosis over the window in process: not run: the bundle holds no window" in str(run.error)
+    with pytest.raises(ValueError, match="diagnose_timeout"):
+        K.train(K.LR30, tmp_path / "x", step_fn=K.forward_loss, diagnose_timeout=0)
+
+
+def test_the_lr_ladder_stops_at_its_first_confirmed_rung(diagnosed):
+    rows = [r for r in diagnosed.monitor.diagnosis.ablation.rows if r.factor.key.startswith("lr-")]
+    assert rows[-1].verdict == CONFIRMED and all(r.verdict != CONFIRMED for r in rows[:-1])
+    assert all(math.isfinite(r.beyond_run) for r in rows)
