@@ -198,12 +198,21 @@ class TrainRun:
         return self.warnings[0][0] if self.warnings else None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), for the loop's own isfinite truth; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum_losses: bool = False,
-          **monitor_options) -> TrainRun:
+          parallel: str | None = None, **monitor_options) -> TrainRun:
     """train.py's loop; `sum_losses`: the micro-batch losses are summed, not averaged (a common variant that
-    makes the gradients `gradient_accumulation_steps` times larger)."""
+    makes the gradients `gradient_accumulation_steps` times larger). `parallel`: in an initialized process group,
+    "ddp" as train.py runs under torchrun (each rank's seed offset by its rank, the model wrapped in
+    DistributedDataParallel after its optimizer is made, gradients synchronized only at the last micro-step), or
+    "fsdp" (FSDP2's fully_shard on every block and the model before the optimizer is made, as torchtitan does)."""
     c = full_config(overrides)
-    torch.manual_seed(c["seed"])  # train.py: torch.manual_seed(1337 + seed_offset)
+    seed_offset = torch.distributed.get_rank() if parallel else 0
+    torch.manual_seed(c["seed"] + seed_offset)  # train.py: torch.manual_seed(1337 + seed_offset)
     data = {split: token_stream(c, split) for split in ("train", "val")}
     block_size, batch_size, accum = c["block_size"], c["batch_size"], c["gradient_accumulation_steps"]
 
@@ -215,9 +224,18 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
         return x, y
 
     model = build_model(c)
-    torch.manual_seed(c["seed"])  # the data's draws do not depend on the model's build
+    torch.manual_seed(c["seed"] + seed_offset)  # the data's draws do not depend on the model's build
     scaler = torch.amp.GradScaler("cpu", enabled=(c["dtype"] == "float16"))
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+    raw_model = model
     optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
+    if parallel == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
     ctx = torch.autocast("cpu", dtype=getattr(torch, c["dtype"]), enabled=c["dtype"] != "float32")
 
     @torch.no_grad()
@@ -254,6 +272,8 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
                     estimate_loss()
                 step_loss = 0.0
                 for micro_step in range(accum):
+                    if parallel == "ddp":  # train.py: sync only at the last micro-step
+                        model.require_backward_grad_sync = micro_step == accum - 1
                     with ctx:
                         logits, loss = model(X, Y)
                         loss = loss if sum_losses else loss / accum
@@ -271,15 +291,15 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
                                          if issubclass(w.category, SpikeWarning)]
                 run.losses.append(step_loss)
                 finite = math.isfinite(step_loss) and all(
-                    bool(torch.isfinite(p).all()) and (p.grad is None or bool(torch.isfinite(p.grad).all()))
-                    for p in model.parameters())
+                    bool(torch.isfinite(_local(t)).all())
+                    for p in raw_model.parameters() for t in (p, p.grad) if t is not None)
                 if not finite and run.truth is None:
                     run.truth = iter_num
                     if mon is None:
                         break
                 if c["grad_clip"] != 0.0:
                     scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
+                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"])
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)

@@ -120,6 +120,10 @@ def _flip_weight_bit(engine, name: str) -> None:
         p.data.view(-1).view(torch.int16)[1] ^= 1
 
 
+def _step_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch["x"]).float(), batch["y"])
+
+
 def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool = False) -> dict:
     """One scenario on a fresh engine: train STEPS steps under a DeepSpeedMonitor (on_invalid="raise"; for
     "streak", on_invalid="warn" and a NaN gradient at every step from step 1, which DeepSpeed's bf16 overflow check
@@ -134,8 +138,11 @@ def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool =
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage, offload))
     streak = scenario == "streak"
+    # the input scenario gives step_fn: the in-process rerun and diagnosis must say why they do not run, the
+    # same way on every rank, and leave the bundles complete (no rank alone may run a ZeRO collective)
     mon = DeepSpeedMonitor(engine, bundle_dir=bundle_dir, run_id=f"zero{stage}-{scenario}",
-                           on_invalid="warn" if streak else "raise", max_skips=2)
+                           on_invalid="warn" if streak else "raise", max_skips=2,
+                           step_fn=_step_loss if scenario == "input" else None)
     record = {"error": None, "scanned_grads": [], "planted": False, "optimizer": type(engine.optimizer).__name__,
               "warnings": [], "replicas": mon._agreement.replicas}
     hooked = _HookedNaN(engine, GRAD_PARAM, rank) if offload and rank == 1 else None
@@ -279,6 +286,25 @@ def test_a_nan_in_rank_0s_batch_is_an_input_incident_of_rank_0(zero):
         assert error is not None and error["step"] == FAULT_STEP, (stage, rank, error)
         assert error["category"] == "input" and error["tensors"] == ["input:x"]
         assert error["first_bad_ranks"] == [0]
+
+
+def test_step_fn_under_zero_says_on_every_rank_why_nothing_reruns_and_the_bundles_are_complete(zero):
+    """Monitor(step_fn=...) under DeepSpeed (nanscan.runtime.incident_diagnosis NOTE: [in-process diagnosis]): no
+    rank reruns alone inside ZeRO's collectives, the window diagnosis says why it cannot run, with the same words
+    in every part, and the set loads whole."""
+    stage, out, ranks = zero
+    bundle = load_bundle(Path(ranks[0]["input"]["error"]["bundle_path"]).parent)
+    reasons = set()
+    for rank in range(WORLD):
+        part = bundle.part(rank)
+        findings = {f["key"]: f["record"] for f in part.findings()}
+        assert findings["diagnosis"]["verdict"] == "not run", (stage, rank)
+        reasons.add(findings["diagnosis"]["reason"])
+        if "rerun" in findings:  # the rank whose own batch went bad
+            assert findings["rerun"]["verdict"] == "not run" and "DeepSpeed" in findings["rerun"]["reason"]
+        assert part.manifest["rerun"]["step_fn"].endswith("_step_loss")
+    assert len(reasons) == 1 and "no window" in reasons.pop()
+    assert all("diagnosis over the window in process: not run" in r["input"]["error"]["message"] for r in ranks)
 
 
 def test_a_streak_of_steps_deepspeed_skips_warns(zero):

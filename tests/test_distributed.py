@@ -306,6 +306,43 @@ def test_ddp_the_ranks_that_saw_the_fault_rerun_it_in_process(ddp):
     assert all(r["sync"]["updated"] == list(range(FAULT_STEP)) for r in ranks)
 
 
+def _diagnoses(bundle, world: int) -> list[dict]:
+    """Each rank's in-process diagnosis over the window (nanscan.runtime.incident_diagnosis NOTE: [in-process
+    diagnosis]): its conclusion's title and record, and its rows' verdicts and its drop row's detail."""
+    found = []
+    for rank in range(world):
+        findings = {f["key"]: f for f in bundle.part(rank).findings()}
+        diagnosis = findings["diagnosis"]
+        found.append({"title": diagnosis["title"], "verdict": diagnosis["record"]["verdict"],
+                      "rows": {k: f["record"]["verdict"] for k, f in findings.items() if k.startswith("ablate:window:")},
+                      "window": findings["replay:window"]["record"],
+                      "drop": findings["ablate:window:drop-suspicious"]["record"]["detail"]})
+    return found
+
+
+def _assert_diagnosed_together(bundle, world: int) -> None:
+    """Every rank reran the window together from its own kept state with its own batches: each matched its record
+    at every step and went non-finite at the failing step, and all agree on every row: the NaN record's row dropped
+    (rank 1's row 2) is the confirmed fix, no learning rate or precision is."""
+    found = _diagnoses(bundle, world)
+    for rank, d in enumerate(found):
+        assert d["verdict"] == "done"
+        assert d["title"] == "Diagnosis in process: confirmed fix over the window: suspicious samples dropped", rank
+        assert d["window"]["reproduced"] and d["window"]["first_departure"] is None, rank
+        assert d["rows"] == found[0]["rows"]
+        assert d["drop"].startswith("dropped rows [2] of rank 1's batch" if rank == FAULT_RANK else
+                                    f"dropped none of rank {rank}'s batch"), d["drop"]
+    assert [k for k, v in found[0]["rows"].items() if v == "confirmed fix"] == ["ablate:window:drop-suspicious"]
+
+
+def test_ddp_every_rank_diagnoses_the_window_together(ddp):
+    out, ranks = ddp
+    _assert_diagnosed_together(load_bundle(_set_dir(out, "ddp-sync")), 4)
+    for r in ranks:
+        assert "diagnosis over the window in process: confirmed fix over the window: suspicious samples dropped" in \
+            r["sync"]["error"]["message"]
+
+
 def test_ddp_each_rank_keeps_its_own_window(ddp):
     """The run's window (nanscan.runtime.window) is kept per rank: each part holds its own rank's batches, and the
     state kept at step 0 (the same on every rank, as DDP keeps them)."""
@@ -490,6 +527,11 @@ def test_fsdp_every_rank_stops_and_shards_are_named_and_joined(fsdp):
     for index, state in optimizer_state["state"].items():
         for key, value in state.items():
             assert torch.equal(value, full[f"optimizer/{index}/{key}"]), (index, key)
+
+
+def test_fsdp_every_rank_diagnoses_the_window_together_from_its_shards(fsdp):
+    out, _ranks = fsdp
+    _assert_diagnosed_together(load_bundle(_set_dir(out, "fsdp-sync")), 2)
 
 
 def test_fsdp_flush_decides_before_the_update_in_async_mode(fsdp):

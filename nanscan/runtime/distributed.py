@@ -97,9 +97,14 @@ NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every 
 _FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
 
 
-def _sharded(model: torch.nn.Module) -> str | None:
+def _sharded(model: torch.nn.Module, source: Any = None) -> str | None:
     """Why this rank's weights cannot be rerun alone (nanscan.runtime.incident_rerun NOTE: [in-process rerun]), or
-    None: a replicated model (DDP) reruns on the plain module, with no collective."""
+    None: a replicated model (DDP) reruns on the plain module, with no collective. `source`: the Monitor's tensor
+    source (NOTE: [tensor source]), a framework's whose hooks run collectives inside the module's own passes."""
+    if source is not None:
+        return (f"{type(source).__name__} keeps the model's tensors for its framework (DeepSpeed), whose hooks run "
+                "collectives inside the module's forward and backward: one rank cannot rerun the step alone; "
+                "`nanscan replay` with a replay entry reruns it")
     if has_dtensors(model) or _flat_parameters(model):
         return ("the weights are sharded across the ranks (FSDP): a rerun on one rank alone cannot gather them; "
                 "`nanscan replay` with a replay entry reruns the step")
@@ -141,7 +146,7 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_json(value: Any, group, device: torch.device) -> list:
+def all_gather_json(value: Any, group, device: torch.device) -> list:
     """Every rank's JSON value, in rank order (two collectives: the lengths, then the padded bytes). JSON rather
     than all_gather_object, which pickles."""
     data = np.frombuffer(json.dumps(value, allow_nan=False).encode("utf-8"), dtype=np.uint8)
@@ -264,6 +269,7 @@ class MonitorSide(Protocol):
     bundle_error: BaseException | None
     rerun: Any  # the in-process rerun's result (Monitor(step_fn=...)), None until one ran
     diagnosis: Any  # the in-process diagnosis over the window (Monitor(step_fn=...)), None until one ran
+    tensor_source: Any  # a framework's TensorSource (NOTE: [tensor source]), or None
 
     def incident(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                  sample_ids: Any, started: bool) -> Incident: ...
@@ -337,7 +343,7 @@ class Agreement:
         mine = {"run_id": monitor.run_id if run_id_given else None, "proposed": monitor.run_id,
                 "on_invalid": policy, "agreement": self.mode, "replicas": self.replicas,
                 "replica_sets": self._replicas.local if self._replicas is not None else []}
-        everyone = _all_gather_json(mine, self.group, self.device)
+        everyone = all_gather_json(mine, self.group, self.device)
         for key in ("on_invalid", "agreement", "replicas"):
             values = sorted({str(e[key]) for e in everyone})
             if len(values) > 1:
@@ -448,7 +454,7 @@ class Agreement:
             return verdict
         monitor.first_invalid_step = verdict.step
         if verdict.replica_groups and view is not None:  # the failure path's own collective, on every rank
-            everyone = _all_gather_json(hex_fingerprints(view), self.group, self.device)
+            everyone = all_gather_json(hex_fingerprints(view), self.group, self.device)
             verdict = dataclasses.replace(verdict, replicas=replica_verdict(
                 everyone, verdict.replica_groups, gradients=view.gradients, table=self._replicas.table,
                 why_not=view.why_not))
@@ -458,7 +464,7 @@ class Agreement:
             # A late part's step-start captures (RNG, snapshot) already belong to the next step: take them now.
             path, error = self._write_part(monitor, report, verdict.step, batch, sample_ids, started and not late,
                                            late=late, verdict=verdict)
-        summaries = _all_gather_json(self._summary(report, path, error, device_info(monitor.model)), self.group,
+        summaries = all_gather_json(self._summary(report, path, error, device_info(monitor.model)), self.group,
                                      self.device)
         if verdict.replica_only and verdict.replicas is not None:
             first = bad = verdict.replicas["odd_ranks"]
@@ -529,7 +535,7 @@ class Agreement:
             return None, exc
         if rerun:  # before the gather: a rank that raised first could end the job while this one reruns
             monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
-                                   sharded=_sharded(monitor.model), report=report)
+                                   sharded=_sharded(monitor.model, monitor.tensor_source), report=report)
         monitor.diagnose_incident(path, step)  # every rank: each part says the same of the window
         return path, None
 

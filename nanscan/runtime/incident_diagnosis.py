@@ -11,7 +11,9 @@ live model with each kept state loaded into it, and for every rerun a fresh opti
 from its param groups (their settings: lr, betas, eps, weight decay, foreach/fused), loaded with a copy of the kept
 optimizer state. The loop's clipping and loss scaling come from the window's own record (NOTE: [observed loop]).
 Past the failing step each factor goes on with the window's own batches (the process has no later batch to give).
-No bisection runs here (the failing batch's suspicious samples: `nanscan ablate`, which has the replay entry).
+The samples dropped are the failing batch's rows that hold a NaN or an infinity themselves (under a group, each
+rank's own; none where no rank's batch holds one): no bisection runs here (a record finite by itself but fatal to the
+step is found by `nanscan ablate`'s, which has the replay entry).
 
 Nothing of the run changes: the live weights are copied to the host first and loaded back after, the gradients (by
 reference), buffers, modules' train/eval modes, parameter dtypes (a precision factor casts them to float32) and RNG
@@ -23,36 +25,52 @@ ladder take on one GPU, and small beside the restart the incident costs. `diagno
 
 The verdict goes where the incident's reader looks: the bundle (the window's rerun, one finding per factor and the
 finding "diagnosis" with the conclusion, in the ledger and INCIDENT.md), Monitor.diagnosis, and the error's message.
-Under a process group the window is not rerun here: each rank's batch is only part of the global batch and its kept
-state may be a shard, so a rank alone would rerun another run; every rank says so, the same way.
+
+Under a process group every rank reruns the window together, each from its own kept state (its shards: a kept
+local shard is loaded back into its DTensor with the live parameter's mesh and placements, the optimizer state's
+alike) and with its own recorded batches, through the model as the loop wraps it (DistributedDataParallel's
+gradient all-reduce, FSDP2's gathers and reduce-scatters, tensor parallelism's collectives), so the global batch and
+the sharded state are the run's. Every decision that leads to a collective is taken the same on every rank
+(GroupLockstep): a step is non-finite, or failed, when it is on any rank; a row's verdict is rank 0's (judged on its
+loss and on its gradients, which under DDP are the group's; under sharding, its shard's); the time limit is rank
+0's clock; the kept state the window starts from must be the same step on every rank. Before anything runs, the
+ranks agree that each can (a window, a state that fits, an optimizer it can rebuild): where one cannot, none runs,
+and every rank's part says why with the same words. The agreement's collectives are small (two all-reduces of two
+numbers a step, one gather a row). A step_fn that raises on one rank before its model's first collective leaves the
+others waiting until the process group's timeout; a step_fn that ran the run's steps does not.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
+from nanscan.engine.inputs import batch_size, iter_batch_tensors
 from nanscan.entry import ReplaySpec
+from nanscan.incident import OTHER_RANK
+from nanscan.runtime.distributed import all_gather_json
 from nanscan.runtime.incident_rerun import function_name, set_aside
-from nanscan.runtime.rerun import HALF_DTYPES
+from nanscan.runtime.rerun import HALF_DTYPES, StepOutcome
+from nanscan.runtime.shards import SHARD_SUFFIX, dtensor_type
 from nanscan.runtime.rerun_inputs import ReplayError
 from nanscan.runtime.step_options import StepOptions
-from nanscan.runtime.window_ablation import (TIME_SPENT, WindowAblation, ablate_over_window, conclusion,
+from nanscan.runtime.window_ablation import (TIME_SPENT, WindowAblation, WindowRow, ablate_over_window, conclusion,
                                              record_window_ablation)
-from nanscan.runtime.window_rerun import record_window_replay
+from nanscan.runtime.window_rerun import SOLO, Lockstep, record_window_replay
 
 DEFAULT_TIMEOUT_S = 300.0
-NO_BISECTION = ("not tried in the process: finding the failing batch's suspicious samples is a bisection over the "
-                "step, which `nanscan ablate BUNDLE --entry ...` runs")
-IN_GROUP = ("under a process group the window is rerun on every rank together, which this Monitor does not do yet: "
-            "a rank alone holds part of the global batch and may hold a shard of the state; `nanscan ablate` on the "
-            "bundle set with a replay entry judges it")
+NO_BISECTION = ("no row of the failing batch holds a non-finite value, and a record finite by itself is found by a "
+                "bisection over the step, which `nanscan ablate BUNDLE --entry ...` runs")
+ROWS_ORIGIN = "the failing batch's rows holding a NaN or an infinity"
+OTHER_RANK_FAILED = "another rank's rerun failed at this step (its part of the bundle set says how)"
 
 
 @dataclass
@@ -113,13 +131,111 @@ class Diagnosis:
                 "ablation": self.ablation.to_dict() if self.ablation is not None else None}
 
 
+@dataclass
+class NonFiniteRows:
+    """The failing step's batch rows that hold a non-finite value: what the in-process diagnosis drops (the shape
+    of nanscan.replay.bisect.BisectResult that the window ablation reads)."""
+
+    indices: list[int]
+    applicable: bool = True
+    sample_ids: list | None = None
+    label: str = ""
+    reason: str = ""
+
+
+def nonfinite_rows(bundle: Bundle) -> list[int]:
+    """The rows of the failing step's batch (one batch: a step checked once) with a NaN or an infinity in any of its
+    floating tensors' rows; [] when none does, or when the step ran several micro-batches (their rows are not one
+    batch's)."""
+    records = [r for r in bundle.window_records() if r.step == bundle.step]
+    if len(records) != 1 or records[0].batch is None:
+        return []
+    record = records[0]
+    size = batch_size(record.batch, record.sample_ids)
+    if not size:
+        return []
+    bad = torch.zeros(size, dtype=torch.bool)
+    for _, t in iter_batch_tensors(record.batch):
+        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == size:
+            bad |= ~torch.isfinite(t.detach().reshape(size, -1)).all(dim=1).cpu()
+    rows = torch.nonzero(bad).flatten().tolist()
+    return rows if len(rows) < size else []  # every row bad: nothing is left to train on
+
+
+def _suspicious(rows: list[int], anywhere: bool, rank: int | None) -> Callable[[], tuple[Any, str]] | str:
+    """The drop factor's samples: this rank's non-finite rows, when any rank has some (`anywhere`)."""
+    if not anywhere:
+        return NO_BISECTION
+    where = "its batch" if rank is None else f"rank {rank}'s batch"
+    label = f"rows {rows} of {where}" if rows else f"none of {where} (another rank's held the non-finite values)"
+    return lambda: (NonFiniteRows(rows, label=label), ROWS_ORIGIN)
+
+
+class GroupLockstep(Lockstep):
+    """The ranks of a process group in step (NOTE: [in-process diagnosis]): a step non-finite or failed on any rank
+    is so on all, a row is rank 0's, the clock is rank 0's."""
+
+    def __init__(self, group: Any, device: torch.device, model: torch.nn.Module):
+        self.group, self.device, self.model = group, device, model
+
+    def _max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def finite(self, outcome: StepOutcome) -> StepOutcome:
+        bad, failed = self._max([float(not outcome.finite), float(outcome.error is not None)])
+        if failed and outcome.error is None:
+            return replace(outcome, finite=False, category=OTHER_RANK, error=OTHER_RANK_FAILED)
+        if bad and outcome.finite:
+            return replace(outcome, finite=False, category=OTHER_RANK)
+        return outcome
+
+    def row(self, row: WindowRow) -> WindowRow:
+        mine = {"verdict": row.verdict, "detail": row.detail, "beyond_run": row.beyond_run,
+                "beyond_nonfinite": row.beyond_nonfinite, "gaining": row.gaining}
+        first = all_gather_json(mine, self.group, self.device)[0]
+        return replace(row, **first)
+
+    def same(self, value: int) -> bool:
+        low, high = self._max([-float(value), float(value)])
+        return -low == high
+
+    def time_up(self, deadline: float | None) -> bool:
+        mine = float(deadline is not None and time.monotonic() > deadline)
+        return bool(all_gather_json(mine, self.group, self.device)[0])
+
+    def grad_norms(self, bundle: Bundle) -> dict[int, float] | None:
+        """The group's gradient norm by step from the ranks' recorded shards: each shard's sum of squares divided by
+        the copies of it the mesh holds (its Replicate dimensions: HSDP's replicas, TP's replicated tensors), summed
+        over the ranks. None for replicated weights (DDP), whose recorded norm is already the group's."""
+        dtensor = dtensor_type()
+        if dtensor is None or not any(isinstance(p, dtensor) for p in self.model.parameters()):
+            return None
+        copies = {name: math.prod(p.device_mesh.size(d) for d, placement in enumerate(p.placements)
+                                  if placement.is_replicate())
+                  for name, p in self.model.named_parameters() if isinstance(p, dtensor)}
+        entries = bundle.history()
+        if not self.same(len(entries)):
+            return None
+        sums = [sum(t.sumsq / copies.get(t.name.removeprefix("grad:").split(SHARD_SUFFIX)[0], 1)
+                    for t in entry.report.stats if t.name.startswith("grad:")) for entry in entries]
+        total = torch.tensor(sums, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.group)
+        return {entry.step: math.sqrt(v) if v >= 0 else math.nan for entry, v in zip(entries, total.tolist())}
+
+
 class ProcessSource:
     """A WindowSource (nanscan.runtime.window_rerun) over the training process: the live model, loaded with each
     kept state; a fresh optimizer of the run's type over the same parameters for every rerun (NOTE: [in-process
     diagnosis])."""
 
-    def __init__(self, bundle: Bundle, model: torch.nn.Module, optimizer: Any, step_fn: Callable):
+    def __init__(self, bundle: Bundle, model: torch.nn.Module, optimizer: Any, step_fn: Callable,
+                 forward: torch.nn.Module | None = None):
+        """`model`: the plain module (its states load into it); `forward`: the module step_fn is given, as the loop
+        wraps it (DistributedDataParallel), default `model`."""
         self.bundle, self.model, self.step_fn, self.live_optimizer = bundle, model, step_fn, optimizer
+        self.forward = forward if forward is not None else model
         self.entry = function_name(step_fn)
         self.notes: list[str] = []
         self.optimizer_state = None  # a fresh optimizer already carries the run's param groups (their eps)
@@ -128,7 +244,7 @@ class ProcessSource:
 
     def spec(self) -> ReplaySpec:
         """The spec the ablation reads: the live model and step_fn; the clipping and loss scaling are observed."""
-        return ReplaySpec(self.model, lambda _model: self._fresh_optimizer(), self.step_fn)
+        return ReplaySpec(self.forward, lambda _model: self._fresh_optimizer(), self.step_fn)
 
     def build_at(self, model_state: dict | None, optimizer_state: dict | None,
                  options: StepOptions = StepOptions()) -> tuple[ReplaySpec, torch.optim.Optimizer]:
@@ -138,7 +254,7 @@ class ProcessSource:
                     t.data = t.data.to(dtype)
             if model_state is not None:
                 # strict: the state is this model's own; only frozen weights (kept by reference) may be absent
-                missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+                missing, unexpected = self.model.load_state_dict(self._placed(model_state), strict=False)
                 trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
                 if unexpected or trainable & set(missing):
                     raise ReplayError(f"the window's state does not fit the live model: missing "
@@ -149,12 +265,34 @@ class ProcessSource:
                         t.data = t.data.float()
         optimizer = self._fresh_optimizer()
         if optimizer_state is not None:
-            optimizer.load_state_dict(copy.deepcopy(optimizer_state))  # step() updates its tensors in place
+            optimizer.load_state_dict(self._placed_optimizer(copy.deepcopy(optimizer_state), optimizer))
         if options.eps is not None:
             for group in optimizer.param_groups:
                 if "eps" in group:
                     group["eps"] = options.eps
         return self.spec(), optimizer
+
+    def _placed(self, state: dict) -> dict:
+        """A kept state with each local shard (the window keeps a DTensor's as a plain tensor) put back in its
+        DTensor, on the live parameter's mesh with its placements; a plain model's state as it is."""
+        dtensor = dtensor_type()
+        if dtensor is None:
+            return state
+        live = self.model.state_dict()
+        return {key: _as_live(value, live.get(key), dtensor) for key, value in state.items()}
+
+    def _placed_optimizer(self, state: dict, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state's shards likewise: a tensor shaped as its parameter's local shard takes that
+        parameter's mesh and placements (step counters and other scalars stay as they are)."""
+        dtensor = dtensor_type()
+        if dtensor is None:
+            return state
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, values in state.get("state", {}).items():
+            param = params[int(index)] if int(index) < len(params) else None
+            for key, value in list(values.items()):
+                values[key] = _as_live(value, param, dtensor)
+        return state
 
     def _fresh_optimizer(self) -> torch.optim.Optimizer:
         live = self.live_optimizer
@@ -170,35 +308,78 @@ class ProcessSource:
                               f"({type(exc).__name__}: {exc})") from None
 
 
+def _as_live(value: Any, live: Any, dtensor: type) -> Any:
+    """`value` as a DTensor placed like `live` when `live` is one and `value` is its local shard; else as it is."""
+    if not isinstance(live, dtensor) or not torch.is_tensor(value) or isinstance(value, dtensor):
+        return value
+    local = live.to_local()
+    if value.shape != local.shape:
+        return value
+    return dtensor.from_local(value.to(device=local.device, dtype=local.dtype), live.device_mesh, live.placements,
+                              run_check=False, shape=live.shape, stride=live.stride())
+
+
 def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any, *, step: int,
-             timeout: float = DEFAULT_TIMEOUT_S, in_group: bool = False) -> Diagnosis:
+             timeout: float = DEFAULT_TIMEOUT_S, forward: torch.nn.Module | None = None, group: Any = None,
+             device: torch.device | None = None) -> Diagnosis:
     """Rerun the window of the bundle at `path` in the process and change one factor at a time over it (NOTE:
-    [in-process diagnosis]); records what it found in the bundle. Never raises: a failure is the result's."""
+    [in-process diagnosis]). `forward`: the module step_fn is given (the loop's wrapper); `group` (with its
+    collective `device`): a process group whose ranks all call this together. Never raises: a failure is the
+    result's."""
     began = time.monotonic()
     result = Diagnosis(step, function_name(step_fn), "not run", timeout=timeout)
+    source, why = None, None
     try:
-        if in_group:
-            result.reason = IN_GROUP
-        elif path is None:
-            result.reason = "the incident's bundle could not be written, and the window is read from it"
-        else:
-            bundle = load_bundle(path, whole_set=False)
-            window = bundle.window
-            if not window or not window.get("states"):
-                result.reason = ("the bundle holds no window of the run to rerun (Monitor(window=None), or its "
-                                 "max_bytes kept no state)")
-            else:
-                source = ProcessSource(bundle, model, optimizer, step_fn)
-                with set_aside(model, None, None, weights=True):
-                    result.ablation = ablate_over_window(source, source.spec(), [], suspicious=NO_BISECTION,
-                                                         deadline=began + timeout)
-                result.verdict = "done"
+        source, why = _prepare(model, optimizer, step_fn, path, forward)
+    except Exception as exc:  # noqa: BLE001 - said below, the same way on every rank
+        why = f"{type(exc).__name__}: {exc}"
+    lockstep: Lockstep = SOLO
+    rows = nonfinite_rows(source.bundle) if source is not None else []
+    suspicious = _suspicious(rows, bool(rows), None)
+    if group is not None:
+        try:
+            everyone = all_gather_json({"why": why, "rows": rows}, group, device)
+        except Exception as exc:  # noqa: BLE001 - a group that cannot agree runs nothing
+            everyone = [{"why": f"the ranks could not agree to rerun the window ({type(exc).__name__}: {exc})",
+                         "rows": []}]
+        stopped = [(rank, part["why"]) for rank, part in enumerate(everyone) if part["why"] is not None]
+        why = "; ".join(f"rank {rank}: {reason}" for rank, reason in stopped) if stopped else None
+        lockstep = GroupLockstep(group, device, model)
+        suspicious = _suspicious(rows, any(part["rows"] for part in everyone), dist.get_rank(group))
+    if why is not None:
+        result.reason = why
+        result.seconds = time.monotonic() - began
+        return result
+    try:
+        with set_aside(model, None, None, weights=True):
+            result.ablation = ablate_over_window(source, source.spec(), [], suspicious=suspicious,
+                                                 deadline=began + timeout, lockstep=lockstep)
+        result.verdict = "done"
     except ReplayError as exc:
         result.verdict, result.reason = "not run", str(exc)
     except Exception as exc:  # noqa: BLE001 - the diagnosis is a diagnostic: its failure is reported, never raised
         result.verdict, result.error = "error", f"{type(exc).__name__}: {exc}"
     result.seconds = time.monotonic() - began
     return result
+
+
+def _prepare(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any,
+             forward: torch.nn.Module | None) -> tuple[ProcessSource | None, str | None]:
+    """The source to rerun the window from, or why there is none: checked before any rank runs a collective."""
+    if path is None:
+        return None, "the incident's bundle could not be written, and the window is read from it"
+    bundle = load_bundle(path, whole_set=False)
+    window = bundle.window
+    if not window or not window.get("states"):
+        return None, ("the bundle holds no window of the run to rerun (Monitor(window=None), a tensor source such "
+                      "as DeepSpeed's, or a max_bytes that kept no state)")
+    try:
+        source = ProcessSource(bundle, model, optimizer, step_fn, forward)
+        with set_aside(model, None, None, weights=True):  # the first state loads, as every rerun will load one
+            source.build_at(*bundle.window_state(window["states"][0]["step"]))
+    except ReplayError as exc:
+        return None, str(exc)
+    return source, None
 
 
 def record_diagnosis(result: Diagnosis, bundle: Bundle) -> None:

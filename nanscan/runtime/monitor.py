@@ -384,6 +384,7 @@ class Monitor(StepVerdicts):
         self._model: torch.nn.Module | None = model
         self._model_ref = weakref.ref(model)
         self._hooked_ref = weakref.ref(hooked)  # the module whose forward pre-hook marks a step's start
+        self._given_ref = weakref.ref(given)  # as the loop calls it: the in-process diagnosis's forward (DDP's)
         self.optimizer = optimizer
         self.bundle_dir = Path(bundle_dir or os.environ.get(BUNDLE_DIR_ENV) or DEFAULT_BUNDLE_DIR).absolute()
         self.config = normalize_config(config)
@@ -460,6 +461,7 @@ class Monitor(StepVerdicts):
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
         self._agreement = None
+        self.tensor_source = source  # a framework's (DeepSpeed's), or None: the module's own tensors
         if source is not None:  # NOTE: [tensor source]: the framework's adapter knows where its tensors are
             self._plan = source
         elif _distributed_ready():

@@ -27,7 +27,9 @@ from nanscan.engine.stats import ScanReport
 from nanscan.incident import is_kind, owner_module, tensor_name
 from nanscan.runtime.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
 from nanscan.runtime.ops import OpSite, OpTracer
+from nanscan.runtime.shards import has_dtensors, local_shard
 from nanscan.runtime.step_options import PRECISION_NAMES, StepOptions
+from nanscan.engine.plans import whole_tensor
 from nanscan.scan import model_inputs, scan, scan_inputs
 
 # Each precision's autocast dtype ("float32": autocast off); StepOptions checks the names without torch.
@@ -234,7 +236,10 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         parts = batch.batches if isinstance(batch, Accumulation) else [batch]
         shown = parts if isinstance(batch, Accumulation) else batch  # a step's micro-batches: input:<i>.<path>
         batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(shown)])
-        state_report = scan_inputs(model_inputs(model, optimizer))
+        # a sharded model's tensors as this rank holds them (FSDP2, TP: its shards; the in-process diagnosis under a
+        # process group, NOTE: [in-process diagnosis])
+        shard = local_shard if has_dtensors(model) else whole_tensor
+        state_report = scan_inputs(model_inputs(model, optimizer, shard=shard))
         scans.update(inputs=batch_report, start=state_report)
         if not state_report.ok:
             bad = state_report.nonfinite
@@ -252,7 +257,15 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         loss_value = 0.0
         scale = options.loss_scale
         returned: list[float] = []
+        # DistributedDataParallel all-reduces a step's gradients once, at its last micro-batch, as the loops that
+        # accumulate under it do (no_sync, train.py's require_backward_grad_sync): a reduction per micro-batch would
+        # round the sum otherwise, and a diverging run amplifies the difference within steps
+        synced = isinstance(model, torch.nn.parallel.DistributedDataParallel) and len(parts) > 1
+        if synced:
+            stack.callback(setattr, model, "require_backward_grad_sync", True)
         for index, part in enumerate(parts):  # one part, or a step's micro-batches (NOTE: [replayed accumulation])
+            if synced:
+                model.require_backward_grad_sync = index == len(parts) - 1
             if isinstance(batch, Accumulation) and batch.before is not None:
                 batch.before(index)
             try:
@@ -279,7 +292,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                 return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
-        grads = scan_inputs([i for i in model_inputs(model) if is_kind(i.name, "gradient")])
+        grads = scan_inputs([i for i in model_inputs(model, shard=shard) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                            options.clip_grad_norm)
@@ -290,7 +303,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             except Exception as exc:  # noqa: BLE001 - as for step_fn: the user's optimizer failing is a result
                 return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
                                                                       f"{type(exc).__name__}: {exc}")
-            update_report = scan_inputs([i for i in model_inputs(model, optimizer)
+            update_report = scan_inputs([i for i in model_inputs(model, optimizer, shard=shard)
                                          if not is_kind(i.name, "gradient")])
 
     nonfinite = list(batch_report.nonfinite)

@@ -189,8 +189,11 @@ class StepVerdicts:
             return
         armed, self._armed = self._armed, False  # the reruns' forwards are no step's start
         try:
+            group = self._agreement
             result = diagnose(self.model, self.optimizer, self.step_fn, path, step=step,
-                              timeout=self.diagnose_timeout, in_group=self._agreement is not None)
+                              timeout=self.diagnose_timeout, forward=self._given_ref(),
+                              group=group.group if group is not None else None,
+                              device=group.device if group is not None else None)
         finally:
             self._armed = armed
         self.diagnosis = result

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -49,7 +48,8 @@ from nanscan.runtime.rerun_inputs import ReplayError, loop_options, prepare_batc
 from nanscan.runtime.spikes import SpikeRule, binade_growth
 from nanscan.runtime.step_options import BASELINE, FACTORS, Factor, StepOptions
 from nanscan.runtime.traps import optimizer_traps
-from nanscan.runtime.window_rerun import WindowEvidence, WindowReplay, WindowSource, rerun_window, set_learning_rates
+from nanscan.runtime.window_rerun import (SOLO, Lockstep, WindowEvidence, WindowReplay, WindowSource, rerun_window,
+                                          set_learning_rates)
 
 DEFAULT_BEYOND = 16  # the fewest steps past the failing one; the horizon is at least twice the window's span
 HORIZON_PER_STEP = 2
@@ -157,12 +157,13 @@ def loss_before_divergence(history: dict[int, tuple[float | None, float | None]]
 
 
 def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
-           drop: Callable | None = None, stretched: bool = False, go_on: bool = True) -> WindowRow:
+           drop: Callable | None = None, stretched: bool = False, go_on: bool = True,
+           lockstep: Lockstep = SOLO) -> WindowRow:
     """Rerun the window under `factor`, then go on past the failing step for horizon() steps: on the entry's
     held-out batches, else on the window's own batches again (the loop's data; the process has no later batch),
     and judge (NOTE: [window ablation]). `stretched`: the rate past the failing step climbs as a longer warm-up's
     (_climb); else the factor's lr_scale throughout."""
-    run = rerun_window(replayer, factor.options, drop, evidence)
+    run = rerun_window(replayer, factor.options, drop, evidence, lockstep)
     window = run.result
     bad = window.first_nonfinite
     if bad is not None:
@@ -190,7 +191,8 @@ def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, hel
         set_learning_rates(optimizer, run.last_lrs, scale)
         if held_out:
             batch = prepare_batch(batch, device, factor.options)
-        outcome = run_step(model, optimizer, run.spec.step_fn, batch, options=loop_options(run.spec, options))
+        outcome = lockstep.finite(run_step(model, optimizer, run.spec.step_fn, batch,
+                                           options=loop_options(run.spec, options)))
         if not outcome.finite:
             return WindowRow(factor, DELAYS, window, beyond_run=i + 1, beyond_nonfinite=i + 1,
                              detail=f"finite over the window, non-finite {i + 1} step(s) past it on {data} batches "
@@ -243,17 +245,18 @@ def _rate_reached(climb: list[float] | None, index: int) -> str:
 def ablate_over_window(replayer: WindowSource, spec: Any, held_out: list[Any], *, beyond: int = DEFAULT_BEYOND,
                        suspicious: Callable[[], tuple[Any, str]] | str,
                        progress: Callable[[str], None] | None = None,
-                       deadline: float | None = None) -> WindowAblation:
+                       deadline: float | None = None, lockstep: Lockstep = SOLO) -> WindowAblation:
     """Rerun the window as recorded, then once per factor (NOTE: [window ablation]); nothing is written (see
     record_window_ablation). `spec`: the model's ReplaySpec as `replayer` builds it (its clipping and autocast
     declarations); `held_out`: batches to go on with past the failing step ([]: the window's own);
     `suspicious()`: the failing batch's suspicious samples and where they came from (a bisection), or why there
     are none to drop; `deadline`: a time.monotonic() past which the factors left are not judged (the in-process
-    diagnosis's time limit)."""
+    diagnosis's time limit); `lockstep`: how the ranks of a group agree on each step and row (one process:
+    SOLO)."""
     say = progress or (lambda _description: None)
-    evidence = WindowEvidence.of(replayer.bundle)
+    evidence = WindowEvidence.of(replayer.bundle, lockstep)
     say("the window as recorded")
-    baseline = _judge(replayer, evidence, BASELINE, [], 0, go_on=False)
+    baseline = lockstep.row(_judge(replayer, evidence, BASELINE, [], 0, go_on=False, lockstep=lockstep))
     failed = baseline.window.first_nonfinite if baseline.window else None
     if failed is not None and failed.error is not None:
         # as the single-step ablation: against a window that cannot run, a factor that makes it run looks like a fix
@@ -272,9 +275,9 @@ def ablate_over_window(replayer: WindowSource, spec: Any, held_out: list[Any], *
     def judge(factor: Factor, drop: Callable | None = None, stretched: bool = False) -> WindowRow:
         if not reproduced:
             return WindowRow(factor, NOT_JUDGED, None)
-        if deadline is not None and time.monotonic() > deadline:
+        if lockstep.time_up(deadline):
             return WindowRow(factor, NOT_JUDGED, None, detail=TIME_SPENT)
-        return _judge(replayer, evidence, factor, held_out, beyond, drop, stretched)
+        return lockstep.row(_judge(replayer, evidence, factor, held_out, beyond, drop, stretched, lockstep=lockstep))
 
     peak = max((lr for r in evidence.records for lr in r.lrs if lr is not None), default=None)
     for scale in LR_LADDER:
@@ -379,7 +382,7 @@ def _drop_suspicious(replayer: WindowSource, suspicious: Callable[[], tuple[Any,
         return rows
 
     row = judge(factor, drop)
-    shown = ids if ids else found.indices
+    shown = getattr(found, "label", None) or (ids if ids else found.indices)  # a source's own words for them
     row.detail = f"dropped {shown} ({origin}) at step(s) {sorted(set(met))}; {row.detail}"
     return row
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+import time
 from typing import Any, Callable, Protocol
 
 import torch
@@ -149,10 +150,14 @@ class WindowEvidence:
     clipping: LoopClipping | None = None  # the loop's, observed (NOTE: [observed loop])
 
     @classmethod
-    def of(cls, bundle: Bundle) -> "WindowEvidence":
+    def of(cls, bundle: Bundle, lockstep: "Lockstep | None" = None) -> "WindowEvidence":
+        """`lockstep`: a group's, whose gradient norms the clipping is inferred from (a sharded rank's own norm is
+        not the one clip_grad_norm_ scaled by)."""
         records = bundle.window_records()  # a BundleError saying why, for a bundle that holds no window
         history = {entry.step: (entry.loss, entry.grad_norm) for entry in bundle.history()}
-        return cls(records, history, infer_clipping(records, {step: g for step, (_, g) in history.items()}))
+        norms = (lockstep.grad_norms(bundle) if lockstep is not None else None) or \
+            {step: g for step, (_, g) in history.items()}
+        return cls(records, history, infer_clipping(records, norms))
 
     def loop_clip(self, spec: Any) -> float | None:
         """The loop's clip threshold: the entry's declaration (ReplaySpec.clip_grad_norm), else the observed one."""
@@ -170,6 +175,35 @@ def _departs(replayed: float | None, recorded: float | None) -> bool:
     if replayed is None or recorded is None or not (math.isfinite(replayed) and math.isfinite(recorded)):
         return False
     return not math.isclose(replayed, recorded, rel_tol=DEPART_REL_TOL, abs_tol=1e-12)
+
+
+class Lockstep:
+    """How the ranks of a process group keep one window rerun in step (NOTE: [in-process diagnosis] in
+    nanscan/runtime/incident_diagnosis.py): every decision that leads to a collective, or to none, is taken the same
+    on every rank. One process (SOLO) decides alone; nanscan.runtime.incident_diagnosis.GroupLockstep agrees."""
+
+    def finite(self, outcome: StepOutcome) -> StepOutcome:
+        """The step's outcome as the ranks agree on it: non-finite (or failed) when it is on any rank."""
+        return outcome
+
+    def row(self, row: Any) -> Any:
+        """A judged row (nanscan.runtime.window_ablation.WindowRow) as the ranks agree on it."""
+        return row
+
+    def same(self, value: int) -> bool:
+        """Whether every rank holds this value."""
+        return True
+
+    def grad_norms(self, bundle: Bundle) -> dict[int, float] | None:
+        """The group's gradient norm by step, where a rank's recorded one is only its shard's (None: the recorded
+        one is the group's): what the loop's clipping acted on."""
+        return None
+
+    def time_up(self, deadline: float | None) -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+
+SOLO = Lockstep()
 
 
 class WindowSource(Protocol):
@@ -202,14 +236,17 @@ class WindowRun:
 
 def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
                  drop: Callable[[WindowStep], list[int]] | None = None,
-                 evidence: WindowEvidence | None = None) -> WindowRun:
-    """replay_window on a Replayer the caller keeps (nanscan.replay.ablate_window reruns it once per factor, with
-    the evidence it read once). `drop(record)`: the sample rows of a recorded step left out of its batch (a
-    suspicious record, wherever it is)."""
+                 evidence: WindowEvidence | None = None, lockstep: Lockstep = SOLO) -> WindowRun:
+    """The window rerun from `replayer` (nanscan.runtime.window_ablation reruns it once per factor, with the
+    evidence it read once). `drop(record)`: the sample rows of a recorded step left out of its batch (a suspicious
+    record, wherever it is); `lockstep`: how the ranks of a group agree on each step (one process: SOLO)."""
     target = replayer.bundle
     evidence = evidence or WindowEvidence.of(target)
     records = evidence.records
     start = _start(target, records)
+    if not lockstep.same(start):
+        raise ReplayError(f"the ranks' windows start at different kept states (this rank's: step {start}): one "
+                          "lost batches the others kept, so they cannot rerun the window together")
     model_state, optimizer_state = target.window_state(start)
     spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
     device = model_device(spec.model)
@@ -258,13 +295,15 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
         elif len(parts) > 1:
             recorded_loss = None  # the step's recorded loss is the last micro-batch's alone
         result = _result(record.step, outcome, (recorded_loss, recorded_norm), last=record.step == target.step)
+        agreed = lockstep.finite(outcome)  # the departure above is this rank's own; whether to go on, the group's
+        result.finite, result.category, result.error = agreed.finite, agreed.category, agreed.error
         if result.departs is not None and not any(r.departs for r in results):
             previous = steps[len(results) - 1][-1] if results else None
             result.reason = departure_reason(outcome.loss, recorded_loss, outcome.grad_norm, recorded_norm,
                                              previous.update_factor if previous is not None else None,
                                              run_options.clip_grad_norm or spec.clip_grad_norm, DEPART_REL_TOL)
         results.append(result)
-        if not outcome.finite:
+        if not agreed.finite:
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)

@@ -1,0 +1,76 @@
+"""The in-process diagnosis on every rank together (nanscan.runtime.incident_diagnosis NOTE: [in-process diagnosis];
+issue 59 item 3): karpathy's train.py loop at learning rate 30 on 2 gloo ranks, as train.py runs under torchrun
+(DistributedDataParallel, each rank's own data, gradients synchronized at the last micro-step) and under FSDP2
+(fully_shard on each block): every rank reruns the window from its own kept state (its shards, under FSDP2) with
+its own recorded batches, through the wrapped model, matches its record at every step, and all ranks confirm the
+same learning-rate reduction and no precision, with the same words in every part. No rank hangs: the spawn has a
+deadline and the collectives a timeout."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import karpathy_train as K
+from nanscan import load_bundle
+from spawn_ranks import spawn
+
+SPAWN_TIMEOUT_S = 420
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)]
+WORLD = 2
+
+
+def _worker(rank: int, parallel: str, store: str, out: str) -> None:
+    from nanscan.runtime.window import Window
+
+    torch.set_num_threads(1)  # two processes share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=180))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = K.train(K.LR30, Path(out) / "bundles", parallel=parallel, window=Window(steps=32, every=8),
+                          step_fn=K.forward_loss, run_id=f"train-py-{parallel}")
+        diagnosis = run.monitor.diagnosis
+        result = {"step": run.nonfinite_step, "truth": run.truth, "message": str(run.error),
+                  "bundle": str(run.monitor.bundle_path), "verdict": diagnosis.verdict if diagnosis else None,
+                  "headline": diagnosis.headline() if diagnosis else None,
+                  "fixes": diagnosis.fixes if diagnosis else None, "seconds": diagnosis.seconds if diagnosis else None}
+    except Exception as exc:  # noqa: BLE001 - written for the test to show
+        result = {"exception": f"{type(exc).__name__}: {exc}"}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def ranks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    spawn(_worker, request.param, WORLD, out, timeout_s=SPAWN_TIMEOUT_S, label=f"train.py under {request.param}")
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    if request.param == "fsdp" and any("exception" in r and "fully_shard" in r["exception"] for r in results):
+        pytest.skip(f"FSDP2 does not run train.py's model on gloo/CPU here: {results[0]['exception']}")
+    return request.param, results
+
+
+def test_every_rank_diagnoses_the_window_together_and_confirms_the_learning_rate(ranks):
+    parallel, results = ranks
+    for rank, r in enumerate(results):
+        assert "exception" not in r, r
+        assert r["step"] is not None and r["verdict"] == "done", r
+        assert any(key.startswith("lr-") for key in r["fixes"]), r["headline"]
+        assert not set(r["fixes"]) & {"fp32", "bf16-autocast", "fp16-autocast"}, r["headline"]
+        assert r["headline"] == results[0]["headline"] and r["step"] == results[0]["step"]
+        assert f"diagnosis over the window in process: {r['headline']}" in r["message"]
+    bundle = load_bundle(Path(results[0]["bundle"]).parent)
+    for rank in range(WORLD):
+        findings = {f["key"]: f for f in bundle.part(rank).findings()}
+        window = findings["replay:window"]["record"]
+        assert window["reproduced"] and window["first_departure"] is None, (parallel, rank, window["steps"][-3:])
+        assert findings["diagnosis"]["title"] == f"Diagnosis in process: {results[0]['headline']}"
+    print(f"\n{parallel}: failing step {results[0]['step']}, diagnosis {results[0]['seconds']:.1f} s on rank 0: "
+          f"{results[0]['headline']}")
