@@ -43,7 +43,7 @@ SPAWN_TIMEOUT_S = 240  # startup of 4 processes importing torch on 2 shared core
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 REPLAY_ENTRY = f"{Path(__file__).stem}:replay_entry"
 
-pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)]  # two processes a set: make test-slow
 
 
 # -- the training step, shared by the workers and the replay entry ---------------------------------------------

@@ -155,6 +155,7 @@ def _ddp_no_sync_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes
 @pytest.mark.timeout(300)
 def test_under_no_sync_the_rank_whose_micro_batch_went_bad_is_named(tmp_path):
     spawn(_ddp_no_sync_worker, 2, 2, tmp_path, timeout_s=240, label="DDP no_sync micro-batch checks")
@@ -222,6 +223,7 @@ def _hf_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes
 @pytest.mark.timeout(300)
 def test_the_hf_trainer_checks_each_micro_batch_under_no_sync(tmp_path):
     pytest.importorskip("transformers")

@@ -27,9 +27,19 @@ def test_every_test_module_is_in_exactly_one_list():
 def test_the_numba_pass_leaves_out_what_is_marked_once():
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(marker.startswith("once:") for marker in markers)
-    lines = (ROOT / "Makefile").read_text().split("\ntest: ", 1)[1].split("\n\n", 1)[0].splitlines()
-    runs = [line.strip() for line in lines if "pytest" in line]
-    assert runs == ["$(PY) -m pytest -q", 'NANSCAN_BACKEND=numba $(PY) -m pytest -q -m "not once"']
+    makefile = (ROOT / "Makefile").read_text()
+
+    def runs(target: str) -> list[str]:
+        lines = makefile.split(f"\n{target}: ", 1)[1].split("\n\n", 1)[0].splitlines()
+        return [line.strip() for line in lines if "pytest" in line]
+
+    # make test and make test-slow split the suite by `slow`, each in both passes; CI runs both
+    assert runs("test") == ['$(PY) -m pytest -q -m "not slow"',
+                            'NANSCAN_BACKEND=numba $(PY) -m pytest -q -m "not once and not slow"']
+    assert runs("test-slow") == ['$(PY) -m pytest -q -m slow',
+                                 'NANSCAN_BACKEND=numba $(PY) -m pytest -q -m "slow and not once"']
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "make test" in ci and any(line.startswith("make test-slow") for line in ci)
 
 
 def test_collection_marks_the_native_pass_only_modules(tmp_path):

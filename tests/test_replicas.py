@@ -35,7 +35,7 @@ HEALTHY_STEPS = 200
 SPAWN_TIMEOUT_S = 300  # startup of 3 processes importing torch on 2 shared cores is much of it
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
-pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)]  # two processes a set: make test-slow
 
 
 class Net(nn.Module):

@@ -290,6 +290,7 @@ def _write_started(run_dir: Path, writer: subprocess.Popen, limit: float = 120.0
     return False
 
 
+@pytest.mark.slow  # a writer process started and killed again and again
 def test_a_writer_killed_at_random_points_leaves_no_bundle_that_looks_whole(tmp_path):
     """SIGKILL at random moments of the bundle write (a 1.2 MB state, every file fsynced), timed from the moment its
     temporary directory appears: after each, the bundle is absent or loads and verifies; a later run writes a

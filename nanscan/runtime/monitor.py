@@ -85,6 +85,7 @@ from nanscan.integrations import tensorboard as tensorboard_export
 from nanscan.integrations import wandb as wandb_export
 from nanscan.integrations.live import monitor_export
 from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE, ScalerWatch, autocast_state, read_scaling
+from nanscan.runtime.dropped_update import DroppedUpdate
 from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
 from nanscan.runtime.incident_diagnosis import DEFAULT_TIMEOUT_S as DEFAULT_DIAGNOSE_TIMEOUT_S, Diagnosis
 from nanscan.runtime.incident_rerun import DEFAULT_TIMEOUT_S as DEFAULT_RERUN_TIMEOUT_S, RerunResult
@@ -450,6 +451,7 @@ class Monitor(StepVerdicts):
         setting = window_setting(window)
         self._window = WindowKeeper(setting) if setting is not None else None
         self._rollbacks: Rollbacks | None = None  # on_invalid=Rollback(...): NOTE: [rollback]
+        self._dropped = DroppedUpdate()  # the step whose update skip or a rollback dropped: NOTE: [dropped update]
         if isinstance(on_invalid, Rollback):
             if setting is None:
                 raise ValueError("on_invalid=Rollback(...) goes back to a state the window kept, and this Monitor keeps "
@@ -563,6 +565,7 @@ class Monitor(StepVerdicts):
                 self._export.close()
             if self._rollbacks is not None:
                 self._rollbacks.close()
+            self._dropped.disarm()
             if self._window is not None:
                 self._window.update_factors.close()
 
@@ -659,6 +662,7 @@ class Monitor(StepVerdicts):
         its batch in the bundle. `step`: the step number, when the loop gives check() its own."""
         step = self._next_step if step is None else _step_number(step)
         started, self._started, self._armed = self._started, False, True  # the next micro-batch's start is its own
+        self._drop_quarantined(step, sample_ids)  # NOTE: [dropped update]
         micro, self._micro_batch = self._micro_batch, self._micro_batch + 1
         self._observed.add(micro, loss, batch, sample_ids)
         self._keep_in_window(self.model, step, micro, started, batch, sample_ids, None, loss)  # its rerun replays each
@@ -674,6 +678,7 @@ class Monitor(StepVerdicts):
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
         micro = self._micro_batch if micro_batch else None  # this check's index within its step, or None
+        self._drop_quarantined(step, sample_ids)  # NOTE: [dropped update]
         self._micro_batch = self._micro_batch + 1 if micro_batch else 0
         if micro is not None and self._pending is not None:  # decided at once: the step before it first
             self._read_verdict(read_at="next_check")

@@ -6,12 +6,17 @@ At an incident, once its bundle is written (and the in-process rerun has run), a
 Rollback restores the newest state its window kept (nanscan.runtime.window NOTE: [run window]) from at or before the
 first warning of the episode that ended in the incident (its first SpikeWarning no more than EPISODE_GAP steps
 before the next; with no warning, the failing step itself): the model's weights and buffers and the optimizer's state
-(loaded in place), the GradScaler's scale of that step, and the torch generators' state at its start. The loop does
-not change: the failing step's gradients are dropped (set to None, never multiplied by 0, which would still carry a
-NaN into Adam's moments), check() returns a report that is not ok (the loop skips optimizer.step() as for "skip",
-and one that calls it anyway updates nothing), and the loop goes on with its next batch. So the batches from the
-restored state through the failing step are skipped: their updates are undone and they are not fed again
-(skip="window", PaLM's "restart about 100 steps before the spike and skip the batches"); skip="step" restores only
+(loaded in place) and the GradScaler's scale of that step. No generator is rewound: torch's, numpy's and Python's
+global generators drive the data as much as the model (nanoGPT's get_batch draws its batches with torch.randint, a
+DataLoader's sampler shuffles with torch's), and rewinding them would draw the skipped batches again; dropout draws
+new masks, as at any later step. A loop with its own DataLoader goes on with its iterator's next batch either way.
+The loop does not change: the failing step's gradients are dropped (set to None, never multiplied by 0, which would
+still carry a NaN into Adam's moments), check() returns a report that is not ok (the loop skips optimizer.step() as
+for "skip", and one that calls it anyway updates nothing, to the end of the step: NOTE: [dropped update]), and the
+loop goes on with its next batch. So the batches from the restored state through the failing step are skipped:
+their updates are undone and they are not fed again (skip="window", PaLM's "restart about 100 steps before the spike
+and skip the batches"); a record the rollback quarantined that the loop draws again later has that step's update
+dropped (NOTE: [dropped update]); skip="step" restores only
 the failing step's own start (the live weights at a check before its update), skipping its batch alone; skip_next
 drops the updates of that many more steps, through an optimizer step pre-hook (their checks stay as they are).
 One factor may change for the next steps, named and recorded, never several: lr_scale multiplies every param group's
@@ -107,6 +112,7 @@ class Rollbacks:
         self._saved_lrs: list | None = None
         self._handles: list[Any] = []
         self.writes = True  # this process writes rollbacks.json and the findings (one rank of a group does)
+        self.quarantined: set = set()  # the records this run's rollbacks quarantined (NOTE: [dropped update])
 
     # -- at an incident ---------------------------------------------------------------------------------------------
     def refusal(self, step: int) -> str | None:
@@ -119,6 +125,15 @@ class Rollbacks:
             return (f"on_invalid=Rollback: failed again at step {step}, {step - last['at_step']} step(s) after the "
                     f"rollback at step {last['at_step']} (within settle_steps={self.settle}): the same failure")
         return None
+
+    def quarantined_in(self, sample_ids: Any) -> list:
+        """The ids among `sample_ids` that a rollback of this run quarantined (NOTE: [dropped update])."""
+        if not self.quarantined or sample_ids is None:
+            return []
+        ids = sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
+        if not isinstance(ids, (list, tuple)):
+            return []
+        return [i for i in ids if isinstance(i, (str, int)) and i in self.quarantined]
 
     def bundles(self) -> list[str]:
         return [str(self.run_dir / r["bundle"]) for r in self.records if r.get("bundle")]
@@ -134,6 +149,7 @@ class Rollbacks:
                  "skip_next": self.policy.skip_next, "factor": self.policy.factor, "loss_scale": scale,
                  "quarantined": quarantined, "outcome": {"status": "pending", "finite_steps": 0}}
         self.records.append(entry)
+        self.quarantined.update(quarantined)
         self._skip_left = self.policy.skip_next
         self._factor_left = self.policy.factor_steps if self.policy.lr_scale is not None else 0
         self.writes = write
@@ -238,15 +254,17 @@ def describe(entry: dict) -> str:
 def markdown(entry: dict) -> str:
     lines = [f"The Monitor rolled the run back at step {entry['at_step']} (on_invalid=Rollback): "
              f"{describe(entry)}.", "",
-             f"- restored: the model's weights and buffers, the optimizer's state and the torch generators of step "
-             f"{entry['restored_step']}'s start, from {entry['restored_from']}"
+             f"- restored: the model's weights and buffers and the optimizer's state of step "
+             f"{entry['restored_step']}'s start, from {entry['restored_from']}; no generator rewound (the data goes "
+             "on from where it was)"
              + (f"; the GradScaler's scale set to {entry['loss_scale']:g}" if entry["loss_scale"] is not None else ""),
              f"- skipped (updates undone, batches not fed again): steps {entry['skipped_steps']}"]
     if entry["skipped_sample_ids"]:
         lines.append(f"- their sample ids: {entry['skipped_sample_ids']}")
     if entry["quarantined"]:
-        lines.append(f"- quarantined (non-finite rows of the failing batch): {entry['quarantined']}; "
-                     "`nanscan quarantine list` shows them, `nanscan.skip_quarantined` keeps them out of the next run")
+        lines.append(f"- quarantined (non-finite rows of the failing batch): {entry['quarantined']}; a later step "
+                     "whose batch holds one has its update dropped; `nanscan quarantine list` shows them, "
+                     "`nanscan.skip_quarantined` keeps them out of the next run")
     lines.append(f"- factor changed: {entry['factor'] or 'none'}")
     lines.append(f"- what happened next: {entry['outcome']['status']}")
     lines += ["", "Every rollback of the run is in rollbacks.json in the run's directory."]

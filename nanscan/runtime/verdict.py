@@ -23,7 +23,7 @@ import torch
 
 from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, write_bundle
 from nanscan.bundle.format import RERUN_FINDING
-from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment, restore_rng_sources
+from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
 from nanscan.engine.pending import StepScan
 from nanscan.engine.stats import PendingReport, ScanReport
@@ -132,6 +132,9 @@ class StepVerdicts:
         """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
         check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures).
         Under a GradScaler an overflow skip goes to _overflow_skip instead (slot: the step's in the history)."""
+        if step in self._dropped.quarantined_steps:  # NOTE: [dropped update]: said at its check, no new incident
+            self._drop_gradients()
+            return report
         if self._scaler is not None and self._scaler.is_skip(report):
             return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
         category, tensors = categorize(report)
@@ -485,6 +488,8 @@ class StepVerdicts:
                                  tensors=tensors) from self.bundle_error
         if policy == "skip":
             self._drop_gradients()
+            if read_at is None and not update:  # its later micro-batches' gradients too (NOTE: [dropped update])
+                self._dropped.arm(self.optimizer, step)
         if policy in ("warn", "skip"):
             if first:
                 warn_user(self._message(step, category, tensors, read_at, streak, update, why, seen_at))
@@ -524,7 +529,7 @@ class StepVerdicts:
             restored_step, restored_from, scale = step, "the live state at its check, before its update", None
             skipped = [{"step": step, "sample_ids": plain_ids(sample_ids)}]
         else:
-            kept, (model_state, optimizer_state), rng, scale = found
+            kept, (model_state, optimizer_state), _, scale = found
             restored_step = kept.step
             restored_from = f"the window's state kept at step {restored_step}"
             skipped = self._window.steps_between(restored_step, step) or [{"step": step,
@@ -532,8 +537,8 @@ class StepVerdicts:
             model.load_state_dict(model_state, strict=False)  # in place; frozen weights are not in it
             if optimizer is not None and optimizer_state is not None:
                 optimizer.load_state_dict(optimizer_state)
-            if rng:
-                restore_rng_sources(rng)
+            # No generator is rewound: torch's, numpy's and Python's drive the data as much as the model (train.py's
+            # get_batch draws with torch.randint), so the skipped batches would be drawn again (NOTE: [rollback]).
             if scale is not None and self._scaler is not None and self._scaler.scaler.is_enabled():
                 self._scaler.scaler.update(new_scale=float(scale))
             self._window.restart(kept, step + 1)
@@ -546,9 +551,25 @@ class StepVerdicts:
                                  restored_step=restored_step, restored_from=restored_from, skipped=skipped,
                                  scale=scale, quarantined=quarantined, write=ledger)
         rollbacks.attach(optimizer)
+        if live_start:  # before the step's update: its later micro-batches' gradients too (NOTE: [dropped update])
+            self._dropped.arm(optimizer, step)
         # the next incident is bundled (and rerun, and diagnosed) again
         self.first_invalid_step, self.rerun, self.diagnosis = None, None, None
         warn_user(f"{message}; rolled back: {describe(entry)}", RollbackWarning)
+
+    def _drop_quarantined(self, step: int, sample_ids: Any) -> None:
+        """At every check and observe (NOTE: [dropped update]): one of another step ends a dropped step; a batch
+        holding a record a rollback quarantined in this run has its step's update dropped, said once a step."""
+        self._dropped.seen(step)
+        held = self._rollbacks.quarantined_in(sample_ids) if self._rollbacks is not None else []
+        if not held:
+            return
+        if step not in self._dropped.quarantined_steps:
+            warn_user(f"nanscan: the batch of step {step} holds {len(held)} record(s) that a rollback of this run "
+                      f"quarantined ({', '.join(map(str, held[:5]))}{', ...' if len(held) > 5 else ''}): the step's "
+                      "update is dropped, so the record never reaches the weights again (filter it out of the data "
+                      "with nanscan.skip_quarantined)", RollbackWarning)
+        self._dropped.arm(self.optimizer, step, quarantined=True)
 
     def _drop_gradients(self) -> None:
         """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes

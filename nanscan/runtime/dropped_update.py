@@ -1,0 +1,58 @@
+"""A step whose update the Monitor dropped stays dropped to its end, whatever the loop calls: an optimizer step
+pre-hook sets every gradient to None until a check of another step (NOTE: [dropped update]).
+
+NOTE: [dropped update]
+on_invalid="skip" and Rollback drop the failing step's gradients (None, never 0: a zero gradient still moves Adam's
+weights through its moments), so an optimizer.step() the loop calls anyway updates nothing. Two cases escape that:
+- an incident decided at a micro-batch check (check(micro_batch=True), NOTE: [micro-batch checks]) comes before the
+  step's later micro-batches, whose backward passes make gradients again; a loop that does not look at that check's
+  report (nanoGPT's micro-step loop does not) would apply the later micro-batches' gradients;
+- a batch holding a record that a rollback quarantined in this run (NOTE: [rollback]): the loop draws it again (a
+  sampler with replacement, a second epoch) and its update must not count.
+So the Monitor arms this hook for the step: at every optimizer.step() until the first check or observe of another
+step, every gradient the optimizer holds is set to None first, and torch's optimizers then change no weight and no
+optimizer state. The hook is removed when it disarms, so a step that drops nothing costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DroppedUpdate:
+    """The Monitor's step whose update is dropped (NOTE: [dropped update]): `arm` at the decision, `seen` at every
+    check or observe (a check of another step disarms it), `dropped` counts the optimizer steps it emptied."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self.dropped = 0
+        self.quarantined_steps: set[int] = set()  # steps whose batch held a quarantined record: no new incident
+        self._handle: Any = None
+
+    def arm(self, optimizer: torch.optim.Optimizer | None, step: int, *, quarantined: bool = False) -> None:
+        if quarantined:
+            self.quarantined_steps.add(step)
+        if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+            return
+        self.step = step
+        if self._handle is None:
+            self._handle = optimizer.register_step_pre_hook(self._pre_step)
+
+    def seen(self, step: int) -> None:
+        """A check or observe of `step`: one of another step ends the dropped one."""
+        if self.step is not None and step != self.step:
+            self.disarm()
+
+    def disarm(self) -> None:
+        self.step = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self.dropped += 1

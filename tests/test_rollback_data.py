@@ -1,0 +1,141 @@
+"""Rollback in karpathy's train.py loop whose batches are records drawn with torch's global generator, as its
+get_batch draws (issue 60 items 1 and 3; nanscan.runtime.rollback NOTE: [rollback], nanscan.runtime.dropped_update
+NOTE: [dropped update]). The loop is train.py's (2 micro-batches, `loss / 2`, the prefetch before backward,
+clipping, two AdamW groups, a check after each micro-batch's backward) and, like train.py, it calls
+optimizer.step() whatever the check said. One record's loss weights are NaN.
+
+- the data goes on: the records the loop draws are, draw for draw, those a run without nanscan draws (no generator
+  is rewound, so the skipped batches are not drawn again);
+- the record that failed never reaches the weights again: every later step whose batch holds it leaves every weight
+  and optimizer state bit for bit as its check left them, and raises no new incident; the run finishes finite;
+- an incident at micro-batch 0 drops the step's update although micro-batch 1's backward made gradients again.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import karpathy_train as K
+from nanscan import Monitor, Rollback, RollbackWarning
+from nanscan.runtime.window import Window
+
+CONFIG = K.full_config({"learning_rate": 1e-2, "warmup_iters": 4})
+RECORDS, ITERS, SEED = 48, 40, 7
+
+
+def records(bad: str | None):
+    """RECORDS rows of block_size + 1 tokens with per-token loss weights; record `bad`'s weights are NaN."""
+    g = torch.Generator().manual_seed(0)
+    stream = K.token_stream(CONFIG, "train")
+    starts = torch.randint(len(stream) - CONFIG["block_size"] - 1, (RECORDS,), generator=g)
+    rows = torch.stack([stream[s:s + CONFIG["block_size"] + 1] for s in starts])
+    weights = torch.ones(RECORDS, CONFIG["block_size"])
+    if bad is not None:
+        weights[int(bad.split("-")[1])] = float("nan")
+    return rows, weights
+
+
+def snapshot(model, optimizer) -> list[torch.Tensor]:
+    state = [p.detach().clone() for p in model.parameters()]
+    return state + [v.clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    raw = lambda t: t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t  # noqa: E731 - NaN by bits
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+
+
+def run(tmp_path, bad: str | None, policy=None):
+    """train.py's loop over the records; returns the ids drawn per iteration, the iterations whose update changed
+    nothing, the monitor (None without a policy) and whether the weights ended finite."""
+    rows, weights = records(bad)
+    torch.manual_seed(SEED)
+    model = K.build_model(CONFIG)
+    torch.manual_seed(SEED)
+    optimizer = model.configure_optimizers(CONFIG["weight_decay"], CONFIG["learning_rate"],
+                                           (CONFIG["beta1"], CONFIG["beta2"]))
+    mon = None
+    if policy is not None:
+        mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="records", on_invalid=policy,
+                      window=Window(steps=8, every=4))
+
+    def get_batch():
+        ix = torch.randint(RECORDS, (CONFIG["batch_size"],))  # train.py's draw, on the global generator
+        return {"x": rows[ix, :-1], "y": rows[ix, 1:], "w": weights[ix]}, [f"rec-{i}" for i in ix.tolist()]
+
+    drawn, unchanged = [], []
+    accum = CONFIG["gradient_accumulation_steps"]
+    batch, ids = get_batch()
+    for it in range(ITERS):
+        lr = K.get_lr(it, CONFIG)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        drawn.append([])
+        for micro in range(accum):
+            logits, _ = model(batch["x"], batch["y"])
+            per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["y"].reshape(-1), reduction="none")
+            loss = (per_token * batch["w"].reshape(-1)).mean() / accum
+            consumed, consumed_ids = batch, ids
+            batch, ids = get_batch()  # prefetch, as train.py does, before backward
+            loss.backward()
+            drawn[-1] += consumed_ids
+            if mon is not None:
+                mon.check(batch=consumed, loss=loss, sample_ids=consumed_ids, micro_batch=micro < accum - 1)
+        before = snapshot(model, optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CONFIG["grad_clip"])
+        optimizer.step()  # train.py steps whatever the check said
+        optimizer.zero_grad(set_to_none=True)
+        if same(before, snapshot(model, optimizer)):
+            unchanged.append(it)
+    if mon is not None:
+        mon.close()
+    return drawn, unchanged, mon, all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("clean"), None)
+
+
+def first_draw_at_micro_0(drawn: list[list[str]]) -> tuple[str, int, list[int]]:
+    """A record first drawn as micro-batch 0's first row from iteration 10 on, and drawn again in 2+ later
+    iterations (a sampler with replacement): the record, that iteration, and every iteration that draws it."""
+    half = CONFIG["batch_size"]
+    for it in range(10, ITERS):
+        record = drawn[it][0]
+        holding = [i for i, ids in enumerate(drawn) if record in ids]
+        if holding[0] == it and len(holding) >= 3 and record not in drawn[it][half:]:
+            return record, it, holding
+    raise AssertionError("no record of the clean run's draws fits; change SEED")
+
+
+def test_a_corrupt_record_drawn_again_never_reaches_the_weights_and_the_data_goes_on(tmp_path, clean):
+    drawn_clean = clean[0]
+    # the bad record comes in micro-batch 0, so the incident is decided at a micro-batch check
+    bad, at, holding = first_draw_at_micro_0(drawn_clean)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RollbackWarning)
+        drawn, unchanged, mon, finite = run(tmp_path, bad, Rollback())
+    assert drawn == drawn_clean  # no generator rewound: the same draws as the run without nanscan
+    assert finite
+    (entry,) = json.loads((tmp_path / "records" / "rollbacks.json").read_text())["rollbacks"]
+    assert entry["at_step"] == at and entry["quarantined"] == [bad], entry
+    # from the incident at micro-batch 0 to the step's end nothing moved, though micro-batch 1 made gradients again,
+    # and every later step that drew the record left everything as its check did; no other step was dropped
+    assert unchanged == holding, (unchanged, holding)
+    dropped = [str(w.message) for w in caught if "quarantined (" in str(w.message)]
+    assert len(dropped) == len(holding) - 1 and all(bad in m for m in dropped), dropped
+    assert mon.first_invalid_step is None  # no incident after the rollback: the record is known, not a new failure
+
+
+def test_skip_drops_the_rest_of_a_step_failed_at_a_micro_batch(tmp_path, clean):
+    bad, at, _ = first_draw_at_micro_0(clean[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, unchanged, _, finite = run(tmp_path, bad, "skip")
+    assert at in unchanged and finite
