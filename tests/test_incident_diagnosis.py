@@ -9,17 +9,21 @@ the diagnosis leaves); the time limit, diagnose=False and a run without a window
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import karpathy_train as K
 import rnn_train as R
-from nanscan import load_bundle
+from nanscan import Monitor, NonFiniteError, load_bundle
+from nanscan import demo as D
 from nanscan.bundle.format import DIAGNOSIS_FINDING, WINDOW_REPLAY_FINDING
 from nanscan.replay.ablate_window import CONFIRMED, NOT_JUDGED, ablate_window
 from nanscan.runtime.window import Window
-from nanscan.runtime.window_ablation import TIME_SPENT
+from nanscan.replay.replayer import Replayer, open_bundle
+from nanscan.runtime.window_ablation import TIME_CUT, TIME_SPENT, ablate_over_window
+from nanscan.runtime.window_rerun import Lockstep
 
 pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
 WINDOW = Window(steps=32, every=8)
@@ -127,3 +131,60 @@ def test_the_lr_ladder_stops_at_its_first_confirmed_rung(diagnosed):
     rows = [r for r in diagnosed.monitor.diagnosis.ablation.rows if r.factor.key.startswith("lr-")]
     assert rows[-1].verdict == CONFIRMED and all(r.verdict != CONFIRMED for r in rows[:-1])
     assert all(math.isfinite(r.beyond_run) for r in rows)
+
+
+def test_the_demos_record_past_float32s_range_is_dropped_and_confirmed(tmp_path):
+    """`nanscan demo`'s fault: a record whose loss weights are float32's maximum (finite, so no NaN row), at step 80
+    row 5. The in-process diagnosis drops the row holding the overflow value and confirms it, and nothing else."""
+    config = D.demo_config(tmp_path)
+    records = D.make_records(config)
+    bad_id = D.plant_fault(records, config)
+    D.write_dataset(Path(config["data_path"]), records)
+    with D.seeded_rngs(config["seed"]):
+        model = D.build_model(config)
+        optimizer = D.build_optimizer(model, config)
+        mon = Monitor(model, optimizer, bundle_dir=tmp_path / "bundles", run_id="demo", step_fn=D.step_fn,
+                      window=Window(steps=8, every=8))
+        with pytest.raises(NonFiniteError) as caught:
+            for step, (batch, ids) in enumerate(D.batches(D.TokenRecords(config["data_path"], config["seq_len"]),
+                                                          config)):
+                for group in optimizer.param_groups:
+                    group["lr"] = D.lr_at(step, config)
+                optimizer.zero_grad(set_to_none=True)
+                loss = D.step_fn(model, batch)
+                loss.backward()
+                mon.check(batch=batch, loss=loss, sample_ids=ids, step=step)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"])
+                optimizer.step()
+    assert caught.value.step == D.FAULT_STEP
+    diagnosis = mon.diagnosis
+    assert diagnosis.fixes == ["drop-suspicious"], diagnosis.headline()
+    (row,) = [r for r in diagnosis.ablation.rows if r.factor.key == "drop-suspicious"]
+    assert f"dropped rows [{D.FAULT_ROW}] ({bad_id}) of its batch" in row.detail, row.detail
+
+
+class _ClockAfter(Lockstep):
+    """A clock whose time is up from its `calls`-th question on: the time limit without waiting for it."""
+
+    def __init__(self, calls: int):
+        self.calls, self.asked = calls, 0
+
+    def time_up(self, deadline):
+        if deadline is None:  # the unchanged window runs whole
+            return False
+        self.asked += 1
+        return self.asked > self.calls
+
+
+@pytest.mark.parametrize("calls, rerun, beyond", [(4, 3, 0), (32, 28, 3)])
+def test_the_time_limit_cuts_a_factor_short_wherever_it_runs(diagnosed, calls, rerun, beyond):
+    """The clock is asked before each factor and at each of its steps, in the window (28 steps here) and past it:
+    the first factor (lr x0.5, finite over the window) is cut where the time ran out, unjudged, and every factor
+    after it is left out."""
+    replayer = Replayer(open_bundle(diagnosed.bundle), K.ENTRY)
+    result = ablate_over_window(replayer, replayer.build(), [], suspicious="none", deadline=0.0,
+                                lockstep=_ClockAfter(calls))
+    first, *rest = [r for r in result.rows if r.verdict != "not applied"]
+    assert (first.factor.key, first.verdict, first.detail) == ("lr-x0.5", NOT_JUDGED, TIME_CUT)
+    assert (len(first.window.steps), first.beyond_run) == (rerun, beyond)
+    assert rest and all(r.verdict == NOT_JUDGED and r.detail == TIME_SPENT for r in rest)

@@ -150,9 +150,11 @@ def test_stop_skips_the_bad_update_and_ends_training_cleanly(tmp_path):
 
 
 def test_rollback_goes_back_to_the_window_and_training_goes_on(tmp_path):
-    """on_invalid=Rollback() (nanscan.runtime.rollback NOTE: [rollback]): the NaN micro-batch's step is rolled back to
-    the window's state and training runs all its steps, finite, with the rollback in the run's record."""
-    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="rollback", on_invalid=nanscan.Rollback())
+    """on_invalid=Rollback(skip="window") (nanscan.runtime.rollback NOTE: [rollback]): the NaN micro-batch's step is
+    rolled back to the window's state and training runs all its steps, finite, with the rollback in the run's record
+    (the default would skip the bad step alone)."""
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="rollback",
+                               on_invalid=nanscan.Rollback(skip="window"))
     model = tiny_vit()
     trainer = make_trainer(tmp_path, model, ImageData(), PlantingCollator("nan", at=(2,)), callback=callback,
                            steps=5)

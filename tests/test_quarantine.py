@@ -269,6 +269,9 @@ def test_an_empty_quarantine_reads_no_record(tmp_path):
 
     kept = skip_quarantined(Untouchable(), tmp_path)
     assert len(kept) == 3 and kept.skipped == 0
+    # a path that is no directory (mistyped) is refused, naming it, instead of skipping nothing quietly
+    with pytest.raises(QuarantineError, match=f"skip_quarantined: {tmp_path / 'bundels'} is no directory"):
+        skip_quarantined(Untouchable(), tmp_path / "bundels")
 
 
 def test_hf_datasets_are_filtered_and_stay_datasets(tmp_path, caplog):

@@ -47,6 +47,7 @@ def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
     # reaches a non-finite loss at 31: the rollback's record is checked against the step the run failed at
     at = entry["at_step"]
     assert 26 <= at <= 33 and entry["restored_step"] == 0 and entry["category"] in ("gradient", "loss")
+    assert entry["skip"] == "window"  # the default: no bad input named, the cause predates the step
     assert entry["skipped_steps"] == list(range(at + 1))
     assert entry["factor"] == "learning rate x0.5 for 1000 steps"
     assert entry["outcome"] == {"status": "recovered", "finite_steps": 32}
@@ -164,9 +165,16 @@ def test_a_fault_in_every_batch_stops_after_max_rollbacks_with_every_bundle(tmp_
     assert [e["at_step"] for e in entries] == [5, 8]
     assert [e["outcome"]["status"] for e in entries] == ["recovered", "recovered"]  # for settle_steps=1 each
     message = str(caught.value)
-    for step in (5, 8, 11):  # every attempt's bundle, none hidden
-        assert str(tmp_path / "broken" / f"step-{step}") in message
+    listed = message.split("the bundles of every attempt: ", 1)[1].split(", ")
+    assert listed == [str(tmp_path / "broken" / f"step-{step}") for step in (5, 8, 11)]  # each once, none hidden
+    for step in (5, 8, 11):
         assert (tmp_path / "broken" / f"step-{step}" / "manifest.json").exists()
+    # the record ends where the run did, not on the last "recovered"
+    stopped = json.loads((tmp_path / "broken" / "rollbacks.json").read_text())["stopped"]
+    assert stopped["at_step"] == 11 and stopped["bundle"] == "step-11" and "max_rollbacks=2" in stopped["why"]
+    found = finding(tmp_path / "broken" / "step-11")
+    assert found["title"] == "Rollback: the run stopped at step 11"
+    assert "step 5 (recovered), step 8 (recovered)" in found["body"]
 
 
 def test_a_failure_again_within_settle_steps_raises(tmp_path):
@@ -186,3 +194,8 @@ def test_settings_are_checked():
     # a framework's tensor source (DeepSpeed's ZeRO partitions) keeps no window: refused at once, with the reason
     with pytest.raises(ValueError, match="keeps no window .a TensorSource's tensors, such as DeepSpeed's ZeRO"):
         Monitor(nn.Linear(2, 1), on_invalid=Rollback(), source=ModelScanPlan())
+    # the string is the default policy; any other is refused, naming what works
+    model = nn.Linear(2, 1)
+    assert Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), on_invalid="rollback").on_invalid == Rollback()
+    with pytest.raises(ValueError, match="'rollback' .Rollback\\(\\)."):
+        Monitor(model, on_invalid="roll back")

@@ -8,7 +8,8 @@ optimizer.step() whatever the check said. One record's loss weights are NaN.
   is rewound, so the skipped batches are not drawn again);
 - the record that failed never reaches the weights again: every later step whose batch holds it leaves every weight
   and optimizer state bit for bit as its check left them, and raises no new incident; the run finishes finite;
-- an incident at micro-batch 0 drops the step's update although micro-batch 1's backward made gradients again.
+- an incident at micro-batch 0 drops the step's update although micro-batch 1's backward made gradients again;
+- the default Rollback() fits the fault: the bad record costs its step alone.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def test_a_corrupt_record_drawn_again_never_reaches_the_weights_and_the_data_goe
     assert finite
     (entry,) = json.loads((tmp_path / "records" / "rollbacks.json").read_text())["rollbacks"]
     assert entry["at_step"] == at and entry["quarantined"] == [bad], entry
+    # the default fits the fault: a bad record with no warning before it costs its step alone
+    assert entry["skip"] == "step" and entry["skipped_steps"] == [at], entry
+    assert entry["skip_why"] == "a bad input at this step, with no warning before it"
+    incident = (tmp_path / "records" / entry["bundle"] / "INCIDENT.md").read_text()
+    assert f"- their sample ids: 4 ({bad}, " in incident and "every one in rollbacks.json" in incident
     # from the incident at micro-batch 0 to the step's end nothing moved, though micro-batch 1 made gradients again,
     # and every later step that drew the record left everything as its check did; no other step was dropped
     assert unchanged == holding, (unchanged, holding)

@@ -4,8 +4,9 @@ nanscan.runtime.rollback NOTE: [rollback]): written atomically by the Monitor, r
 The file is JSON, sorted keys, two-space indent: {"format": ROLLBACKS_FORMAT, "rollbacks": [entry, ...]}, one entry
 per rollback in the order they happened: at_step, category, bundle (the incident's, relative to the run directory),
 restored_step, restored_from, skipped_steps, skipped_sample_ids, skip_next, factor, loss_scale, quarantined and
-outcome {status: "pending" | "recovered" | "failed again", finite_steps, failed_at}. No wall-clock time: the same
-run writes the same bytes.
+outcome {status: "pending" | "recovered" | "failed again", finite_steps, failed_at}; and, once a rollback was
+refused and the run stopped, "stopped": {at_step, bundle, why}. No wall-clock time: the same run writes the same
+bytes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ ROLLBACKS_FILE = "rollbacks.json"
 ROLLBACKS_FORMAT = "nanscan.rollbacks/1"
 
 
-def write_rollbacks(run_dir: str | os.PathLike, entries: list[dict]) -> Path:
-    """Write the run's rollbacks (atomically: a crash leaves the previous file whole)."""
+def write_rollbacks(run_dir: str | os.PathLike, entries: list[dict], stopped: dict | None = None) -> Path:
+    """Write the run's rollbacks, and where it stopped (atomically: a crash leaves the previous file whole)."""
     path = Path(run_dir) / ROLLBACKS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": ROLLBACKS_FORMAT, "rollbacks": entries}
+    data = {"format": ROLLBACKS_FORMAT, "rollbacks": entries, **({"stopped": stopped} if stopped else {})}
     atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return path
 

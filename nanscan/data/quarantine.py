@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from nanscan.bundle.quarantine import Quarantine, read_quarantine, record_id
+from nanscan.bundle.quarantine import Quarantine, QuarantineError, read_quarantine, record_id
 from nanscan.data.records import digest_object
 
 log = logging.getLogger("nanscan")
@@ -196,7 +197,13 @@ def skip_quarantined(dataset: Any, bundle_dir: str | os.PathLike, *, id_field: s
     dataset (len() and [i]), a QuarantinedDataset; for any other iterable (a torch IterableDataset, an HF
     IterableDataset), a QuarantinedIterableDataset. How many were skipped is logged once (logger "nanscan", a
     warning when any was) and the wrappers count it (`skipped`). A released record comes back. A quarantine file that cannot be read
-    raises nanscan.bundle.quarantine.QuarantineError: training on records someone quarantined is never silent."""
+    raises nanscan.bundle.quarantine.QuarantineError: training on records someone quarantined is never silent; so
+    does a `bundle_dir` that is no directory (a mistyped path would otherwise skip nothing, quietly). A directory
+    with no quarantine file yet (a first run) skips nothing."""
+    if not Path(bundle_dir).is_dir():
+        raise QuarantineError(f"skip_quarantined: {bundle_dir} is no directory; give the directory the Monitor writes "
+                              "its bundles into (its bundle_dir=), whose quarantine file lists the records to skip "
+                              "(`nanscan quarantine list --bundle-dir DIR` shows it)")
     if _hf_dataset(dataset):
         return _skip_hf(dataset, bundle_dir, id_field, sample_id)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not (hasattr(dataset, "__getitem__")

@@ -40,6 +40,11 @@ class DroppedUpdate:
         if self._handle is None:
             self._handle = optimizer.register_step_pre_hook(self._pre_step)
 
+    def covers(self, step: int) -> bool:
+        """`step`'s update is already dropped: a later micro-batch's incident in it, or a batch holding a quarantined
+        record, is no new incident (a rollback refused as "the same failure, 0 steps later" stopped runs)."""
+        return step == self.step or step in self.quarantined_steps
+
     def seen(self, step: int) -> None:
         """A check or observe of `step`: one of another step ends the dropped one."""
         if self.step is not None and step != self.step:

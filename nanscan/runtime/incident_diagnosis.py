@@ -11,17 +11,21 @@ live model with each kept state loaded into it, and for every rerun a fresh opti
 from its param groups (their settings: lr, betas, eps, weight decay, foreach/fused), loaded with a copy of the kept
 optimizer state. The loop's clipping and loss scaling come from the window's own record (NOTE: [observed loop]).
 Past the failing step each factor goes on with the window's own batches (the process has no later batch to give).
-The samples dropped are the failing batch's rows that hold a NaN or an infinity themselves (under a group, each
-rank's own; none where no rank's batch holds one): no bisection runs here (a record finite by itself but fatal to the
-step is found by `nanscan ablate`'s, which has the replay entry).
+The samples dropped are the failing batch's rows that hold a NaN, an infinity or an overflow value themselves
+(engine.headroom.bad_rows: a float32 maximum written for "missing" counts; under a group, each rank's own; none where
+no rank's batch holds one): no bisection runs here (a record in range but fatal to the step is found by `nanscan
+ablate`'s, which has the replay entry).
 
 Nothing of the run changes: the live weights are copied to the host first and loaded back after, the gradients (by
 reference), buffers, modules' train/eval modes, parameter dtypes (a precision factor casts them to float32) and RNG
 streams are put back (incident_rerun.set_aside), the live optimizer is never stepped, and the Monitor's step-start
-hook is disarmed. Its cost is bounded by `diagnose_timeout` seconds (DEFAULT_TIMEOUT_S): checked before each factor,
-the factors left then are "not judged" and say so; the unchanged window always runs (its verdict decides whether any
-factor can be credited). The default, 300 s, is a few times what a 124M-parameter GPT's window of 32 steps and its
-ladder take on one GPU, and small beside the restart the incident costs. `diagnose=False` turns it off.
+hook is disarmed. Its cost is bounded by `diagnose_timeout` seconds (DEFAULT_TIMEOUT_S): checked before each factor
+and at each of its steps (so the limit is passed by at most one step), the factors left then, or cut short, are
+"not judged" and say so; the unchanged window always runs (its verdict decides whether any factor can be
+credited). A rerun step costs about a training step (benchmarks/bench_diagnosis.py: 0.8x at GPT-2 small's shapes on
+the CPU, 2.7x on the demo's tiny model, where the scan and the optimizer's rebuild weigh more), and the full ladder over a window of W steps runs about 10 x 3W of them: about 1000 training steps for the
+default 32-step window. The default, 300 s, covers that where a step takes 0.3 s; a slower run judges the ladder's
+first factors (the learning rate first) and says which were left. `diagnose=False` turns it off.
 
 The verdict goes where the incident's reader looks: the bundle (the window's rerun, one finding per factor and the
 finding "diagnosis" with the conclusion, in the ledger and INCIDENT.md), Monitor.diagnosis, and the error's message.
@@ -53,7 +57,8 @@ import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
-from nanscan.engine.inputs import batch_size, iter_batch_tensors
+from nanscan.engine.headroom import bad_rows
+from nanscan.engine.inputs import batch_size
 from nanscan.entry import ReplaySpec
 from nanscan.incident import OTHER_RANK
 from nanscan.runtime.distributed import all_gather_json
@@ -62,14 +67,14 @@ from nanscan.runtime.rerun import HALF_DTYPES, StepOutcome
 from nanscan.runtime.shards import SHARD_SUFFIX, dtensor_type
 from nanscan.runtime.rerun_inputs import ReplayError
 from nanscan.runtime.step_options import StepOptions
-from nanscan.runtime.window_ablation import (TIME_SPENT, WindowAblation, WindowRow, ablate_over_window, conclusion,
-                                             record_window_ablation)
+from nanscan.runtime.window_ablation import (TIME_CUT, TIME_SPENT, WindowAblation, WindowRow, ablate_over_window,
+                                             conclusion, record_window_ablation)
 from nanscan.runtime.window_rerun import SOLO, Lockstep, record_window_replay
 
 DEFAULT_TIMEOUT_S = 300.0
-NO_BISECTION = ("no row of the failing batch holds a non-finite value, and a record finite by itself is found by a "
-                "bisection over the step, which `nanscan ablate BUNDLE --entry ...` runs")
-ROWS_ORIGIN = "the failing batch's rows holding a NaN or an infinity"
+NO_BISECTION = ("no row of the failing batch holds a non-finite or overflow value, and a record in range is found "
+                "by a bisection over the step, which `nanscan ablate BUNDLE --entry ...` runs")
+ROWS_ORIGIN = "the failing batch's rows holding a NaN, an infinity or an overflow value"
 OTHER_RANK_FAILED = "another rank's rerun failed at this step (its part of the bundle set says how)"
 
 
@@ -94,7 +99,7 @@ class Diagnosis:
 
     @property
     def timed_out(self) -> bool:
-        return self.ablation is not None and any(r.detail == TIME_SPENT for r in self.ablation.rows)
+        return self.ablation is not None and any(r.detail in (TIME_SPENT, TIME_CUT) for r in self.ablation.rows)
 
     def headline(self) -> str:
         """One line: the error message's, Monitor.diagnosis's and the finding's title."""
@@ -132,8 +137,8 @@ class Diagnosis:
 
 
 @dataclass
-class NonFiniteRows:
-    """The failing step's batch rows that hold a non-finite value: what the in-process diagnosis drops (the shape
+class BadRows:
+    """The failing step's batch rows that break it by themselves: what the in-process diagnosis drops (the shape
     of nanscan.replay.bisect.BisectResult that the window ablation reads)."""
 
     indices: list[int]
@@ -143,32 +148,33 @@ class NonFiniteRows:
     reason: str = ""
 
 
-def nonfinite_rows(bundle: Bundle) -> list[int]:
-    """The rows of the failing step's batch (one batch: a step checked once) with a NaN or an infinity in any of its
-    floating tensors' rows; [] when none does, or when the step ran several micro-batches (their rows are not one
-    batch's)."""
+def failing_rows(bundle: Bundle) -> tuple[list[int], list]:
+    """The rows of the failing step's batch (one batch: a step checked once) holding a NaN, an infinity or an
+    overflow value (engine.headroom.bad_rows), and their sample ids where the check had them; none when no row
+    does, when every row does (nothing would be left to train on), or when the step ran several micro-batches
+    (their rows are not one batch's)."""
     records = [r for r in bundle.window_records() if r.step == bundle.step]
     if len(records) != 1 or records[0].batch is None:
-        return []
+        return [], []
     record = records[0]
     size = batch_size(record.batch, record.sample_ids)
-    if not size:
-        return []
-    bad = torch.zeros(size, dtype=torch.bool)
-    for _, t in iter_batch_tensors(record.batch):
-        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == size:
-            bad |= ~torch.isfinite(t.detach().reshape(size, -1)).all(dim=1).cpu()
-    rows = torch.nonzero(bad).flatten().tolist()
-    return rows if len(rows) < size else []  # every row bad: nothing is left to train on
+    rows = bad_rows(record.batch, size) if size else []
+    if len(rows) >= (size or 0):
+        return [], []
+    ids = record.sample_ids
+    named = isinstance(ids, (list, tuple)) and len(ids) == size
+    return rows, [ids[i] for i in rows] if named else []
 
 
-def _suspicious(rows: list[int], anywhere: bool, rank: int | None) -> Callable[[], tuple[Any, str]] | str:
-    """The drop factor's samples: this rank's non-finite rows, when any rank has some (`anywhere`)."""
+def _suspicious(rows: list[int], ids: list, anywhere: bool, rank: int | None) -> Callable[[], tuple[Any, str]] | str:
+    """The drop factor's samples: this rank's bad rows (`ids`, their sample ids), when any rank has some
+    (`anywhere`)."""
     if not anywhere:
         return NO_BISECTION
     where = "its batch" if rank is None else f"rank {rank}'s batch"
-    label = f"rows {rows} of {where}" if rows else f"none of {where} (another rank's held the non-finite values)"
-    return lambda: (NonFiniteRows(rows, label=label), ROWS_ORIGIN)
+    named = f" ({', '.join(map(str, ids))})" if ids else ""
+    label = f"rows {rows}{named} of {where}" if rows else f"none of {where} (another rank's held the bad rows)"
+    return lambda: (BadRows(rows, label=label), ROWS_ORIGIN)
 
 
 class GroupLockstep(Lockstep):
@@ -334,8 +340,8 @@ def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: An
     except Exception as exc:  # noqa: BLE001 - said below, the same way on every rank
         why = f"{type(exc).__name__}: {exc}"
     lockstep: Lockstep = SOLO
-    rows = nonfinite_rows(source.bundle) if source is not None else []
-    suspicious = _suspicious(rows, bool(rows), None)
+    rows, ids = failing_rows(source.bundle) if source is not None else ([], [])
+    suspicious = _suspicious(rows, ids, bool(rows), None)
     if group is not None:
         try:
             everyone = all_gather_json({"why": why, "rows": rows}, group, device)
@@ -345,7 +351,7 @@ def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: An
         stopped = [(rank, part["why"]) for rank, part in enumerate(everyone) if part["why"] is not None]
         why = "; ".join(f"rank {rank}: {reason}" for rank, reason in stopped) if stopped else None
         lockstep = GroupLockstep(group, device, model)
-        suspicious = _suspicious(rows, any(part["rows"] for part in everyone), dist.get_rank(group))
+        suspicious = _suspicious(rows, ids, any(part["rows"] for part in everyone), dist.get_rank(group))
     if why is not None:
         result.reason = why
         result.seconds = time.monotonic() - began

@@ -207,7 +207,8 @@ class Monitor(StepVerdicts):
         parameter of the model and the optimizer to None, so torch optimizers skip them all and optimizer.step()
         changes nothing, then go on; zeroed gradients would not do, as Adam's momentum would still move the
         weights), a nanscan.Rollback(...) (go back to a state the window kept, skip what broke the run, optionally
-        change one factor, and keep training; nanscan.runtime.rollback NOTE: [rollback]), or a callable
+        change one factor, and keep training; nanscan.runtime.rollback NOTE: [rollback]; "rollback" is
+        Rollback()), or a callable
         `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
         report whose `.ok` is False: the loop should `continue` (skip optimizer.step() and the scheduler) for
         that step.
@@ -343,9 +344,11 @@ class Monitor(StepVerdicts):
                             "parameters: use nanscan.integrations.deepspeed.DeepSpeedMonitor(engine)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if isinstance(on_invalid, str) and on_invalid == "rollback":
+            on_invalid = Rollback()  # the string for the default policy
         if not (callable(on_invalid) or on_invalid in ON_INVALID or isinstance(on_invalid, Rollback)):
-            raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)}, a "
-                             "nanscan.Rollback(...), or a callable f(report, bundle_path)")
+            raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)}, 'rollback' (Rollback()), "
+                             "a nanscan.Rollback(...), or a callable f(report, bundle_path)")
         if not (spikes is None or callable(spikes) or spikes in SPIKE_POLICIES):
             raise ValueError(f"spikes={spikes!r}: use one of {', '.join(SPIKE_POLICIES)}, a callable f(spike, "
                              "bundle_path), or None to turn spike detection off")

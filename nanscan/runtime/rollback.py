@@ -3,22 +3,25 @@ it, may change one factor for a while, and records every decision (NOTE: [rollba
 
 NOTE: [rollback]
 At an incident, once its bundle is written (and the in-process rerun has run), a Monitor whose on_invalid is a
-Rollback restores the newest state its window kept (nanscan.runtime.window NOTE: [run window]) from at or before the
-first warning of the episode that ended in the incident (its first SpikeWarning no more than EPISODE_GAP steps
-before the next; with no warning, the failing step itself): the model's weights and buffers and the optimizer's state
-(loaded in place) and the GradScaler's scale of that step. No generator is rewound: torch's, numpy's and Python's
-global generators drive the data as much as the model (nanoGPT's get_batch draws its batches with torch.randint, a
-DataLoader's sampler shuffles with torch's), and rewinding them would draw the skipped batches again; dropout draws
-new masks, as at any later step. A loop with its own DataLoader goes on with its iterator's next batch either way.
+Rollback goes back as far as the fault needs (chosen_skip; skip="auto", the default): to the failing step's own
+start when a bad input at that step broke it with no warning before it (skip="step": the live weights at a check
+before its update, else the newest kept state before it), else (skip="window") to the newest state its window kept
+(nanscan.runtime.window NOTE: [run window]) from at or before the first warning of the episode that ended in the
+incident (its first SpikeWarning no more than EPISODE_GAP steps before the next; with no warning, the failing step
+itself). One bad record then costs its step, not every good step since the window's state. It restores the model's
+weights and buffers and the optimizer's state (loaded in place) and the GradScaler's scale of that step. No
+generator is rewound: torch's, numpy's and Python's global generators drive the data as much as the model
+(nanoGPT's get_batch draws its batches with torch.randint, a DataLoader's sampler shuffles with torch's), and
+rewinding them would draw the skipped batches again; dropout draws new masks, as at any later step. A loop with its
+own DataLoader goes on with its iterator's next batch either way.
 The loop does not change: the failing step's gradients are dropped (set to None, never multiplied by 0, which would
 still carry a NaN into Adam's moments), check() returns a report that is not ok (the loop skips optimizer.step() as
 for "skip", and one that calls it anyway updates nothing, to the end of the step: NOTE: [dropped update]), and the
 loop goes on with its next batch. So the batches from the restored state through the failing step are skipped:
-their updates are undone and they are not fed again (skip="window", PaLM's "restart about 100 steps before the spike
-and skip the batches"); a record the rollback quarantined that the loop draws again later has that step's update
-dropped (NOTE: [dropped update]); skip="step" restores only
-the failing step's own start (the live weights at a check before its update), skipping its batch alone; skip_next
-drops the updates of that many more steps, through an optimizer step pre-hook (their checks stay as they are).
+their updates are undone and they are not fed again (PaLM's "restart about 100 steps before the spike and skip the
+batches"); a record the rollback quarantined that the loop draws again later has that step's update dropped (NOTE:
+[dropped update]); skip_next drops the updates of that many more steps, through an optimizer step pre-hook (their
+checks stay as they are).
 One factor may change for the next steps, named and recorded, never several: lr_scale multiplies every param group's
 learning rate inside optimizer.step() only (pre- and post-hooks), so a loop that sets the learning rate itself, or a
 scheduler, keeps its own schedule and the factor applies on top of it.
@@ -31,9 +34,10 @@ touched: the state comes from the window's host copies, not from a checkpoint.
 The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (what was restored, which steps and
 sample ids were skipped, the factor, what happened next: "recovered" after settle_steps finite steps, or "failed
 again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
-"rollback" of the incident's bundle, updated with the outcome; records the failing step's batch names as its
-non-finite rows (sample ids) go into the run directory's quarantine (nanscan.bundle.quarantine NOTE: [quarantine
-file]).
+"rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that hold a NaN, an infinity
+or an overflow value (engine.headroom.bad_rows; a float32 maximum written for "missing" breaks a step as a NaN
+does), named by their sample ids, go into the run directory's quarantine (nanscan.bundle.quarantine NOTE:
+[quarantine file]).
 """
 
 from __future__ import annotations
@@ -49,19 +53,21 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
 from nanscan.bundle.quarantine import NamedRecord, add_records
-from nanscan.engine.inputs import iter_batch_tensors
+from nanscan.engine.headroom import bad_rows
 
 log = logging.getLogger("nanscan")
 
-SKIPS = ("window", "step")
+SKIPS = ("auto", "window", "step")
+SHOWN_IDS = 8  # INCIDENT.md names the first few skipped ids; rollbacks.json holds them all
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollback:
     """on_invalid=Rollback(...): go back to a kept state and keep training (NOTE: [rollback]).
 
-    skip: "window" (restore the newest kept state from before the episode's first warning: the batches since, the
-        failing one included, are skipped) or "step" (the failing step's batch alone: its own start is restored).
+    skip: "auto" (the default: the one that fits the fault, chosen_skip), "window" (restore the newest kept state
+        from before the episode's first warning: the batches since, the failing one included, are skipped) or
+        "step" (the failing step's batch alone: its own start is restored).
     skip_next: drop the updates of this many more steps after the rollback.
     lr_scale: the one factor changed, the learning rate times this inside optimizer.step() for `factor_steps` steps
         after the rollback (None: no factor).
@@ -69,7 +75,7 @@ class Rollback:
     settle_steps: a failure within this many steps after a rollback raises (the same failure came back); also the
         finite steps after which a rollback counts as recovered. None: the window's steps."""
 
-    skip: str = "window"
+    skip: str = "auto"
     skip_next: int = 0
     lr_scale: float | None = None
     factor_steps: int = 32
@@ -78,8 +84,8 @@ class Rollback:
 
     def __post_init__(self):
         if self.skip not in SKIPS:
-            raise ValueError(f"Rollback(skip={self.skip!r}): use 'window' (back to the kept state before the first "
-                             "warning) or 'step' (the failing step's batch alone)")
+            raise ValueError(f"Rollback(skip={self.skip!r}): use 'auto' (the default), 'window' (back to the kept "
+                             "state before the first warning) or 'step' (the failing step's batch alone)")
         for name in ("skip_next", "factor_steps", "max_rollbacks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -92,6 +98,22 @@ class Rollback:
     @property
     def factor(self) -> str | None:
         return f"learning rate x{self.lr_scale:g} for {self.factor_steps} steps" if self.lr_scale is not None else None
+
+
+def chosen_skip(policy: Rollback, category: str, bad_rows: list, first_warning: int, step: int) -> tuple[str, str]:
+    """The skip a rollback at `step` takes and why (NOTE: [rollback]): skip="auto" fits the fault, the cheapest
+    sufficient one. A warning episode before the incident (its first warning at `first_warning`) says the run's
+    state was going wrong before the step: back before it. A bad input at the step with no warning before it (the
+    category `input`, or rows of the batch holding a NaN or an infinity) says the batch alone broke it: that step.
+    Anything else may predate the step (a learning rate too large fails with no warning): back to the window's
+    state."""
+    if policy.skip != "auto":
+        return policy.skip, "set by hand"
+    if first_warning < step:
+        return "window", f"a warning episode began at step {first_warning}, before the incident"
+    if category == "input" or bad_rows:
+        return "step", "a bad input at this step, with no warning before it"
+    return "window", f"no bad input named and no warning before it: the {category} cause may predate the step"
 
 
 class RollbackWarning(UserWarning):
@@ -113,6 +135,7 @@ class Rollbacks:
         self._handles: list[Any] = []
         self.writes = True  # this process writes rollbacks.json and the findings (one rank of a group does)
         self.quarantined: set = set()  # the records this run's rollbacks quarantined (NOTE: [dropped update])
+        self.stopped: dict | None = None  # where a refused rollback stopped the run
 
     # -- at an incident ---------------------------------------------------------------------------------------------
     def refusal(self, step: int) -> str | None:
@@ -138,11 +161,33 @@ class Rollbacks:
     def bundles(self) -> list[str]:
         return [str(self.run_dir / r["bundle"]) for r in self.records if r.get("bundle")]
 
+    def stop(self, step: int, why: str, bundle: Path | None) -> None:
+        """A rollback refused at `step`: the run stops there. rollbacks.json and the stopping incident's bundle say
+        so (its finding "rollback"), so the record never ends on a "recovered" that the run did not keep."""
+        shown = (Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)) if bundle else None
+        self.stopped = {"at_step": step, "bundle": shown, "why": why}
+        if not self.writes:
+            return
+        try:
+            write_rollbacks(self.run_dir, self.records, self.stopped)
+        except Exception as exc:  # noqa: BLE001 - the error raised next says what happened
+            log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
+        if bundle is not None:
+            text = (f"The run stopped at step {step}: {why}. The attempts before it: "
+                    + (", ".join(f"step {r['at_step']} ({r['outcome']['status']})" for r in self.records) or "none")
+                    + ". Every rollback of the run is in rollbacks.json in the run's directory.")
+            try:
+                load_bundle(bundle).add_finding(ROLLBACK_FINDING, f"Rollback: the run stopped at step {step}", text,
+                                                self.stopped)
+            except Exception as exc:  # noqa: BLE001
+                log.error("nanscan: could not add the stop to %s: %s: %s", bundle, type(exc).__name__, exc)
+
     def record(self, *, step: int, category: str, bundle: Path | None, restored_step: int, restored_from: str,
-               skipped: list[dict], scale: float | None, quarantined: list[str], write: bool = True) -> dict:
+               skipped: list[dict], scale: float | None, quarantined: list[str], skip: tuple[str, str],
+               write: bool = True) -> dict:
         # the bundle relative to the run directory, as its step directory (the record moves with the run's folder)
         shown = (Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)) if bundle else None
-        entry = {"at_step": step, "category": category, "bundle": shown,
+        entry = {"at_step": step, "category": category, "bundle": shown, "skip": skip[0], "skip_why": skip[1],
                  "restored_step": restored_step, "restored_from": restored_from,
                  "skipped_steps": sorted({s["step"] for s in skipped}),
                  "skipped_sample_ids": [s["sample_ids"] for s in skipped if s.get("sample_ids") is not None],
@@ -220,7 +265,7 @@ class Rollbacks:
         if not self.writes:
             return
         try:
-            write_rollbacks(self.run_dir, self.records)
+            write_rollbacks(self.run_dir, self.records, self.stopped)
         except Exception as exc:  # noqa: BLE001
             log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
         if entry.get("bundle"):
@@ -237,6 +282,8 @@ def describe(entry: dict) -> str:
     skipped = entry["skipped_steps"]
     span = f"steps {skipped[0]}-{skipped[-1]}" if len(skipped) > 1 else f"step {skipped[0]}" if skipped else "none"
     text = f"back to step {entry['restored_step']}'s start ({entry['restored_from']}); skipped {span}"
+    if entry.get("skip"):  # older records have no skip
+        text += f" (skip={entry['skip']}: {entry['skip_why']})"
     if entry["skip_next"]:
         text += f" and the next {entry['skip_next']} update(s)"
     if entry["factor"]:
@@ -260,9 +307,13 @@ def markdown(entry: dict) -> str:
              + (f"; the GradScaler's scale set to {entry['loss_scale']:g}" if entry["loss_scale"] is not None else ""),
              f"- skipped (updates undone, batches not fed again): steps {entry['skipped_steps']}"]
     if entry["skipped_sample_ids"]:
-        lines.append(f"- their sample ids: {entry['skipped_sample_ids']}")
+        ids = [i for step_ids in entry["skipped_sample_ids"]
+               for i in (step_ids if isinstance(step_ids, (list, tuple)) else [step_ids])]
+        shown = ", ".join(map(str, ids[:SHOWN_IDS])) + (", ..." if len(ids) > SHOWN_IDS else "")
+        lines.append(f"- their sample ids: {len(ids)} ({shown}; every one in rollbacks.json, `skipped_sample_ids`)")
     if entry["quarantined"]:
-        lines.append(f"- quarantined (non-finite rows of the failing batch): {entry['quarantined']}; a later step "
+        lines.append("- quarantined (rows of the failing batch holding a NaN, an infinity or an overflow value): "
+                     f"{entry['quarantined']}; a later step "
                      "whose batch holds one has its update dropped; `nanscan quarantine list` shows them, "
                      "`nanscan.skip_quarantined` keeps them out of the next run")
     lines.append(f"- factor changed: {entry['factor'] or 'none'}")
@@ -271,26 +322,24 @@ def markdown(entry: dict) -> str:
     return "\n".join(lines)
 
 
-def nonfinite_rows(batch: Any, sample_ids: Any) -> list:
-    """The sample ids of the batch rows whose floating tensors hold a NaN or an infinity (rows: the leading
-    dimension, when `sample_ids` names one per row)."""
+def bad_row_ids(batch: Any, sample_ids: Any) -> list:
+    """The sample ids of the batch rows holding a NaN, an infinity or an overflow value (engine.headroom.bad_rows;
+    rows: the leading dimension, when `sample_ids` names one per row)."""
     if not isinstance(sample_ids, (list, tuple)) or not sample_ids:
         return []
-    bad = torch.zeros(len(sample_ids), dtype=torch.bool)
-    for _, t in iter_batch_tensors(batch):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[0] == len(sample_ids):
-            bad |= ~torch.isfinite(t.detach().reshape(len(sample_ids), -1)).all(dim=1).cpu()
-    return [sample_ids[i] for i in torch.nonzero(bad).flatten().tolist()]
+    return [sample_ids[i] for i in bad_rows(batch, len(sample_ids))]
 
 
-def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | None) -> list:
-    """Put the failing batch's non-finite rows into the quarantine of `bundle_dir`; the ids added."""
+def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | None, stopped: bool = False) -> list:
+    """Put the failing batch's bad rows (bad_row_ids) into the quarantine of `bundle_dir`; the ids added. `stopped`: the
+    incident stopped the run instead of rolling it back."""
     if not rows:
         return []
     source = {"bundle": str(bundle) if bundle is not None else None, "step": step, "rollback": True}
     named = [NamedRecord(sample_id=row, source=source) for row in rows]
     try:
-        add_records(bundle_dir, named, reason=f"non-finite input at step {step}, rolled back by the Monitor",
+        done = "where the run stopped" if stopped else "rolled back by the Monitor"
+        add_records(bundle_dir, named, reason=f"non-finite or overflowing input at step {step}, {done}",
                     by="nanscan rollback", at=f"step {step}")
     except Exception as exc:  # noqa: BLE001 - the rollback stands without it; said in the log
         log.error("nanscan: could not quarantine %s: %s: %s", rows, type(exc).__name__, exc)

@@ -32,7 +32,8 @@ from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_
 from nanscan.runtime.amp import Streak, mixed_precision_record
 from nanscan.runtime.incident_diagnosis import diagnose, record_diagnosis
 from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
-from nanscan.runtime.rollback import Rollback, RollbackWarning, describe, nonfinite_rows, quarantine_rows
+from nanscan.runtime.rollback import (Rollback, RollbackWarning, bad_row_ids, chosen_skip, describe,
+                                      quarantine_rows)
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import EPISODE_GAP, Spike, SpikeWatch, episode_start
 from nanscan.runtime.stages import StepCheck
@@ -132,7 +133,7 @@ class StepVerdicts:
         """Bundle the first non-finite step and apply on_invalid. read_at: None when decided at the step's own
         check; "next_check", "flush" or "close" when an async verdict was read then (start: the step's captures).
         Under a GradScaler an overflow skip goes to _overflow_skip instead (slot: the step's in the history)."""
-        if step in self._dropped.quarantined_steps:  # NOTE: [dropped update]: said at its check, no new incident
+        if self._dropped.covers(step):  # NOTE: [dropped update]: a step already dropped is no new incident
             self._drop_gradients()
             return report
         if self._scaler is not None and self._scaler.is_skip(report):
@@ -506,9 +507,12 @@ class StepVerdicts:
         rollbacks = self._rollbacks
         refusal = rollbacks.refusal(step)
         found = None
-        policy = rollbacks.policy
-        if refusal is None and not (policy.skip == "step" and live_start):
-            first = episode_start([s.step for s in self.spikes], step)
+        first = episode_start([s.step for s in self.spikes], step)
+        bad_rows = bad_row_ids(batch, sample_ids)
+        skip = chosen_skip(rollbacks.policy, category, bad_rows, first, step)
+        if refusal is None and not (skip[0] == "step" and live_start):
+            if skip[0] == "step":  # decided after the step's update: its own start is the newest state before it
+                first = step
             try:
                 found = self._window.state_at_or_before(first)
             except ValueError as exc:
@@ -520,7 +524,13 @@ class StepVerdicts:
                                "reaches further back")
         rollbacks.failed_again(step)  # an earlier rollback that had not settled yet
         if refusal is not None:
-            bundles = [*rollbacks.bundles(), *([str(self.bundle_path)] if self.bundle_path is not None else [])]
+            if ledger and category == "input":  # its bad rows too, so the next run keeps them out
+                quarantine_rows(self.bundle_dir, bad_rows, step=step, bundle=self.bundle_path, stopped=True)
+            if ledger:
+                rollbacks.stop(step, refusal.removeprefix("on_invalid=Rollback: "), self.bundle_path)
+            # each attempt's bundle once (the last may be the stopping one's)
+            bundles = list(dict.fromkeys([*rollbacks.bundles(), *([str(self.bundle_path)]
+                                                                  if self.bundle_path is not None else [])]))
             raise NonFiniteError(f"{message}; {refusal}; the bundles of every attempt: {', '.join(bundles)}",
                                  bundle_path=self.bundle_path, step=step, category=category,
                                  tensors=tensors) from self.bundle_error
@@ -545,11 +555,11 @@ class StepVerdicts:
         self._drop_gradients()
         if self._spike_watch is not None:  # its statistic held the abandoned steps
             self._spike_watch = SpikeWatch(self._spike_watch.rule)
-        quarantined = quarantine_rows(self.bundle_dir, nonfinite_rows(batch, sample_ids), step=step,
+        quarantined = quarantine_rows(self.bundle_dir, bad_rows, step=step,
                                       bundle=self.bundle_path) if ledger and category == "input" else []
         entry = rollbacks.record(step=step, category=category, bundle=self.bundle_path if ledger else None,
                                  restored_step=restored_step, restored_from=restored_from, skipped=skipped,
-                                 scale=scale, quarantined=quarantined, write=ledger)
+                                 scale=scale, quarantined=quarantined, skip=skip, write=ledger)
         rollbacks.attach(optimizer)
         if live_start:  # before the step's update: its later micro-batches' gradients too (NOTE: [dropped update])
             self._dropped.arm(optimizer, step)

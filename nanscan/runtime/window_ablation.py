@@ -64,6 +64,7 @@ WARMUP_STRETCH = 2
 WARMUP_MAX_BEYOND = 128
 FINDING_PREFIX = f"{ABLATE_FINDING_PREFIX}window:"
 TIME_SPENT = "left out: the diagnosis's time limit was spent before this factor"
+TIME_CUT = "cut short: the diagnosis's time limit was spent while this factor ran"
 
 CONFIRMED, DELAYS, UNCONFIRMED, NO_EFFECT, EARLIER, NOT_JUDGED, NOT_APPLIED, NOT_RECOVERED = (
     "confirmed fix", "delays, does not fix", "stays finite over the window, not confirmed", "no effect",
@@ -158,13 +159,16 @@ def loss_before_divergence(history: dict[int, tuple[float | None, float | None]]
 
 def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, held_out: list[Any], beyond: int,
            drop: Callable | None = None, stretched: bool = False, go_on: bool = True,
-           lockstep: Lockstep = SOLO) -> WindowRow:
+           lockstep: Lockstep = SOLO, deadline: float | None = None) -> WindowRow:
     """Rerun the window under `factor`, then go on past the failing step for horizon() steps: on the entry's
     held-out batches, else on the window's own batches again (the loop's data; the process has no later batch),
     and judge (NOTE: [window ablation]). `stretched`: the rate past the failing step climbs as a longer warm-up's
-    (_climb); else the factor's lr_scale throughout."""
-    run = rerun_window(replayer, factor.options, drop, evidence, lockstep)
+    (_climb); else the factor's lr_scale throughout. `deadline`: checked at every step, in the window and past it,
+    so a time limit cuts a factor short, unjudged, instead of waiting for its whole horizon."""
+    run = rerun_window(replayer, factor.options, drop, evidence, lockstep, deadline)
     window = run.result
+    if run.cut:
+        return WindowRow(factor, NOT_JUDGED, window, detail=TIME_CUT)
     bad = window.first_nonfinite
     if bad is not None:
         if bad.error is not None:
@@ -188,6 +192,8 @@ def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, hel
     model, optimizer = run.spec.model, run.optimizer
     device = model_device(model)
     for i, (batch, scale) in enumerate(zip(itertools.cycle(batches), scales)):
+        if lockstep.time_up(deadline):
+            return WindowRow(factor, NOT_JUDGED, window, beyond_run=i, detail=TIME_CUT)
         set_learning_rates(optimizer, run.last_lrs, scale)
         if held_out:
             batch = prepare_batch(batch, device, factor.options)
@@ -277,7 +283,8 @@ def ablate_over_window(replayer: WindowSource, spec: Any, held_out: list[Any], *
             return WindowRow(factor, NOT_JUDGED, None)
         if lockstep.time_up(deadline):
             return WindowRow(factor, NOT_JUDGED, None, detail=TIME_SPENT)
-        return lockstep.row(_judge(replayer, evidence, factor, held_out, beyond, drop, stretched, lockstep=lockstep))
+        return lockstep.row(_judge(replayer, evidence, factor, held_out, beyond, drop, stretched, lockstep=lockstep,
+                                   deadline=deadline))
 
     peak = max((lr for r in evidence.records for lr in r.lrs if lr is not None), default=None)
     for scale in LR_LADDER:

@@ -232,14 +232,17 @@ class WindowRun:
     last_lrs: list
     options: StepOptions = StepOptions()  # what its steps ran under: the loop's observed clipping and loss scale
     step_batches: list = field(default_factory=list)  # each rerun step's batch (an Accumulation of its micro-batches)
+    cut: bool = False  # the deadline came before its last step: its steps so far, not the window
 
 
 def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
                  drop: Callable[[WindowStep], list[int]] | None = None,
-                 evidence: WindowEvidence | None = None, lockstep: Lockstep = SOLO) -> WindowRun:
+                 evidence: WindowEvidence | None = None, lockstep: Lockstep = SOLO,
+                 deadline: float | None = None) -> WindowRun:
     """The window rerun from `replayer` (nanscan.runtime.window_ablation reruns it once per factor, with the
     evidence it read once). `drop(record)`: the sample rows of a recorded step left out of its batch (a suspicious
-    record, wherever it is); `lockstep`: how the ranks of a group agree on each step (one process: SOLO)."""
+    record, wherever it is); `lockstep`: how the ranks of a group agree on each step (one process: SOLO);
+    `deadline`: a time.monotonic() after which it stops before its next step (`cut`)."""
     target = replayer.bundle
     evidence = evidence or WindowEvidence.of(target)
     records = evidence.records
@@ -270,6 +273,10 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
                 run_options = replace(run_options, clip_grad_norm=clipping.max_norm)
     results, lrs, step_batches = [], [], []
     for parts in steps:
+        if lockstep.time_up(deadline):
+            result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
+                                  entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
+            return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, cut=True)
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
         lrs = record.lrs
         set_learning_rates(optimizer, lrs, options.lr_scale)
