@@ -31,13 +31,11 @@ cast rounds up to that subnormal or to zero (`underflow` is its part that become
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
-import torch
 
 from nanscan.engine import _layout as L
-from nanscan.engine.inputs import iter_batch_tensors
 from nanscan.incident import tensor_kind
 
 
@@ -76,18 +74,6 @@ def out_of_range(stats, compute_dtype: str | None = None) -> bool:
 def range_limit_text(compute_dtype: str | None = None) -> str:
     return "above 65504, float16's largest value" if compute_dtype == "float16" else \
         "|x| >= 2**64, whose squares overflow float32"
-
-
-def bad_rows(batch: Any, size: int) -> list[int]:
-    """The rows (the leading index, `size` of them) of a batch's floating tensors that hold a NaN, an infinity or an
-    overflow value (NOTE: [overflow]: a float32 maximum written for "missing" is one): the records that break a step
-    by themselves, which a rollback quarantines and the in-process diagnosis drops."""
-    bad = torch.zeros(size, dtype=torch.bool)
-    for _, t in iter_batch_tensors(batch):
-        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == size:
-            values = t.detach().reshape(size, -1)
-            bad |= (~torch.isfinite(values) | (values.abs() >= OVERFLOW_MIN)).any(dim=1).cpu()
-    return torch.nonzero(bad).flatten().tolist()
 
 
 def overflowing_inputs(stats: Iterable, compute_dtype: str | None = None) -> list[str]:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from nanscan.engine import _layout as L
+from nanscan.engine.headroom import OVERFLOW_MIN
 from nanscan.engine.stats import ScannedTensor
 
 _SCANNED_CODES = {
@@ -386,6 +387,18 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for f in dataclasses.fields(batch):
             yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def bad_rows(batch: Any, size: int) -> list[int]:
+    """The rows (the leading index, `size` of them) of a batch's floating tensors that hold a NaN, an infinity or an
+    overflow value (NOTE: [overflow] in nanscan/engine/headroom.py: a float32 maximum written for "missing" is one):
+    the records that break a step by themselves, which a rollback quarantines and the in-process diagnosis drops."""
+    bad = torch.zeros(size, dtype=torch.bool)
+    for _, t in iter_batch_tensors(batch):
+        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == size:
+            values = t.detach().reshape(size, -1)
+            bad |= (~torch.isfinite(values) | (values.abs() >= OVERFLOW_MIN)).any(dim=1).cpu()
+    return torch.nonzero(bad).flatten().tolist()
 
 
 def batch_size(batch: Any, sample_ids: Any = None) -> int | None:

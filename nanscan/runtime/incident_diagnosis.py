@@ -12,7 +12,7 @@ from its param groups (their settings: lr, betas, eps, weight decay, foreach/fus
 optimizer state. The loop's clipping and loss scaling come from the window's own record (NOTE: [observed loop]).
 Past the failing step each factor goes on with the window's own batches (the process has no later batch to give).
 The samples dropped are the failing batch's rows that hold a NaN, an infinity or an overflow value themselves
-(engine.headroom.bad_rows: a float32 maximum written for "missing" counts; under a group, each rank's own; none where
+(engine.inputs.bad_rows: a float32 maximum written for "missing" counts; under a group, each rank's own; none where
 no rank's batch holds one): no bisection runs here (a record in range but fatal to the step is found by `nanscan
 ablate`'s, which has the replay entry).
 
@@ -23,9 +23,10 @@ hook is disarmed. Its cost is bounded by `diagnose_timeout` seconds (DEFAULT_TIM
 and at each of its steps (so the limit is passed by at most one step), the factors left then, or cut short, are
 "not judged" and say so; the unchanged window always runs (its verdict decides whether any factor can be
 credited). A rerun step costs about a training step (benchmarks/bench_diagnosis.py: 0.8x at GPT-2 small's shapes on
-the CPU, 2.7x on the demo's tiny model, where the scan and the optimizer's rebuild weigh more), and the full ladder over a window of W steps runs about 10 x 3W of them: about 1000 training steps for the
-default 32-step window. The default, 300 s, covers that where a step takes 0.3 s; a slower run judges the ladder's
-first factors (the learning rate first) and says which were left. `diagnose=False` turns it off.
+the CPU, 2.7x on the demo's tiny model, where the scan and the optimizer's rebuild weigh more), and the full ladder
+over a window of W steps runs about 10 x 3W of them: about 1000 training steps for the default 32-step window. The
+default, 300 s, covers that where a step takes 0.3 s; a slower run judges the ladder's first factors (the learning
+rate first) and says which were left. `diagnose=False` turns it off.
 
 The verdict goes where the incident's reader looks: the bundle (the window's rerun, one finding per factor and the
 finding "diagnosis" with the conclusion, in the ledger and INCIDENT.md), Monitor.diagnosis, and the error's message.
@@ -57,8 +58,7 @@ import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
-from nanscan.engine.headroom import bad_rows
-from nanscan.engine.inputs import batch_size
+from nanscan.engine.inputs import bad_rows, batch_size
 from nanscan.entry import ReplaySpec
 from nanscan.incident import OTHER_RANK
 from nanscan.runtime.distributed import all_gather_json
@@ -150,7 +150,7 @@ class BadRows:
 
 def failing_rows(bundle: Bundle) -> tuple[list[int], list]:
     """The rows of the failing step's batch (one batch: a step checked once) holding a NaN, an infinity or an
-    overflow value (engine.headroom.bad_rows), and their sample ids where the check had them; none when no row
+    overflow value (engine.inputs.bad_rows), and their sample ids where the check had them; none when no row
     does, when every row does (nothing would be left to train on), or when the step ran several micro-batches
     (their rows are not one batch's)."""
     records = [r for r in bundle.window_records() if r.step == bundle.step]

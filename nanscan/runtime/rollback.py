@@ -35,7 +35,7 @@ The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (w
 sample ids were skipped, the factor, what happened next: "recovered" after settle_steps finite steps, or "failed
 again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
 "rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that hold a NaN, an infinity
-or an overflow value (engine.headroom.bad_rows; a float32 maximum written for "missing" breaks a step as a NaN
+or an overflow value (engine.inputs.bad_rows; a float32 maximum written for "missing" breaks a step as a NaN
 does), named by their sample ids, go into the run directory's quarantine (nanscan.bundle.quarantine NOTE:
 [quarantine file]).
 """
@@ -53,7 +53,7 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
 from nanscan.bundle.quarantine import NamedRecord, add_records
-from nanscan.engine.headroom import bad_rows
+from nanscan.engine.inputs import bad_rows
 
 log = logging.getLogger("nanscan")
 
@@ -323,7 +323,7 @@ def markdown(entry: dict) -> str:
 
 
 def bad_row_ids(batch: Any, sample_ids: Any) -> list:
-    """The sample ids of the batch rows holding a NaN, an infinity or an overflow value (engine.headroom.bad_rows;
+    """The sample ids of the batch rows holding a NaN, an infinity or an overflow value (engine.inputs.bad_rows;
     rows: the leading dimension, when `sample_ids` names one per row)."""
     if not isinstance(sample_ids, (list, tuple)) or not sample_ids:
         return []
