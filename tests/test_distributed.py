@@ -330,8 +330,10 @@ def _assert_diagnosed_together(bundle, world: int) -> None:
         assert d["title"] == "Diagnosis in process: confirmed fix over the window: suspicious samples dropped", rank
         assert d["window"]["reproduced"] and d["window"]["first_departure"] is None, rank
         assert d["rows"] == found[0]["rows"]
-        assert d["drop"].startswith("dropped rows [2] of rank 1's batch" if rank == FAULT_RANK else
-                                    f"dropped none of rank {rank}'s batch"), d["drop"]
+        # the row named by the sample id the rank's check was given
+        want = f"dropped rows [2] (r1-s{FAULT_STEP}-2) of rank 1's batch" if rank == FAULT_RANK else \
+            f"dropped none of rank {rank}'s batch"
+        assert d["drop"].startswith(want), d["drop"]
     assert [k for k, v in found[0]["rows"].items() if v == "confirmed fix"] == ["ablate:window:drop-suspicious"]
 
 

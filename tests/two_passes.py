@@ -28,7 +28,6 @@ BOTH_PASSES = {
     "test_elevated": "the elevated rule, on the spike statistic the check's summary feeds",
     "test_growth": "the growth rule, on the spike statistic the check's summary feeds",
     "test_ignored_targets": "targets named as the cause in the incident and in replay, which scans the rerun step",
-    "test_incident_diagnosis": "the Monitor's in-process diagnosis, which reruns the window and scans every step",
     "test_incident_rerun": "the Monitor's in-process rerun, which scans the rerun step to localize it",
     "test_micro_batches": "the Monitor's per-micro-batch checks",
     "test_monitor": "the Monitor's check, verdicts and policies",
@@ -82,6 +81,9 @@ NATIVE_PASS_ONLY = {
     "test_frozen_peft": "a framework's model (PEFT), the cpu backend named",
     "test_frozen_records": "the cpu backend's frozen records, named explicitly",
     "test_headroom": "headroom read from records' histograms",
+    "test_incident_diagnosis": "the Monitor's in-process diagnosis, the window's ablation run in the process; the "
+                               "window rerun's scans it judges by are test_nanogpt_window's and test_train_py's "
+                               "subject in both passes",
     "test_install": "what pip install builds",
     "test_integrations_accelerate": "a framework's hooks (accelerate)",
     "test_integrations_lightning": "a framework's hooks (Lightning)",
