@@ -21,13 +21,19 @@ from typing import Any
 import torch
 
 
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Set the gradient of every parameter `optimizer` holds to None, never to 0 (NOTE: [dropped update])."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
 class DroppedUpdate:
     """The Monitor's step whose update is dropped (NOTE: [dropped update]): `arm` at the decision, `seen` at every
-    check or observe (a check of another step disarms it), `dropped` counts the optimizer steps it emptied."""
+    check or observe (a check of another step disarms it)."""
 
     def __init__(self):
         self.step: int | None = None
-        self.dropped = 0
         self.quarantined_steps: set[int] = set()  # steps whose batch held a quarantined record: no new incident
         self._handle: Any = None
 
@@ -57,7 +63,4 @@ class DroppedUpdate:
             self._handle = None
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        self.dropped += 1
+        drop_gradients(optimizer)

@@ -54,6 +54,7 @@ from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
 from nanscan.bundle.quarantine import NamedRecord, add_records
 from nanscan.engine.inputs import bad_rows
+from nanscan.runtime.dropped_update import drop_gradients
 
 log = logging.getLogger("nanscan")
 
@@ -239,9 +240,7 @@ class Rollbacks:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._skip_left > 0:  # dropped, never multiplied by 0 (NOTE: [rollback])
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            drop_gradients(optimizer)
         if self._factor_left > 0:
             self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:

@@ -30,6 +30,7 @@ from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
+from nanscan.runtime.dropped_update import drop_gradients
 from nanscan.runtime.incident_diagnosis import diagnose, record_diagnosis
 from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
 from nanscan.runtime.rollback import (Rollback, RollbackWarning, bad_row_ids, chosen_skip, describe,
@@ -587,9 +588,7 @@ class StepVerdicts:
         for p in self.model.parameters():
             p.grad = None
         if self.optimizer is not None:  # it may also update parameters outside the model
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            drop_gradients(self.optimizer)
 
     # -- spikes (nanscan.runtime.spikes NOTE: [spike statistic]) ------------------------------------------------------
     def _spike_at_check(self, report: ScanReport, step: int, batch: Any, sample_ids: Any,
