@@ -351,7 +351,7 @@ class DemoContext:
     losses: list[float] = field(default_factory=list)
     error: Any = None  # the NonFiniteError the Monitor raised
     bundle: Any = None  # the loaded nanscan.bundle.Bundle
-    summary: dict | None = None  # nanscan.review.report.summarize(bundle)
+    summary: dict | None = None  # nanscan.review.summary.summarize(bundle)
     replay: Any = None  # nanscan.replay.ReplayResult
     ablation: Any = None  # nanscan.replay.ablate.AblationResult
     data_check: dict | None = None
@@ -448,7 +448,7 @@ def stage_preserve(ctx: DemoContext) -> StageResult:
 
 
 def stage_report(ctx: DemoContext) -> StageResult:
-    from nanscan.review.report import summarize
+    from nanscan.review.summary import summarize
 
     if ctx.bundle is None:
         return StageResult("report", False, "no bundle to report on")

@@ -27,6 +27,7 @@ from torch import nn
 from nanscan.entry import ReplaySpec, replay_entry
 from nanscan.incident import NonFiniteError, SpikeWarning
 from nanscan.runtime.monitor import Monitor
+from nanscan.runtime.rollback import RollbackWarning
 
 MODULE = Path(__file__).stem
 ENTRY = f"{MODULE}:nanogpt"
@@ -194,6 +195,7 @@ class NanoRun:
     bundle: Path | None = None
     error: NonFiniteError | None = None
     warnings: list[tuple[int, str]] = field(default_factory=list)
+    rollbacks_said: list[str] = field(default_factory=list)  # every RollbackWarning's message
     steps: int = 0
 
     @property
@@ -215,6 +217,7 @@ def train(config: dict, bundle_dir: Path | None, *, iters: int = 120, micro_chec
     mon = Monitor(model, optimizer, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SpikeWarning)
+        warnings.simplefilter("always", RollbackWarning)
         try:
             for it in range(iters):
                 lr = get_lr(it, c)
@@ -232,6 +235,8 @@ def train(config: dict, bundle_dir: Path | None, *, iters: int = 120, micro_chec
                         mon.check(batch=batch, loss=loss, micro_batch=not last)
                         run.warnings += [(it, str(w.message)) for w in caught[seen:]
                                          if issubclass(w.category, SpikeWarning)]
+                        run.rollbacks_said += [str(w.message) for w in caught[seen:]
+                                               if issubclass(w.category, RollbackWarning)]
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c["grad_clip"])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from nanscan import Monitor, NonFiniteError, load_bundle
 from nanscan.engine import _layout as L
 from nanscan.runtime.amp import MAX_SKIPS, MIN_SCALE
 from nanscan.incident import SKIP_STREAK
-from nanscan.review.report import summarize
+from nanscan.review.summary import summarize
 from nanscan.engine.stats import Scaling, TensorStats, unscaled_hist
 
 MODES = ("sync", "async")

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 import nanscan.data
-from nanscan.data.records import digest_object
+from nanscan.engine.record_digest import digest_object
 
 
 class Pairs(Dataset):

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from nanscan.cli.main import main
 from nanscan.data import TrainingFields, check, check_paths
-from nanscan.data.records import digest_object
+from nanscan.engine.record_digest import digest_object
 
 RECORDS = [
     {"id": "a", "text": "one two", "input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "loss_mask": [0, 0, 1, 1]},

@@ -10,7 +10,8 @@ from torch import nn
 
 import real_failures as R
 from test_carried_records import train_step as step  # one checked step, then its update
-from nanscan.bundle import load_bundle
+from nanscan.bundle import iter_bundles, load_bundle
+from nanscan.incident import SpikeWarning
 from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.replay import replay
 
@@ -183,3 +184,30 @@ def test_a_nan_written_into_a_frozen_weight_is_not_dated_to_the_update(tmp_path)
                 model[0].bias.data[0] = float("nan")
     assert (err.value.step, err.value.category) == (3, "parameter")
     assert "optimizer update" not in str(err.value)
+
+
+def spike_then_inf_update(tmp_path) -> NonFiniteError:
+    """45 steps: step 40's batch x1e3 (a finite loss spike) and its update with lr=inf."""
+    model, optimizer = model_and_optimizer()
+    monitor = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="run", mode="sync", post_update="date")
+    with pytest.warns(SpikeWarning), pytest.raises(NonFiniteError) as err:
+        for i in range(45):
+            for g in optimizer.param_groups:
+                g["lr"] = float("inf") if i == 40 else 1e-2
+            step(model, optimizer, monitor, x_at(i) * (1e3 if i == 40 else 1.0))
+    return err.value
+
+
+def test_a_spike_and_the_update_incident_of_the_same_step_each_keep_their_bundle(tmp_path):
+    """Step 40's batch makes the loss spike (finite: its spike bundle is step-40) and its update runs with lr=inf
+    (the update incident, dated to step 40 at the check of step 41): the incident gets its own directory,
+    step-40-attempt-2, instead of losing its evidence to the spike's (NOTE: [bundle attempts])."""
+    err = spike_then_inf_update(tmp_path)
+    assert (err.step, err.category) == (40, "update")
+    assert err.bundle_path == tmp_path / "run" / "step-40-attempt-2"
+    spike, incident = load_bundle(tmp_path / "run" / "step-40"), load_bundle(err.bundle_path)
+    assert (spike.category, incident.category) == ("spike", "update")
+    assert [p.name for p in iter_bundles(tmp_path)] == ["step-40", "step-40-attempt-2"]
+    # the same run again into the same directory writes the same names and keeps what is there
+    assert spike_then_inf_update(tmp_path).bundle_path == err.bundle_path
+    assert [p.name for p in iter_bundles(tmp_path)] == ["step-40", "step-40-attempt-2"]

@@ -21,7 +21,7 @@ from nanscan.bundle.divergence import (DIVERGENCE_FINDING, GROWTH_BINADES, MIN_S
                                        grown_tensors)
 from nanscan.cli.main import main
 from nanscan.incident import SpikeWarning
-from nanscan.review.report import render_html
+from nanscan.review.html_page import render_html
 from nanscan.runtime.monitor import Monitor
 from nanscan.runtime.window import Window
 from replay_entries import train
@@ -96,7 +96,8 @@ def test_incident_md_names_the_layers_that_grew_first(nanogpt_bundle):
            f"+{growth} |" in section
     assert "a cause they share" in section
     # the steps table: the loss, the gradient norm and the learning rate the window recorded, the onsets marked
-    assert re.search(r"\| 0 \| 2\.08908 \| 0\.730985 \| 2\.73 \|", section)
+    # the loss the step trained on: its two micro-batches' `loss / 2` summed (ln 65 at the start), not the last half
+    assert re.search(r"\| 0 \| 4\.16987 \| 0\.730985 \| 2\.73 \|", section)
     assert re.search(rf"\| {FIRST_ONSET} \|[^\n]*\| transformer, transformer\.h\.0, transformer\.h\.1 \|", section)
     if trajectory(nanogpt_bundle).failing_gradients is not None:
         assert f"| {step} (non-finite) |" in section and "non-finite |" in section

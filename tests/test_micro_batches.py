@@ -102,6 +102,29 @@ def test_micro_batch_checks_count_optimizer_steps_and_raise_no_alarm(tmp_path):
     assert not list(tmp_path.glob("*"))
 
 
+def test_the_recorded_loss_is_the_steps_loss_as_the_loop_summed_it(tmp_path):
+    """Each micro-batch's loss divided by the accumulation count, checked after each: the step's recorded loss
+    (history, report, the spike statistic) is their sum, the loss the step trained on, not the last micro-batch's
+    quarter of it (NOTE: [observed micro-batches])."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(model, optimizer, bundle_dir=tmp_path, mode="sync")
+    accumulate(model, optimizer, monitor, 2, micro_checks=True, bad=None)
+    twin = make_model()  # the same loop unchecked, for the losses it backpropagated
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1e-2)
+    for step in range(2):
+        twin_optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for micro in range(ACCUMULATE):
+            batch = micro_batch(step, micro)
+            loss = (twin(batch["x"]) - batch["y"]).pow(2).mean() / ACCUMULATE
+            loss.backward()
+            losses.append(float(loss))
+        twin_optimizer.step()
+        assert monitor.history[step].loss == pytest.approx(sum(losses), rel=1e-6)
+        assert monitor.history[step].loss != pytest.approx(losses[-1], rel=1e-3)
+
+
 def test_an_update_dated_at_the_next_micro_batch_check(tmp_path):
     # the first check after a bad update is the next step's first micro-batch check: it dates it
     model = make_model()

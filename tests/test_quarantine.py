@@ -26,7 +26,7 @@ from nanscan.bundle.quarantine import (QUARANTINE, NamedRecord, QuarantineError,
 from nanscan.cli.main import main
 from nanscan.data import check as check_data
 from nanscan.data.quarantine import QuarantinedDataset, QuarantinedIterableDataset, skip_quarantined
-from nanscan.data.records import digest_object
+from nanscan.engine.record_digest import digest_object
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_STEP = 3  # replay_entries' default fault step

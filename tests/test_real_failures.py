@@ -20,7 +20,7 @@ from nanscan.cli.main import main
 from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.preflight import run_preflight
 from nanscan.replay import record_replay, replay
-from nanscan.review.report import summarize
+from nanscan.review.summary import summarize
 
 SOURCE = Path(R.__file__).read_text().splitlines()
 NOT_SPECIFIC = "not sample-specific"

@@ -1,6 +1,7 @@
 """`nanscan report`: the summary's facts (JSON), the terminal tables, the self-contained HTML with its plots, a
-clear exit 2 for a bundle that cannot be read, and unusual bundles (no history, non-finite statistics, sample ids of
-any JSON shape, names that look like markup or TeX)."""
+clear exit 2 for a bundle that cannot be read, unusual bundles (no history, non-finite statistics, sample ids of
+any JSON shape, names that look like markup or TeX), and a run that rolled back (the steps it abandoned marked in
+the tables and on the plots)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import io
 import json
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -21,12 +23,18 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from nanscan.engine import _layout as L
+from nanscan import Rollback, RollbackWarning
 from nanscan import demo as D
 from nanscan.bundle import load_bundle
 from nanscan.bundle.history import history_payload
 from nanscan.cli.main import main
 from nanscan.runtime.monitor import Monitor, NonFiniteError
-from nanscan.review.report import render_html, split_name, summarize
+from nanscan.review.html_page import render_html
+from nanscan.review.plots import plot_curves
+from nanscan.review.summary import load_history, split_name, summarize
+from nanscan.review.text import divergence_cells
+
+from test_rollback import broken_run, rollbacks
 
 
 def strict_json(text: str):
@@ -333,3 +341,74 @@ def test_the_html_reports_incident_note_is_rendered_markdown(demo_bundle, tmp_pa
     assert "### " not in page and "|---" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<strong>bold</strong>" in page
     assert not any("Automatic findings" in t for t in tags.pre_text)
+
+
+# -- a run that rolled back: the steps a rollback abandoned, marked wherever the history is shown step by step -----
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+    """(the rollback's own bundle, the bundle where the run stopped, the rollback's record): the model's output is
+    infinite at step 5, and the run goes back to its window's oldest state, abandoning the steps from there to 5;
+    steps 6 and 7 go on from it, and step 8 fails again, where the run stops (max_rollbacks=1)."""
+    root = tmp_path_factory.mktemp("rolled-back")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RollbackWarning)
+        with pytest.raises(NonFiniteError) as caught:
+            broken_run(root, Rollback(skip="window", max_rollbacks=1, settle_steps=1))
+    (entry,) = rollbacks(root / "broken")
+    assert entry["at_step"] == 5 and entry["skipped_steps"] == list(range(entry["restored_step"], 6))
+    assert caught.value.step == 8
+    return load_bundle(root / "broken" / entry["bundle"]), load_bundle(caught.value.bundle_path), entry
+
+
+def abandoned_line(entry: dict) -> str:
+    return (f"steps {entry['restored_step']}-5: abandoned by the rollback at step 5 (back to step "
+            f"{entry['restored_step']}'s start)")
+
+
+def test_the_steps_a_rollback_abandoned_are_marked_in_the_terminal_and_html(rolled_back, tmp_path):
+    own, stopped, entry = rolled_back
+    restored = entry["restored_step"]
+    runner = CliRunner()
+    summary = strict_json(runner.invoke(main, ["report", str(stopped.path), "--json"]).stdout)
+    assert summary["abandoned"] == [{"first": restored, "last": 5, "at_step": 5, "restored_step": restored}]
+
+    # the rollback's own bundle: its last finite step and its failing one were both abandoned
+    terminal = runner.invoke(main, ["report", str(own.path)], env={"COLUMNS": "200"})
+    assert terminal.exit_code == 0, terminal.output
+    assert re.search(r"last finite\s+4 abandoned\s", terminal.stdout), terminal.stdout
+    assert re.search(r"first invalid\s+5 abandoned\s", terminal.stdout), terminal.stdout
+    assert abandoned_line(entry) in terminal.stdout
+    page = render_html(own, tmp_path / "own.html").read_text()
+    assert "<td>4 abandoned</td>" in page and "<td>5 abandoned</td>" in page
+    assert html.escape(abandoned_line(entry)) in page
+
+    # where the run stopped: the steps around it followed the rollback, and the abandoned ones are named
+    terminal = runner.invoke(main, ["report", str(stopped.path)], env={"COLUMNS": "200"})
+    assert terminal.exit_code == 0, terminal.output
+    assert re.search(r"last finite\s+7\s", terminal.stdout) and re.search(r"first invalid\s+8\s", terminal.stdout)
+    assert abandoned_line(entry) in terminal.stdout
+    page = render_html(stopped, tmp_path / "stopped.html").read_text()
+    assert "<td>7</td>" in page and html.escape(abandoned_line(entry)) in page
+
+
+def test_the_curves_shade_the_abandoned_steps_and_draw_them_hollow(rolled_back):
+    _own, stopped, entry = rolled_back
+    history = load_history(stopped)
+    fig = plot_curves(summarize(stopped, history), history)
+    ax_loss = fig.axes[0]
+    assert "abandoned by the rollback at step 5" in [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    (hollow,) = [line for line in ax_loss.lines if line.get_markerfacecolor() == "none"]
+    assert list(hollow.get_xdata()) == list(range(entry["restored_step"], 5))  # step 5's loss was inf: a red X
+    (run,) = [line for line in ax_loss.lines if line.get_marker() == "."]
+    assert list(run.get_xdata()) == [6, 7]  # the line is the run's: the steps after the rollback
+
+
+def test_the_divergence_steps_mark_the_abandoned_steps(rolled_back):
+    """The rows of the divergence's steps table, the terminal's and the HTML's, where a layer grew first."""
+    _own, stopped, entry = rolled_back
+    summary = summarize(stopped)
+    _headers, cells, _stride = divergence_cells(summary["divergence"], len(summary["divergence"]["steps"]),
+                                                summary["abandoned"])
+    marked = [f"{step} abandoned" for step in range(entry["restored_step"], 5)] + ["5 abandoned NaN/inf", "6", "7"]
+    assert [row[0] for row in cells][:len(marked)] == marked

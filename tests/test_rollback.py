@@ -1,5 +1,6 @@
-"""on_invalid=Rollback(...) (nanscan.runtime.rollback NOTE: [rollback]) in real loops: a learning rate too large for
-its warm-up recovers with half of it and the run finishes finite; a corrupt record is skipped, quarantined, and
+"""on_invalid=Rollback(...) (nanscan.runtime.rollback NOTE: [rollback]) in real loops: a learning rate far too large
+for its warm-up finishes finite with half of it but is not called recovered (its loss stays far above where it
+started: NOTE: [recovered]), and is with a sane one; a corrupt record is skipped, quarantined, and
 never seen by the next run through skip_quarantined; a fault in every batch stops after max_rollbacks with every
 bundle named; the HF Trainer and Lightning roll back once each. Every decision is in the run's rollbacks.json and
 the incident's INCIDENT.md."""
@@ -21,6 +22,7 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.quarantine import read_quarantine
 from nanscan.cli.main import main
 from nanscan.engine.plans import ModelScanPlan
+from nanscan.engine.record_digest import digest_object
 
 from nanogpt_runs import DIVERGING, train
 
@@ -36,12 +38,16 @@ def finding(bundle: str) -> dict:
     return found
 
 
-def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
-    """nanoGPT's loop with lr 30 goes non-finite at step 29 (tests/nanogpt_runs.py); rolled back to the window's
-    state with the learning rate x0.5, it runs its 70 steps finite."""
+def test_an_lr_far_too_large_is_not_called_recovered_at_half_of_it_and_is_at_a_sane_one(tmp_path):
+    """nanoGPT's loop with lr 30 goes non-finite at step 29 (tests/nanogpt_runs.py). Rolled back to the window's
+    state with the learning rate x0.5 it runs its 70 steps finite, but its loss stays hundreds of times its first:
+    "not recovered", with the numbers, in the record and a warning (NOTE: [recovered]). With x0.001 (lr 0.03) the
+    loss is back below where it started: recovered."""
     run = train(DIVERGING, tmp_path, iters=70, micro_checks=False,
                 on_invalid=Rollback(lr_scale=0.5, factor_steps=1000))
     assert run.error is None and run.steps == 70
+    assert [m for m in run.rollbacks_said if "has not recovered the run: finite but the loss (median" in m
+            and m.endswith("(learning rate x0.5 for 1000 steps); the run goes on, and rollbacks.json says so")]
     (entry,) = rollbacks(tmp_path / "nanogpt")
     # step 29 (gradient) where this was written; bf16 matmuls round by the CPU's instruction set, and a later EPYC
     # reaches a non-finite loss at 31: the rollback's record is checked against the step the run failed at
@@ -50,10 +56,19 @@ def test_an_lr_too_large_for_its_warm_up_recovers_with_half_of_it(tmp_path):
     assert entry["skip"] == "window"  # the default: no bad input named, the cause predates the step
     assert entry["skipped_steps"] == list(range(at + 1))
     assert entry["factor"] == "learning rate x0.5 for 1000 steps"
-    assert entry["outcome"] == {"status": "recovered", "finite_steps": 32}
+    outcome = entry["outcome"]
+    assert outcome["status"] == "not recovered" and outcome["finite_steps"] == 32
+    assert outcome["steps"] == [at + 1, at + 32] and outcome["loss"] > 50 * outcome["loss_ceiling"]
+    assert "the run's first loss" in outcome["why"]  # restored to step 0: no steps before it make a band
+    sane = train(DIVERGING, tmp_path / "sane", iters=70, micro_checks=False,
+                 on_invalid=Rollback(lr_scale=1e-3, factor_steps=1000))
+    (fixed,) = rollbacks(tmp_path / "sane" / "nanogpt")
+    assert sane.error is None and fixed["outcome"]["status"] == "recovered"
+    assert fixed["outcome"]["loss"] <= fixed["outcome"]["loss_ceiling"]
     assert entry["bundle"] == f"step-{at}"  # relative to the run's directory
     found = finding(tmp_path / "nanogpt" / entry["bundle"])
-    assert "recovered: finite for 32 steps" in found["title"] and "learning rate x0.5" in found["title"]
+    assert "not recovered after 32 finite steps: finite but the loss" in found["title"]
+    assert "learning rate x0.5" in found["title"]
     assert "## Reviewer notes" in load_bundle(tmp_path / "nanogpt" / entry["bundle"]).incident_text()
     # where users look: report (its HTML marks the rollback on the loss curve) and triage
     bundle_dir = tmp_path / "nanogpt" / entry["bundle"]
@@ -121,7 +136,9 @@ def test_a_corrupt_record_is_skipped_quarantined_and_kept_out_of_the_next_run(tm
     (entry,) = rollbacks(tmp_path / "records")
     assert entry["at_step"] == 4 and entry["skipped_steps"] == [4] and entry["quarantined"] == ["rec-37"]
     assert entry["restored_from"] == "the live state at its check, before its update"
-    assert entry["outcome"] == {"status": "recovered", "finite_steps": 2}
+    outcome = entry["outcome"]
+    assert outcome["status"] == "recovered" and outcome["finite_steps"] == 2 and outcome["steps"] == [5, 6]
+    assert outcome["why"].endswith("the band of steps 0-3 before the restored state (median 0.6739)"), outcome
     assert mon.first_invalid_step is None
     assert updates == 14 and all(torch.isfinite(p).all() for p in model.parameters())
     quarantine = read_quarantine(tmp_path)
@@ -134,32 +151,39 @@ def test_a_corrupt_record_is_skipped_quarantined_and_kept_out_of_the_next_run(tm
     assert updates2 == 16
 
 
-def test_a_fault_in_every_batch_stops_after_max_rollbacks_with_every_bundle(tmp_path):
-    class Broken(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 1)
-            self.step = 0
+class Broken(nn.Module):
+    """A linear model whose output is infinite at steps 5, 8, 11, ... (set `step` before each forward)."""
 
-        def forward(self, x):
-            out = self.fc(x)
-            return out * float("inf") if self.step >= 5 and self.step % 3 == 2 else out  # steps 5, 8, 11, ...
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        self.step = 0
 
+    def forward(self, x):
+        out = self.fc(x)
+        return out * float("inf") if self.step >= 5 and self.step % 3 == 2 else out
+
+
+def broken_run(tmp_path: Path, policy: Rollback, steps: int = 20) -> None:
+    torch.manual_seed(0)  # settle_steps=1: one step's loss is judged against the band (NOTE: [recovered])
     model = Broken()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor(model, opt, bundle_dir=tmp_path, run_id="broken",
-                  on_invalid=Rollback(skip="step", max_rollbacks=2, settle_steps=1))
+    mon = Monitor(model, opt, bundle_dir=tmp_path, run_id="broken", on_invalid=policy)
+    for step in range(steps):
+        model.step = step
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if mon.check(batch={"x": x, "y": y}, loss=loss).ok:
+            opt.step()
+
+
+def test_a_fault_in_every_batch_stops_after_max_rollbacks_with_every_bundle(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RollbackWarning)
         with pytest.raises(NonFiniteError, match="max_rollbacks=2") as caught:
-            for step in range(20):
-                model.step = step
-                x, y = torch.randn(8, 4), torch.randn(8, 1)
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                if mon.check(batch={"x": x, "y": y}, loss=loss).ok:
-                    opt.step()
+            broken_run(tmp_path, Rollback(skip="step", max_rollbacks=2, settle_steps=1))
     assert caught.value.step == 11
     entries = rollbacks(tmp_path / "broken")
     assert [e["at_step"] for e in entries] == [5, 8]
@@ -177,13 +201,36 @@ def test_a_fault_in_every_batch_stops_after_max_rollbacks_with_every_bundle(tmp_
     assert "step 5 (recovered), step 8 (recovered)" in found["body"]
 
 
+def test_a_record_with_no_sample_id_is_quarantined_by_its_content_and_dropped_when_it_comes_back(tmp_path):
+    """The NaN record comes back 8 steps after the rollback, and the loop passes no sample ids: the rollback named
+    it by its content digest (NOTE: [quarantine match]), so its return is dropped, no new incident, and
+    skip_quarantined keeps it out of the next run by the same digest."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RollbackWarning)
+        mon, model, updates = fit_records(tmp_path, Records(), Rollback(skip="step", settle_steps=10), ids=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, RollbackWarning)]
+    (entry,) = rollbacks(tmp_path / "records")
+    (digest,) = entry["quarantined"]
+    assert entry["at_step"] == 4 and digest.startswith("sha256:") and len(digest) == 71
+    assert digest == "sha256:" + digest_object({"x": Records().x[37], "y": Records().y[37]})
+    assert any(m.startswith(f"nanscan: the batch of step 12 holds 1 record(s) that a rollback of this run "
+                            f"quarantined ({digest})") for m in said), said
+    assert mon.first_invalid_step is None and updates == 14
+    (record,) = read_quarantine(tmp_path).active()
+    assert record.sha256 == [digest.removeprefix("sha256:")] and record.id is None
+    # the records as collation stacked them into the batch the loop checked ({"x", "y"}): the same digest
+    records = [{"x": r["x"], "y": r["y"]} for r in Records()]
+    kept = nanscan.skip_quarantined(records, tmp_path)
+    assert len(kept) == 63 and not any(torch.isnan(r["x"]).any() for r in kept)
+
+
 def test_a_failure_again_within_settle_steps_raises(tmp_path):
-    """The NaN record comes back 8 steps after the first rollback, with no sample ids to quarantine it by: within
-    settle_steps=10 it is the same failure."""
-    with pytest.warns(RollbackWarning):
-        with pytest.raises(NonFiniteError, match="failed again at step 12, 8 step.* the same failure") as caught:
-            fit_records(tmp_path, Records(), Rollback(skip="step", settle_steps=10), ids=False)
-    assert str(tmp_path / "records" / "step-4") in str(caught.value)
+    """A fault of the model (not of a record) at steps 5, 8, 11, ...: 3 steps after the rollback at step 5, within
+    settle_steps=10, it is the same failure."""
+    with pytest.raises(NonFiniteError, match="failed again at step 8, 3 step.* the same failure") as caught:
+        with pytest.warns(RollbackWarning):
+            broken_run(tmp_path, Rollback(skip="step", settle_steps=10))
+    assert str(tmp_path / "broken" / "step-5") in str(caught.value)
 
 
 def test_settings_are_checked():

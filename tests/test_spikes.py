@@ -20,7 +20,7 @@ from nanscan import load_bundle
 from nanscan.cli.main import main as cli_main
 from nanscan.incident import SPIKE, SpikeWarning, layer_of
 from nanscan.runtime.monitor import Monitor
-from nanscan.review.report import summarize
+from nanscan.review.summary import summarize
 from nanscan.runtime.spikes import (QUANTITIES, DeviceStats, HostStats, Rows, SpikeRule, device_log_values, log_values,
                                     scores_from_verdict)
 from nanscan.review.triage import triage

@@ -14,7 +14,8 @@ from torch import nn
 
 from nanscan import Monitor, NonFiniteError, load_bundle
 from nanscan.bundle import BundleError
-from nanscan.review.report import size_text, summarize
+from nanscan.review.summary import summarize
+from nanscan.review.text import size_text
 from nanscan.runtime.window import Window, WindowWarning, window_setting
 
 

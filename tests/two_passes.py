@@ -100,8 +100,12 @@ NATIVE_PASS_ONLY = {
     "test_provenance": "provenance records and atomic writes",
     "test_quarantine": "the quarantine file and its dataset wrappers; the replay naming the records is BOTH_PASSES'",
     "test_report": "reads bundles",
+    "test_report_replicas": "reads a replica-mismatch bundle set; the agreement that writes it is test_replicas' "
+                            "subject in both passes",
     "test_rollback_data": "what a rollback does to the loop's data and updates; the verdicts that decide it are "
                           "test_rollback's subject in both passes",
+    "test_rollback_ranks": "a rollback's agreement and quarantine across DDP ranks; the verdicts that decide it are "
+                           "test_rollback's subject in both passes",
     "test_runs": "reads run records",
     "test_scan_table": "nanscan._C.ScanTable, the cpu backend named",
     "test_step_summary": "the cpu backend's step summary, named explicitly",

@@ -1,6 +1,6 @@
 """The divergence before an incident, from a bundle's history and its run's window: per step the loss, gradient
 norm, learning rates and loss scale, and which tensors' magnitudes grew first, by layer. INCIDENT.md's "divergence"
-finding (nanscan.bundle.incident_md) and `nanscan report`'s divergence section (nanscan.review.report) show it.
+finding (nanscan.bundle.incident_md) and `nanscan report`'s divergence section (nanscan.review) show it.
 
 NOTE: [divergence onset]
 A tensor's magnitude at a step is its top binade, floor(log2 max|x|) over its finite values, read from the
@@ -30,7 +30,7 @@ tests/replay_entries.py's warm-up regression from 41 (44). Fewer than MIN_STEPS 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -114,15 +114,17 @@ def _loss_scale(entry: HistoryEntry, records: Sequence[WindowStep]) -> Any:
     return json_float(scales[-1]) if scales else None
 
 
-def divergence(history: Sequence[HistoryEntry], records: Sequence[WindowStep], step: int) -> dict | None:
+def divergence(history: Sequence[HistoryEntry], records: Sequence[WindowStep], step: int, *,
+               abandoned: Collection[int] = ()) -> dict | None:
     """The divergence up to the incident at `step`, JSON-ready (non-finite floats as strings), or None when the
     history holds fewer than MIN_STEPS finite steps up to it (NOTE: [divergence onset]).
 
     "steps": every history step up to `step` (the learning rates of each param group from the window's `records`
     where it holds the step), "grew": the tensors that grew by GROWTH_BINADES, earliest onset first, "layers":
-    their layers in that order, "judged": the first and last finite step judged."""
+    their layers in that order, "judged": the first and last finite step judged. `abandoned`: steps a rollback
+    abandoned (their updates undone), shown marked and never judged: the run that goes on is not their lineage."""
     by_step = {e.step: e for e in sorted(history, key=lambda e: e.step) if e.step <= step}
-    judged = [e for e in by_step.values() if e.report.ok]
+    judged = [e for e in by_step.values() if e.report.ok and e.step not in abandoned]
     if len(judged) < MIN_STEPS:
         return None
     grew = [t for t in grown_tensors(judged) if t["onset"] is not None]
@@ -139,7 +141,7 @@ def divergence(history: Sequence[HistoryEntry], records: Sequence[WindowStep], s
         rows.append({"step": e.step, "loss": json_float(e.loss), "grad_norm": json_float(e.grad_norm),
                      "nonfinite_gradients": bad_grads, "finite": bool(e.report.ok),
                      "overflow_skip": bool(e.report.overflow_skip), "lrs": _lrs(e, records),
-                     "loss_scale": _loss_scale(e, records)})
+                     "loss_scale": _loss_scale(e, records), **({"abandoned": True} if e.step in abandoned else {})})
     return {"rule": {"binades": GROWTH_BINADES, "held_steps": HELD_STEPS, "baseline_steps": BASELINE_STEPS,
                      "kinds": list(JUDGED_KINDS)},
             "step": step, "judged": [judged[0].step, judged[-1].step],

@@ -139,7 +139,19 @@ REQUIRED_KEYS = ("schema", "run_id", "first_invalid_step", "category", "nonfinit
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# NOTE: [bundle attempts]
+# A run's incident at step N is bundled in step-N. A run that bundles step N again (a spike bundle at N, then the
+# step's incident at a later micro-batch; a rollback that goes on and fails at a step it bundled before) writes
+# step-N-attempt-2, -3, ...: every attempt keeps its own evidence, and the first keeps the plain name the tools and
+# docs use. The Monitor counts its own bundles per step (Monitor.write_incident), never what the disk holds, so a
+# run written twice into the same directory still writes the same names (and keeps the bundles already there).
+STEP_DIR = re.compile(r"^step-(\d+)(?:-attempt-([2-9]|[1-9]\d+))?$")
+
+
+def step_dir_order(path: Path) -> tuple[int, int]:
+    """(step, attempt) of a step directory (STEP_DIR), for sorting the bundles of a run in the order they came."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)), int(match.group(2) or 1)
 
 
 class BundleError(ValueError):
@@ -260,6 +272,11 @@ class Incident:
     # True when that micro-batch was observed (Monitor.observe: NOTE: [observed micro-batches]), its non-finite loss
     # found at the step's own check, whose gradients are the whole step's.
     micro_batch_observed: bool = False
+    # The run's how-many-th bundle of `step` (NOTE: [bundle attempts]): 1 writes step-<N>, k > 1 step-<N>-attempt-<k>.
+    attempt: int = 1
+    # The steps the run's rollbacks abandoned before this incident (nanscan.runtime.rollback NOTE: [rollback]): the
+    # history holds them, and the divergence does not judge them (their updates were undone).
+    abandoned_steps: Sequence[int] = ()
     # The model-state keys of frozen parameters (requires_grad=False), which the bundle holds by reference: dtype,
     # shape and sha256, not bytes (nanscan.bundle.frozen NOTE: [frozen references]); empty: every tensor is copied.
     frozen: Sequence[str] = ()
@@ -333,9 +350,12 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def bundle_path(bundle_dir: str | os.PathLike, run_id: str, step: int, rank: int | None = None) -> Path:
-    """Where the bundle of `run_id`'s incident at `step` lives (a distributed rank's part: `rank-<r>` below it)."""
-    path = Path(bundle_dir) / check_run_id(run_id) / f"step-{int(step)}"
+def bundle_path(bundle_dir: str | os.PathLike, run_id: str, step: int, rank: int | None = None,
+                attempt: int = 1) -> Path:
+    """Where the bundle of `run_id`'s incident at `step` lives (a distributed rank's part: `rank-<r>` below it);
+    the run's second and later bundles of the same step: `step-<N>-attempt-<k>` (NOTE: [bundle attempts])."""
+    name = f"step-{int(step)}" if attempt == 1 else f"step-{int(step)}-attempt-{int(attempt)}"
+    path = Path(bundle_dir) / check_run_id(run_id) / name
     return path if rank is None else path / f"rank-{int(rank)}"
 
 

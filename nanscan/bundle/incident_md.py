@@ -124,9 +124,12 @@ def render_automatic(manifest: Mapping, ledger: Sequence[Mapping]) -> str:
     if state.get("file") and isinstance(state.get("frozen"), dict) and state["frozen"]:  # NOTE: [frozen references]
         state_line += (f"; {len(state['frozen'])} frozen weight(s) by sha256 only, which replay takes from its "
                        "entry's model")
+    step = manifest["first_invalid_step"]
+    heading = {SPIKE: f"# Spike at step {step}: an early warning, every value finite",
+               REPLICA_MISMATCH: f"# Incident: replicas differ at step {step}"}.get(
+        manifest["category"], f"# Incident: non-finite values at step {step}")
     lines = [
-        (f"# Spike at step {manifest['first_invalid_step']}: an early warning, every value finite"
-         if manifest["category"] == SPIKE else f"# Incident: non-finite values at step {manifest['first_invalid_step']}"),
+        heading,
         "",
         f"- run: `{manifest['run_id']}`",
         f"- category: **{manifest['category']}**",
@@ -308,10 +311,11 @@ def detect_finding(inc: Incident, nonfinite: list[dict]) -> dict:
     body = [explanation, "",
             deciding_line
             + (f" and {len(inc.tensors) - 10} more" if len(inc.tensors) > 10 else "")
-            + (f"; {others} other tensor(s) were non-finite too." if others else "."), "",
-            "| tensor | kind | NaN | +inf | -inf | elements |", "|---|---|---:|---:|---:|---:|"]
-    body += [f"| `{r['name']}` | {r['kind']} | {r['nan']} | {r['posinf']} | {r['neginf']} | {r['numel']} |"
-             for r in shown]
+            + (f"; {others} other tensor(s) were non-finite too." if others else ".")]
+    if shown:  # a replica mismatch may have no non-finite tensor: no empty table
+        body += ["", "| tensor | kind | NaN | +inf | -inf | elements |", "|---|---|---:|---:|---:|---:|"]
+        body += [f"| `{r['name']}` | {r['kind']} | {r['nan']} | {r['posinf']} | {r['neginf']} | {r['numel']} |"
+                 for r in shown]
     if len(nonfinite) > len(shown):
         body.append(f"| ... {len(nonfinite) - len(shown)} more in {MANIFEST} | | | | | |")
     last = step_entry(inc)
@@ -432,7 +436,8 @@ def divergence_finding(inc: Incident) -> dict | None:
     learning rate and loss scale of the steps before the incident (NOTE: [divergence onset] in
     nanscan.bundle.divergence). None where the history is too short to judge or no tensor grew: a fault of one
     step is no divergence, and the finding does not invent one."""
-    summary = divergence(inc.history, inc.window.records if inc.window is not None else (), inc.step)
+    summary = divergence(inc.history, inc.window.records if inc.window is not None else (), inc.step,
+                         abandoned=inc.abandoned_steps)
     if summary is None or not summary["grew"]:
         return None
     record = {key: summary[key] for key in ("step", "judged", "baseline", "rule", "layers")}

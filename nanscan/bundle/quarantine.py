@@ -5,7 +5,7 @@ NOTE: [quarantine file]
 `<bundle_dir>/quarantine.json` (beside the run directories a Monitor writes its bundles into) is plain JSON, keys
 sorted, two-space indent, so a reviewer can read it and a diff shows what changed. One entry per record: its
 `sample_id` (the id training passed to Monitor.check(sample_ids=...), which bisection names, or a data check's
---id-field value), the `sha256` digests it is known by (nanscan.data.records.digest_object, the data checks' rule
+--id-field value), the `sha256` digests it is known by (nanscan.engine.record_digest.digest_object, the data checks' rule
 for a Python record: NOTE: [quarantine match] in nanscan/data/quarantine.py), its `status` ("quarantined" or
 "released") and its `history`, which is never shortened: every add ("added": at, by, reason, note, and the source
 that named it: a bundle and its row, a data report and its record, or "by hand") and every release ("released":

@@ -29,7 +29,8 @@ import torch
 from nanscan._atomic import TEMP_PREFIX, atomic_write_bytes, fsync_dir, is_temp_name, json_bytes, sha256_file
 from nanscan.bundle.format import (HISTORY, HISTORY_INDEX, INCIDENT, LEDGER, MANIFEST, PENDING_PREFIX, REQUIRED_KEYS,
                                    RNG_METADATA_KEY, SCHEMA, STATE_STRUCTURE, STEP_DIR, BundleError, HistoryEntry,
-                                   WindowStep, float_from_json, is_int, plain_json, read_json, refuse_link)
+                                   WindowStep, float_from_json, is_int, plain_json, read_json, refuse_link,
+                                   step_dir_order)
 from nanscan.bundle.frozen import reference_errors
 from nanscan.bundle.history import history_from_payload
 from nanscan.bundle.incident_md import NoteReview, ledger_bytes, render_incident, review_incident, valid_ledger_record
@@ -318,8 +319,7 @@ def _resolve_bundle_dir(path: Path) -> Path:
                           "finished bundle beside it (or write it again)")
     if (path / MANIFEST).exists() or any(p.name.startswith(PENDING_PREFIX) for p in path.iterdir()):
         return path
-    steps = sorted((p for p in path.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                   key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    steps = sorted((p for p in path.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=step_dir_order)
     if len(steps) == 1:
         return steps[0]
     if steps:
@@ -340,7 +340,7 @@ def iter_bundles(bundle_dir: str | os.PathLike) -> Iterator[Path]:
         return
     for run in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         steps = [p for p in run.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / MANIFEST).exists()]
-        yield from sorted(steps, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+        yield from sorted(steps, key=step_dir_order)
 
 
 class Bundle:

@@ -4,7 +4,8 @@ nanscan.runtime.rollback NOTE: [rollback]): written atomically by the Monitor, r
 The file is JSON, sorted keys, two-space indent: {"format": ROLLBACKS_FORMAT, "rollbacks": [entry, ...]}, one entry
 per rollback in the order they happened: at_step, category, bundle (the incident's, relative to the run directory),
 restored_step, restored_from, skipped_steps, skipped_sample_ids, skip_next, factor, loss_scale, quarantined and
-outcome {status: "pending" | "recovered" | "failed again", finite_steps, failed_at}; and, once a rollback was
+outcome {status: "pending" | "recovered" | "not recovered" | "failed again", finite_steps, failed_at, and once
+settled the measure: loss, loss_ceiling, grad_norm, grad_norm_ceiling, steps, why}; and, once a rollback was
 refused and the run stopped, "stopped": {at_step, bundle, why}. No wall-clock time: the same run writes the same
 bytes.
 """

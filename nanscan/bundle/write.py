@@ -104,7 +104,7 @@ def write_bundle(incident: Incident, bundle_dir: str | os.PathLike) -> Path:
     Raises BundleError if a damaged or foreign directory already occupies the path, BundleWriteError when no
     bundle could be written (NOTE: [write faults]); unsaved_parts(path) lists what a written one lacks.
     """
-    final = bundle_path(bundle_dir, incident.run_id, incident.step, incident.rank)
+    final = bundle_path(bundle_dir, incident.run_id, incident.step, incident.rank, incident.attempt)
     replace = False
     if final.exists():
         if not _replaceable(final, incident):

@@ -17,7 +17,8 @@ def diverging_command(out_dir: str, as_json: bool) -> None:
 
     from nanscan.bundle import load_bundle  # noqa: PLC0415
     from nanscan.demo import run_diverging  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
-    from nanscan.review.report import render_terminal, summarize  # noqa: PLC0415
+    from nanscan.review.summary import summarize  # noqa: PLC0415
+    from nanscan.review.terminal import render_terminal  # noqa: PLC0415
 
     console = Console(stderr=as_json)
     result = run_diverging(out_dir, echo=lambda line: console.print(line, markup=False, highlight=False,
@@ -64,7 +65,7 @@ def demo_command(out_dir, as_json, diverging):
 
     from nanscan import demo  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
     from nanscan.cli.errors import console as cli_console  # noqa: PLC0415
-    from nanscan.review.report import render_terminal  # noqa: PLC0415
+    from nanscan.review.terminal import render_terminal  # noqa: PLC0415
 
     console = cli_console(stderr=as_json)
     # soft_wrap: each stage line and each path stays one line, so it can be copied and grepped at any width

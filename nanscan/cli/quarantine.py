@@ -37,34 +37,6 @@ def _bundle_root(bundle) -> Path:
     return Path(step_dir).parent.parent
 
 
-def _only_tensors(value: Any, torch) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return bool(value) and all(_only_tensors(v, torch) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return bool(value) and all(_only_tensors(v, torch) for v in value)
-    return False
-
-
-def row_digests(batch: Any, rows: list[int], size: int | None) -> tuple[list[str] | None, str]:
-    """The digest of each named row of the bundle's batch (nanscan.data.records.digest_object, NOTE: [quarantine
-    match]): every tensor indexed at the row. Only for a batch of tensors that all hold one row per sample (what
-    collation stacks from records of tensors), whose row is then the record it came from; else (None, why)."""
-    import torch  # noqa: PLC0415 - NOTE: [fast help]
-
-    from nanscan.data.records import digest_object  # noqa: PLC0415
-    from nanscan.engine.inputs import iter_batch_tensors, map_tensors  # noqa: PLC0415
-
-    if batch is None or size is None:
-        return None, "the bundle holds no batch"
-    if not _only_tensors(batch, torch):
-        return None, "the batch holds values other than tensors, so a row is not the record it came from"
-    if any(t.dim() == 0 or t.shape[0] != size for _, t in iter_batch_tensors(batch)):
-        return None, f"not every tensor of the batch has one row per sample ({size})"
-    return [digest_object(map_tensors(batch, lambda t, i=i: t[i])) for i in rows], ""
-
-
 def named_by_bundle(path: Path, bundle_dir: Path | None) -> tuple[list[NamedRecord], str, list[str], Path]:
     """The records the bundle's bisection named (its replay finding), with their sample ids and the digests of
     their rows; a default reason; notes for the user; the bundle directory (`bundle_dir`, else the bundle's own)."""
@@ -91,6 +63,8 @@ def named_by_bundle(path: Path, bundle_dir: Path | None) -> tuple[list[NamedReco
     ids = found.get("sample_ids")
     ids = ids if isinstance(ids, list) and len(ids) == len(rows) else [None] * len(rows)
     size = found.get("batch_size") if isinstance(found.get("batch_size"), int) else None
+    from nanscan.engine.record_digest import row_digests  # noqa: PLC0415 - NOTE: [fast help]
+
     digests, why = row_digests(bundle.batch(nested=True), rows, size)
     notes = [] if digests is not None else [f"no digest taken from {path}: {why}; its records are quarantined by "
                                             "sample id only"]

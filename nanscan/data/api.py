@@ -12,7 +12,8 @@ from typing import Any
 
 from nanscan.data.checker import DEFAULT_MAX_FINDINGS, DEFAULT_MAX_RECORD_BYTES, Checker
 from nanscan.data.findings import UNREADABLE, DataReport, RecordRef, TrainingFields
-from nanscan.data.records import digest_object, inspect_record
+from nanscan.data.records import inspect_record
+from nanscan.engine.record_digest import digest_object
 from nanscan.data.walk import check_path, walk_total_bytes
 
 

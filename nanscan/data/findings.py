@@ -136,7 +136,7 @@ class RecordId:
     Python dataset); `member` names the array inside an .npz or safetensors file. The digest covers the record's
     bytes as stored (a JSON line without its newline, a CSV record's lines, an image file, an array row in C
     order); for Parquet rows and Python objects, which have no byte form of their own, it covers a canonical
-    encoding (see `nanscan.data.records.digest_object`).
+    encoding (see `nanscan.engine.record_digest.digest_object`).
     """
 
     file: str

@@ -1,7 +1,7 @@
 """Parquet files, read by record batches and checked with the columnar fast path (columnar.TableCheck).
 
 A record is a row; its identifier is the 0-based row index and the sha256 of a canonical encoding of the row's
-values (records.digest_object), since a row has no byte form of its own.
+values (nanscan.engine.record_digest.digest_object), since a row has no byte form of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pyarrow as pa
 from nanscan.data.checker import Checker, file_ref
 from nanscan.data.columnar import TableCheck
 from nanscan.data.findings import UNREADABLE, RecordRef
-from nanscan.data.records import digest_object, inspect_record
+from nanscan.data.records import inspect_record
+from nanscan.engine.record_digest import digest_object
 
 PARQUET_BATCH_ROWS = 64 << 10
 

@@ -9,7 +9,7 @@ kept in the file for the reader but never matched, as they move when the data is
 - Its sample id is read as nanscan data's --id-field reads it (`id_field`: a field of a mapping record, or a
   position of a tuple) or by a function (`sample_id`), and compared by nanscan.bundle.quarantine.record_id, the one
   rule for the ids training passes to Monitor.check(sample_ids=...), which bisection names.
-- Its digest is nanscan.data.records.digest_object of the record as the dataset returns it: the rule the data checks
+- Its digest is nanscan.engine.record_digest.digest_object of the record as the dataset returns it: the rule the data checks
   name a Python dataset's records by (nanscan.data.check), and the one a bisection's rows are digested by when the
   bundle's batch is what collation stacked from such records (a dict of tensors; nanscan quarantine add --from).
   So a record quarantined by its digest is skipped wherever it moved. A file's digest in a `nanscan data` report
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from nanscan.bundle.quarantine import Quarantine, QuarantineError, read_quarantine, record_id
-from nanscan.data.records import digest_object
+from nanscan.engine.record_digest import digest_object
 
 log = logging.getLogger("nanscan")
 

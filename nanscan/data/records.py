@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
-import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from nanscan.data.checker import Checker, NumericBatch
+from nanscan.engine.record_digest import is_pil_image
 from nanscan.engine.targets import all_ignored
 from nanscan.data.findings import (
     EMPTY, NO_SUPERVISED_TOKENS, ROOT_FIELD, TOO_LONG, UNREADABLE, RecordRef, TrainingFields,
@@ -69,7 +69,7 @@ def kind_of(value: Any) -> str:
         return f"array[{value.dtype.name}]"
     if isinstance(value, torch.Tensor):
         return f"array[{str(value.dtype).removeprefix('torch.')}]"
-    if _is_pil_image(value):
+    if is_pil_image(value):
         return f"image[{value.mode}]"
     return type(value).__name__
 
@@ -79,14 +79,9 @@ def shape_of(value: Any) -> tuple | None:
         return (len(value),)
     if isinstance(value, (np.ndarray, torch.Tensor)):
         return tuple(int(s) for s in value.shape)
-    if _is_pil_image(value):
+    if is_pil_image(value):
         return (value.height, value.width)
     return None
-
-
-def _is_pil_image(value: Any) -> bool:
-    cls = type(value)
-    return cls.__module__.startswith("PIL.") and hasattr(value, "mode") and hasattr(value, "getbands")
 
 
 def empty_reason(value: Any) -> str | None:
@@ -115,56 +110,6 @@ def record_fields(record: Any) -> list[tuple[str, Any]]:
     if isinstance(record, tuple):
         return [(f"[{i}]", v) for i, v in enumerate(record)]
     return [(ROOT_FIELD, record)]
-
-
-# -- canonical digest of Python values ---------------------------------------------------------------------------
-def digest_object(value: Any) -> str:
-    """sha256 of a canonical, type-tagged encoding of a Python value (mappings by sorted key, arrays as dtype,
-    shape and C-order bytes), for records that have no byte form of their own (Parquet rows, Python datasets)."""
-    h = hashlib.sha256()
-    _feed(h, value)
-    return h.hexdigest()
-
-
-def _feed(h, value: Any) -> None:
-    def put(tag: bytes, payload: bytes) -> None:
-        h.update(tag + len(payload).to_bytes(8, "little") + payload)
-
-    if value is None:
-        put(b"N", b"")
-    elif isinstance(value, (bool, np.bool_)):
-        put(b"B", b"1" if value else b"0")
-    elif isinstance(value, (int, np.integer)):
-        put(b"I", str(int(value)).encode())
-    elif isinstance(value, (float, np.floating)):
-        put(b"F", float(value).hex().encode())
-    elif isinstance(value, str):
-        put(b"S", value.encode("utf-8", "surrogatepass"))
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        put(b"Y", bytes(value))
-    elif isinstance(value, Mapping):
-        items = sorted(((str(k), v) for k, v in value.items()), key=lambda kv: kv[0])
-        put(b"D", str(len(items)).encode())
-        for k, v in items:
-            put(b"K", k.encode("utf-8", "surrogatepass"))
-            _feed(h, v)
-    elif isinstance(value, (list, tuple)):
-        put(b"L", str(len(value)).encode())
-        for v in value:
-            _feed(h, v)
-    elif isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        raw = t.view(torch.uint8) if t.dim() and t.numel() else t.reshape(-1).view(torch.uint8)
-        put(b"T", f"{t.dtype}{tuple(t.shape)}".encode())
-        put(b"R", raw.numpy().tobytes())
-    elif isinstance(value, np.ndarray):
-        put(b"A", f"{value.dtype.str}{value.shape}".encode())
-        put(b"R", np.ascontiguousarray(value).tobytes())
-    elif _is_pil_image(value):
-        put(b"P", f"{value.mode}{value.size}".encode())
-        put(b"R", value.tobytes())
-    else:
-        put(b"O", f"{type(value).__qualname__}:{value!r}".encode("utf-8", "surrogatepass"))
 
 
 # -- numbers: gathered per record ---------------------------------------------------------------------------------
@@ -216,7 +161,7 @@ def gather_numbers(value: Any, path: str, ref: RecordRef, batch: NumericBatch) -
                 batch.add_array(ref, p, v)
         elif isinstance(v, np.floating):
             batch.add_scalar(ref, p, float(v))
-        elif _is_pil_image(v) and v.mode == "F":
+        elif is_pil_image(v) and v.mode == "F":
             batch.add_array(ref, p, np.asarray(v))
 
 

@@ -129,7 +129,7 @@ def headroom(exp_hist, formats=FORMATS, *, absmax: float | None = None) -> list[
     - bin 0 holds every value below 2**-127, so for bfloat16 its subnormal and underflow split is unknown: those
       values are reported as subnormal;
     - bin 255 holds every value of 2**127 and above, so for a format whose top binade is 127 (bfloat16; float32
-      as nanscan.review.report adds it) a float64 tensor's values of 2**128 and above, which overflow it, are counted as
+      as nanscan.review.summary adds it) a float64 tensor's values of 2**128 and above, which overflow it, are counted as
       fitting, and top_binade stays 127; TensorStats.absmax tells them apart.
     """
     hist = np.asarray(exp_hist, dtype=np.int64)

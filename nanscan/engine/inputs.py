@@ -401,6 +401,11 @@ def bad_rows(batch: Any, size: int) -> list[int]:
     return torch.nonzero(bad).flatten().tolist()
 
 
+def plain_ids(sample_ids: Any) -> Any:
+    """Sample ids as JSON holds them (a tensor's as a list): a rollback's record, the window's skipped steps."""
+    return sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
+
+
 def batch_size(batch: Any, sample_ids: Any = None) -> int | None:
     """The number of samples: the count of recorded sample ids when some tensor of the batch has that leading size
     (a batch may hold more rows of something else, such as a GAN's generated images), else the leading size most

@@ -93,3 +93,20 @@ def ignored_targets(batch: Any, ignore_index: int | None = DEFAULT_IGNORE_INDEX)
         elif all_ignored(t, ignore_index):
             found.append(IgnoredTargets(path, t.numel(), ignore_index))
     return found
+
+
+def ignored_rows(batch: Any, size: int, ignore_index: int = DEFAULT_IGNORE_INDEX) -> list[int]:
+    """The rows (the leading index, `size` of them) of a batch whose every target in some integer tensor is the
+    ignore index (NOTE: [no supervised tokens]): records that leave a per-record mean loss 0/0, which a rollback
+    quarantines like a NaN row."""
+    import torch  # noqa: PLC0415 - NOTE: [fast help], as above
+
+    from nanscan.engine.inputs import iter_batch_tensors  # noqa: PLC0415
+
+    rows = torch.zeros(size, dtype=torch.bool)
+    for _, t in iter_batch_tensors(batch):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() < 2 or t.shape[0] != size \
+                or not t.numel():
+            continue
+        rows |= (t.detach().reshape(size, -1) == ignore_index).all(dim=1).cpu()
+    return torch.nonzero(rows).flatten().tolist()

@@ -149,7 +149,7 @@ def write_tensorboard(entries: Sequence[Any], directory: Path, *, overwrite: boo
 def export_command(bundle_path, tb_dir, csv_out, parquet_out, overwrite):
     """Write BUNDLE's history window (every tensor, every kept step) as TensorBoard events, CSV or Parquet."""
     from nanscan.bundle import BundleError, load_bundle  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
-    from nanscan.review.report import bundle_holding, load_history  # noqa: PLC0415
+    from nanscan.review.summary import bundle_holding, load_history  # noqa: PLC0415
 
     outputs = [(flag, path) for flag, path in (("--tensorboard", tb_dir), ("--csv", csv_out),
                                                ("--parquet", parquet_out)) if path is not None]

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanscan.bundle import BundleError, Incident, bundle_path, write_bundle
+from nanscan.bundle import BundleError, Incident, bundle_path
 from nanscan.bundle.format import MANIFEST
 from nanscan.bundle.rank_set import INDEX, INDEX_SCHEMA, device_label, write_index
 from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, categorize, category_rank,
@@ -75,7 +75,7 @@ from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, cate
 from nanscan.engine.stats import ScanReport
 from nanscan.runtime.replicas import (ReplicaSets, ReplicaView, hex_fingerprints, is_replicated,
                                       replica_verdict, replicated_dtensors)
-from nanscan.runtime.rollback import Rollback
+from nanscan.runtime.rollback import Rollback, bad_row_ids
 from nanscan.runtime.shards import (SHARD_SUFFIX, has_dtensors, local_scan_plan, local_shard, local_tensor,
                                     localize_state, shard_layout, shard_suffix)
 
@@ -94,7 +94,7 @@ NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every 
 # Payload slots of the per-step all-reduce (MAX); see the module docstring. With replicas compared, two more per
 # replica set and group of REPLICA_GROUPS: its combined fingerprint and that value's bitwise complement (NOTE:
 # [replica agreement] in nanscan/runtime/replicas.py).
-_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK = range(4)
+_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK, _HELD = range(5)  # _HELD: NOTE: [dropped update]
 
 
 def _sharded(model: torch.nn.Module, source: Any = None) -> str | None:
@@ -179,6 +179,7 @@ class Verdict:
     bad_ranks: tuple[int, ...] = ()
     replica_groups: tuple[str, ...] = ()
     replicas: dict | None = None
+    held: bool = False  # some rank's batch held a record a rollback quarantined: the step's update is dropped
 
     @property
     def replica_only(self) -> bool:
@@ -276,7 +277,17 @@ class MonitorSide(Protocol):
 
     def rerun_record(self) -> dict | None: ...
 
+    def write_incident(self, incident: Incident) -> Path: ...
+
+    def attempt_of(self, step: int) -> int: ...
+
     def finite_step(self, step: int) -> None: ...
+
+    def quarantine_held(self, step: int) -> bool: ...
+
+    def drop_update(self, step: int) -> None: ...
+
+    def update_dropped(self, step: int) -> bool: ...
 
     def roll_back(self, step: int, category: str, tensors: list[str], message: str, *, live_start: bool,
                   batch: Any = None, sample_ids: Any = None, ledger: bool = True) -> None: ...
@@ -361,7 +372,7 @@ class Agreement:
     # -- every step ------------------------------------------------------------------------------------------------
     def _issue(self, monitor: MonitorSide, report: ScanReport, step: int):
         bad = not report.ok
-        values = [int(bad), step, -step, -(self.rank if bad else self.world_size)]
+        values = [int(bad), step, -step, -(self.rank if bad else self.world_size), int(monitor.quarantine_held(step))]
         view = None
         if self._replicas is not None:  # NOTE: [replica agreement]; a micro-batch check leaves monitor.step at its step
             view = self._replicas.view(report, monitor.model, monitor.optimizer, gradients=monitor.step != step)
@@ -380,7 +391,17 @@ class Agreement:
                                "of the group, with the same step= if you pass one")
         bad = values[_FLAG] > 0
         groups = self._replicas.differing(values) if self._replicas is not None else ()
-        return Verdict(step, not bad and not groups, -values[_NEG_BAD_RANK] if bad else None, replica_groups=groups)
+        return Verdict(step, not bad and not groups, -values[_NEG_BAD_RANK] if bad else None, replica_groups=groups,
+                       held=values[_HELD] > 0)
+
+    @staticmethod
+    def _held(monitor: MonitorSide, verdict: Verdict) -> bool:
+        """A step whose batch held a quarantined record on some rank has its update dropped on every rank; a failure
+        in a step whose update is dropped on every rank (that, or a rollback at an earlier micro-batch of it, which
+        every rank made together) is no new incident (NOTE: [dropped update]). True when it failed in such a step."""
+        if verdict.held:
+            monitor.drop_update(verdict.step)
+        return not verdict.ok and monitor.update_dropped(verdict.step)
 
     def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
         """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
@@ -388,24 +409,30 @@ class Agreement:
             work, payload, view = self._issue(monitor, report, step)
             verdict = self._read(work, payload, step)
             self.verdict = verdict
+            if self._held(monitor, verdict):
+                return AgreedScanReport(report, verdict, ok=False)
             if verdict.ok:
                 monitor.finite_step(step)
                 return report
             verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, view, late=False)
-            return self._apply_policy(monitor, verdict, report, report, late=False)
+            return self._apply_policy(monitor, verdict, report, report, late=False, batch=batch,
+                                      sample_ids=sample_ids)
 
         pending, self._pending = self._pending, None
         outcome = None
         if pending is not None:
             verdict = self._read(pending.work, pending.payload, pending.step)
             self.verdict = verdict
-            if verdict.ok:
+            if self._held(monitor, verdict):  # failed on the quarantined record: no new incident
+                pass
+            elif verdict.ok:
                 monitor.finite_step(pending.step)
             else:
                 verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
                                        pending.started, pending.view, late=True)
                 # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.
-                outcome = self._apply_policy(monitor, verdict, pending.report, report, late=True)
+                outcome = self._apply_policy(monitor, verdict, pending.report, report, late=True, batch=pending.batch,
+                                             sample_ids=pending.sample_ids)
         if outcome is None and not report.ok and monitor.first_invalid_step is None and self._early is None:
             # This rank knows now, the others learn it at the next check. Its evidence is exact only now, before
             # optimizer.step() changes the weights, and writing it involves no other rank.
@@ -424,11 +451,12 @@ class Agreement:
             return self.verdict
         verdict = self._read(pending.work, pending.payload, pending.step)
         self.verdict = verdict
-        if not verdict.ok:
+        if not verdict.ok and not self._held(monitor, verdict):
             # Still before this step's optimizer.step(): the evidence is that of the failing check itself.
             verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
                                    pending.started, pending.view, late=False)
-            self._apply_policy(monitor, verdict, pending.report, pending.report, late=False)
+            self._apply_policy(monitor, verdict, pending.report, pending.report, late=False, batch=pending.batch,
+                               sample_ids=pending.sample_ids)
         return self.verdict
 
     def discard(self) -> None:
@@ -476,7 +504,8 @@ class Agreement:
         if first and not verdict.replica_only:
             row = next(s for s in summaries if s["rank"] == first[0])
             self._first_bad = (row["category"], list(row["category_tensors"]))
-        set_dir = bundle_path(monitor.bundle_dir, monitor.run_id, verdict.step)
+        set_dir = bundle_path(monitor.bundle_dir, monitor.run_id, verdict.step,
+                              attempt=monitor.attempt_of(verdict.step))  # NOTE: [bundle attempts]
         status = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.rank == 0:
             try:
@@ -528,7 +557,7 @@ class Agreement:
                 "sharded": bool(layout), "shards": layout, "shard_groups": groups,
                 "device": device_info(model), "replicas_compared": self.replicas, "replicas": replicas,
             }
-            path = write_bundle(incident, monitor.bundle_dir)
+            path = monitor.write_incident(incident)
         except Exception as exc:  # noqa: BLE001 - a failed write must not keep this rank out of the gather
             log.error("nanscan: rank %d could not write its part of the bundle for step %d: %s: %s", self.rank, step,
                       type(exc).__name__, exc)
@@ -585,9 +614,9 @@ class Agreement:
 
     # -- the policy ------------------------------------------------------------------------------------------------
     def _apply_policy(self, monitor: MonitorSide, verdict: Verdict, failing: ScanReport, current: ScanReport, *,
-                      late: bool) -> ScanReport:
-        """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it) and return
-        what check returns for the `current` step."""
+                      late: bool, batch: Any = None, sample_ids: Any = None) -> ScanReport:
+        """Apply on_invalid for the failing step `verdict.step` (`failing`: this rank's report of it; `batch`,
+        `sample_ids`: this rank's batch of it) and return what check returns for the `current` step."""
         first = monitor.first_invalid_step == verdict.step
         local_category = categorize(failing)[0] or (REPLICA_MISMATCH if verdict.replica_only and self._involved(verdict)
                                                     else OTHER_RANK)
@@ -598,7 +627,12 @@ class Agreement:
         message = self._message(monitor, verdict, category, tensors, local_category, late)
         policy = monitor.on_invalid
         if isinstance(policy, Rollback):  # every rank, at the same step: the agreement decided it for all
-            monitor.roll_back(verdict.step, category, tensors, message, live_start=not late, ledger=self.rank == 0)
+            # each rank's bad rows, gathered: every rank chooses the same skip and knows every quarantined record,
+            # and rank 0 writes them into the quarantine (one writer of its file)
+            rows = [row for part in all_gather_json(bad_row_ids(batch, sample_ids), self.group, self.device)
+                    for row in part]
+            monitor.roll_back(verdict.step, category, tensors, message, live_start=not late, ledger=self.rank == 0,
+                              batch=batch, sample_ids=sample_ids, rows=rows)
             return AgreedScanReport(current, verdict, ok=False)
         if policy == "raise":
             error = ReplicaMismatchError if verdict.replica_only else DistributedNonFiniteError

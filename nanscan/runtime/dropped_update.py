@@ -11,7 +11,13 @@ weights through its moments), so an optimizer.step() the loop calls anyway updat
   sampler with replacement, a second epoch) and its update must not count.
 So the Monitor arms this hook for the step: at every optimizer.step() until the first check or observe of another
 step, every gradient the optimizer holds is set to None first, and torch's optimizers then change no weight and no
-optimizer state. The hook is removed when it disarms, so a step that drops nothing costs nothing.
+optimizer state. The hook is removed when it disarms, so a step that drops nothing costs nothing. A failure in a step
+already dropped is no new incident (the record it holds, or the failure at an earlier micro-batch, is known).
+Under a process group every rank must drop the same steps, else DDP's replicas part: a rank whose batch holds a
+quarantined record says so in the step's agreement (a slot of its all-reduce, no extra collective), and every rank
+drops that step's update; ranks that rolled back together at a micro-batch drop the rest of that step together. A
+record known only by its content digest (no sample ids) is looked for by the digest of each row of every later
+batch, read on the host: a cost paid only after a rollback quarantined such a record.
 """
 
 from __future__ import annotations

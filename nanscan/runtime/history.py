@@ -206,6 +206,7 @@ class HistoryRing:
         # once its verdict is read, which in mode="async" is one step after the slot was filled.
         self._overflow_skips = [False] * size
         self._count = 0  # steps appended so far; the newest is in slot (_count - 1) % size
+        self.first_loss: Any = None  # the first step's loss as kept (kept_scalar), long after its slot is reused
         self._flags: torch.Tensor | None = None  # pinned float32 [size]: each slot's verdict flag, for GPU scans
         self._events: list[torch.cuda.Event] = []
 
@@ -279,6 +280,8 @@ class HistoryRing:
     def _keep(self, entry: RingEntry, parts: list[KeptPart]) -> int:
         """Store a step in the next slot (the oldest step's) and return the slot."""
         slot = self._count % self.size
+        if self.first_loss is None and entry.loss is not None:
+            self.first_loss = entry.loss  # a rollback's yardstick (NOTE: [recovered]); a device copy is not read here
         self._slots[slot] = (entry, parts)
         self._overflow_skips[slot] = False
         self._count += 1

@@ -424,6 +424,8 @@ class Monitor(StepVerdicts):
         self.on_spike = spikes
         self.spikes: list[Spike] = []
         self.spike_bundle_path: Path | None = None  # the run's first spike bundle
+        self._bundle_attempts: dict[int, int] = {}  # bundles written per step (NOTE: [bundle attempts])
+        self._held_step: int | None = None  # under a group: the step whose batch held a quarantined record here
         self._spike_watch = SpikeWatch(spike_rule or SpikeRule()) if spikes is not None else None
         self._decided_spike: Spike | None = None  # mode="async": the spike read at this check, for its report
 
@@ -461,7 +463,9 @@ class Monitor(StepVerdicts):
                                  "no window" + (" (a TensorSource's tensors, such as DeepSpeed's ZeRO partitions, are "
                                                 "not the module's state the window copies)" if source is not None else
                                                 ": pass window=Window(...) (the default keeps one)"))
-            self._rollbacks = Rollbacks(on_invalid, self.bundle_dir / self.run_id, settle_default=setting.steps)
+            self._rollbacks = Rollbacks(on_invalid, self.bundle_dir / self.run_id, settle_default=setting.steps,
+                                        history=self._history_entries,
+                                        first_loss=lambda: read_scalar(self._ring.first_loss))
         self._plan: TensorSource = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for
@@ -665,7 +669,7 @@ class Monitor(StepVerdicts):
         its batch in the bundle. `step`: the step number, when the loop gives check() its own."""
         step = self._next_step if step is None else _step_number(step)
         started, self._started, self._armed = self._started, False, True  # the next micro-batch's start is its own
-        self._drop_quarantined(step, sample_ids)  # NOTE: [dropped update]
+        self._drop_quarantined(step, batch, sample_ids)  # NOTE: [dropped update]
         micro, self._micro_batch = self._micro_batch, self._micro_batch + 1
         self._observed.add(micro, loss, batch, sample_ids)
         self._keep_in_window(self.model, step, micro, started, batch, sample_ids, None, loss)  # its rerun replays each
@@ -681,7 +685,7 @@ class Monitor(StepVerdicts):
         # step-start capture behind for a later step to pass off as its own.
         started, self._started, self._armed = self._started, False, True
         micro = self._micro_batch if micro_batch else None  # this check's index within its step, or None
-        self._drop_quarantined(step, sample_ids)  # NOTE: [dropped update]
+        self._drop_quarantined(step, batch, sample_ids)  # NOTE: [dropped update]
         self._micro_batch = self._micro_batch + 1 if micro_batch else 0
         if micro is not None and self._pending is not None:  # decided at once: the step before it first
             self._read_verdict(read_at="next_check")
@@ -701,8 +705,10 @@ class Monitor(StepVerdicts):
         if loss is not None and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss), dtype=torch.float64)
         passed = loss  # as the loop backpropagated it (NOTE: [observed loop])
-        if micro is None:  # the step's own check: the losses of its observed micro-batches join its own
+        if micro is None:  # the step's own check: the losses of its earlier micro-batches join its own
             loss = self._observed.fold(step, loss)  # NOTE: [observed micro-batches]
+        else:
+            self._observed.add_checked(loss)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
         scaling = read_scaling(self.scaler, self.optimizer)  # NOTE: [overflow skips]; before the scan is enqueued
         if self.mode == "auto":

@@ -44,6 +44,13 @@ class ObservedMicroBatches:
     def __init__(self):
         self._current: list[Observed] = []
         self._by_step: dict[int, list[Observed]] = {}
+        self._checked: list[torch.Tensor] = []  # the losses of this step's check(micro_batch=True) calls so far
+
+    def add_checked(self, loss: Any) -> None:
+        """A micro-batch check's loss (decided at its own check): it joins the step's recorded loss, the loss the
+        loop summed over its micro-batches, not the last micro-batch's part of it alone."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._checked.append(loss.detach())
 
     def add(self, micro: int, loss: Any, batch: Any, sample_ids: Any) -> None:
         if loss is not None and not isinstance(loss, torch.Tensor):
@@ -56,15 +63,17 @@ class ObservedMicroBatches:
     def fold(self, step: int, loss: Any) -> Any:
         """The step's loss: the observed losses and the check's own summed (one small op on their device), or the
         check's own when nothing was observed; the observed micro-batches are kept under `step` until decided."""
-        if not self._current and not self._by_step:  # the every-step case without observe(): nothing to do
+        if not self._current and not self._by_step and not self._checked:  # every step, no micro-batch: nothing
             return loss
         observed, self._current = self._current, []
+        checked, self._checked = self._checked, []
         # a step older than the one before it was decided already (sync: at its check; async: at the next)
         self._by_step = {s: kept for s, kept in self._by_step.items() if s >= step - 1}
-        if not observed:
+        if observed:
+            self._by_step[step] = observed
+        elif not checked:
             return loss
-        self._by_step[step] = observed
-        parts = [o.loss for o in observed if o.loss is not None] + ([loss] if loss is not None else [])
+        parts = checked + [o.loss for o in observed if o.loss is not None] + ([loss] if loss is not None else [])
         if not parts:
             return None
         device = parts[-1].device

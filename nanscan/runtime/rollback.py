@@ -32,12 +32,16 @@ it) to its own kept state, which DDP keeps identical. The window then starts aga
 first state of the steps that follow (the abandoned steps are no one's lineage). What the user saved is never
 touched: the state comes from the window's host copies, not from a checkpoint.
 The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (what was restored, which steps and
-sample ids were skipped, the factor, what happened next: "recovered" after settle_steps finite steps, or "failed
-again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
-"rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that hold a NaN, an infinity
-or an overflow value (engine.inputs.bad_rows; a float32 maximum written for "missing" breaks a step as a NaN
-does), named by their sample ids, go into the run directory's quarantine (nanscan.bundle.quarantine NOTE:
-[quarantine file]).
+sample ids were skipped, the factor, what happened next: after settle_steps finite steps "recovered" when the loss
+and gradient norm are back within the band of the steps before (NOTE: [recovered] in nanscan.runtime.recovery), else
+"not recovered" with the numbers and a warning; or "failed again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
+"rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that break a step by
+themselves (bad_row_ids: a NaN, an infinity or an overflow value, engine.inputs.bad_rows, as a float32 maximum
+written for "missing" breaks a step as a NaN does; or every target the ignore index, engine.targets.ignored_rows),
+named by their sample ids, else by their content digests ("sha256:<hex>", the quarantine's match: NOTE: [quarantine
+match]), go into the run directory's quarantine (nanscan.bundle.quarantine NOTE: [quarantine file]). Under a
+process group each rank's bad rows are gathered at the rollback: every rank chooses the same skip from them and
+knows every quarantined record, and rank 0 writes them into the quarantine.
 """
 
 from __future__ import annotations
@@ -45,16 +49,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
-from nanscan.bundle.quarantine import NamedRecord, add_records
-from nanscan.engine.inputs import bad_rows
+from nanscan.bundle.quarantine import DIGEST_PREFIX, NamedRecord, add_records
+from nanscan.engine.inputs import bad_rows, batch_size, plain_ids
+from nanscan.engine.record_digest import row_digests
+from nanscan.engine.targets import ignored_rows
+from nanscan.incident import warn_user
 from nanscan.runtime.dropped_update import drop_gradients
+from nanscan.runtime.recovery import judge
 
 log = logging.getLogger("nanscan")
 
@@ -125,9 +133,14 @@ class Rollbacks:
     """The Monitor's rollbacks (NOTE: [rollback]): `decide` at an incident, `restore` the chosen state, `after_check`
     at each finite check (the outcome), and the optimizer hooks of skip_next and the factor."""
 
-    def __init__(self, policy: Rollback, run_dir: Path, settle_default: int):
+    def __init__(self, policy: Rollback, run_dir: Path, settle_default: int, *,
+                 history: Callable[[], list] = list, first_loss: Callable[[], float | None] = lambda: None):
         self.policy = policy
         self.run_dir = run_dir
+        # the Monitor's history (entries with step, loss, grad_norm) and the run's first loss, read at a rollback
+        # and once it settled, never per step (NOTE: [recovered])
+        self._history, self._first_loss = history, first_loss
+        self._reference: list = []  # the steps before the last rollback's restored state
         self.settle = policy.settle_steps or settle_default
         self.records: list[dict] = []
         self._skip_left = 0
@@ -150,14 +163,24 @@ class Rollbacks:
                     f"rollback at step {last['at_step']} (within settle_steps={self.settle}): the same failure")
         return None
 
-    def quarantined_in(self, sample_ids: Any) -> list:
-        """The ids among `sample_ids` that a rollback of this run quarantined (NOTE: [dropped update])."""
-        if not self.quarantined or sample_ids is None:
+    def quarantined_in(self, batch: Any, sample_ids: Any) -> list:
+        """The records of a batch that a rollback of this run quarantined (NOTE: [dropped update]): by sample id,
+        and, once a record known only by its digest was quarantined, by the digest of each row (read on the host:
+        a cost paid only after such a rollback)."""
+        if not self.quarantined:
             return []
-        ids = sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
-        if not isinstance(ids, (list, tuple)):
-            return []
-        return [i for i in ids if isinstance(i, (str, int)) and i in self.quarantined]
+        ids = plain_ids(sample_ids)
+        ids = list(ids) if isinstance(ids, (list, tuple)) else []
+        held = [i for i in ids if isinstance(i, (str, int)) and i in self.quarantined]
+        if batch is not None and any(is_digest(q) for q in self.quarantined):
+            size = len(ids) or batch_size(batch)
+            digests, _ = row_digests(batch, list(range(size or 0)), size)
+            held += [DIGEST_PREFIX + d for d in digests or () if DIGEST_PREFIX + d in self.quarantined]
+        return held
+
+    def abandoned(self) -> tuple[int, ...]:
+        """The steps this run's rollbacks abandoned (their updates undone): the history still holds them."""
+        return tuple(sorted({s for r in self.records for s in r["skipped_steps"]}))
 
     def bundles(self) -> list[str]:
         return [str(self.run_dir / r["bundle"]) for r in self.records if r.get("bundle")]
@@ -195,6 +218,11 @@ class Rollbacks:
                  "skip_next": self.policy.skip_next, "factor": self.policy.factor, "loss_scale": scale,
                  "quarantined": quarantined, "outcome": {"status": "pending", "finite_steps": 0}}
         self.records.append(entry)
+        # the finite steps of the restored state's lineage before it (NOTE: [recovered]), none an earlier rollback
+        # abandoned
+        abandoned = set(self.abandoned())
+        self._reference = [e for e in self._history()
+                           if e.step < restored_step and e.report.ok and e.step not in abandoned]
         self.quarantined.update(quarantined)
         self._skip_left = self.policy.skip_next
         self._factor_left = self.policy.factor_steps if self.policy.lr_scale is not None else 0
@@ -210,8 +238,13 @@ class Rollbacks:
             return
         last["outcome"]["finite_steps"] += 1
         if last["outcome"]["finite_steps"] >= self.settle:
-            last["outcome"]["status"] = "recovered"
+            after = [e for e in self._history() if e.step > last["at_step"]][-self.settle:]
+            last["outcome"].update(judge(self._reference, after, self._first_loss()))
             self._write(last)
+            if last["outcome"]["status"] != "recovered":
+                warn_user(f"nanscan: the rollback at step {last['at_step']} has not recovered the run: "
+                          f"{last['outcome']['why']}" + (f" ({last['factor']})" if last["factor"] else "")
+                          + "; the run goes on, and rollbacks.json says so", RollbackWarning)
 
     def failed_again(self, step: int) -> None:
         last = self.records[-1] if self.records else None
@@ -288,8 +321,10 @@ def describe(entry: dict) -> str:
     if entry["factor"]:
         text += f"; {entry['factor']}"
     outcome = entry["outcome"]
-    if outcome["status"] == "recovered":
-        text += f"; recovered: finite for {outcome['finite_steps']} steps"
+    if outcome["status"] in ("recovered", "not recovered"):
+        text += f"; {outcome['status']} after {outcome['finite_steps']} finite steps"
+        if outcome.get("why"):  # older records carry no measure (NOTE: [recovered])
+            text += f": {outcome['why']}"
     elif outcome["status"] == "failed again":
         text += f"; failed again at step {outcome['failed_at']}"
     else:
@@ -316,17 +351,37 @@ def markdown(entry: dict) -> str:
                      "whose batch holds one has its update dropped; `nanscan quarantine list` shows them, "
                      "`nanscan.skip_quarantined` keeps them out of the next run")
     lines.append(f"- factor changed: {entry['factor'] or 'none'}")
-    lines.append(f"- what happened next: {entry['outcome']['status']}")
+    outcome = entry["outcome"]
+    lines.append(f"- what happened next: {outcome['status']}" + (f" ({outcome['why']})" if outcome.get("why") else ""))
     lines += ["", "Every rollback of the run is in rollbacks.json in the run's directory."]
     return "\n".join(lines)
 
 
 def bad_row_ids(batch: Any, sample_ids: Any) -> list:
-    """The sample ids of the batch rows holding a NaN, an infinity or an overflow value (engine.inputs.bad_rows;
-    rows: the leading dimension, when `sample_ids` names one per row)."""
-    if not isinstance(sample_ids, (list, tuple)) or not sample_ids:
+    """The names of the batch rows that break a step by themselves: rows holding a NaN, an infinity or an overflow
+    value (engine.inputs.bad_rows) or whose targets are all the ignore index (engine.targets.ignored_rows). A row is
+    named by its sample id where `sample_ids` names one per row, else by its content digest, "sha256:<hex>"
+    (engine.record_digest.row_digests: the quarantine's match, NOTE: [quarantine match]); [] when neither names it
+    (said in the log)."""
+    ids = plain_ids(sample_ids)
+    ids = list(ids) if isinstance(ids, (list, tuple)) and ids else None
+    size = len(ids) if ids is not None else batch_size(batch)
+    if batch is None or not size:
         return []
-    return [sample_ids[i] for i in bad_rows(batch, len(sample_ids))]
+    rows = sorted(set(bad_rows(batch, size)) | set(ignored_rows(batch, size)))
+    if not rows or ids is not None:
+        return [ids[i] for i in rows] if rows else []
+    digests, why = row_digests(batch, rows, size)
+    if digests is None:
+        log.warning("nanscan: the failing batch's rows %s cannot be quarantined: no sample ids, and %s; pass "
+                    "sample_ids= to check()", rows, why)
+        return []
+    return [DIGEST_PREFIX + d for d in digests]
+
+
+def is_digest(name: Any) -> bool:
+    """A row named by its content digest (bad_row_ids), not by a sample id."""
+    return isinstance(name, str) and name.startswith(DIGEST_PREFIX)
 
 
 def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | None, stopped: bool = False) -> list:
@@ -335,7 +390,8 @@ def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | N
     if not rows:
         return []
     source = {"bundle": str(bundle) if bundle is not None else None, "step": step, "rollback": True}
-    named = [NamedRecord(sample_id=row, source=source) for row in rows]
+    named = [NamedRecord(sample_id=None, sha256=(row,), source=source) if is_digest(row)
+             else NamedRecord(sample_id=row, source=source) for row in rows]
     try:
         done = "where the run stopped" if stopped else "rolled back by the Monitor"
         add_records(bundle_dir, named, reason=f"non-finite or overflowing input at step {step}, {done}",

@@ -25,6 +25,7 @@ from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, 
 from nanscan.bundle.format import RERUN_FINDING
 from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
+from nanscan.engine.inputs import plain_ids
 from nanscan.engine.pending import StepScan
 from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
@@ -151,6 +152,18 @@ class StepVerdicts:
         finally:
             self._deciding_micro, self._deciding_observed = deciding, False
 
+    def write_incident(self, incident: Incident) -> Path:
+        """Write an incident's bundle: the run's first of its step in step-<N>, a later one in its own attempt
+        directory (nanscan.bundle.format NOTE: [bundle attempts])."""
+        attempt = self._bundle_attempts.get(incident.step, 0) + 1
+        path = write_bundle(dataclasses.replace(incident, attempt=attempt), self.bundle_dir)
+        self._bundle_attempts[incident.step] = attempt
+        return path
+
+    def attempt_of(self, step: int) -> int:
+        """The attempt of the run's last bundle of `step` (NOTE: [bundle attempts]); 1 before any."""
+        return self._bundle_attempts.get(step, 1)
+
     def _invalid_as(self, report: ScanReport, step: int, category: str, tensors: list[str], batch: Any,
                     sample_ids: Any, started: bool, *, start: StepStart | None, read_at: str | None) -> ScanReport:
         """_invalid's incident once its category is known: its bundle, then on_invalid."""
@@ -165,8 +178,8 @@ class StepVerdicts:
             try:
                 incident = self.incident(report, step, category, tensors, batch, sample_ids, started, start=start,
                                          read_at=read_at)
-                self.bundle_path = write_bundle(dataclasses.replace(incident, reason=reason,
-                                                                    rerun=self.rerun_record()), self.bundle_dir)
+                self.bundle_path = self.write_incident(dataclasses.replace(incident, reason=reason,
+                                                                           rerun=self.rerun_record()))
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
@@ -273,7 +286,7 @@ class StepVerdicts:
                     f"{incident.state_note}; " if incident.state_note else "") + (
                     f"dated at the check of step {seen_at}: the gradients and statistics are that step's, computed "
                     f"from the weights the update of step {step} wrote"))
-            self.bundle_path = write_bundle(dataclasses.replace(incident, reason=OPTIMIZER_UPDATE), self.bundle_dir)
+            self.bundle_path = self.write_incident(dataclasses.replace(incident, reason=OPTIMIZER_UPDATE))
         except Exception as exc:  # noqa: BLE001 - a failed write must not hide the NaN; it is reported below
             self.bundle_error = exc
             log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
@@ -360,8 +373,7 @@ class StepVerdicts:
         if self.first_invalid_step is None:
             self.first_invalid_step = step
             try:
-                self.bundle_path = write_bundle(self._streak_incident(streak, category, tensors, read_at),
-                                                self.bundle_dir)
+                self.bundle_path = self.write_incident(self._streak_incident(streak, category, tensors, read_at))
             except Exception as exc:  # noqa: BLE001 - a failed write must not hide the streak; reported below
                 self.bundle_error = exc
                 log.error("nanscan: could not write the evidence bundle for step %d: %s: %s", step,
@@ -431,6 +443,7 @@ class StepVerdicts:
             spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
             micro_batch_observed=self._deciding_observed,
             frozen=self._frozen_keys(model), window=self._window.record(step) if self._window is not None else None,
+            abandoned_steps=self._rollbacks.abandoned() if self._rollbacks is not None else (),
         )
 
     def _frozen_keys(self, model: torch.nn.Module) -> list[str]:
@@ -499,17 +512,18 @@ class StepVerdicts:
         policy(report, self.bundle_path)
 
     def roll_back(self, step: int, category: str, tensors: list[str], message: str, *, live_start: bool,
-                  batch: Any = None, sample_ids: Any = None, ledger: bool = True) -> None:
+                  batch: Any = None, sample_ids: Any = None, ledger: bool = True, rows: list | None = None) -> None:
         """on_invalid=Rollback(...) at the incident of `step` (nanscan.runtime.rollback NOTE: [rollback]): restore the
         chosen kept state, drop this step's gradients, record it, and let the run go on; or raise NonFiniteError
         (every attempt's bundle named) when the limits say the failure came back. `live_start`: the live weights are
         still the step's own start (a check before its update). `ledger`: write the run's rollbacks.json and the
-        finding (one rank of a process group does)."""
+        finding (one rank of a process group does). `rows`: the bad rows of every rank's batch (bad_row_ids), which
+        a process group gathered; else this batch's."""
         rollbacks = self._rollbacks
         refusal = rollbacks.refusal(step)
         found = None
         first = episode_start([s.step for s in self.spikes], step)
-        bad_rows = bad_row_ids(batch, sample_ids)
+        bad_rows = rows if rows is not None else bad_row_ids(batch, sample_ids)
         skip = chosen_skip(rollbacks.policy, category, bad_rows, first, step)
         if refusal is None and not (skip[0] == "step" and live_start):
             if skip[0] == "step":  # decided after the step's update: its own start is the newest state before it
@@ -525,7 +539,7 @@ class StepVerdicts:
                                "reaches further back")
         rollbacks.failed_again(step)  # an earlier rollback that had not settled yet
         if refusal is not None:
-            if ledger and category == "input":  # its bad rows too, so the next run keeps them out
+            if ledger:  # its bad rows too, so the next run keeps them out
                 quarantine_rows(self.bundle_dir, bad_rows, step=step, bundle=self.bundle_path, stopped=True)
             if ledger:
                 rollbacks.stop(step, refusal.removeprefix("on_invalid=Rollback: "), self.bundle_path)
@@ -557,7 +571,7 @@ class StepVerdicts:
         if self._spike_watch is not None:  # its statistic held the abandoned steps
             self._spike_watch = SpikeWatch(self._spike_watch.rule)
         quarantined = quarantine_rows(self.bundle_dir, bad_rows, step=step,
-                                      bundle=self.bundle_path) if ledger and category == "input" else []
+                                      bundle=self.bundle_path) if ledger else bad_rows
         entry = rollbacks.record(step=step, category=category, bundle=self.bundle_path if ledger else None,
                                  restored_step=restored_step, restored_from=restored_from, skipped=skipped,
                                  scale=scale, quarantined=quarantined, skip=skip, write=ledger)
@@ -568,19 +582,37 @@ class StepVerdicts:
         self.first_invalid_step, self.rerun, self.diagnosis = None, None, None
         warn_user(f"{message}; rolled back: {describe(entry)}", RollbackWarning)
 
-    def _drop_quarantined(self, step: int, sample_ids: Any) -> None:
+    def _drop_quarantined(self, step: int, batch: Any, sample_ids: Any) -> None:
         """At every check and observe (NOTE: [dropped update]): one of another step ends a dropped step; a batch
-        holding a record a rollback quarantined in this run has its step's update dropped, said once a step."""
+        holding a record a rollback quarantined in this run has its step's update dropped, said once a step. Under
+        a process group the ranks drop it together: this rank's finding goes into the step's agreement
+        (quarantine_held), which drops it on every rank (drop_update), as a replica must."""
         self._dropped.seen(step)
-        held = self._rollbacks.quarantined_in(sample_ids) if self._rollbacks is not None else []
+        held = self._rollbacks.quarantined_in(batch, sample_ids) if self._rollbacks is not None else []
         if not held:
             return
-        if step not in self._dropped.quarantined_steps:
+        if step not in self._dropped.quarantined_steps and self._held_step != step:
+            shown = ", ".join(map(str, held[:5])) + (", ..." if len(held) > 5 else "")
             warn_user(f"nanscan: the batch of step {step} holds {len(held)} record(s) that a rollback of this run "
-                      f"quarantined ({', '.join(map(str, held[:5]))}{', ...' if len(held) > 5 else ''}): the step's "
-                      "update is dropped, so the record never reaches the weights again (filter it out of the data "
-                      "with nanscan.skip_quarantined)", RollbackWarning)
+                      f"quarantined ({shown}): the step's update is dropped, so the record never reaches the weights "
+                      "again (filter it out of the data with nanscan.skip_quarantined)", RollbackWarning)
+        if self._agreement is not None:
+            self._held_step = step
+        else:
+            self.drop_update(step)
+
+    def quarantine_held(self, step: int) -> bool:
+        """Whether a batch of `step` on this rank held a quarantined record (_drop_quarantined)."""
+        return self._held_step == step
+
+    def drop_update(self, step: int) -> None:
+        """Drop `step`'s update, whatever the loop calls, because a batch of it held a quarantined record (on any
+        rank of a group: the agreement decided it)."""
         self._dropped.arm(self.optimizer, step, quarantined=True)
+
+    def update_dropped(self, step: int) -> bool:
+        """Whether `step`'s update is already dropped (NOTE: [dropped update]): a failure in it is no new incident."""
+        return self._dropped.covers(step)
 
     def _drop_gradients(self) -> None:
         """Set every gradient to None, so torch optimizers skip every parameter and optimizer.step() changes
@@ -649,8 +681,8 @@ class StepVerdicts:
     def _spike_bundle(self, spike: Spike, report: ScanReport, step: int, batch: Any, sample_ids: Any,
                       started: bool, start: StepStart | None, read_at: str | None) -> Path | None:
         try:
-            path = write_bundle(self.incident(report, step, SPIKE, spike.tensors, batch, sample_ids, started,
-                                              start=start, read_at=read_at), self.bundle_dir)
+            path = self.write_incident(self.incident(report, step, SPIKE, spike.tensors, batch, sample_ids, started,
+                                                     start=start, read_at=read_at))
         except Exception as exc:  # noqa: BLE001 - a failed write must not stop training; the warning goes out
             log.error("nanscan: could not write the spike bundle for step %d: %s: %s", step, type(exc).__name__, exc)
             return None
@@ -667,6 +699,3 @@ class StepVerdicts:
         return text + ". Values are still finite: this is an early warning, not an invalid step"
 
 
-def plain_ids(sample_ids: Any) -> Any:
-    """Sample ids as JSON holds them (a tensor's as a list): a rollback's record, the window's skipped steps."""
-    return sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids

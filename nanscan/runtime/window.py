@@ -42,7 +42,8 @@ from nanscan.runtime.history import kept_scalar, read_scalar
 from nanscan.runtime.loop_effects import UpdateFactorProbe
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spill import SpilledState, StateSpill
-from nanscan.runtime.verdict import plain_ids, retained
+from nanscan.engine.inputs import plain_ids
+from nanscan.runtime.verdict import retained
 
 # The torch generators' states, as nanscan.bundle.provenance.capture_rng names them.
 _TORCH_RNG_KEYS = ("torch_cpu", "torch_cuda")
