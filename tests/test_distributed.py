@@ -216,10 +216,33 @@ def _fsdp_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _fsdp_one_worker(rank: int, world: int, store: str, out: str) -> None:
+    """FSDP2 on a group of one rank (a job launched with torchrun on one GPU): the rank holds every weight, so the
+    in-process rerun runs through the sharded module, with no other rank to wait for."""
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, store)
+    model = make_model()
+    fully_shard(model)
+    optimizer = make_optimizer(model)
+    mon = Monitor(model, optimizer, bundle_dir=Path(out) / "bundles", run_id="fsdp-one", step_fn=step_loss)
+    with pytest.raises(NonFiniteError):
+        for step in range(STEPS):
+            batch = make_batch(FAULT_RANK, step, "x")  # this rank draws the faulty batch
+            loss = step_loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            mon.check(batch=batch, loss=loss)
+            optimizer.step()
+    (Path(out) / "fsdp-rank0.json").write_text(json.dumps(
+        {"verdict": mon.rerun.verdict, "reason": mon.rerun.reason, "headline": mon.rerun.headline()}))
+    dist.destroy_process_group()
+
+
 def _spawn(worker, world: int, out: Path) -> list[dict]:
     """Run `worker` on `world` processes; every rank's results. Killed after SPAWN_TIMEOUT_S."""
     spawn(worker, world, world, out, timeout_s=SPAWN_TIMEOUT_S, label=worker.__name__)
-    name = "ddp" if worker is _ddp_worker else "fsdp"
+    name = "ddp" if worker is _ddp_worker else "fsdp"  # _fsdp_one_worker's too
     return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -529,6 +552,13 @@ def test_fsdp_every_rank_stops_and_shards_are_named_and_joined(fsdp):
     for index, state in optimizer_state["state"].items():
         for key, value in state.items():
             assert torch.equal(value, full[f"optimizer/{index}/{key}"]), (index, key)
+
+
+def test_fsdp_on_one_rank_reruns_the_step_in_process(fsdp, tmp_path):
+    """At world size 1 nothing is sharded across ranks: the rerun runs (issue 61: it said "the weights are sharded
+    across the ranks")."""
+    (result,) = _spawn(_fsdp_one_worker, 1, tmp_path)
+    assert result["verdict"] == "reproduced", result
 
 
 def test_fsdp_every_rank_diagnoses_the_window_together_from_its_shards(fsdp):

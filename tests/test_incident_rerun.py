@@ -77,7 +77,8 @@ def test_an_activation_overflow_is_named_with_its_module_op_line_and_where_it_be
     assert shown.exit_code == 0 and "Rerun in process: reproduced (loss)" in shown.output
     assert "first bad module: transformer.ln_f (LayerNorm, forward) (from rerun)" in shown.output
     # The command line's replay has no model code: it needs an entry, and says the rerun already ran.
-    with pytest.raises(ReplayError, match="records no replay entry.*already reran the step in its process"):
+    with pytest.raises(ReplayError, match="records no replay entry.*the Monitor reran the step in its process "
+                                          "through __main__:forward: reproduced"):
         Replayer(run["bundle"])
 
 
@@ -192,6 +193,9 @@ def test_async_verdicts_rerun_from_the_snapshot_or_say_why_not(tmp_path):
     assert mon.rerun.verdict == "not run" and "snapshot='cpu'" in mon.rerun.reason
     finding = rerun_finding(mon.bundle_path)
     assert finding["title"].startswith("Rerun in process: not run: the verdict was read at next check")
+    # replay without an entry does not claim a rerun that did not run (issue 61)
+    with pytest.raises(ReplayError, match="in-process rerun through .*loss_of did not run \\(the verdict was read"):
+        Replayer(mon.bundle_path)
 
 
 def test_a_failing_step_fn_never_hides_the_incident(tmp_path):

@@ -167,3 +167,35 @@ def test_16_mixed_overflow_skips_are_expected_not_incidents(tmp_path):
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     fit(TinyRegressor(), regression_rows(), callback, extra=[Overflow()], plugins=[plugin])
     assert not (tmp_path / "bundles").exists()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_fabric_module_is_unwrapped_and_its_step_start_seen(tmp_path, compiled):
+    """litgpt's way: Fabric's setup() wraps the (compiled) model in a _FabricModule. The Monitor scans and stores
+    the plain model under its own names, not `_forward_module.` or `_orig_mod.` ones, and its forward pre-hook sits
+    where the forward runs eagerly, so the RNG state is the step start's, not the check's (inside the compiled
+    region the hook does nothing, which took them at the check without a word)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, fabric_optimizer = fabric.setup(torch.compile(model, backend="eager") if compiled else model, optimizer)
+    monitor = nanscan.Monitor(wrapped, fabric_optimizer, bundle_dir=tmp_path, run_id="fabric")
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 3:
+                x[2, 1] = float("nan")
+            fabric_optimizer.zero_grad()
+            loss = wrapped(x).pow(2).mean()
+            fabric.backward(loss)
+            if monitor.check(batch={"x": x}, loss=loss).ok:
+                fabric_optimizer.step()
+    bundle = load_bundle(err.value.bundle_path)
+    assert err.value.step == 3 and bundle.category == "input"
+    names = [t["name"] for t in bundle.manifest["nonfinite_tensors"]] + list(bundle.manifest["category_tensors"])
+    assert names and not any("_forward_module" in n or "_orig_mod" in n for n in names), names
+    assert set(bundle.state()[0]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert bundle.manifest["rng"]["captured_at"] == "step_start"

@@ -513,3 +513,32 @@ def test_a_model_holding_float8_tensors_is_monitored_and_a_nan_in_one_is_caught(
     bundle = load_bundle(caught.value.bundle_path)
     listed = {row["name"]: row for row in bundle.manifest["nonfinite_tensors"]}
     assert listed["param:2.weight"]["nan"] == 1
+
+
+def test_tensors_are_named_as_the_state_dict_names_them_under_activation_checkpointing(tmp_path):
+    """torch's checkpoint_wrapper (torchtitan wraps each block in it) adds `_checkpoint_wrapped_module.` to the
+    parameters' names and removes it from the state dict: the scan, the bundle's state and replay agree on the
+    state dict's names (NOTE: [state dict names])."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    model = nn.Sequential(checkpoint_wrapper(block), nn.Linear(8, 1))
+    assert "0._checkpoint_wrapped_module.0.weight" in dict(model.named_parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="ac", post_update=True)
+    with pytest.raises(NonFiniteError) as err:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            optimizer.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            if step == 3:
+                model[0]._checkpoint_wrapped_module[0].weight.grad[1, 2] = float("nan")
+            mon.check(batch={"x": x})
+            optimizer.step()
+    assert err.value.tensors == ["grad:0.0.weight"]
+    bundle = load_bundle(err.value.bundle_path)
+    names = bundle.history()[-1].report.names
+    assert not any("_wrapped_module" in n for n in names), names
+    state, optimizer_state = bundle.state()
+    assert {f"param:{k}" for k in state} == {n for n in names if n.startswith("param:")}

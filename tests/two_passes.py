@@ -28,7 +28,6 @@ BOTH_PASSES = {
     "test_elevated": "the elevated rule, on the spike statistic the check's summary feeds",
     "test_growth": "the growth rule, on the spike statistic the check's summary feeds",
     "test_ignored_targets": "targets named as the cause in the incident and in replay, which scans the rerun step",
-    "test_incident_rerun": "the Monitor's in-process rerun, which scans the rerun step to localize it",
     "test_micro_batches": "the Monitor's per-micro-batch checks",
     "test_monitor": "the Monitor's check, verdicts and policies",
     "test_nanogpt_window": "the window kept by the Monitor, rerun and ablated",
@@ -106,6 +105,10 @@ NATIVE_PASS_ONLY = {
                           "test_rollback's subject in both passes",
     "test_rollback_ranks": "a rollback's agreement and quarantine across DDP ranks; the verdicts that decide it are "
                            "test_rollback's subject in both passes",
+    "test_rollback_recovery": "training around a rollback, measured; the verdicts that decide it are test_rollback's "
+                              "subject in both passes",
+    "test_incident_rerun": "the Monitor's in-process rerun of a step; the scans it localizes with are test_backends' "
+                           "subject in both passes (bit for bit against the reference)",
     "test_runs": "reads run records",
     "test_scan_table": "nanscan._C.ScanTable, the cpu backend named",
     "test_step_summary": "the cpu backend's step summary, named explicitly",

@@ -326,6 +326,30 @@ def as_scan_inputs(inputs: Sequence[ScanInput]) -> ScanInputs:
     return inputs if isinstance(inputs, ScanInputs) else ScanInputs(inputs)
 
 
+# NOTE: [state dict names]
+# A model's tensors are named as its state dict names them, which is what a bundle stores and replay loads: the
+# wrappers that activation checkpointing (torch.distributed.algorithms._checkpoint.checkpoint_wrapper, which
+# torchtitan applies per block) and FSDP (1) put around a module add `_checkpoint_wrapped_module.` and
+# `_fsdp_wrapped_module.` to named_parameters() but remove them from state_dict(), so a scan named by
+# named_parameters() would call a gradient by a name no state key, no replayed model and no reader knows. The
+# infixes are removed where the names are made (at a rebuild of the plan, never per step). torch.compile's
+# `_orig_mod.` of a compiled submodule stays: its state dict keeps it too.
+WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's named_parameters() name as the model's state dict names it (NOTE: [state dict names])."""
+    if "_wrapped_module." in name:
+        for infix in WRAPPER_INFIXES:
+            name = name.replace(infix, "")
+    return name
+
+
+def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """model.named_parameters() under their state dict names (NOTE: [state dict names])."""
+    return [(state_dict_name(name), p) for name, p in model.named_parameters()]
+
+
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:
     """(name, tensor) pairs from a list/tuple, a mapping, a single tensor or numpy array, or a module (parameters and
     buffers)."""

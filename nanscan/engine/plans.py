@@ -18,7 +18,7 @@ from nanscan.engine._native import native_function, tensor_access
 from nanscan.engine.dispatch import launch
 from nanscan.incident import LOSS, tensor_name
 from nanscan.engine.inputs import (CONTIGUOUS, GAPPED, ScanInput, ScanInputs, bind, is_dense_permutation,
-                                   iter_batch_tensors, prepare, read_host_scalar)
+                                   iter_batch_tensors, named_parameters, prepare, read_host_scalar)
 from nanscan.engine.pending import HostScan, StepScan, completed_scan
 from nanscan.engine.stats import ScannedTensor
 
@@ -439,7 +439,7 @@ class ModelScanPlan:
     def _rebuilt_inputs(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         extra: StepInputs) -> ScanInputs:
         state_values = [] if optimizer is None else [v for d in optimizer.state.values() for v in d.values()]
-        named = list(model.named_parameters())
+        named = named_parameters(model)  # NOTE: [state dict names]
         inputs = self._rebuild(model, named + _optimizer_only(named, optimizer), optimizer, state_values)
         return ScanInputs.join([ScanInputs(extra.items()), inputs])
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nanscan.bundle import Bundle, load_bundle
+from nanscan.bundle.format import RERUN_FINDING
 from nanscan.bundle.frozen import compare, shown
 from nanscan.bundle.rank_set import require_full_state
 from nanscan.entry import EntryError, ReplaySpec, build_spec, bundle_imports, entry_search_dirs, locate_entry
@@ -24,6 +25,22 @@ from nanscan.replay.step import (HALF_DTYPES, PRECISIONS, ReplayError, StepOptio
 
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
     return bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+
+
+def _in_process_rerun(bundle: Bundle) -> str:
+    """What the Monitor's in-process rerun of the step did, for the error that asks for a replay entry: its finding
+    where it ran, why not where it did not, nothing where the Monitor had no step_fn."""
+    step_fn = (bundle.manifest.get("rerun") or {}).get("step_fn")
+    if not step_fn:
+        return ""
+    found = next((f for f in bundle.findings() if f.get("key") == RERUN_FINDING), None)
+    record = found.get("record") if found is not None and isinstance(found.get("record"), dict) else {}
+    verdict = record.get("verdict")
+    if verdict in ("reproduced", "not reproduced"):
+        return (f"; the Monitor reran the step in its process through {step_fn}: {verdict} (its finding \"rerun\" "
+                "in INCIDENT.md names what it found)")
+    why = record.get("reason") if verdict == "not run" else "it recorded no result"
+    return f"; the Monitor's in-process rerun through {step_fn} did not run ({why})"
 
 
 class Replayer:
@@ -42,9 +59,7 @@ class Replayer:
         self.entry_from_bundle = not entry
         where = self.bundle.path
         if not self.entry:
-            rerun = (self.bundle.manifest.get("rerun") or {}).get("step_fn")
-            done = (f"; the Monitor already reran the step in its process through {rerun} (its finding \"rerun\" "
-                    "in INCIDENT.md names the first bad module and op)") if rerun else ""
+            done = _in_process_rerun(self.bundle)
             raise ReplayError(f"{where} records no replay entry: pass one with --entry package.module:function "
                               "(a function taking the config dict and returning a nanscan.entry.ReplaySpec), or "
                               f"give replay_entry= to the Monitor{done}")

@@ -97,10 +97,13 @@ NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every 
 _FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK, _HELD = range(5)  # _HELD: NOTE: [dropped update]
 
 
-def _sharded(model: torch.nn.Module, source: Any = None) -> str | None:
+def _sharded(model: torch.nn.Module, source: Any = None, world_size: int = 2) -> str | None:
     """Why this rank's weights cannot be rerun alone (nanscan.runtime.incident_rerun NOTE: [in-process rerun]), or
-    None: a replicated model (DDP) reruns on the plain module, with no collective. `source`: the Monitor's tensor
-    source (NOTE: [tensor source]), a framework's whose hooks run collectives inside the module's own passes."""
+    None: a replicated model (DDP) reruns on the plain module, with no collective, and on a group of one rank
+    (`world_size`) the sharded module's collectives involve no other rank. `source`: the Monitor's tensor source
+    (NOTE: [tensor source]), a framework's whose hooks run collectives inside the module's own passes."""
+    if world_size == 1 and source is None:
+        return None
     if source is not None:
         return (f"{type(source).__name__} keeps the model's tensors for its framework (DeepSpeed), whose hooks run "
                 "collectives inside the module's forward and backward: one rank cannot rerun the step alone; "
@@ -564,7 +567,8 @@ class Agreement:
             return None, exc
         if rerun:  # before the gather: a rank that raised first could end the job while this one reruns
             monitor.rerun_incident(path, step, batch, started, start=None, read_at=None,
-                                   sharded=_sharded(monitor.model, monitor.tensor_source), report=report)
+                                   sharded=_sharded(monitor.model, monitor.tensor_source, self.world_size),
+                                   report=report)
         monitor.diagnose_incident(path, step)  # every rank: each part says the same of the window
         return path, None
 

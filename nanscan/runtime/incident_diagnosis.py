@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
-from nanscan.engine.inputs import bad_rows, batch_size
+from nanscan.engine.inputs import bad_rows, batch_size, named_parameters
 from nanscan.entry import ReplaySpec
 from nanscan.incident import OTHER_RANK
 from nanscan.runtime.distributed import all_gather_json
@@ -220,7 +220,7 @@ class GroupLockstep(Lockstep):
             return None
         copies = {name: math.prod(p.device_mesh.size(d) for d, placement in enumerate(p.placements)
                                   if placement.is_replicate())
-                  for name, p in self.model.named_parameters() if isinstance(p, dtensor)}
+                  for name, p in named_parameters(self.model) if isinstance(p, dtensor)}
         entries = bundle.history()
         if not self.same(len(entries)):
             return None

@@ -29,7 +29,8 @@ A rerun that stays finite is "not reproduced by the rerun": the cause is outside
 gives (code in the loop between its forward and the check, a batch other than the one the model was fed,
 nondeterministic kernels), never the hardware without evidence (nanscan.replay.reproduce NOTE: [not reproduced]).
 Under a process group only the ranks whose own tensors went bad rerun, on the plain module (a DDP wrapper's reducer
-is not involved, so no collective runs); sharded weights (FSDP, DTensor) cannot be rerun on one rank and are not.
+is not involved, so no collective runs); sharded weights (FSDP, DTensor) cannot be rerun on one rank of several and
+are not (on a group of one rank, the sharded module's collectives involve no other rank: it reruns).
 A time limit (`rerun_timeout`, seconds) is checked between the phases: the module pass always runs, the op pass
 only within the limit. An exception inside the rerun becomes the finding's error; the incident itself is unchanged.
 """

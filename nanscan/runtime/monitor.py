@@ -98,6 +98,7 @@ from nanscan.runtime.stages import CheckPath, StepCheck
 from nanscan.runtime.update import UpdateContext, UpdateWatch
 from nanscan.runtime.verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
 from nanscan.runtime.window import Window, WindowKeeper, window_setting
+from nanscan.runtime.wrappers import COMPILED, DATA_PARALLEL, peel
 
 log = logging.getLogger("nanscan")
 
@@ -123,23 +124,19 @@ def grad_norm(report: ScanReport) -> float | None:
 def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module whose forward marks a step's start, the module whose tensors are scanned and stored).
 
-    DistributedDataParallel, DataParallel and torch.compile's OptimizedModule are unwrapped, so that names and the
-    bundle's state are the plain model's, which replay builds (a compiled model's would all start with
-    `_orig_mod.`). The forward pre-hook stays on a compiled wrapper, where it runs eagerly (inside, dynamo would
-    trace it), and on DataParallel, whose replicas of the inner module are other objects."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)  # set by compile
+    DistributedDataParallel, DataParallel, torch.compile's OptimizedModule and Lightning Fabric's module are
+    unwrapped (nanscan.runtime.wrappers), so that names and the bundle's state are the plain model's, which replay
+    builds (a compiled model's would all start with `_orig_mod.`, a Fabric one's with `_forward_module.`). The
+    forward pre-hook stays on a compiled wrapper, where it runs eagerly (inside, dynamo would trace it, and the hook
+    does nothing there: litgpt's compiled model under Fabric), and on DataParallel, whose replicas of the inner
+    module are other objects."""
     hooked = None
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif isinstance(model, torch.nn.DataParallel):
-            hooked = model if hooked is None else hooked  # never bool(module): its __len__
-            model = model.module
-        elif compiled is not None and isinstance(model, compiled):
-            hooked = model if hooked is None else hooked  # never bool(module): its __len__
-            model = model._orig_mod
-        else:
-            return (model if hooked is None else hooked), model
+    while (peeled := peel(model)) is not None:
+        inner, kind = peeled
+        if kind in (DATA_PARALLEL, COMPILED) and hooked is None:  # never bool(module): its __len__
+            hooked = model
+        model = inner
+    return (model if hooked is None else hooked), model
 
 
 def _distributed_ready() -> bool:
@@ -708,7 +705,7 @@ class Monitor(StepVerdicts):
         if micro is None:  # the step's own check: the losses of its earlier micro-batches join its own
             loss = self._observed.fold(step, loss)  # NOTE: [observed micro-batches]
         else:
-            self._observed.add_checked(loss)
+            self._observed.add_checked(step, loss)
         step_inputs = self._batch_plan.prepare(batch, loss)  # NOTE: [batch plan]
         scaling = read_scaling(self.scaler, self.optimizer)  # NOTE: [overflow skips]; before the scan is enqueued
         if self.mode == "auto":

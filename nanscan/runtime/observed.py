@@ -45,10 +45,14 @@ class ObservedMicroBatches:
         self._current: list[Observed] = []
         self._by_step: dict[int, list[Observed]] = {}
         self._checked: list[torch.Tensor] = []  # the losses of this step's check(micro_batch=True) calls so far
+        self._checked_step: int | None = None
 
-    def add_checked(self, loss: Any) -> None:
+    def add_checked(self, step: int, loss: Any) -> None:
         """A micro-batch check's loss (decided at its own check): it joins the step's recorded loss, the loss the
-        loop summed over its micro-batches, not the last micro-batch's part of it alone."""
+        loop summed over its micro-batches, not the last micro-batch's part of it alone. Those of an earlier step
+        whose own check never came are dropped (a loop checking every micro-batch as micro_batch=True)."""
+        if step != self._checked_step:
+            self._checked, self._checked_step = [], step
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self._checked.append(loss.detach())
 
@@ -66,7 +70,8 @@ class ObservedMicroBatches:
         if not self._current and not self._by_step and not self._checked:  # every step, no micro-batch: nothing
             return loss
         observed, self._current = self._current, []
-        checked, self._checked = self._checked, []
+        checked = self._checked if self._checked_step == step else []
+        self._checked, self._checked_step = [], None
         # a step older than the one before it was decided already (sync: at its check; async: at the next)
         self._by_step = {s: kept for s, kept in self._by_step.items() if s >= step - 1}
         if observed:

@@ -5,7 +5,6 @@ on the failure path. nanscan.runtime.distributed runs the collectives."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import Counter
 from typing import Any, Iterable
 
@@ -13,9 +12,11 @@ import numpy as np
 import torch
 
 from nanscan.engine import _layout as L
+from nanscan.engine.inputs import named_parameters
 from nanscan.engine.stats import ScanReport
 from nanscan.incident import is_kind, shown_names, tensor_name
 from nanscan.runtime.shards import SHARD_SUFFIX, dtensor_type, replica_ranks, shard_suffix
+from nanscan.runtime.wrappers import DDP, peel
 
 # NOTE: [replica agreement]
 # Bytes that every replica must hold identically: under DDP every rank's parameters and optimizer state, and after
@@ -61,17 +62,12 @@ PARTITIONED = "(none is replicated: each rank holds its own partition of them)"
 
 def is_replicated(model: Any) -> bool:
     """Whether `model`, as it was given to the Monitor, is a DistributedDataParallel (possibly inside torch.compile's
-    wrapper): what replicas= compares by default."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    wrapper, or Fabric's): what replicas= compares by default."""
+    while (peeled := peel(model)) is not None:
+        if peeled[1] == DDP:
             return True
-        if compiled is not None and isinstance(model, compiled):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.DataParallel):
-            model = model.module
-        else:
-            return False
+        model = peeled[0]
+    return False
 
 
 def replicated_dtensors(model: torch.nn.Module) -> bool:
@@ -156,7 +152,7 @@ class ReplicaSets:
                 found[tensor_name(kind, f"{name}{shard_suffix(t)}{key}")] = self._index.get(
                     self._in_group(replica_ranks(t)))
 
-        named = list(model.named_parameters())
+        named = named_parameters(model)  # NOTE: [state dict names]
         for name, p in named:
             add("parameter", name, p)
             add("gradient", name, p.grad)

@@ -72,7 +72,7 @@ import torch
 
 from nanscan.engine.dispatch import launch
 from nanscan.incident import is_kind, tensor_name
-from nanscan.engine.inputs import ScanInputs, prepare
+from nanscan.engine.inputs import ScanInputs, named_parameters, prepare
 from nanscan.engine.pending import StepScan
 from nanscan.engine.plans import tensor_stamps
 from nanscan.engine.stats import ScanReport
@@ -146,7 +146,7 @@ class UpdateInputs:
 
     def _rebuild(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.rebuilds += 1
-        names = {id(p): name for name, p in model.named_parameters()}
+        names = {id(p): name for name, p in named_parameters(model)}  # NOTE: [state dict names]
         params, states = [], []  # the parameters first, then the state, as the check's plan orders them
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):

@@ -42,7 +42,7 @@ from nanscan.runtime.history import kept_scalar, read_scalar
 from nanscan.runtime.loop_effects import UpdateFactorProbe
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spill import SpilledState, StateSpill
-from nanscan.engine.inputs import plain_ids
+from nanscan.engine.inputs import named_parameters, plain_ids
 from nanscan.runtime.verdict import retained
 
 # The torch generators' states, as nanscan.bundle.provenance.capture_rng names them.
@@ -307,7 +307,7 @@ class WindowKeeper:
         """The state keys of frozen parameters, which a bundle holds by reference (the window need not copy them)."""
         trainable = tuple(id(p) for p in model.parameters() if p.requires_grad)
         if self._frozen is None or self._frozen[0] != trainable:
-            frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+            frozen = frozenset(name for name, p in named_parameters(model) if not p.requires_grad)
             self._frozen = (trainable, frozen)
         return self._frozen[1]
 
