@@ -413,16 +413,24 @@ def iter_batch_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torc
             yield from iter_batch_tensors(getattr(batch, f.name), f"{prefix}.{f.name}" if prefix else f.name)
 
 
+def rows_where(batch: Any, size: int, takes: Callable[[torch.Tensor], bool],
+               row_test: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+    """The rows (the leading index, `size` of them) for which `row_test` (of a tensor's rows flattened to
+    (size, -1), one bool each) holds in some tensor of the batch that `takes` accepts and whose leading size is
+    `size`."""
+    found = torch.zeros(size, dtype=torch.bool)
+    for _, t in iter_batch_tensors(batch):
+        if t.dim() >= 1 and t.shape[0] == size and t.numel() and takes(t):
+            found |= row_test(t.detach().reshape(size, -1)).cpu()
+    return torch.nonzero(found).flatten().tolist()
+
+
 def bad_rows(batch: Any, size: int) -> list[int]:
     """The rows (the leading index, `size` of them) of a batch's floating tensors that hold a NaN, an infinity or an
     overflow value (NOTE: [overflow] in nanscan/engine/headroom.py: a float32 maximum written for "missing" is one):
     the records that break a step by themselves, which a rollback quarantines and the in-process diagnosis drops."""
-    bad = torch.zeros(size, dtype=torch.bool)
-    for _, t in iter_batch_tensors(batch):
-        if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == size:
-            values = t.detach().reshape(size, -1)
-            bad |= (~torch.isfinite(values) | (values.abs() >= OVERFLOW_MIN)).any(dim=1).cpu()
-    return torch.nonzero(bad).flatten().tolist()
+    return rows_where(batch, size, lambda t: t.is_floating_point(),
+                      lambda rows: (~torch.isfinite(rows) | (rows.abs() >= OVERFLOW_MIN)).any(dim=1))
 
 
 def plain_ids(sample_ids: Any) -> Any:

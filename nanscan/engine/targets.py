@@ -101,12 +101,9 @@ def ignored_rows(batch: Any, size: int, ignore_index: int = DEFAULT_IGNORE_INDEX
     quarantines like a NaN row."""
     import torch  # noqa: PLC0415 - NOTE: [fast help], as above
 
-    from nanscan.engine.inputs import iter_batch_tensors  # noqa: PLC0415
+    from nanscan.engine.inputs import rows_where  # noqa: PLC0415
 
-    rows = torch.zeros(size, dtype=torch.bool)
-    for _, t in iter_batch_tensors(batch):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() < 2 or t.shape[0] != size \
-                or not t.numel():
-            continue
-        rows |= (t.detach().reshape(size, -1) == ignore_index).all(dim=1).cpu()
-    return torch.nonzero(rows).flatten().tolist()
+    def targets(t: torch.Tensor) -> bool:  # the integer tensors of a row each: token labels
+        return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool) and t.dim() >= 2
+
+    return rows_where(batch, size, targets, lambda rows: (rows == ignore_index).all(dim=1))

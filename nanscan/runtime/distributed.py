@@ -426,11 +426,10 @@ class Agreement:
         if pending is not None:
             verdict = self._read(pending.work, pending.payload, pending.step)
             self.verdict = verdict
-            if self._held(monitor, verdict):  # failed on the quarantined record: no new incident
-                pass
-            elif verdict.ok:
+            dropped = self._held(monitor, verdict)  # failed in a dropped step: no new incident
+            if verdict.ok:
                 monitor.finite_step(pending.step)
-            else:
+            elif not dropped:
                 verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
                                        pending.started, pending.view, late=True)
                 # Before the next all-reduce is issued: a raise leaves no collective behind on any rank.

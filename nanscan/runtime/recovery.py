@@ -29,9 +29,13 @@ BAND_FLOOR = 0.05  # the band's least width above the median, a fraction of it (
 MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median absolute deviation
 
 
-def band(values: Sequence[float]) -> tuple[float, float] | None:
+def _finite(values: Sequence[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def band(values: Sequence[float | None]) -> tuple[float, float] | None:
     """(median, ceiling) of finite values (NOTE: [recovered]), or None without any."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
+    finite = _finite(values)
     if not finite:
         return None
     median = statistics.median(finite)
@@ -40,7 +44,7 @@ def band(values: Sequence[float]) -> tuple[float, float] | None:
 
 
 def _median(values: Sequence[float | None]) -> float | None:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
+    finite = _finite(values)
     return statistics.median(finite) if finite else None
 
 

@@ -130,8 +130,9 @@ class RollbackWarning(UserWarning):
 
 
 class Rollbacks:
-    """The Monitor's rollbacks (NOTE: [rollback]): `decide` at an incident, `restore` the chosen state, `after_check`
-    at each finite check (the outcome), and the optimizer hooks of skip_next and the factor."""
+    """The Monitor's rollbacks (NOTE: [rollback]): at an incident `refusal` (the limits), then `record` or `stop`;
+    `after_check` at each finite check (the outcome), and the optimizer hooks of skip_next and the factor. The
+    Monitor restores the chosen state (StepVerdicts.roll_back)."""
 
     def __init__(self, policy: Rollback, run_dir: Path, settle_default: int, *,
                  history: Callable[[], list] = list, first_loss: Callable[[], float | None] = lambda: None):
@@ -185,17 +186,20 @@ class Rollbacks:
     def bundles(self) -> list[str]:
         return [str(self.run_dir / r["bundle"]) for r in self.records if r.get("bundle")]
 
+    def _shown(self, bundle: Path | None) -> str | None:
+        """A bundle as the record names it: relative to the run directory, as its step directory (the record moves
+        with the run's folder), else its whole path."""
+        if bundle is None:
+            return None
+        return Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)
+
     def stop(self, step: int, why: str, bundle: Path | None) -> None:
         """A rollback refused at `step`: the run stops there. rollbacks.json and the stopping incident's bundle say
         so (its finding "rollback"), so the record never ends on a "recovered" that the run did not keep."""
-        shown = (Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)) if bundle else None
-        self.stopped = {"at_step": step, "bundle": shown, "why": why}
+        self.stopped = {"at_step": step, "bundle": self._shown(bundle), "why": why}
         if not self.writes:
             return
-        try:
-            write_rollbacks(self.run_dir, self.records, self.stopped)
-        except Exception as exc:  # noqa: BLE001 - the error raised next says what happened
-            log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
+        self._write_file()  # the error raised next says what happened
         if bundle is not None:
             text = (f"The run stopped at step {step}: {why}. The attempts before it: "
                     + (", ".join(f"step {r['at_step']} ({r['outcome']['status']})" for r in self.records) or "none")
@@ -209,10 +213,8 @@ class Rollbacks:
     def record(self, *, step: int, category: str, bundle: Path | None, restored_step: int, restored_from: str,
                skipped: list[dict], scale: float | None, quarantined: list[str], skip: tuple[str, str],
                write: bool = True) -> dict:
-        # the bundle relative to the run directory, as its step directory (the record moves with the run's folder)
-        shown = (Path(bundle).name if Path(bundle).parent == self.run_dir else str(bundle)) if bundle else None
-        entry = {"at_step": step, "category": category, "bundle": shown, "skip": skip[0], "skip_why": skip[1],
-                 "restored_step": restored_step, "restored_from": restored_from,
+        entry = {"at_step": step, "category": category, "bundle": self._shown(bundle), "skip": skip[0],
+                 "skip_why": skip[1], "restored_step": restored_step, "restored_from": restored_from,
                  "skipped_steps": sorted({s["step"] for s in skipped}),
                  "skipped_sample_ids": [s["sample_ids"] for s in skipped if s.get("sample_ids") is not None],
                  "skip_next": self.policy.skip_next, "factor": self.policy.factor, "loss_scale": scale,
@@ -291,15 +293,19 @@ class Rollbacks:
             self.detach()
 
     # -- the record -------------------------------------------------------------------------------------------------
+    def _write_file(self) -> None:
+        """rollbacks.json now; a failure is logged, never raised (the run goes on, or the error raised says why)."""
+        try:
+            write_rollbacks(self.run_dir, self.records, self.stopped)
+        except Exception as exc:  # noqa: BLE001
+            log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
+
     def _write(self, entry: dict) -> None:
         """The run's rollbacks.json and the finding of the incident's bundle (NOTE: [rollback]); a failure to write
         is logged, never raised (the run goes on, and the error says what was not saved)."""
         if not self.writes:
             return
-        try:
-            write_rollbacks(self.run_dir, self.records, self.stopped)
-        except Exception as exc:  # noqa: BLE001
-            log.error("nanscan: could not write %s: %s: %s", self.run_dir / ROLLBACKS_FILE, type(exc).__name__, exc)
+        self._write_file()
         if entry.get("bundle"):
             try:
                 load_bundle(self.run_dir / entry["bundle"]).add_finding(
@@ -346,7 +352,8 @@ def markdown(entry: dict) -> str:
         shown = ", ".join(map(str, ids[:SHOWN_IDS])) + (", ..." if len(ids) > SHOWN_IDS else "")
         lines.append(f"- their sample ids: {len(ids)} ({shown}; every one in rollbacks.json, `skipped_sample_ids`)")
     if entry["quarantined"]:
-        lines.append("- quarantined (rows of the failing batch holding a NaN, an infinity or an overflow value): "
+        lines.append("- quarantined (rows of the failing batch that break a step by themselves: a NaN, an infinity or "
+                     "an overflow value, or every target the ignore index): "
                      f"{entry['quarantined']}; a later step "
                      "whose batch holds one has its update dropped; `nanscan quarantine list` shows them, "
                      "`nanscan.skip_quarantined` keeps them out of the next run")
@@ -369,8 +376,10 @@ def bad_row_ids(batch: Any, sample_ids: Any) -> list:
     if batch is None or not size:
         return []
     rows = sorted(set(bad_rows(batch, size)) | set(ignored_rows(batch, size)))
-    if not rows or ids is not None:
-        return [ids[i] for i in rows] if rows else []
+    if not rows:
+        return []
+    if ids is not None:
+        return [ids[i] for i in rows]
     digests, why = row_digests(batch, rows, size)
     if digests is None:
         log.warning("nanscan: the failing batch's rows %s cannot be quarantined: no sample ids, and %s; pass "
@@ -394,7 +403,7 @@ def quarantine_rows(bundle_dir: Path, rows: list, *, step: int, bundle: Path | N
              else NamedRecord(sample_id=row, source=source) for row in rows]
     try:
         done = "where the run stopped" if stopped else "rolled back by the Monitor"
-        add_records(bundle_dir, named, reason=f"non-finite or overflowing input at step {step}, {done}",
+        add_records(bundle_dir, named, reason=f"a row that breaks a step by itself at step {step}, {done}",
                     by="nanscan rollback", at=f"step {step}")
     except Exception as exc:  # noqa: BLE001 - the rollback stands without it; said in the log
         log.error("nanscan: could not quarantine %s: %s: %s", rows, type(exc).__name__, exc)

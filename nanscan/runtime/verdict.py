@@ -541,7 +541,6 @@ class StepVerdicts:
         if refusal is not None:
             if ledger:  # its bad rows too, so the next run keeps them out
                 quarantine_rows(self.bundle_dir, bad_rows, step=step, bundle=self.bundle_path, stopped=True)
-            if ledger:
                 rollbacks.stop(step, refusal.removeprefix("on_invalid=Rollback: "), self.bundle_path)
             # each attempt's bundle once (the last may be the stopping one's)
             bundles = list(dict.fromkeys([*rollbacks.bundles(), *([str(self.bundle_path)]
