@@ -3,7 +3,7 @@ issue 59): at the incident, with no replay entry, the Monitor reruns the window 
 changes one factor at a time over it. On karpathy's train.py loop as it is (lr 30) the rerun matches the record
 at every step and a learning-rate reduction is confirmed, no precision; its rows are those `nanscan ablate` gives
 through a replay entry; an RNN without clipping has clipping confirmed, each confirmed factor checked by running
-the loop itself with it; nothing of the run changes (the state at the raise is bit for bit the one a run without
+the loop itself with it; an fp16 run is rerun under its GradScaler; nothing of the run changes (the state at the raise is bit for bit the one a run without
 the diagnosis leaves); the time limit, diagnose=False and a run without a window say what they did."""
 
 from __future__ import annotations
@@ -109,6 +109,26 @@ def test_an_rnn_without_clipping_has_clipping_confirmed_and_each_fix_holds_in_th
         assert real.nonfinite_step is None and ended < 2 * real.losses[0], (key, ended)
 
 
+def test_an_fp16_run_under_a_gradscaler_is_diagnosed_with_its_scaling_and_the_fix_holds(tmp_path):
+    """train.py in float16 with its GradScaler (overflow skips along the way): the in-process rerun scales,
+    unscales and skips as the loop did (NOTE: [replayed scaling]), matching the record at every step, and the
+    learning rate it confirms keeps the real fp16 loop finite and training for 3x the failing step's steps."""
+    config = {**K.LR30, "learning_rate": 5.0, "dtype": "float16"}
+    run = K.train(config, tmp_path, window=WINDOW, step_fn=K.forward_loss)
+    diagnosis = run.monitor.diagnosis
+    assert diagnosis is not None and diagnosis.verdict == "done", diagnosis
+    window = diagnosis.ablation.baseline.window
+    assert window.reproduced and window.first_departure is None, window.departure_text()
+    assert any(s.skipped for s in window.steps)
+    lrs = [key for key in diagnosis.fixes if key.startswith("lr-")]
+    assert lrs and not set(diagnosis.fixes) & set(PRECISIONS), diagnosis.headline()
+    scale = float(lrs[0].removeprefix("lr-x"))
+    real = K.train({**config, "learning_rate": 5.0 * scale, "max_iters": 3 * run.nonfinite_step}, None,
+                   monitor=False)
+    assert real.truth is None or all(math.isfinite(loss) for loss in real.losses), real.losses
+    assert sorted(real.losses[-6:])[3] < 2 * real.losses[0], real.losses
+
+
 def test_the_time_limit_leaves_factors_unjudged_and_says_so(tmp_path):
     run = K.train(K.LR30, tmp_path, window=WINDOW, step_fn=K.forward_loss, diagnose_timeout=1e-6)
     diagnosis = run.monitor.diagnosis
@@ -161,6 +181,43 @@ def test_the_demos_record_past_float32s_range_is_dropped_and_confirmed(tmp_path)
     assert diagnosis.fixes == ["drop-suspicious"], diagnosis.headline()
     (row,) = [r for r in diagnosis.ablation.rows if r.factor.key == "drop-suspicious"]
     assert f"dropped rows [{D.FAULT_ROW}] ({bad_id}) of its batch" in row.detail, row.detail
+
+
+def _per_record_mean_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Each record's mean cross-entropy over its supervised tokens, then the mean over records: a record with no
+    supervised token (every label -100) is 0/0."""
+    logits = model(batch["x"])
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["y"], ignore_index=-100,
+                                                  reduction="none")
+    return (per_token.sum(dim=1) / (batch["y"] != -100).sum(dim=1)).mean()
+
+
+def test_a_record_with_no_supervised_token_is_dropped_and_confirmed(tmp_path):
+    """A record whose labels are all the ignore index (truncation cut its whole answer away) makes a per-record mean
+    loss 0/0 at step 6. The in-process diagnosis drops it by the rule a rollback quarantines by
+    (engine.targets.breaking_rows), and confirms it, and nothing else: no NaN value is in the batch to point at it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = Monitor(model, optimizer, bundle_dir=tmp_path, run_id="masked", step_fn=_per_record_mean_loss,
+                  window=Window(steps=8, every=4))
+    data = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as caught:
+        for step in range(12):
+            tokens = torch.randint(0, 32, (4, 9), generator=data)
+            batch = {"x": tokens[:, :-1], "y": tokens[:, 1:].clone()}
+            if step == 6:
+                batch["y"][2] = -100
+            optimizer.zero_grad(set_to_none=True)
+            loss = _per_record_mean_loss(model, batch)
+            loss.backward()
+            mon.check(batch=batch, loss=loss, step=step)
+            optimizer.step()
+    assert caught.value.step == 6
+    diagnosis = mon.diagnosis
+    assert diagnosis.fixes == ["drop-suspicious"], diagnosis.headline()
+    (row,) = [r for r in diagnosis.ablation.rows if r.factor.key == "drop-suspicious"]
+    assert "dropped rows [2] of its batch" in row.detail, row.detail
 
 
 class _ClockAfter(Lockstep):

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 import karpathy_train as K
 from nanscan.cli.main import main
 from nanscan.replay.ablate_window import CONFIRMED, NOT_APPLIED, NOT_RECOVERED, ablate_window, horizon
-from nanscan.replay.window import DEPART_REL_TOL, replay_window
+from nanscan.bundle import load_bundle
+from nanscan.replay.window import DEPART_REL_TOL, replay_window, window_markdown
 from nanscan.runtime.window import Window
 
 pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
@@ -82,3 +83,25 @@ def test_what_users_type_ablates_over_the_window_and_step_keeps_the_single_step(
     rows = json.loads(single.output)["rows"]  # the failing step alone: its state already wrecked by 27 steps
     assert [r["factor"] for r in rows] == ["lr-x0.1"] and rows[0]["finite"] is False
     assert "run_id" not in data and "window" in data["rows"][0]  # the window's rows name their span
+
+
+def test_an_fp16_run_is_rerun_under_its_gradscaler_overflow_skips_included(tmp_path):
+    """float16 autocast: the loop's GradScaler scales each micro-batch's loss, unscales before clipping and skips the
+    updates whose gradients overflow. The window rerun does the same at each step's recorded scale (NOTE: [replayed
+    scaling]): it matches the record at every step, skipping exactly where the run skipped (unscaled, it departed
+    at step 1), and the ablation confirms a lower learning rate, not float32."""
+    run = K.train({**K.LR30, "learning_rate": 5.0, "dtype": "float16"}, tmp_path, window=WINDOW)
+    assert run.nonfinite_step is not None and run.bundle is not None
+    skips = [entry.step for entry in load_bundle(run.bundle).history() if entry.report.overflow_skip]
+    assert len(skips) >= 2 and skips[-1] < run.nonfinite_step  # the run's expected skips, no incident of theirs
+    result = replay_window(run.bundle, K.ENTRY)
+    assert result.reproduced and result.start == 0, result.headline()
+    assert result.first_departure is None, result.departure_text()
+    assert [s.step for s in result.steps if s.skipped] == [s.step for s in result.steps if s.recorded_skipped] == skips
+    for s in result.steps[:-1]:
+        assert abs(s.loss - s.recorded_loss) <= DEPART_REL_TOL * s.recorded_loss
+    assert any("rerun at the scale its check recorded" in note for note in result.notes)
+    assert "(overflow skip)" in window_markdown(result)
+    rows = {r.factor.key: r for r in ablate_window(run.bundle, K.ENTRY).rows}
+    assert any(rows[k].verdict == CONFIRMED for k in ("lr-x0.5", "lr-x0.1", "lr-x0.01")), rows
+    assert rows["fp32"].verdict != CONFIRMED, rows["fp32"].detail

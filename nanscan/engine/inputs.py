@@ -427,10 +427,10 @@ def rows_where(batch: Any, size: int, takes: Callable[[torch.Tensor], bool],
 
 def bad_rows(batch: Any, size: int) -> list[int]:
     """The rows (the leading index, `size` of them) of a batch's floating tensors that hold a NaN, an infinity or an
-    overflow value (NOTE: [overflow] in nanscan/engine/headroom.py: a float32 maximum written for "missing" is one):
-    the records that break a step by themselves, which a rollback quarantines and the in-process diagnosis drops."""
+    overflow value (NOTE: [overflow] in nanscan/engine/headroom.py: a float32 maximum written for "missing" is one)."""
     return rows_where(batch, size, lambda t: t.is_floating_point(),
                       lambda rows: (~torch.isfinite(rows) | (rows.abs() >= OVERFLOW_MIN)).any(dim=1))
+
 
 
 def plain_ids(sample_ids: Any) -> Any:

@@ -107,3 +107,13 @@ def ignored_rows(batch: Any, size: int, ignore_index: int = DEFAULT_IGNORE_INDEX
         return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool) and t.dim() >= 2
 
     return rows_where(batch, size, targets, lambda rows: (rows == ignore_index).all(dim=1))
+
+
+def breaking_rows(batch: Any, size: int) -> list[int]:
+    """The records that break a step by themselves, by one rule for each reader (a rollback quarantines them, the
+    in-process diagnosis drops them): the rows holding a NaN, an infinity or an overflow value (engine.inputs.bad_rows),
+    and those whose targets are all the ignore index (ignored_rows, NOTE: [no supervised tokens]: a per-record mean
+    loss over them is 0/0)."""
+    from nanscan.engine.inputs import bad_rows  # noqa: PLC0415 - as ignored_rows
+
+    return sorted(set(bad_rows(batch, size)) | set(ignored_rows(batch, size)))

@@ -11,9 +11,10 @@ live model with each kept state loaded into it, and for every rerun a fresh opti
 from its param groups (their settings: lr, betas, eps, weight decay, foreach/fused), loaded with a copy of the kept
 optimizer state. The loop's clipping and loss scaling come from the window's own record (NOTE: [observed loop]).
 Past the failing step each factor goes on with the window's own batches (the process has no later batch to give).
-The samples dropped are the failing batch's rows that hold a NaN, an infinity or an overflow value themselves
-(engine.inputs.bad_rows: a float32 maximum written for "missing" counts; under a group, each rank's own; none where
-no rank's batch holds one): no bisection runs here (a record in range but fatal to the step is found by `nanscan
+The samples dropped are the failing batch's rows that break a step by themselves, by the rule a rollback quarantines
+them by (engine.targets.breaking_rows: a NaN, an infinity or an overflow value, a float32 maximum written for
+"missing" counting, or targets that are all the ignore index; under a group, each rank's own; none where no rank's
+batch holds one): no bisection runs here (a record in range but fatal to the step is found by `nanscan
 ablate`'s, which has the replay entry).
 
 Nothing of the run changes: the live weights are copied to the host first and loaded back after, the gradients (by
@@ -58,7 +59,8 @@ import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
-from nanscan.engine.inputs import bad_rows, batch_size, named_parameters
+from nanscan.engine.inputs import batch_size, named_parameters
+from nanscan.engine.targets import breaking_rows
 from nanscan.entry import ReplaySpec
 from nanscan.incident import OTHER_RANK
 from nanscan.runtime.distributed import all_gather_json
@@ -149,8 +151,8 @@ class BadRows:
 
 
 def failing_rows(bundle: Bundle) -> tuple[list[int], list]:
-    """The rows of the failing step's batch (one batch: a step checked once) holding a NaN, an infinity or an
-    overflow value (engine.inputs.bad_rows), and their sample ids where the check had them; none when no row
+    """The rows of the failing step's batch (one batch: a step checked once) that break a step by themselves
+    (engine.targets.breaking_rows), and their sample ids where the check had them; none when no row
     does, when every row does (nothing would be left to train on), or when the step ran several micro-batches
     (their rows are not one batch's)."""
     records = [r for r in bundle.window_records() if r.step == bundle.step]
@@ -158,7 +160,7 @@ def failing_rows(bundle: Bundle) -> tuple[list[int], list]:
         return [], []
     record = records[0]
     size = batch_size(record.batch, record.sample_ids)
-    rows = bad_rows(record.batch, size) if size else []
+    rows = breaking_rows(record.batch, size) if size else []
     if len(rows) >= (size or 0):
         return [], []
     ids = record.sample_ids

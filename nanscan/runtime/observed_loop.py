@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from nanscan.bundle.format import WindowStep
 
@@ -39,17 +39,20 @@ def shortest(value: float, rel_tol: float = CLIP_REL_TOL / 10) -> float:
     return value
 
 
-def infer_clipping(records: Sequence[WindowStep], grad_norms: dict[int, float | None]) -> LoopClipping:
+def infer_clipping(records: Sequence[WindowStep], grad_norms: dict[int, float | None],
+                   unscaled: Collection[int] = ()) -> LoopClipping:
     """The loop's clip threshold from each step's update factor (WindowStep.update_factor) and its recorded gradient
     norm: at a clipped step factor x (norm + 1e-6) is max_norm; every clipped step must give the same one, and no
     unclipped step may have had a larger norm. The GradScaler's scale, where a step recorded one, is taken out of
-    the factor first (its unscale divides the gradients by it)."""
+    the factor first (its unscale divides the gradients by it), except at the `unscaled` steps, whose check came
+    after scaler.unscale_() and so saw the gradients the update sees."""
     pairs = []
     for record in records:
         norm = grad_norms.get(record.step)
         if record.micro_batch is not None or record.update_factor is None or norm is None or not math.isfinite(norm):
             continue
-        factor = record.update_factor * (record.loss_scale or 1.0)
+        carried = record.loss_scale if record.loss_scale and record.step not in unscaled else 1.0
+        factor = record.update_factor * carried
         pairs.append((record.step, factor, norm))
     if not pairs:
         return LoopClipping(None, 0, 0, "no update factor was recorded (a bundle written before them, or no update "

@@ -84,6 +84,7 @@ class StepOutcome:
     op_site: OpSite | None = None  # with trace_ops: the first op or autograd node that went non-finite
     part_losses: list[float] = field(default_factory=list)  # each micro-batch's loss as step_fn returned it
     loss_scale: float | None = None  # the factor each returned loss was multiplied by before its backward
+    overflow_skip: bool = False  # a GradScaler's expected skip: the update was not applied (NOTE: [replayed scaling])
     # The scans behind the outcome, for callers that read more than the verdict (preflight's headroom): the
     # gradients after backward (and clipping) and the weights and optimizer state after optimizer.step().
     gradients: ScanReport | None = field(default=None, repr=False, compare=False)
@@ -179,7 +180,7 @@ def param_dtypes(model: torch.nn.Module) -> list[str]:
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_fn: Callable, batch: Any, *,
              options: StepOptions = StepOptions(), localize: bool = False,
              backward_module_hooks: bool = True, trace_ops: bool = False, train: bool = True,
-             passed_losses: Sequence[float | None] | None = None) -> StepOutcome:
+             passed_losses: Sequence[float | None] | None = None, grad_scale: float | None = None) -> StepOutcome:
     """Run one training step (forward through step_fn, backward, optional clipping, optimizer.step()) and scan
     the batch, the starting state, the loss, the gradients and the updated state.
 
@@ -190,7 +191,18 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     first (a model the replay entry built); False keeps each module's mode (the live model, as the loop set it).
     `passed_losses`: the losses the loop passed for the step's micro-batches (WindowStep.loss); where the options
     give no loss_scale, the first micro-batch's against what step_fn returns for it sets the scale of them all
-    (observed_loss_scale, nanscan.runtime.loop_effects NOTE: [observed loop]).
+    (observed_loss_scale, nanscan.runtime.loop_effects NOTE: [observed loop]). `grad_scale`: the run's GradScaler
+    scale for this step (NOTE: [replayed scaling]); None: no GradScaler.
+
+    NOTE: [replayed scaling]
+    A step the run took under a GradScaler is rerun under one, at the scale the run's check recorded for it
+    (WindowStep.loss_scale): each micro-batch's loss is scaled before its backward, the gradients are unscaled
+    before they are scanned and clipped, and the update is skipped where they are not finite, by torch's own
+    GradScaler (scale, unscale_, step) as the loop called it. In float16 the scale decides which gradients
+    underflow and which overflow, so a rerun without it computes other gradients from the first step on. Such a
+    skip, with the batch, state and loss finite, is the scaler's expected overflow skip (NOTE: [overflow skips] in
+    nanscan/runtime/amp.py): the outcome is finite with `overflow_skip` set, and its gradient norm is over the
+    finite values, as the Monitor records a skip's.
     """
     device_type = model_device(model).type
     notes: list[str] = []
@@ -256,6 +268,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
 
         loss_value = 0.0
         scale = options.loss_scale
+        scaler = torch.amp.GradScaler(device_type, init_scale=grad_scale) if grad_scale is not None else None
         returned: list[float] = []
         # DistributedDataParallel all-reduces a step's gradients once, at its last micro-batch, as the loops that
         # accumulate under it do (no_sync, train.py's require_backward_grad_sync): a reduction per micro-batch would
@@ -287,19 +300,24 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                 scans["loss_scan"] = scan([("loss", loss.detach())])
             loss_value += float(loss.detach().float())
             try:
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             except Exception as exc:  # noqa: BLE001
                 return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
+        if scaler is not None:
+            _unscale(scaler, optimizer, model, grad_scale)
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
         grads = scan_inputs([i for i in model_inputs(model, shard=shard) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                            options.clip_grad_norm)
         update_report = None
+        # the GradScaler skips an update whose unscaled gradients are not finite: an expected skip where nothing
+        # before the gradients went non-finite
+        skipped = scaler is not None and batch_report.ok and loss_ok and not grads.ok
         if optimizer is not None:
             try:
-                optimizer.step()
+                scaler.step(optimizer) if scaler is not None else optimizer.step()
             except Exception as exc:  # noqa: BLE001 - as for step_fn: the user's optimizer failing is a result
                 return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
                                                                       f"{type(exc).__name__}: {exc}")
@@ -319,6 +337,8 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         category = "update"
     else:
         category = None
+    if skipped:
+        category, nonfinite = None, []
     localization = None
     if localizer is not None and category is not None:
         localization = first_bad(localizer, category, batch_report, loss_value, grads, update_report, optimizer)
@@ -331,8 +351,21 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
                      f"non-finite ({category}); `nanscan data` flags them as overflow")
         category = "input"
     result = outcome(category, nonfinite, loss_value, grads, localization=localization, updated=update_report)
-    result.part_losses, result.loss_scale = returned, factor
+    result.part_losses, result.loss_scale, result.overflow_skip = returned, factor, skipped
     return result
+
+
+def _unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
+             grad_scale: float) -> None:
+    """The gradients unscaled as the loop's scaler.unscale_(optimizer) does; without an optimizer (a step that ends
+    at its gradients), each divided by the scale."""
+    if optimizer is not None:
+        scaler.unscale_(optimizer)
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(grad_scale)
 
 
 def observed_loss_scale(passed: float | None, returned: float) -> float | None:

@@ -34,10 +34,10 @@ touched: the state comes from the window's host copies, not from a checkpoint.
 The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (what was restored, which steps and
 sample ids were skipped, the factor, what happened next: after settle_steps finite steps "recovered" when the loss
 and gradient norm are back within the band of the steps before (NOTE: [recovered] in nanscan.runtime.recovery), else
-"not recovered" with the numbers and a warning; or "failed again" at a step), written atomically with no wall-clock time (the same run gives the same file), and the finding
-"rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that break a step by
-themselves (bad_row_ids: a NaN, an infinity or an overflow value, engine.inputs.bad_rows, as a float32 maximum
-written for "missing" breaks a step as a NaN does; or every target the ignore index, engine.targets.ignored_rows),
+"not recovered" with the numbers and a warning; or "failed again" at a step), written atomically with no wall-clock
+time (the same run gives the same file), and the finding "rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that break a step by
+themselves (bad_row_ids: a NaN, an infinity or an overflow value, as a float32 maximum written for "missing"
+breaks a step as a NaN does, or every target the ignore index: engine.targets.breaking_rows, the diagnosis's rule),
 named by their sample ids, else by their content digests ("sha256:<hex>", the quarantine's match: NOTE: [quarantine
 match]), go into the run directory's quarantine (nanscan.bundle.quarantine NOTE: [quarantine file]). Under a
 process group each rank's bad rows are gathered at the rollback: every rank chooses the same skip from them and
@@ -57,9 +57,9 @@ from nanscan.bundle import load_bundle
 from nanscan.bundle.format import ROLLBACK_FINDING
 from nanscan.bundle.rollbacks import ROLLBACKS_FILE, write_rollbacks
 from nanscan.bundle.quarantine import DIGEST_PREFIX, NamedRecord, add_records
-from nanscan.engine.inputs import bad_rows, batch_size, plain_ids
+from nanscan.engine.inputs import batch_size, plain_ids
+from nanscan.engine.targets import breaking_rows
 from nanscan.engine.record_digest import row_digests
-from nanscan.engine.targets import ignored_rows
 from nanscan.incident import warn_user
 from nanscan.runtime.dropped_update import drop_gradients
 from nanscan.runtime.recovery import judge
@@ -366,7 +366,7 @@ def markdown(entry: dict) -> str:
 
 def bad_row_ids(batch: Any, sample_ids: Any) -> list:
     """The names of the batch rows that break a step by themselves: rows holding a NaN, an infinity or an overflow
-    value (engine.inputs.bad_rows) or whose targets are all the ignore index (engine.targets.ignored_rows). A row is
+    value or whose targets are all the ignore index (engine.targets.breaking_rows). A row is
     named by its sample id where `sample_ids` names one per row, else by its content digest, "sha256:<hex>"
     (engine.record_digest.row_digests: the quarantine's match, NOTE: [quarantine match]); [] when neither names it
     (said in the log)."""
@@ -375,7 +375,7 @@ def bad_row_ids(batch: Any, sample_ids: Any) -> list:
     size = len(ids) if ids is not None else batch_size(batch)
     if batch is None or not size:
         return []
-    rows = sorted(set(bad_rows(batch, size)) | set(ignored_rows(batch, size)))
+    rows = breaking_rows(batch, size)
     if not rows:
         return []
     if ids is not None:

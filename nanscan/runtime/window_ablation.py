@@ -191,6 +191,7 @@ def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, hel
     losses: list[float] = []
     model, optimizer = run.spec.model, run.optimizer
     device = model_device(model)
+    grad_scale = run.grad_scale  # the run's GradScaler goes on from its last scale, backing off at each skip
     for i, (batch, scale) in enumerate(zip(itertools.cycle(batches), scales)):
         if lockstep.time_up(deadline):
             return WindowRow(factor, NOT_JUDGED, window, beyond_run=i, detail=TIME_CUT)
@@ -198,7 +199,9 @@ def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, hel
         if held_out:
             batch = prepare_batch(batch, device, factor.options)
         outcome = lockstep.finite(run_step(model, optimizer, run.spec.step_fn, batch,
-                                           options=loop_options(run.spec, options)))
+                                           options=loop_options(run.spec, options), grad_scale=grad_scale))
+        if outcome.overflow_skip:
+            grad_scale *= evidence.backoff
         if not outcome.finite:
             return WindowRow(factor, DELAYS, window, beyond_run=i + 1, beyond_nonfinite=i + 1,
                              detail=f"finite over the window, non-finite {i + 1} step(s) past it on {data} batches "

@@ -17,10 +17,13 @@ forward's start. What the loop did between its backward and its update is taken 
 (nanscan.runtime.loop_effects NOTE: [observed loop]), not asked of the entry: each micro-batch's loss is scaled as
 the loop scaled it (the loss it passed over what step_fn returns, at the first step), and the loop's clipping is
 applied at the threshold its update factors imply (a ReplaySpec.clip_grad_norm the entry declares comes first;
-where they disagree a note says so). A step's loss is compared as the sum of the losses the loop passed for its
-micro-batches. Where the rerun departs anyway, the first departing step says why, from the evidence
-(observed_loop.departure_reason). What it cannot rebuild is said, not papered over: a GradScaler's scaling (the
-rerun's gradients are unscaled and skip nothing), updates the run skipped.
+where they disagree a note says so). A step the run took under a GradScaler is rerun under one at the scale its
+check recorded, and skips its update where the gradients overflow (nanscan.runtime.rerun NOTE: [replayed
+scaling]); a skip is compared with the record like a loss: the run skipped the step and the rerun did not, or the
+other way round, is a departure. A float32 factor runs without the scaler (a float32 run needs none). A step's loss
+is compared as the sum of the losses the loop passed for its micro-batches. Where the rerun departs anyway, the
+first departing step says why, from the evidence (observed_loop.departure_reason). What it cannot rebuild is said,
+not papered over.
 """
 
 from __future__ import annotations
@@ -55,16 +58,19 @@ class WindowStepResult:
     grad_norm: float | None
     recorded_loss: float | None
     recorded_grad_norm: float | None
-    departs: str | None = None  # "loss" or "grad_norm" where this step differs from the record beyond the tolerance
+    departs: str | None = None  # "loss", "grad_norm" or "skip" where this step differs from the record
     error: str | None = None
     reason: str | None = None  # at the first departing step: why, from the evidence (departure_reason)
+    skipped: bool = False  # the rerun's GradScaler skipped the update (NOTE: [replayed scaling])
+    recorded_skipped: bool = False  # the run's did
 
     def to_dict(self) -> dict:
         return {"step": self.step, "finite": self.finite, "category": self.category,
                 "loss": json_float(self.loss), "grad_norm": json_float(self.grad_norm),
                 "recorded_loss": json_float(self.recorded_loss),
                 "recorded_grad_norm": json_float(self.recorded_grad_norm), "departs": self.departs,
-                "error": self.error, "reason": self.reason}
+                "error": self.error, "reason": self.reason, "skipped": self.skipped,
+                "recorded_skipped": self.recorded_skipped}
 
 
 @dataclass
@@ -111,6 +117,10 @@ class WindowReplay:
         first = self.first_departure
         if first is None:
             return "the rerun matches the recorded loss and gradient norm at every step it could compare"
+        if first.departs == "skip":
+            did, did_not = ("the run", "the rerun") if first.recorded_skipped else ("the rerun", "the run")
+            return (f"the rerun first departs from the record at step {first.step}: {did}'s GradScaler skipped the "
+                    f"update for overflow, {did_not}'s did not")
         replayed, recorded = (first.loss, first.recorded_loss) if first.departs == "loss" else \
             (first.grad_norm, first.recorded_grad_norm)
         return (f"the rerun first departs from the record at step {first.step}: {first.departs} {replayed:.6g} "
@@ -148,16 +158,23 @@ class WindowEvidence:
     records: list[WindowStep]
     history: dict[int, tuple[float | None, float | None]]
     clipping: LoopClipping | None = None  # the loop's, observed (NOTE: [observed loop])
+    skips: frozenset[int] = frozenset()  # the steps whose update the run's GradScaler skipped (overflow)
+    backoff: float = 0.5  # the GradScaler's, where the history recorded it: its scale after a skip
 
     @classmethod
     def of(cls, bundle: Bundle, lockstep: "Lockstep | None" = None) -> "WindowEvidence":
         """`lockstep`: a group's, whose gradient norms the clipping is inferred from (a sharded rank's own norm is
         not the one clip_grad_norm_ scaled by)."""
         records = bundle.window_records()  # a BundleError saying why, for a bundle that holds no window
-        history = {entry.step: (entry.loss, entry.grad_norm) for entry in bundle.history()}
+        entries = bundle.history()
+        history = {entry.step: (entry.loss, entry.grad_norm) for entry in entries}
         norms = (lockstep.grad_norms(bundle) if lockstep is not None else None) or \
             {step: g for step, (_, g) in history.items()}
-        return cls(records, history, infer_clipping(records, norms))
+        scaled = [entry for entry in entries if entry.report.scaling is not None]
+        unscaled = {entry.step for entry in scaled if not entry.report.scaling.scaled}
+        skips = frozenset(entry.step for entry in scaled if entry.report.overflow_skip)
+        backoff = scaled[-1].report.scaling.backoff if scaled else 0.5
+        return cls(records, history, infer_clipping(records, norms, unscaled), skips, backoff)
 
     def loop_clip(self, spec: Any) -> float | None:
         """The loop's clip threshold: the entry's declaration (ReplaySpec.clip_grad_norm), else the observed one."""
@@ -233,6 +250,7 @@ class WindowRun:
     options: StepOptions = StepOptions()  # what its steps ran under: the loop's observed clipping and loss scale
     step_batches: list = field(default_factory=list)  # each rerun step's batch (an Accumulation of its micro-batches)
     cut: bool = False  # the deadline came before its last step: its steps so far, not the window
+    grad_scale: float | None = None  # the GradScaler's scale for a step after its last (NOTE: [replayed scaling])
 
 
 def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
@@ -255,9 +273,13 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
     device = model_device(spec.model)
     # what the replayer says of the failing step's own state and RNG does not concern the window, which has its own
     notes = [note for note in replayer.notes if not note.startswith(("state:", "rng:", "optimizer:"))]
+    scaler_off = options.precision == "float32"  # a float32 factor: a float32 run needs no GradScaler
     if any(r.loss_scale is not None for r in records):
-        notes.append("the run used a GradScaler: the rerun's gradients are unscaled and it skips no update, so steps "
-                     "the run skipped for overflow are applied here")
+        notes.append("the run used a GradScaler: " + (
+            "this float32 rerun runs without one" if scaler_off else
+            "each step is rerun at the scale its check recorded, and skips its update where the gradients overflow "
+            "(NOTE: [replayed scaling])"))
+    grad_scale = None
     steps = _optimizer_steps([r for r in records if start <= r.step <= target.step])
     run_options = options
     clipping = evidence.clipping
@@ -276,8 +298,10 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
         if lockstep.time_up(deadline):
             result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                                   entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
-            return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, cut=True)
+            return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, cut=True,
+                             grad_scale=grad_scale)
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
+        grad_scale = None if scaler_off or record.loss_scale is None else float(record.loss_scale)
         lrs = record.lrs
         set_learning_rates(optimizer, lrs, options.lr_scale)
         batches = [prepare_batch(_kept_rows(part, drop, spec), device, options) for part in parts]
@@ -292,7 +316,7 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
         passed = [part.loss for part in parts]
         outcome = run_step(spec.model, optimizer, spec.step_fn, batch,
                            options=loop_options(spec, run_options, record.autocast),
-                           passed_losses=passed)
+                           passed_losses=passed, grad_scale=grad_scale)
         if run_options.loss_scale is None and outcome.loss_scale is not None and passed[0] is not None:
             run_options = replace(run_options, loss_scale=outcome.loss_scale)  # as seen at the first step
             notes.append(_loss_scale_note(outcome.loss_scale, len(parts)))
@@ -301,7 +325,12 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
             recorded_loss = math.fsum(passed)  # what the loop backpropagated, summed over its micro-batches
         elif len(parts) > 1:
             recorded_loss = None  # the step's recorded loss is the last micro-batch's alone
-        result = _result(record.step, outcome, (recorded_loss, recorded_norm), last=record.step == target.step)
+        last = record.step == target.step
+        if last and outcome.overflow_skip and target.category == "gradient":
+            # the failure the run bundled was its scaler's skip (a streak's): the rerun's skip there is it again
+            outcome = replace(outcome, finite=False, category="gradient")
+        result = _result(record.step, outcome, (recorded_loss, recorded_norm), last=last,
+                         recorded_skip=record.step in evidence.skips if record.step in evidence.history else None)
         agreed = lockstep.finite(outcome)  # the departure above is this rank's own; whether to go on, the group's
         result.finite, result.category, result.error = agreed.finite, agreed.category, agreed.error
         if result.departs is not None and not any(r.departs for r in results):
@@ -314,7 +343,9 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
             break
     result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
-    return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches)
+    if grad_scale is not None and results and results[-1].skipped:
+        grad_scale *= evidence.backoff  # the scale a step after a skip takes
+    return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, grad_scale=grad_scale)
 
 
 def _loss_scale_note(scale: float, parts: int) -> str:
@@ -349,15 +380,21 @@ def _kept_rows(record: WindowStep, drop: Callable[[WindowStep], list[int]] | Non
     return select_samples(record.batch, [i for i in range(size) if i not in dropped], spec, size=size)
 
 
-def _result(step: int, outcome: StepOutcome, recorded: tuple, *, last: bool) -> WindowStepResult:
+def _result(step: int, outcome: StepOutcome, recorded: tuple, *, last: bool,
+            recorded_skip: bool | None = None) -> WindowStepResult:
     """`last`: the recorded failing step, whose recorded gradient norm leaves its non-finite values out, so only
-    its loss is compared. `recorded`: (loss, gradient norm); a loss of None is not compared."""
+    its loss is compared, as at a skip (the run's or the rerun's). `recorded`: (loss, gradient norm); a loss of None
+    is not compared. `recorded_skip`: whether the run's GradScaler skipped this step (None: no record of it)."""
     loss, grad_norm = recorded
+    skipped = outcome.overflow_skip
+    norm_compared = not (last or skipped or recorded_skip)
     departs = "loss" if _departs(outcome.loss, loss) else \
-        "grad_norm" if not last and _departs(outcome.grad_norm, grad_norm) else None
+        "skip" if recorded_skip is not None and not last and skipped != recorded_skip else \
+        "grad_norm" if norm_compared and _departs(outcome.grad_norm, grad_norm) else None
     return WindowStepResult(step=step, finite=outcome.finite, category=outcome.category, loss=outcome.loss,
                             grad_norm=outcome.grad_norm, recorded_loss=loss, recorded_grad_norm=grad_norm,
-                            departs=departs, error=outcome.error)
+                            departs=departs, error=outcome.error, skipped=skipped,
+                            recorded_skipped=bool(recorded_skip))
 
 
 def set_learning_rates(optimizer: torch.optim.Optimizer, lrs: list, scale: float) -> None:
@@ -381,7 +418,8 @@ def window_markdown(result: WindowReplay) -> str:
              "| step | loss | recorded | grad norm | recorded |", "| --- | --- | --- | --- | --- |"]
     for s in result.steps:
         cells = [_cell(s.loss), _cell(s.recorded_loss), _cell(s.grad_norm), _cell(s.recorded_grad_norm)]
-        lines.append(f"| {s.step}{' (departs)' if s.departs else ''} | " + " | ".join(cells) + " |")
+        marks = (" (overflow skip)" if s.skipped else "") + (" (departs)" if s.departs else "")
+        lines.append(f"| {s.step}{marks} | " + " | ".join(cells) + " |")
     lines += [f"- note: {note}" for note in result.notes]
     return "\n".join(lines)
 
