@@ -203,15 +203,54 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _clip_2d(model: GPT, max_norm: float) -> None:
+    """The clipping a loop under FSDP2 + TP needs (torch's clip_grad_norm_ cannot stack the norms of DTensors on
+    two meshes): torchtitan's recipe, the whole norm of each mesh's gradients, then their total, applied mesh by
+    mesh."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    total = torch.linalg.vector_norm(torch.stack(
+        [torch.nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()]))
+    for ps in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+
+
+def _shard(model: GPT, parallel: str) -> None:
+    """FSDP2 over the world ("fsdp"), HSDP over a (replicate, shard) mesh, or FSDP2 over "dp" with each MLP split
+    over "tp" (see train())."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = None
+    if parallel == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    elif parallel == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.transformer.h:
+            parallelize_module(block.mlp, grid["tp"], {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+        mesh = grid["dp"]
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum_losses: bool = False,
           parallel: str | None = None, **monitor_options) -> TrainRun:
     """train.py's loop; `sum_losses`: the micro-batch losses are summed, not averaged (a common variant that
     makes the gradients `gradient_accumulation_steps` times larger). `parallel`: in an initialized process group,
     "ddp" as train.py runs under torchrun (each rank's seed offset by its rank, the model wrapped in
-    DistributedDataParallel after its optimizer is made, gradients synchronized only at the last micro-step), or
-    "fsdp" (FSDP2's fully_shard on every block and the model before the optimizer is made, as torchtitan does)."""
+    DistributedDataParallel after its optimizer is made, gradients synchronized only at the last micro-step),
+    "fsdp" (FSDP2's fully_shard on every block and the model before the optimizer is made, as torchtitan does),
+    and on 4 ranks "hsdp" (fully_shard over a 2x2 (replicate, shard) mesh) or "tp" (each block's MLP split
+    Megatron-style, c_fc by columns and c_proj by rows, over the mesh's "tp" dimension, and FSDP2 over its "dp"
+    one; the two ranks of a tensor-parallel pair draw the same data)."""
     c = full_config(overrides)
-    seed_offset = torch.distributed.get_rank() if parallel else 0
+    rank = torch.distributed.get_rank() if parallel else 0
+    seed_offset = rank // 2 if parallel == "tp" else rank
     torch.manual_seed(c["seed"] + seed_offset)  # train.py: torch.manual_seed(1337 + seed_offset)
     data = {split: token_stream(c, split) for split in ("train", "val")}
     block_size, batch_size, accum = c["block_size"], c["batch_size"], c["gradient_accumulation_steps"]
@@ -226,12 +265,8 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
     model = build_model(c)
     torch.manual_seed(c["seed"] + seed_offset)  # the data's draws do not depend on the model's build
     scaler = torch.amp.GradScaler("cpu", enabled=(c["dtype"] == "float16"))
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+    if parallel in ("fsdp", "hsdp", "tp"):
+        _shard(model, parallel)
     raw_model = model
     optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
     if parallel == "ddp":
@@ -299,7 +334,10 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
                         break
                 if c["grad_clip"] != 0.0:
                     scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"])
+                    if parallel == "tp":
+                        _clip_2d(raw_model, c["grad_clip"])
+                    else:
+                        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"])
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
 """The in-process diagnosis on every rank together (nanscan.runtime.incident_diagnosis NOTE: [in-process diagnosis];
 issue 59 item 3): karpathy's train.py loop at learning rate 30 on 2 gloo ranks, as train.py runs under torchrun
-(DistributedDataParallel, each rank's own data, gradients synchronized at the last micro-step) and under FSDP2
-(fully_shard on each block): every rank reruns the window from its own kept state (its shards, under FSDP2) with
+(DistributedDataParallel, each rank's own data, gradients synchronized at the last micro-step), under FSDP2
+(fully_shard on each block), and on 4 ranks under HSDP (a 2x2 replicate-by-shard mesh) and under tensor
+parallelism (each MLP split over a 2-rank "tp" dimension, FSDP2 over "dp"): every rank reruns the window from its own kept state (its shards, under FSDP2) with
 its own recorded batches, through the wrapped model, matches its record at every step, and all ranks confirm the
 same learning-rate reduction and no precision, with the same words in every part. No rank hangs: the spawn has a
 deadline and the collectives a timeout."""
@@ -9,6 +10,7 @@ deadline and the collectives a timeout."""
 from __future__ import annotations
 
 import json
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -23,14 +25,14 @@ from spawn_ranks import spawn
 
 SPAWN_TIMEOUT_S = 420
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)]
-WORLD = 2
+WORLDS = {"ddp": 2, "fsdp": 2, "hsdp": 4, "tp": 4}
 
 
 def _worker(rank: int, parallel: str, store: str, out: str) -> None:
     from nanscan.runtime.window import Window
 
-    torch.set_num_threads(1)  # two processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+    torch.set_num_threads(1)  # the processes share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLDS[parallel],
                             timeout=timedelta(seconds=180))
     try:
         with warnings.catch_warnings():
@@ -43,16 +45,17 @@ def _worker(rank: int, parallel: str, store: str, out: str) -> None:
                   "headline": diagnosis.headline() if diagnosis else None,
                   "fixes": diagnosis.fixes if diagnosis else None, "seconds": diagnosis.seconds if diagnosis else None}
     except Exception as exc:  # noqa: BLE001 - written for the test to show
-        result = {"exception": f"{type(exc).__name__}: {exc}"}
+        result = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+@pytest.fixture(scope="module", params=list(WORLDS))
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    spawn(_worker, request.param, WORLD, out, timeout_s=SPAWN_TIMEOUT_S, label=f"train.py under {request.param}")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    if request.param == "fsdp" and any("exception" in r and "fully_shard" in r["exception"] for r in results):
+    world = WORLDS[request.param]
+    spawn(_worker, request.param, world, out, timeout_s=SPAWN_TIMEOUT_S, label=f"train.py under {request.param}")
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    if request.param != "ddp" and any("exception" in r and "fully_shard" in r["exception"] for r in results):
         pytest.skip(f"FSDP2 does not run train.py's model on gloo/CPU here: {results[0]['exception']}")
     return request.param, results
 
@@ -67,7 +70,7 @@ def test_every_rank_diagnoses_the_window_together_and_confirms_the_learning_rate
         assert r["headline"] == results[0]["headline"] and r["step"] == results[0]["step"]
         assert f"diagnosis over the window in process: {r['headline']}" in r["message"]
     bundle = load_bundle(Path(results[0]["bundle"]).parent)
-    for rank in range(WORLD):
+    for rank in range(len(results)):
         findings = {f["key"]: f for f in bundle.part(rank).findings()}
         window = findings["replay:window"]["record"]
         assert window["reproduced"] and window["first_departure"] is None, (parallel, rank, window["steps"][-3:])

@@ -36,7 +36,10 @@ Under a process group every rank reruns the window together, each from its own k
 local shard is loaded back into its DTensor with the live parameter's mesh and placements, the optimizer state's
 alike) and with its own recorded batches, through the model as the loop wraps it (DistributedDataParallel's
 gradient all-reduce, FSDP2's gathers and reduce-scatters, tensor parallelism's collectives), so the global batch and
-the sharded state are the run's. Every decision that leads to a collective is taken the same on every rank
+the sharded state are the run's. The loop's clip threshold is inferred from the group's gradient norm (each shard's
+sum of squares over the copies the group holds of it), and the clipping spans every mesh the gradients lie on
+(nanscan.runtime.shards.clip_grad_norm: FSDP2 with TP). Tested on train.py's loop under DDP, FSDP2, HSDP 2x2 and
+FSDP2 + TP 2x2 (tests/test_diagnosis_ranks.py). Every decision that leads to a collective is taken the same on every rank
 (GroupLockstep): a step is non-finite, or failed, when it is on any rank; a row's verdict is rank 0's (judged on its
 loss and on its gradients, which under DDP are the group's; under sharding, its shard's); the time limit is rank
 0's clock; the kept state the window starts from must be the same step on every rank. Before anything runs, the
@@ -215,13 +218,16 @@ class GroupLockstep(Lockstep):
 
     def grad_norms(self, bundle: Bundle) -> dict[int, float] | None:
         """The group's gradient norm by step from the ranks' recorded shards: each shard's sum of squares divided by
-        the copies of it the mesh holds (its Replicate dimensions: HSDP's replicas, TP's replicated tensors), summed
-        over the ranks. None for replicated weights (DDP), whose recorded norm is already the group's."""
+        the copies of it the group holds, summed over the ranks. The copies: its mesh's Replicate dimensions (HSDP's
+        replicas, TP's replicated tensors) times the group's ranks outside its mesh (a tensor on the data-parallel
+        sub-mesh only, beside tensor-parallel ones on the 2-D mesh, is the same on every rank of a TP pair). None
+        for replicated weights (DDP), whose recorded norm is already the group's."""
         dtensor = dtensor_type()
         if dtensor is None or not any(isinstance(p, dtensor) for p in self.model.parameters()):
             return None
+        ranks = dist.get_world_size(self.group)
         copies = {name: math.prod(p.device_mesh.size(d) for d, placement in enumerate(p.placements)
-                                  if placement.is_replicate())
+                                  if placement.is_replicate()) * max(ranks // p.device_mesh.size(), 1)
                   for name, p in named_parameters(self.model) if isinstance(p, dtensor)}
         entries = bundle.history()
         if not self.same(len(entries)):

@@ -27,7 +27,7 @@ from nanscan.engine.stats import ScanReport
 from nanscan.incident import is_kind, owner_module, tensor_name
 from nanscan.runtime.localize import Localization, Localizer, ValueSummary, first_bad, fmt_value, summary_of
 from nanscan.runtime.ops import OpSite, OpTracer
-from nanscan.runtime.shards import has_dtensors, local_shard
+from nanscan.runtime.shards import clip_grad_norm, has_dtensors, local_shard
 from nanscan.runtime.step_options import PRECISION_NAMES, StepOptions
 from nanscan.engine.plans import whole_tensor
 from nanscan.scan import model_inputs, scan, scan_inputs
@@ -309,8 +309,7 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
         grads = scan_inputs([i for i in model_inputs(model, shard=shard) if is_kind(i.name, "gradient")])
         if options.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                           options.clip_grad_norm)
+            clip_grad_norm(list(model.parameters()), options.clip_grad_norm)
         update_report = None
         # the GradScaler skips an update whose unscaled gradients are not finite: an expected skip where nothing
         # before the gradients went non-finite

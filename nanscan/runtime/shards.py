@@ -108,3 +108,26 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
 def localize_state(tree: Any) -> Any:
     """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
     return map_tree(tree, lambda _path, t: local_tensor(t).detach())
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_ over `parameters`' gradients, also where they lie on several device meshes
+    (FSDP2 with tensor parallelism: the split weights' 2-D DTensors beside the others' 1-D ones), which torch's
+    refuses (it stacks the per-tensor norms and multiplies the gradients in one foreach op, and DTensors of two
+    meshes mix in neither): the norm of each mesh's
+    gradients made whole, the total norm taken over those, and every gradient scaled by the one coefficient, as a
+    loop under such a layout clips (torchtitan's dist_utils.clip_grad_norm_)."""
+    params = [p for p in parameters if p.grad is not None]
+    meshes: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(meshes) <= 1:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norms = []
+    for group in meshes.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in meshes.values():  # one foreach multiply per mesh: DTensors of two meshes do not mix in one
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
