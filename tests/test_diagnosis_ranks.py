@@ -9,6 +9,7 @@ deadline and the collectives a timeout."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import traceback
 import warnings
@@ -20,7 +21,10 @@ import torch
 import torch.distributed as dist
 
 import karpathy_train as K
+from click.testing import CliRunner
+
 from nanscan import load_bundle
+from nanscan.cli.main import main
 from spawn_ranks import spawn
 
 SPAWN_TIMEOUT_S = 420
@@ -40,13 +44,21 @@ def _worker(rank: int, parallel: str, store: str, out: str) -> None:
             run = K.train(K.LR30, Path(out) / "bundles", parallel=parallel, window=Window(steps=32, every=8),
                           step_fn=K.forward_loss, run_id=f"train-py-{parallel}")
         diagnosis = run.monitor.diagnosis
-        result = {"step": run.nonfinite_step, "truth": run.truth, "message": str(run.error),
+        # the full weights at the raise (the diagnosis puts everything back), each rank's view: the set's join of its
+        # shards must give these (NOTE: [shard chunks])
+        weights = {name: hashlib.sha256(_full(p).numpy().tobytes()).hexdigest()
+                   for name, p in run.monitor.model.state_dict().items()}
+        result = {"weights": weights, "step": run.nonfinite_step, "truth": run.truth, "message": str(run.error),
                   "bundle": str(run.monitor.bundle_path), "verdict": diagnosis.verdict if diagnosis else None,
                   "headline": diagnosis.headline() if diagnosis else None,
                   "fixes": diagnosis.fixes if diagnosis else None, "seconds": diagnosis.seconds if diagnosis else None}
     except Exception as exc:  # noqa: BLE001 - written for the test to show
         result = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))
@@ -77,3 +89,24 @@ def test_every_rank_diagnoses_the_window_together_and_confirms_the_learning_rate
         assert findings["diagnosis"]["title"] == f"Diagnosis in process: {results[0]['headline']}"
     print(f"\n{parallel}: failing step {results[0]['step']}, diagnosis {results[0]['seconds']:.1f} s on rank 0: "
           f"{results[0]['headline']}")
+
+
+def test_the_set_joins_every_layout_in_one_process_and_replays_there(ranks):
+    """One process, no mesh: the set's state joins every rank's blocks into the full weights the job held (FSDP2,
+    HSDP, and TP's column and row splits with FSDP2's strided shards over them: NOTE: [shard chunks]), bit for bit,
+    and so does each kept state of the window; `nanscan replay` reruns the failing step from it."""
+    parallel, results = ranks
+    bundle = load_bundle(Path(results[0]["bundle"]).parent)
+    model_state, optimizer_state = bundle.state()
+    joined = {name: hashlib.sha256(t.detach().numpy().tobytes()).hexdigest() for name, t in model_state.items()}
+    assert joined == results[0]["weights"] == results[-1]["weights"]
+    reference = K.build_model(K.full_config(K.LR30))
+    window_model, window_optimizer = bundle.window_state(bundle.window["states"][0]["step"])
+    reference.load_state_dict(window_model)  # full shapes, every key
+    if parallel != "ddp":
+        sharded = {path for path in bundle.manifest["distributed"]["shards"]}
+        assert any(path.startswith("optimizer/") for path in sharded) and optimizer_state is not None
+    out = CliRunner().invoke(main, ["replay", str(bundle.set_path), "--entry", K.ENTRY, "--runs", "1",
+                                    "--no-bisect", "--no-record"])
+    assert out.exit_code == 0, out.output
+    assert "reproduced" in out.output, out.output

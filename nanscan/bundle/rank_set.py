@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,42 +185,85 @@ class BundleSet(Bundle):
                                                    "nonfinite_count", "error")} for row in self.index["ranks"]]}
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """The model and optimizer state of this rank's part; FSDP shards are joined from every rank's part into
-        the full tensors, so the state loads into the unsharded model. Raises BundleError when they cannot be."""
+        """The model and optimizer state of this rank's part; sharded tensors are joined from every rank's part into
+        the full tensors (NOTE: [shard chunks] in nanscan/runtime/shards.py), so the state loads into the unsharded
+        model. Raises BundleError when they cannot be."""
+        return self._joined(Bundle.state, "the failing step's state")
+
+    def window_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """The window's kept state at `step`, joined as state() joins the failing step's: a kept state holds each
+        rank's shards under the same names and layout."""
+        return self._joined(lambda part: Bundle.window_state(part, step), f"the window's state at step {step}")
+
+    def _joined(self, read: Any, what: str) -> tuple[dict[str, torch.Tensor], dict | None]:
         info = self.manifest.get("distributed") or {}
         if not info.get("sharded"):
-            return super().state()
-        layout: dict[str, dict] = info.get("shards") or {}
+            return read(self.parts[self.rank])
+        layouts = {r: (p.manifest.get("distributed") or {}).get("shards") or {} for r, p in self.parts.items()}
         groups: list[list[int]] = info.get("shard_groups") or []
-        states = {r: Bundle.state(p) for r, p in self.parts.items()}
+        states = {r: read(p) for r, p in self.parts.items()}
         local = {r: dict(tree_items({"model": s[0], "optimizer": s[1]})) for r, s in states.items()}
         global_to_rank = {int(row["global_rank"]): int(row["rank"]) for row in self.index["ranks"]}
+        missing = [g for g in (int(row["global_rank"]) for row in self.index["ranks"])
+                   if global_to_rank.get(g) not in local]
 
         def join(path: str, t: torch.Tensor) -> torch.Tensor:
-            where = layout.get(path)
+            where = layouts[self.rank].get(path)
             if where is None:
                 return t
+            if "offset" in where:
+                return self._join_chunks(path, t, layouts, local, missing, what)
             if "group" not in where:
-                raise BundleError(f"{self.set_path}: {path} is placed as {where['placements']}; only tensors sharded "
-                                  "along one mesh dimension (FSDP, HSDP) can be joined in one process, so this step "
-                                  "cannot be replayed outside the distributed job")
-            pieces = []
-            for g in groups[where["group"]]:
-                r = global_to_rank.get(g)
-                if r not in local or path not in local[r]:
-                    raise BundleError(f"{self.set_path}: the part of global rank {g}, which holds a shard of {path}, "
-                                      "is missing, so the full tensor cannot be rebuilt in one process; copy the "
-                                      "whole set, every rank-<r> directory with it")
-                pieces.append(local[r][path])
-            full = torch.cat(pieces, dim=where["dim"])
-            if list(full.shape) != where["global_shape"]:
-                raise BundleError(f"{self.set_path}: the shards of {path} join to shape {list(full.shape)}, not "
-                                  f"{where['global_shape']}; this layout cannot be rebuilt in one process")
-            return full
+                raise BundleError(f"{self.set_path}: {path} is placed as {where['placements']}, whose local tensor "
+                                  "is not one block of the global one, so it cannot be joined in one process; "
+                                  "replay it on the job's own mesh")
+            return self._join_group(path, where, groups[where["group"]], global_to_rank, local)
 
         model, optimizer = states[self.rank]
         return (map_tree(model, join, ("model",)),
                 map_tree(optimizer, join, ("optimizer",)) if optimizer is not None else None)
+
+    def _join_chunks(self, path: str, t: torch.Tensor, layouts: dict, local: dict, missing: list,
+                     what: str) -> torch.Tensor:
+        """The full tensor from every part's block (NOTE: [shard chunks]); a block no part holds is named."""
+        shape = layouts[self.rank][path]["global_shape"]
+        full = torch.empty(shape, dtype=t.dtype)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for r, layout in layouts.items():
+            where, piece = layout.get(path), local[r].get(path)
+            if where is None or "offset" not in where or piece is None:
+                continue
+            block = tuple(slice(o, o + n) for o, n in zip(where["offset"], where["local_shape"]))
+            if list(piece.shape) != where["local_shape"]:
+                raise BundleError(f"{self.set_path}: rank {r}'s {path} in {what} has shape {list(piece.shape)}, "
+                                  f"not the {where['local_shape']} its manifest records; the part was changed, copy "
+                                  "the set again")
+            full[block] = piece
+            covered[block] = True
+        if not bool(covered.all()):
+            held = int(covered.sum())
+            raise BundleError(f"{self.set_path}: the parts hold {held} of {covered.numel()} elements of {path} "
+                              f"({what}); " + (f"the parts of global ranks {missing} are missing: copy the whole "
+                                              "set, every rank-<r> directory with it" if missing else
+                                              "the set's layout leaves a block no rank wrote"))
+        return full
+
+    def _join_group(self, path: str, where: dict, group: list[int], global_to_rank: dict,
+                    local: dict) -> torch.Tensor:
+        """A bundle written before NOTE: [shard chunks]: the pieces of one mesh dimension, in its ranks' order."""
+        pieces = []
+        for g in group:
+            r = global_to_rank.get(g)
+            if r not in local or path not in local[r]:
+                raise BundleError(f"{self.set_path}: the part of global rank {g}, which holds a shard of {path}, "
+                                  "is missing, so the full tensor cannot be rebuilt in one process; copy the "
+                                  "whole set, every rank-<r> directory with it")
+            pieces.append(local[r][path])
+        full = torch.cat(pieces, dim=where["dim"])
+        if list(full.shape) != where["global_shape"]:
+            raise BundleError(f"{self.set_path}: the shards of {path} join to shape {list(full.shape)}, not "
+                              f"{where['global_shape']}; this layout cannot be rebuilt in one process")
+        return full
 
 
 def require_full_state(bundle: Bundle) -> None:

@@ -76,33 +76,36 @@ def local_scan_plan() -> ModelScanPlan:
 
 
 def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
-    """What BundleSet.state() needs to join the parts of a sharded state again: ({path in the stored state
-    ("model/<key>", "optimizer/state/<index>/<key>"): layout}, shard groups).
+    """What BundleSet.state() needs to join the parts of a sharded state again (NOTE: [shard chunks]): ({path in
+    the stored state ("model/<key>", "optimizer/state/<index>/<key>"): layout}, []).
 
-    A tensor sharded along exactly one mesh dimension (FSDP; HSDP, whose other dimension replicates) records the
-    tensor dimension it is split along and its shard group: the global ranks holding its pieces, in order, stored
-    once per group in the second value (a group can span the whole world, and every parameter shares it). Other
-    layouts record their placements only, and cannot be joined in one process.
+    NOTE: [shard chunks]
+    Each sharded DTensor records, in this rank's part, its global shape, its placements, and the block of the
+    global tensor this rank's local tensor is: its offset and local shape, as DTensor computes them
+    (compute_local_shape_and_global_offset, the chunk metadata torch.distributed.checkpoint writes for a DTensor).
+    That describes any layout the parts hold as blocks: FSDP2 and HSDP (one sharded mesh dimension), FSDP2 + TP
+    (two, or a _StridedShard where FSDP shards a dimension TP already split), each rank's block found without
+    knowing the mesh. Joining places every part's local tensor at its offset; replicas write the same bytes twice.
+    A layout whose local tensor is not one block of the global one has no offset recorded and is refused by name.
+    The second value (shard groups, the one-dimension join of bundles written before) is kept empty.
     """
     dtensor = dtensor_type()
     layout: dict[str, dict] = {}
-    groups: dict[tuple[int, ...], int] = {}
     if dtensor is None:
         return layout, []
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415 - DTensor's
+
     for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
         for path, t in tree_items(tree, (root,)):
             if not isinstance(t, dtensor) or not any(p.is_shard() for p in t.placements):
                 continue
             entry = {"global_shape": list(t.shape), "placements": [str(p) for p in t.placements]}
-            sharded = [(m, p.dim) for m, p in enumerate(t.placements) if p.is_shard()]
-            if len(sharded) == 1 and not any(p.is_partial() for p in t.placements):
-                mesh_dim, entry["dim"] = sharded[0]
-                where: list = list(t.device_mesh.get_coordinate())
-                where[mesh_dim] = slice(None)
-                owners = tuple(t.device_mesh.mesh[tuple(where)].tolist())
-                entry["group"] = groups.setdefault(owners, len(groups))
+            if not any(p.is_partial() for p in t.placements):
+                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                if tuple(shape) == tuple(t.to_local().shape):
+                    entry["offset"], entry["local_shape"] = [int(o) for o in offset], [int(n) for n in shape]
             layout[path] = entry
-    return layout, [list(owners) for owners in groups]
+    return layout, []
 
 
 def localize_state(tree: Any) -> Any:
