@@ -110,3 +110,43 @@ def test_the_set_joins_every_layout_in_one_process_and_replays_there(ranks):
                                     "--no-bisect", "--no-record"])
     assert out.exit_code == 0, out.output
     assert "reproduced" in out.output, out.output
+
+
+def _load_worker(rank: int, job: tuple, store: str, out: str) -> None:
+    """Build train.py's model under the run's layout, load the checkpoint one process wrote with plain DCP into its
+    sharded state dict, and write the full weights' digests."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    parallel, checkpoint = job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLDS[parallel],
+                            timeout=timedelta(seconds=180))
+    c = K.full_config(K.LR30)
+    model = K.build_model(c)
+    K._shard(model, parallel)
+    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    weights = {name: hashlib.sha256(_full(t).numpy().tobytes()).hexdigest() for name, t in model.state_dict().items()}
+    (Path(out) / f"loaded{rank}.json").write_text(json.dumps(weights))
+
+
+def test_the_set_as_a_checkpoint_loads_on_the_jobs_own_layout(ranks, tmp_path):
+    """`nanscan checkpoint SET`: one process joins the set and writes a DCP checkpoint; the job's layout (FSDP2 on
+    2 ranks, FSDP2 + TP on 4) loads it with plain DCP, resharding, and holds the weights the job held at the
+    incident, bit for bit (NOTE: [bundle checkpoint])."""
+    parallel, results = ranks
+    if parallel not in ("fsdp", "tp"):
+        pytest.skip("the sharded layouts of 2 and 4 ranks suffice: HSDP loads as FSDP2 does, DDP is not sharded")
+    bundle = Path(results[0]["bundle"]).parent
+    checkpoint = tmp_path / "ckpt"
+    out = CliRunner().invoke(main, ["checkpoint", str(bundle), str(checkpoint)])
+    assert out.exit_code == 0, out.output
+    spawn(_load_worker, (parallel, str(checkpoint)), WORLDS[parallel], tmp_path / "load", timeout_s=SPAWN_TIMEOUT_S,
+          label=f"a checkpoint loaded under {parallel}")
+    for rank in range(WORLDS[parallel]):
+        loaded = json.loads((tmp_path / "load" / f"loaded{rank}.json").read_text())
+        assert loaded == results[0]["weights"], rank

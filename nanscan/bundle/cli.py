@@ -1,5 +1,6 @@
-"""`nanscan note`: a reviewer's note added to a bundle's INCIDENT.md, apart from the automatic findings, and
-`--rebuild` to render the automatic part again from the ledger after a hand edit."""
+"""The bundle's subcommands: `nanscan note`, a reviewer's note added to a bundle's INCIDENT.md, apart from the
+automatic findings (`--rebuild` renders the automatic part again from the ledger after a hand edit), and `nanscan
+checkpoint`, a bundle's state as a checkpoint a trainer resumes from (nanscan.bundle.checkpoint)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,34 @@ def note_command(bundle: Path, text: str | None, author: str | None, rebuild: bo
                    else f"{where} already matches its ledger; nothing changed")
     if added is not None:
         click.echo(f"note added to {where}" if added else f"the same note is already in {where}; nothing changed")
+
+
+@click.command("checkpoint")
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--step", type=int, default=None, help="The window's kept state at this step (default: the failing "
+                                                     "step's state).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def checkpoint_command(bundle: Path, out: Path, step: int | None, overwrite: bool, as_json: bool):
+    """Write BUNDLE's state as a torch.distributed.checkpoint directory OUT that any number of ranks load.
+
+    A bundle set's shards are joined first; the model and optimizer state are keyed as get_state_dict names them
+    ("model", "optimizer"), with the RNG state and nanscan_resume.json (the step it begins, learning rates, sample
+    ids) beside them."""
+    import json  # noqa: PLC0415
+
+    from nanscan.bundle.checkpoint import write_checkpoint  # noqa: PLC0415 - torch: NOTE: [fast help]
+
+    try:
+        written = write_checkpoint(load_bundle(bundle), out, step=step, overwrite=overwrite)
+    except (BundleError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(written.to_dict(), indent=2))
+        return
+    state = "the pre-step state" if written.pre_step else "the state"
+    click.echo(f"wrote {written.path}: {state} of step {written.step} ({', '.join(written.keys)}), from "
+               f"{written.bundle}; load it with torch.distributed.checkpoint.load on any number of ranks")
+    for note in written.notes:
+        click.echo(f"note: {note}")

@@ -282,6 +282,10 @@ class Incident:
     frozen: Sequence[str] = ()
     # The run's window (nanscan.runtime.window NOTE: [run window]), or None when the Monitor kept none.
     window: RunWindow | None = None
+    # Each optimizer param group's parameter names (state dict names), in the order of its "params": what names
+    # the optimizer state's integer keys, for a checkpoint keyed by name (NOTE: [bundle checkpoint]); None when the
+    # optimizer's parameters are not the model's own (a framework's flat partitions).
+    optimizer_params: Sequence[Sequence[str]] | None = None
 
 
 def json_float(value: float | None) -> float | str | None:

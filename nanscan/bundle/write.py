@@ -355,7 +355,9 @@ def _write_state(files: BundleFiles, inc: Incident) -> dict:
         model_state, frozen = split_frozen(model_state, inc.frozen)
     _write_state_files(files, STATE, STATE_STRUCTURE, model_state, inc.optimizer_state)
     written = {"file": STATE, "structure": STATE_STRUCTURE, "pre_step": inc.state_pre_step,
-               "optimizer": inc.optimizer_state is not None, "note": inc.state_note}
+               "optimizer": inc.optimizer_state is not None, "note": inc.state_note,
+               "optimizer_params": [list(group) for group in inc.optimizer_params]
+               if inc.optimizer_params is not None else None}
     if frozen:
         written["frozen"] = frozen
     return written

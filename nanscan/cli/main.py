@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "demo": "nanscan.cli.demo:demo_command",
     "report": "nanscan.review.report:report_command",
     "note": "nanscan.bundle.cli:note_command",
+    "checkpoint": "nanscan.bundle.cli:checkpoint_command",
     "replay": "nanscan.replay.cli:replay_command",
     "ablate": "nanscan.replay.ablate:ablate_command",
     "triage": "nanscan.review.triage:triage_command",

@@ -350,6 +350,18 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return [(state_dict_name(name), p) for name, p in model.named_parameters()]
 
 
+def optimizer_param_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]] | None:
+    """Each of `optimizer`'s param groups' parameter names, in its order (NOTE: [state dict names]; a tied
+    parameter under its first name, as model.named_parameters() gives it once); None when a parameter of the
+    optimizer is not the model's (a framework's flat partitions) or there is no optimizer."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    names = {id(p): name for name, p in named_parameters(model)}
+    found = [[names.get(id(p)) for p in group["params"]] for group in groups]
+    return None if any(name is None for group in found for name in group) else found
+
+
 def named_tensors(tensors: Any) -> Iterable[tuple[str, Any]]:
     """(name, tensor) pairs from a list/tuple, a mapping, a single tensor or numpy array, or a module (parameters and
     buffers)."""

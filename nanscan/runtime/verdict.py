@@ -25,7 +25,7 @@ from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, 
 from nanscan.bundle.format import RERUN_FINDING
 from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
-from nanscan.engine.inputs import plain_ids
+from nanscan.engine.inputs import optimizer_param_names, plain_ids
 from nanscan.engine.pending import StepScan
 from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
@@ -443,6 +443,7 @@ class StepVerdicts:
             spikes=[spike.to_dict() for spike in self.spikes], micro_batch=self._deciding_micro,
             micro_batch_observed=self._deciding_observed,
             frozen=self._frozen_keys(model), window=self._window.record(step) if self._window is not None else None,
+            optimizer_params=optimizer_param_names(model, self.optimizer) if optimizer_state is not None else None,
             abandoned_steps=self._rollbacks.abandoned() if self._rollbacks is not None else (),
         )
 
