@@ -239,7 +239,7 @@ def _shard(model: GPT, parallel: str) -> None:
 
 
 def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum_losses: bool = False,
-          parallel: str | None = None, **monitor_options) -> TrainRun:
+          parallel: str | None = None, fault: tuple[int, int] | None = None, **monitor_options) -> TrainRun:
     """train.py's loop; `sum_losses`: the micro-batch losses are summed, not averaged (a common variant that
     makes the gradients `gradient_accumulation_steps` times larger). `parallel`: in an initialized process group,
     "ddp" as train.py runs under torchrun (each rank's seed offset by its rank, the model wrapped in
@@ -247,7 +247,8 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
     "fsdp" (FSDP2's fully_shard on every block and the model before the optimizer is made, as torchtitan does),
     and on 4 ranks "hsdp" (fully_shard over a 2x2 (replicate, shard) mesh) or "tp" (each block's MLP split
     Megatron-style, c_fc by columns and c_proj by rows, over the mesh's "tp" dimension, and FSDP2 over its "dp"
-    one; the two ranks of a tensor-parallel pair draw the same data)."""
+    one; the two ranks of a tensor-parallel pair draw the same data). `fault`: (iteration, rank) whose forwards
+    give NaN out of the final LayerNorm, that iteration only (a one-off fault on one rank; rank 0 without a group)."""
     c = full_config(overrides)
     rank = torch.distributed.get_rank() if parallel else 0
     seed_offset = rank // 2 if parallel == "tp" else rank
@@ -306,6 +307,9 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
                 if iter_num % c["eval_interval"] == 0:
                     estimate_loss()
                 step_loss = 0.0
+                broken = None
+                if fault is not None and fault == (iter_num, rank):
+                    broken = raw_model.transformer.ln_f.register_forward_hook(lambda m, a, out: out * float("nan"))
                 for micro_step in range(accum):
                     if parallel == "ddp":  # train.py: sync only at the last micro-step
                         model.require_backward_grad_sync = micro_step == accum - 1
@@ -324,6 +328,8 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
                             mon.check(batch=batch, loss=loss)
                         run.warnings += [(iter_num, str(w.message)) for w in caught[seen:]
                                          if issubclass(w.category, SpikeWarning)]
+                if broken is not None:
+                    broken.remove()
                 run.losses.append(step_loss)
                 finite = math.isfinite(step_loss) and all(
                     bool(torch.isfinite(_local(t)).all())

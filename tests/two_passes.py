@@ -49,6 +49,7 @@ BOTH_PASSES = {
     "test_window": "the run's window as the Monitor keeps it, step by step",
 }
 NATIVE_PASS_ONLY = {
+    "test_rollback_sharded": "rollback of FSDP2 and HSDP shards: the window's loads back into the DTensors",
     "test_checkpoint": "a bundle's state written as a DCP checkpoint: reads bundles, scans nothing",
     "test_replicas_mesh": "the replica sets of DTensors (HSDP, tensor parallelism); the fingerprints they compare are "
                           "test_replicas' subject in both passes",

@@ -69,7 +69,7 @@ from nanscan.incident import OTHER_RANK
 from nanscan.runtime.distributed import all_gather_json
 from nanscan.runtime.incident_rerun import function_name, set_aside
 from nanscan.runtime.rerun import HALF_DTYPES, StepOutcome
-from nanscan.runtime.shards import SHARD_SUFFIX, dtensor_type
+from nanscan.runtime.shards import SHARD_SUFFIX, dtensor_type, placed_model_state, placed_optimizer_state
 from nanscan.runtime.rerun_inputs import ReplayError
 from nanscan.runtime.step_options import StepOptions
 from nanscan.runtime.window_ablation import (TIME_CUT, TIME_SPENT, WindowAblation, WindowRow, ablate_over_window,
@@ -268,7 +268,7 @@ class ProcessSource:
                     t.data = t.data.to(dtype)
             if model_state is not None:
                 # strict: the state is this model's own; only frozen weights (kept by reference) may be absent
-                missing, unexpected = self.model.load_state_dict(self._placed(model_state), strict=False)
+                missing, unexpected = self.model.load_state_dict(placed_model_state(self.model, model_state), strict=False)
                 trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
                 if unexpected or trainable & set(missing):
                     raise ReplayError(f"the window's state does not fit the live model: missing "
@@ -279,34 +279,12 @@ class ProcessSource:
                         t.data = t.data.float()
         optimizer = self._fresh_optimizer()
         if optimizer_state is not None:
-            optimizer.load_state_dict(self._placed_optimizer(copy.deepcopy(optimizer_state), optimizer))
+            optimizer.load_state_dict(placed_optimizer_state(optimizer, copy.deepcopy(optimizer_state)))
         if options.eps is not None:
             for group in optimizer.param_groups:
                 if "eps" in group:
                     group["eps"] = options.eps
         return self.spec(), optimizer
-
-    def _placed(self, state: dict) -> dict:
-        """A kept state with each local shard (the window keeps a DTensor's as a plain tensor) put back in its
-        DTensor, on the live parameter's mesh with its placements; a plain model's state as it is."""
-        dtensor = dtensor_type()
-        if dtensor is None:
-            return state
-        live = self.model.state_dict()
-        return {key: _as_live(value, live.get(key), dtensor) for key, value in state.items()}
-
-    def _placed_optimizer(self, state: dict, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer state's shards likewise: a tensor shaped as its parameter's local shard takes that
-        parameter's mesh and placements (step counters and other scalars stay as they are)."""
-        dtensor = dtensor_type()
-        if dtensor is None:
-            return state
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, values in state.get("state", {}).items():
-            param = params[int(index)] if int(index) < len(params) else None
-            for key, value in list(values.items()):
-                values[key] = _as_live(value, param, dtensor)
-        return state
 
     def _fresh_optimizer(self) -> torch.optim.Optimizer:
         live = self.live_optimizer
@@ -320,17 +298,6 @@ class ProcessSource:
         except Exception as exc:  # noqa: BLE001 - an optimizer whose constructor needs more than its groups
             raise ReplayError(f"a fresh {type(live).__name__} cannot be built from the run's param groups "
                               f"({type(exc).__name__}: {exc})") from None
-
-
-def _as_live(value: Any, live: Any, dtensor: type) -> Any:
-    """`value` as a DTensor placed like `live` when `live` is one and `value` is its local shard; else as it is."""
-    if not isinstance(live, dtensor) or not torch.is_tensor(value) or isinstance(value, dtensor):
-        return value
-    local = live.to_local()
-    if value.shape != local.shape:
-        return value
-    return dtensor.from_local(value.to(device=local.device, dtype=local.dtype), live.device_mesh, live.placements,
-                              run_check=False, shape=live.shape, stride=live.stride())
 
 
 def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any, *, step: int,

@@ -478,10 +478,6 @@ class Monitor(StepVerdicts):
                 self._snapshot = CpuSnapshot(local=distributed.local_tensor)  # and copy the local part
             if self._window is not None and distributed.has_dtensors(model):
                 self._window = WindowKeeper(self._window.window, local=distributed.local_tensor)  # each rank's own
-                if self._rollbacks is not None:
-                    raise ValueError("on_invalid=Rollback(...) with sharded weights (FSDP2's DTensors): the window "
-                                     "keeps each rank's local shards, which a rollback does not load back into the "
-                                     "sharded parameters yet; use 'raise' or 'skip', or DDP")
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.runtime.distributed import Agreement, is_replicated  # noqa: PLC0415
 

@@ -28,7 +28,11 @@ scheduler, keeps its own schedule and the factor applies on top of it.
 Limits: at most max_rollbacks per run; a failure within settle_steps of a rollback (default: the window's steps) is
 the same failure coming back, and raises NonFiniteError naming every attempt's bundle, as does a failure with no
 kept state to go back to. Under a process group every rank rolls back at the same step (the ranks' agreement decides
-it) to its own kept state, which DDP keeps identical. The window then starts again from the restored state, as the
+it) to its own kept state, which DDP keeps identical; a sharded model's (FSDP2, HSDP, TP) kept local shards are
+loaded back into its DTensors and the optimizer's in place (nanscan.runtime.shards.placed_model_state), and the
+kept optimizer state is copied first, so the training that follows never writes into the window's copy. Under a
+group no spike dates an episode's start (spikes are judged per process), so skip="window" goes back to the newest
+kept state before the failing step. The window then starts again from the restored state, as the
 first state of the steps that follow (the abandoned steps are no one's lineage). What the user saved is never
 touched: the state comes from the window's host copies, not from a checkpoint.
 The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (what was restored, which steps and

@@ -108,6 +108,42 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
     return layout, []
 
 
+def placed_model_state(model: torch.nn.Module, state: dict) -> dict:
+    """A kept state for model.load_state_dict(): each local shard (the window keeps a DTensor's as a plain tensor)
+    put back in its DTensor, on the live parameter's mesh with its placements, so it loads in place into the
+    sharded parameter (a rollback, the in-process diagnosis); a plain model's state as it is."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return state
+    live = model.state_dict()
+    return {key: _as_live(value, live.get(key), dtensor) for key, value in state.items()}
+
+
+def placed_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """The optimizer's kept state_dict() likewise, changed in place: a tensor shaped as its parameter's local shard
+    takes that parameter's mesh and placements (step counters and other scalars stay as they are)."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, values in state.get("state", {}).items():
+        param = params[int(index)] if int(index) < len(params) else None
+        for key, value in list(values.items()):
+            values[key] = _as_live(value, param, dtensor)
+    return state
+
+
+def _as_live(value: Any, live: Any, dtensor: type) -> Any:
+    """`value` as a DTensor placed like `live` when `live` is one and `value` is its local shard; else as it is."""
+    if not isinstance(live, dtensor) or not torch.is_tensor(value) or isinstance(value, dtensor):
+        return value
+    local = live.to_local()
+    if value.shape != local.shape:
+        return value
+    return dtensor.from_local(value.to(device=local.device, dtype=local.dtype), live.device_mesh, live.placements,
+                              run_check=False, shape=live.shape, stride=live.stride())
+
+
 def localize_state(tree: Any) -> Any:
     """A state tree with every DTensor replaced by its local shard (safetensors stores plain tensors only)."""
     return map_tree(tree, lambda _path, t: local_tensor(t).detach())

@@ -37,6 +37,7 @@ from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_ste
 from nanscan.runtime.rollback import (Rollback, RollbackWarning, bad_row_ids, chosen_skip, describe,
                                       quarantine_rows)
 from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.shards import placed_model_state, placed_optimizer_state
 from nanscan.runtime.spikes import EPISODE_GAP, Spike, SpikeWatch, episode_start
 from nanscan.runtime.stages import StepCheck
 from nanscan.runtime.update import broken_by_update
@@ -559,9 +560,10 @@ class StepVerdicts:
             restored_from = f"the window's state kept at step {restored_step}"
             skipped = self._window.steps_between(restored_step, step) or [{"step": step,
                                                                             "sample_ids": plain_ids(sample_ids)}]
-            model.load_state_dict(model_state, strict=False)  # in place; frozen weights are not in it
+            # in place; frozen weights are not in it; a sharded model's kept local shards back into its DTensors
+            model.load_state_dict(placed_model_state(model, model_state), strict=False)
             if optimizer is not None and optimizer_state is not None:
-                optimizer.load_state_dict(optimizer_state)
+                optimizer.load_state_dict(placed_optimizer_state(optimizer, copy.deepcopy(optimizer_state)))
             # No generator is rewound: torch's, numpy's and Python's drive the data as much as the model (train.py's
             # get_batch draws with torch.randint), so the skipped batches would be drawn again (NOTE: [rollback]).
             if scale is not None and self._scaler is not None and self._scaler.scaler.is_enabled():
