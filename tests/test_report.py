@@ -30,7 +30,7 @@ from nanscan.bundle.history import history_payload
 from nanscan.cli.main import main
 from nanscan.runtime.monitor import Monitor, NonFiniteError
 from nanscan.review.html_page import render_html
-from nanscan.review.plots import plot_curves
+from nanscan.review.plots import plot_curves, plot_exponent_heatmap
 from nanscan.review.summary import load_history, split_name, summarize
 from nanscan.review.text import divergence_cells
 
@@ -345,19 +345,22 @@ def test_the_html_reports_incident_note_is_rendered_markdown(demo_bundle, tmp_pa
 
 # -- a run that rolled back: the steps a rollback abandoned, marked wherever the history is shown step by step -----
 
+STOPPED = 14  # the rolled-back run's second failure, where it stops
+
+
 @pytest.fixture(scope="module")
 def rolled_back(tmp_path_factory):
     """(the rollback's own bundle, the bundle where the run stopped, the rollback's record): the model's output is
     infinite at step 5, and the run goes back to its window's oldest state, abandoning the steps from there to 5;
-    steps 6 and 7 go on from it, and step 8 fails again, where the run stops (max_rollbacks=1)."""
+    steps 6-13 go on from it, and step 14 fails again, where the run stops (max_rollbacks=1)."""
     root = tmp_path_factory.mktemp("rolled-back")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RollbackWarning)
         with pytest.raises(NonFiniteError) as caught:
-            broken_run(root, Rollback(skip="window", max_rollbacks=1, settle_steps=1))
+            broken_run(root, Rollback(skip="window", max_rollbacks=1, settle_steps=1), faults=frozenset({5, 14}))
     (entry,) = rollbacks(root / "broken")
     assert entry["at_step"] == 5 and entry["skipped_steps"] == list(range(entry["restored_step"], 6))
-    assert caught.value.step == 8
+    assert caught.value.step == STOPPED
     return load_bundle(root / "broken" / entry["bundle"]), load_bundle(caught.value.bundle_path), entry
 
 
@@ -386,10 +389,11 @@ def test_the_steps_a_rollback_abandoned_are_marked_in_the_terminal_and_html(roll
     # where the run stopped: the steps around it followed the rollback, and the abandoned ones are named
     terminal = runner.invoke(main, ["report", str(stopped.path)], env={"COLUMNS": "200"})
     assert terminal.exit_code == 0, terminal.output
-    assert re.search(r"last finite\s+7\s", terminal.stdout) and re.search(r"first invalid\s+8\s", terminal.stdout)
+    assert re.search(rf"last finite\s+{STOPPED - 1}\s", terminal.stdout)
+    assert re.search(rf"first invalid\s+{STOPPED}\s", terminal.stdout)
     assert abandoned_line(entry) in terminal.stdout
     page = render_html(stopped, tmp_path / "stopped.html").read_text()
-    assert "<td>7</td>" in page and html.escape(abandoned_line(entry)) in page
+    assert f"<td>{STOPPED - 1}</td>" in page and html.escape(abandoned_line(entry)) in page
 
 
 def test_the_curves_shade_the_abandoned_steps_and_draw_them_hollow(rolled_back):
@@ -401,7 +405,26 @@ def test_the_curves_shade_the_abandoned_steps_and_draw_them_hollow(rolled_back):
     (hollow,) = [line for line in ax_loss.lines if line.get_markerfacecolor() == "none"]
     assert list(hollow.get_xdata()) == list(range(entry["restored_step"], 5))  # step 5's loss was inf: a red X
     (run,) = [line for line in ax_loss.lines if line.get_marker() == "."]
-    assert list(run.get_xdata()) == [6, 7]  # the line is the run's: the steps after the rollback
+    assert list(run.get_xdata()) == list(range(6, STOPPED))  # the line is the run's: the steps after the rollback
+
+
+def test_two_rollbacks_are_shaded_in_two_colours_their_legend_above_a_heatmap(tmp_path):
+    """Faults at steps 5 and 8, each rolled back: the two abandoned spans, side by side on every plot, each in its
+    rollback's colour; on the exponent heatmaps the legend sits above the axes, off the cells."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RollbackWarning)
+        with pytest.raises(NonFiniteError) as caught:
+            broken_run(tmp_path, Rollback(skip="window", max_rollbacks=2, settle_steps=1))
+    stopped = load_bundle(caught.value.bundle_path)
+    history = load_history(stopped)
+    summary = summarize(stopped, history)
+    assert [span["at_step"] for span in summary["abandoned"]] == [5, 8]
+    fig = plot_curves(summary, history)
+    spans = [p for p in fig.axes[0].patches if p.get_label() and "abandoned" in p.get_label()]
+    assert len({tuple(p.get_facecolor()[:3]) for p in spans}) == 2, [p.get_label() for p in spans]
+    heatmap = plot_exponent_heatmap(summary, history)
+    legend = heatmap.axes[0].get_legend()
+    assert legend is not None and legend.get_bbox_to_anchor().y0 >= heatmap.axes[0].get_window_extent().y1 - 1
 
 
 def test_the_divergence_steps_mark_the_abandoned_steps(rolled_back):
@@ -412,3 +435,5 @@ def test_the_divergence_steps_mark_the_abandoned_steps(rolled_back):
                                                 summary["abandoned"])
     marked = [f"{step} abandoned" for step in range(entry["restored_step"], 5)] + ["5 abandoned NaN/inf", "6", "7"]
     assert [row[0] for row in cells][:len(marked)] == marked
+    # judged on the run that failed: the steps after the rollback, not the abandoned ones before it
+    assert summary["divergence"]["judged"] == [6, STOPPED - 1]

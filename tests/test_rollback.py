@@ -100,21 +100,24 @@ def test_a_corrupt_record_is_skipped_quarantined_and_kept_out_of_the_next_run(tm
 
 
 class Broken(nn.Module):
-    """A linear model whose output is infinite at steps 5, 8, 11, ... (set `step` before each forward)."""
+    """A linear model whose output is infinite at steps 5, 8, 11, ..., or at the steps `faults` names (set `step`
+    before each forward)."""
 
-    def __init__(self):
+    def __init__(self, faults: frozenset[int] | None = None):
         super().__init__()
         self.fc = nn.Linear(4, 1)
         self.step = 0
+        self.faults = faults
 
     def forward(self, x):
         out = self.fc(x)
-        return out * float("inf") if self.step >= 5 and self.step % 3 == 2 else out
+        broken = self.step in self.faults if self.faults is not None else self.step >= 5 and self.step % 3 == 2
+        return out * float("inf") if broken else out
 
 
-def broken_run(tmp_path: Path, policy: Rollback, steps: int = 20) -> None:
+def broken_run(tmp_path: Path, policy: Rollback, steps: int = 20, faults: frozenset[int] | None = None) -> None:
     torch.manual_seed(0)  # settle_steps=1: one step's loss is judged against the band (NOTE: [recovered])
-    model = Broken()
+    model = Broken(faults)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = Monitor(model, opt, bundle_dir=tmp_path, run_id="broken", on_invalid=policy)
     for step in range(steps):

@@ -1,7 +1,8 @@
 """The plots of `nanscan report --html`, drawn with matplotlib from the summary (nanscan.review.summary) and the
 bundle's history: loss and gradient norm, the divergence before the incident, the exponent histograms over the
-history, the non-finite map by module. Steps a rollback abandoned are shaded on every plot over the steps, their
-points hollow on the loss and gradient-norm curves. matplotlib is imported when a plot is drawn, not before.
+history, the non-finite map by module. Steps a rollback abandoned are shaded on every plot over the steps, in one
+colour per rollback (a band above each heatmap, whose cells stay as the data colours them), their points hollow on
+the loss and gradient-norm curves. matplotlib is imported when a plot is drawn, not before.
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from nanscan.review.text import abandoned_label, headline, pct
 HEATMAP_TENSORS = 6
 HEATMAP_MAX_ROWS = 48  # binade rows drawn as one contiguous range
 MAP_MAX_ROWS = 40  # beyond this many modules the non-finite map is drawn per layer
-ABANDONED_COLOR = "purple"  # the colour of the run's rollbacks on every plot
+# the colours of the run's rollbacks on every plot: one each, in the order they happened (then again from the first)
+ABANDONED_COLORS = ("purple", "teal", "saddlebrown", "olive")
+STRIP_HEIGHT = 1.05  # a heatmap's abandoned steps: a band from its top to this fraction of its height
+
+
+def rollback_colours(spans: list[dict]) -> dict[int, str]:
+    """Each rollback's colour by its step (summary["abandoned"]'s at_step), in the order they happened: every plot
+    gives a rollback the same one, and two rollbacks' spans side by side stay told apart."""
+    colours: dict[int, str] = {}
+    for span in spans:
+        colours.setdefault(span["at_step"], ABANDONED_COLORS[len(colours) % len(ABANDONED_COLORS)])
+    return colours
 
 
 def _figure(width: float, height: float):
@@ -39,35 +51,48 @@ def png_base64(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _shade_abandoned(ax, spans: list[dict], positions: list[tuple[int, float]]) -> bool:
-    """Shade each run of abandoned steps (summary["abandoned"]) among the plotted ones, `positions` their (step, x);
-    one legend entry per rollback. Whether any was shaded."""
+def _shade_abandoned(ax, spans: list[dict], positions: list[tuple[int, float]], *, strip: bool = False) -> bool:
+    """Shade each run of abandoned steps (summary["abandoned"]) among the plotted ones, `positions` their (step, x),
+    in its rollback's colour (rollback_colours); one legend entry per rollback. `strip`: a band just above the axes
+    instead of a wash over their whole height (a heatmap, whose every cell's colour is data). Whether any was
+    shaded."""
+    colours = rollback_colours(spans)
     labelled = set()
     for span in spans:
         xs = [x for s, x in positions if span["first"] <= s <= span["last"]]
         if not xs:
             continue
         at = span["at_step"]
-        ax.axvspan(min(xs) - 0.5, max(xs) + 0.5, color=ABANDONED_COLOR, alpha=0.12, lw=0, zorder=0,
-                   label=None if at in labelled else abandoned_label(at))
+        band = {"ymin": 1.0, "ymax": STRIP_HEIGHT, "alpha": 0.7, "clip_on": False} if strip else \
+            {"alpha": 0.12, "zorder": 0}
+        ax.axvspan(min(xs) - 0.5, max(xs) + 0.5, color=colours[at], lw=0,
+                   label=None if at in labelled else abandoned_label(at), **band)
         labelled.add(at)
     return bool(labelled)
 
 
-def _plot_points(ax, good: list[tuple[int, float]], abandoned, **line) -> None:
+def _plot_points(ax, good: list[tuple[int, float]], abandoned: dict[int, int], colours: dict[int, str],
+                 **line) -> None:
     """Finite (step, value) points as a line through the steps the run went on with; those a rollback abandoned
-    (`abandoned`: their steps) as hollow markers off it, since the next step after them started from an earlier
-    state."""
+    (`abandoned`: their steps, each with the rollback's step, abandoned_steps) as hollow markers off it in that
+    rollback's colour, since the next step after them started from an earlier state."""
     kept = [(s, v) for s, v in good if s not in abandoned]
-    undone = [(s, v) for s, v in good if s in abandoned]
     if kept:
         ax.plot(*zip(*kept), marker=".", lw=1.2, **line)
-    if undone:
-        ax.plot(*zip(*undone), ls="none", marker="o", ms=5, mfc="none", mec=ABANDONED_COLOR, zorder=3)
+    for at, colour in colours.items():
+        undone = [(s, v) for s, v in good if abandoned.get(s) == at]
+        if undone:
+            ax.plot(*zip(*undone), ls="none", marker="o", ms=5, mfc="none", mec=colour, zorder=3)
 
 
-def _legend(ax) -> None:
-    if ax.get_legend_handles_labels()[0]:
+def _legend(ax, *, above: bool = False) -> None:
+    """The axes' legend, if it has entries: inside its upper left corner, or `above` it at the right (a heatmap,
+    whose every cell is data a legend would cover)."""
+    if not ax.get_legend_handles_labels()[0]:
+        return
+    if above:
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, STRIP_HEIGHT), ncol=3, fontsize=7, frameon=False)
+    else:
         ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
 
 
@@ -130,9 +155,9 @@ def plot_exponent_heatmap(summary: dict, history):
         if bad_steps:
             ax.scatter(bad_steps, [len(rows) - 1] * len(bad_steps), marker="X", s=60, color="red", zorder=3,
                        label="NaN/inf present")
-        _shade_abandoned(ax, summary.get("abandoned") or [], [(s, j) for j, s in enumerate(steps)])
-        _legend(ax)
-        ax.set_title(name, fontsize=9, loc="left", parse_math=False)  # a '$' in a batch key is not TeX
+        _shade_abandoned(ax, summary.get("abandoned") or [], [(s, j) for j, s in enumerate(steps)], strip=True)
+        _legend(ax, above=True)
+        ax.set_title(name, fontsize=9, loc="left", parse_math=False, pad=10)  # a '$' in a batch key is not TeX
         ax.set_ylabel("log2 |x|", fontsize=8)
         fig.colorbar(image, ax=ax, pad=0.01, label="fraction")
     every = max(1, len(steps) // 12)
@@ -161,13 +186,14 @@ def plot_curves(summary: dict, history):
         return None
     step = summary["first_invalid_step"]
     abandoned = abandoned_steps(summary.get("abandoned"))
+    colours = rollback_colours(summary.get("abandoned") or [])
     positions = [(e.step, e.step) for e in history]
     fig = _figure(10, 4.6)
     ax_loss, ax_norm = fig.subplots(2, 1, sharex=True)
     for ax, key, label in ((ax_loss, "loss", "loss"), (ax_norm, "grad_norm", "grad norm (finite values)")):
         points = [(e.step, getattr(e, key)) for e in history if getattr(e, key) is not None]
         good = [(s, v) for s, v in points if math.isfinite(v)]
-        _plot_points(ax, good, abandoned, color="tab:blue")
+        _plot_points(ax, good, abandoned, colours, color="tab:blue")
         if key == "grad_norm" and good and min(v for _s, v in good) > 0:
             ax.set_yscale("log")
         if step is not None:
@@ -182,12 +208,13 @@ def plot_curves(summary: dict, history):
         shown = [r for r in summary.get("rollbacks", []) if "at_step" in r and points
                  and points[0][0] <= r["at_step"] <= points[-1][0]]
         for r in shown:  # the Monitor went back to an earlier state here (on_invalid=Rollback)
-            ax.axvline(r["at_step"], color=ABANDONED_COLOR, ls=":", lw=1.5)
+            colour = colours.get(r["at_step"], ABANDONED_COLORS[0])
+            ax.axvline(r["at_step"], color=colour, ls=":", lw=1.5)
             if key == "loss":
                 # below the top, where a non-finite value at the same step has its label
                 ax.annotate(f"rollback to step {r['restored_step']}", xy=(r["at_step"], 0.8),
                             xycoords=("data", "axes fraction"), xytext=(-4, 0), textcoords="offset points",
-                            ha="right", color=ABANDONED_COLOR, fontsize=8)
+                            ha="right", color=colour, fontsize=8)
         _shade_abandoned(ax, summary.get("abandoned") or [], positions)
         _legend(ax)
         ax.set_ylabel(label)
@@ -209,6 +236,7 @@ def plot_divergence(div: dict, abandoned: list[dict] = ()):
 
     rows = div["steps"]
     abandoned_at = abandoned_steps(abandoned)
+    colours = rollback_colours(list(abandoned))
     fig = _figure(10, 6.4)
     ax_loss, ax_norm, ax_lr = fig.subplots(3, 1, sharex=True)
     series = [(ax_loss, "loss", [(r["step"], r["loss"]) for r in rows], "tab:blue"),
@@ -222,7 +250,7 @@ def plot_divergence(div: dict, abandoned: list[dict] = ()):
     for ax, label, points, color in series:
         values = [(s, None if v is None else float(v)) for s, v in points]
         good = [(s, v) for s, v in values if v is not None and math.isfinite(v)]
-        _plot_points(ax, good, abandoned_at, color=color, label=label)
+        _plot_points(ax, good, abandoned_at, colours, color=color, label=label)
         if good and min(v for _s, v in good) > 0:
             ax.set_yscale("log")
         for s, v in values:

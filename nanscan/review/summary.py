@@ -159,7 +159,7 @@ def summarize(bundle, history: list | None = None) -> dict:
         "spike": _spike_summary(manifest, step) if category == SPIKE else None,
         "size": _size_summary(manifest),
         # the steps before the incident and the tensors that grew first, by layer (nanscan.bundle.divergence)
-        "divergence": _divergence_summary(bundle, history, step),
+        "divergence": _divergence_summary(bundle, history, step, rollbacks),
     }
 
 
@@ -188,14 +188,19 @@ def abandoned_steps(spans: list[dict] | None) -> dict[int, int]:
     return steps
 
 
-def _divergence_summary(bundle, history: list, step) -> dict | None:
+def _divergence_summary(bundle, history: list, step, rollbacks: list[dict]) -> dict | None:
     """nanscan.bundle.divergence's summary of the history up to `step`, the learning rates of each param group
-    from the run's window where the bundle holds one (NOTE: [divergence onset])."""
+    from the run's window where the bundle holds one (NOTE: [divergence onset]); the steps that rollbacks before
+    this incident abandoned are not judged (their updates were undone: the run that failed here is not their
+    lineage), as INCIDENT.md's finding leaves them out. A rollback at this step or later abandoned steps that were
+    this failure's own lineage, and they are judged."""
     from nanscan.bundle.divergence import divergence  # noqa: PLC0415 - NOTE: [fast help] in nanscan/cli/main.py
 
     if step is None:
         return None
-    return divergence(history, bundle.window_records() if bundle.window is not None else [], step)
+    earlier = [r for r in rollbacks if isinstance(r.get("at_step"), int) and r["at_step"] < step]
+    return divergence(history, bundle.window_records() if bundle.window is not None else [], step,
+                      abandoned=set(abandoned_steps(abandoned_spans(earlier))))
 
 
 def _size_summary(manifest: dict) -> dict:
