@@ -105,6 +105,7 @@ def test_a_one_shot_gradient_hook_is_not_reproduced_and_not_blamed_on_hardware(s
     assert first_bad_module(bundle)[0] == "(not reproduced by the in-process rerun)"
 
 
+@pytest.mark.slow  # make test's 15 minutes (a subprocess run or a long training); make test-slow runs it
 def test_the_rerun_changes_nothing_of_the_run(tmp_path):
     """With on_invalid="skip" the run goes on after the incident: with and without step_fn, dropout drawing from the
     RNG, the weights and optimizer state after 10 more steps are the same bit for bit."""

@@ -96,6 +96,7 @@ def test_ablation_over_the_window_names_the_learning_rate_and_no_precision_facto
     assert "learning rate x0.01 (at most 0.3)" in lr_summary(result)
 
 
+@pytest.mark.slow  # make test's 15 minutes (a subprocess run or a long training); make test-slow runs it
 def test_a_longer_warm_up_to_the_same_peak_delays_the_divergence(tmp_path):
     config = {**N.DIVERGING, "learning_rate": 60.0, "warmup_iters": 60}
     run = N.train(config, tmp_path, iters=80, window=WINDOW)

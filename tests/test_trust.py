@@ -275,6 +275,7 @@ def _run_pytest(test_file: str, cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # make test's 15 minutes (a subprocess run or a long training); make test-slow runs it
 def test_an_exported_test_calls_the_bundles_entry_only_when_marked(sent, tmp_path):
     result = export_regression(sent, tmp_path / "regressions", samples=[E.POISON_ROW])
     source = Path(result.test_file).read_text()
@@ -293,6 +294,7 @@ def test_an_exported_test_calls_the_bundles_entry_only_when_marked(sent, tmp_pat
     assert run.returncode == 1 and "UntrustedError" in run.stdout and not marker.exists(), run.stdout
 
 
+@pytest.mark.slow  # make test's 15 minutes (a subprocess run or a long training); make test-slow runs it
 def test_an_exported_test_keeps_the_entry_its_exporter_chose_in_its_code(sent, tmp_path):
     crafted = _edited(sent, tmp_path, lambda m: m.update(replay_entry="replay_entries:unmarked_poisoned_sample"))
     result = export_regression(crafted, tmp_path / "regressions", "replay_entries:unmarked_poisoned_sample",

@@ -268,6 +268,7 @@ def _writer(bundle_dir: Path, run_id: str, width: int = 64) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # make test's 15 minutes (a subprocess run or a long training); make test-slow runs it
 def test_two_processes_writing_the_same_run_and_step_agree_on_one_bundle(tmp_path):
     writers = [_writer(tmp_path / "b", "same") for _ in range(2)]
     outputs = [w.communicate(timeout=240) for w in writers]
