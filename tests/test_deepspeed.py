@@ -124,6 +124,13 @@ def _step_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(batch["x"]).float(), batch["y"])
 
 
+def replay_entry(config: dict):
+    """The model and optimizer as a replay entry builds them, without DeepSpeed."""
+    from nanscan.entry import ReplaySpec
+
+    return ReplaySpec(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _step_loss)
+
+
 def _run(stage: int, rank: int, bundle_dir: Path, scenario: str, offload: bool = False) -> dict:
     """One scenario on a fresh engine: train STEPS steps under a DeepSpeedMonitor (on_invalid="raise"; for
     "streak", on_invalid="warn" and a NaN gradient at every step from step 1, which DeepSpeed's bf16 overflow check
@@ -305,6 +312,18 @@ def test_step_fn_under_zero_says_on_every_rank_why_nothing_reruns_and_the_bundle
         assert part.manifest["rerun"]["step_fn"].endswith("_step_loss")
     assert len(reasons) == 1 and "no window" in reasons.pop()
     assert all("diagnosis over the window in process: not run" in r["input"]["error"]["message"] for r in ranks)
+
+
+def test_replay_of_a_zero_set_says_what_it_holds_and_what_reads_it(zero):
+    """`nanscan replay` of a ZeRO set in one process: refused with the stage, what a rank's state is and what reads
+    it, not a list of missing keys (issue 62)."""
+    stage, _out, ranks = zero
+    bundle = str(Path(ranks[0]["gradient"]["error"]["bundle_path"]).parent)
+    result = CliRunner().invoke(main, ["replay", bundle, "--entry", f"{Path(__file__).stem}:replay_entry",
+                                       "--runs", "1", "--no-bisect", "--no-record"])
+    assert result.exit_code != 0
+    assert f"holds a DeepSpeed ZeRO-{stage} rank's state" in result.output and "nanscan report" in result.output
+    assert "missing" not in result.output.lower() and "unexpected" not in result.output.lower()
 
 
 def test_a_streak_of_steps_deepspeed_skips_warns(zero):

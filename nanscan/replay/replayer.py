@@ -79,6 +79,7 @@ class Replayer:
             if self.bundle.manifest.get("distributed"):
                 require_full_state(self.bundle)  # one rank's FSDP shards alone do not fit the model
             self.model_state, self.optimizer_state = self.bundle.state()
+            _refuse_zero_partitions(self.bundle, self.optimizer_state)
             self.pre_step = bool(info.get("pre_step"))
             if not self.pre_step:
                 self.notes.append("state: the bundle holds the state at the failing step's check (no pre-step "
@@ -289,3 +290,20 @@ class Replayer:
         else:
             result.notes.append(f"precision {options.precision} was not in effect: step_fn sets its own autocast "
                                 f"({got or 'off'}), which overrides the replay's")
+
+
+def _refuse_zero_partitions(bundle: Bundle, optimizer_state: Any) -> None:
+    """A DeepSpeed ZeRO bundle's optimizer state is each rank's fp32 master and moment fragments (NOTE: [zero
+    partitions] in nanscan/integrations/deepspeed.py), and under ZeRO-3 its weights are flat partitions too, which
+    no model an entry builds loads: refused with what it holds and what works, not a list of missing keys."""
+    if not (isinstance(optimizer_state, dict) and "zero_stage" in optimizer_state):
+        return
+    stage = optimizer_state["zero_stage"]
+    weights = ("each rank's flat partition of every weight (keys such as 'w@shard1/2')" if stage == 3 else
+               "the whole bfloat16 or float16 weights, but the fp32 master weights and Adam moments only as each "
+               "rank's fragments")
+    raise ReplayError(f"{bundle.path} holds a DeepSpeed ZeRO-{stage} rank's state: {weights}, which nanscan cannot "
+                      "rebuild into a model and optimizer in one process (nor yet rerun on the job's own ranks). "
+                      "`nanscan report` and `nanscan triage` read what it holds: the failing tensors, named by "
+                      "parameter and partition, and the history; the full weights are in the run's DeepSpeed "
+                      "checkpoint (deepspeed.utils.zero_to_fp32)")
