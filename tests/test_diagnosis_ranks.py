@@ -2,10 +2,10 @@
 issue 59 item 3): karpathy's train.py loop at learning rate 30 on 2 gloo ranks, as train.py runs under torchrun
 (DistributedDataParallel, each rank's own data, gradients synchronized at the last micro-step), under FSDP2
 (fully_shard on each block), and on 4 ranks under HSDP (a 2x2 replicate-by-shard mesh) and under tensor
-parallelism (each MLP split over a 2-rank "tp" dimension, FSDP2 over "dp"): every rank reruns the window from its own kept state (its shards, under FSDP2) with
-its own recorded batches, through the wrapped model, matches its record at every step, and all ranks confirm the
-same learning-rate reduction and no precision, with the same words in every part. No rank hangs: the spawn has a
-deadline and the collectives a timeout."""
+parallelism (each MLP split over a 2-rank "tp" dimension, FSDP2 over "dp"): every rank reruns the window from its own
+kept state (its shards, under FSDP2) with its own recorded batches, through the wrapped model, matches its record at
+every step, and all ranks confirm the same learning-rate reduction and no precision, with the same words in every part.
+No rank hangs: the spawn has a deadline and the collectives a timeout."""
 
 from __future__ import annotations
 

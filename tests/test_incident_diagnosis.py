@@ -3,8 +3,9 @@ issue 59): at the incident, with no replay entry, the Monitor reruns the window 
 changes one factor at a time over it. On karpathy's train.py loop as it is (lr 30) the rerun matches the record
 at every step and a learning-rate reduction is confirmed, no precision; its rows are those `nanscan ablate` gives
 through a replay entry; an RNN without clipping has clipping confirmed, each confirmed factor checked by running
-the loop itself with it; an fp16 run is rerun under its GradScaler; nothing of the run changes (the state at the raise is bit for bit the one a run without
-the diagnosis leaves); the time limit, diagnose=False and a run without a window say what they did."""
+the loop itself with it; an fp16 run is rerun under its GradScaler; nothing of the run changes (the state at the raise
+is bit for bit the one a run without the diagnosis leaves); the time limit, diagnose=False and a run without a window
+say what they did."""
 
 from __future__ import annotations
 

@@ -99,9 +99,10 @@ def write_checkpoint(bundle: Bundle, out: Path, *, step: int | None = None, over
         raise BundleError(f"{out} already exists and is not empty; choose another OUT or pass --overwrite to replace "
                           "it")
     state_step, model_state, optimizer_state, pre_step, rng, records = _chosen(bundle, step)
-    if bundle.frozen_references():
+    frozen = bundle.frozen_references()
+    if frozen:
         raise BundleError(f"{bundle.path}'s state holds its frozen parameters by reference to the run's files "
-                          f"({', '.join(sorted(bundle.frozen_references())[:3])} ...), which a checkpoint cannot "
+                          f"({', '.join(sorted(frozen)[:3])} ...), which a checkpoint cannot "
                           "point at; load the model from the run's own weights and this bundle's trained state")
     notes: list[str] = []
     state: dict[str, Any] = {"model": dict(model_state)}

@@ -200,7 +200,7 @@ class BundleSet(Bundle):
         if not info.get("sharded"):
             return read(self.parts[self.rank])
         layouts = {r: (p.manifest.get("distributed") or {}).get("shards") or {} for r, p in self.parts.items()}
-        groups: list[list[int]] = info.get("shard_groups") or []
+        groups: list[list[int]] = info.get("shard_groups") or []  # a bundle written before NOTE: [shard chunks]
         states = {r: read(p) for r, p in self.parts.items()}
         local = {r: dict(tree_items({"model": s[0], "optimizer": s[1]})) for r, s in states.items()}
         global_to_rank = {int(row["global_rank"]): int(row["rank"]) for row in self.index["ranks"]}

@@ -537,10 +537,9 @@ class Agreement:
             if category == REPLICA_MISMATCH:
                 incident = dataclasses.replace(incident, reason=REPLICA_MISMATCH)
             model, optimizer = monitor.model, monitor.optimizer
-            layout, groups = {}, []
+            layout = {}
             if has_dtensors(model):  # placements are static, so the live state describes a snapshot's too
-                layout, groups = shard_layout(model.state_dict(),
-                                              optimizer.state_dict() if optimizer is not None else None)
+                layout = shard_layout(model.state_dict(), optimizer.state_dict() if optimizer is not None else None)
             incident.model_state = localize_state(incident.model_state)
             incident.optimizer_state = localize_state(incident.optimizer_state)
             incident.history = [e for e in incident.history if e.step <= step]
@@ -556,7 +555,7 @@ class Agreement:
                 "rank": self.rank, "global_rank": self.global_rank, "world_size": self.world_size,
                 "backend": self.backend, "agreement": self.mode, "host": socket.gethostname(),
                 "index": f"../{INDEX}", "written": "one_step_late" if late else "at_check",
-                "sharded": bool(layout), "shards": layout, "shard_groups": groups,
+                "sharded": bool(layout), "shards": layout,
                 "device": device_info(model), "replicas_compared": self.replicas, "replicas": replicas,
             }
             path = monitor.write_incident(incident)

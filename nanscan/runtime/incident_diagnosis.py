@@ -36,10 +36,10 @@ Under a process group every rank reruns the window together, each from its own k
 local shard is loaded back into its DTensor with the live parameter's mesh and placements, the optimizer state's
 alike) and with its own recorded batches, through the model as the loop wraps it (DistributedDataParallel's
 gradient all-reduce, FSDP2's gathers and reduce-scatters, tensor parallelism's collectives), so the global batch and
-the sharded state are the run's. The loop's clip threshold is inferred from the group's gradient norm (each shard's
-sum of squares over the copies the group holds of it), and the clipping spans every mesh the gradients lie on
-(nanscan.runtime.shards.clip_grad_norm: FSDP2 with TP). Tested on train.py's loop under DDP, FSDP2, HSDP 2x2 and
-FSDP2 + TP 2x2 (tests/test_diagnosis_ranks.py). Every decision that leads to a collective is taken the same on every rank
+the sharded state are the run's. The loop's clip threshold is inferred from the group's gradient norm (each shard's sum
+of squares over the copies the group holds of it), and the clipping spans every mesh the gradients lie on
+(nanscan.runtime.shards.clip_grad_norm: FSDP2 with TP). Tested on train.py's loop under DDP, FSDP2, HSDP 2x2 and FSDP2 +
+TP 2x2 (tests/test_diagnosis_ranks.py). Every decision that leads to a collective is taken the same on every rank
 (GroupLockstep): a step is non-finite, or failed, when it is on any rank; a row's verdict is rank 0's (judged on its
 loss and on its gradients, which under DDP are the group's; under sharding, its shard's); the time limit is rank
 0's clock; the kept state the window starts from must be the same step on every rank. Before anything runs, the
@@ -268,7 +268,8 @@ class ProcessSource:
                     t.data = t.data.to(dtype)
             if model_state is not None:
                 # strict: the state is this model's own; only frozen weights (kept by reference) may be absent
-                missing, unexpected = self.model.load_state_dict(placed_model_state(self.model, model_state), strict=False)
+                missing, unexpected = self.model.load_state_dict(placed_model_state(self.model, model_state),
+                                                                 strict=False)
                 trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
                 if unexpected or trainable & set(missing):
                     raise ReplayError(f"the window's state does not fit the live model: missing "

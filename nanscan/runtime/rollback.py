@@ -39,13 +39,14 @@ The record: each rollback is an entry of <bundle_dir>/<run_id>/rollbacks.json (w
 sample ids were skipped, the factor, what happened next: after settle_steps finite steps "recovered" when the loss
 and gradient norm are back within the band of the steps before (NOTE: [recovered] in nanscan.runtime.recovery), else
 "not recovered" with the numbers and a warning; or "failed again" at a step), written atomically with no wall-clock
-time (the same run gives the same file), and the finding "rollback" of the incident's bundle, updated with the outcome; the failing batch's rows that break a step by
-themselves (bad_row_ids: a NaN, an infinity or an overflow value, as a float32 maximum written for "missing"
-breaks a step as a NaN does, or every target the ignore index: engine.targets.breaking_rows, the diagnosis's rule),
-named by their sample ids, else by their content digests ("sha256:<hex>", the quarantine's match: NOTE: [quarantine
-match]), go into the run directory's quarantine (nanscan.bundle.quarantine NOTE: [quarantine file]). Under a
-process group each rank's bad rows are gathered at the rollback: every rank chooses the same skip from them and
-knows every quarantined record, and rank 0 writes them into the quarantine.
+time (the same run gives the same file), and the finding "rollback" of the incident's bundle, updated with the outcome;
+the failing batch's rows that break a step by themselves (bad_row_ids: a NaN, an infinity or an overflow value, as a
+float32 maximum written for "missing" breaks a step as a NaN does, or every target the ignore index:
+engine.targets.breaking_rows, the diagnosis's rule), named by their sample ids, else by their content digests
+("sha256:<hex>", the quarantine's match: NOTE: [quarantine match]), go into the run directory's quarantine
+(nanscan.bundle.quarantine NOTE: [quarantine file]). Under a process group each rank's bad rows are gathered at the
+rollback: every rank chooses the same skip from them and knows every quarantined record, and rank 0 writes them into the
+quarantine.
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ def local_scan_plan() -> ModelScanPlan:
     return ModelScanPlan(local_shard)
 
 
-def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> tuple[dict[str, dict], list]:
-    """What BundleSet.state() needs to join the parts of a sharded state again (NOTE: [shard chunks]): ({path in
-    the stored state ("model/<key>", "optimizer/state/<index>/<key>"): layout}, []).
+def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -> dict[str, dict]:
+    """What BundleSet.state() needs to join the parts of a sharded state again (NOTE: [shard chunks]): {path in the
+    stored state ("model/<key>", "optimizer/state/<index>/<key>"): layout}.
 
     NOTE: [shard chunks]
     Each sharded DTensor records, in this rank's part, its global shape, its placements, and the block of the
@@ -87,12 +87,13 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
     (two, or a _StridedShard where FSDP shards a dimension TP already split), each rank's block found without
     knowing the mesh. Joining places every part's local tensor at its offset; replicas write the same bytes twice.
     A layout whose local tensor is not one block of the global one has no offset recorded and is refused by name.
-    The second value (shard groups, the one-dimension join of bundles written before) is kept empty.
+    Bundles written before this record "shard_groups" instead (the ranks along one sharded mesh dimension), which
+    BundleSet still joins.
     """
     dtensor = dtensor_type()
     layout: dict[str, dict] = {}
     if dtensor is None:
-        return layout, []
+        return layout
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415 - DTensor's
 
     for root, tree in (("model", model_state), ("optimizer", optimizer_state)):
@@ -105,7 +106,7 @@ def shard_layout(model_state: Mapping | None, optimizer_state: Mapping | None) -
                 if tuple(shape) == tuple(t.to_local().shape):
                     entry["offset"], entry["local_shape"] = [int(o) for o in offset], [int(n) for n in shape]
             layout[path] = entry
-    return layout, []
+    return layout
 
 
 def placed_model_state(model: torch.nn.Module, state: dict) -> dict:
@@ -153,9 +154,9 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> Non
     """torch.nn.utils.clip_grad_norm_ over `parameters`' gradients, also where they lie on several device meshes
     (FSDP2 with tensor parallelism: the split weights' 2-D DTensors beside the others' 1-D ones), which torch's
     refuses (it stacks the per-tensor norms and multiplies the gradients in one foreach op, and DTensors of two
-    meshes mix in neither): the norm of each mesh's
-    gradients made whole, the total norm taken over those, and every gradient scaled by the one coefficient, as a
-    loop under such a layout clips (torchtitan's dist_utils.clip_grad_norm_)."""
+    meshes mix in neither): the norm of each mesh's gradients made whole, the total norm taken over those, and
+    every gradient scaled by the one coefficient, as a loop under such a layout clips (torchtitan's
+    dist_utils.clip_grad_norm_)."""
     params = [p for p in parameters if p.grad is not None]
     meshes: dict[Any, list[torch.nn.Parameter]] = {}
     for p in params:
