@@ -39,6 +39,8 @@ CASES = (
     ("lr30-float32", K.LR30, {}, "a learning rate too large (30, a 10-step warm-up)"),
     ("lr30-bf16", {**K.LR30, "dtype": "bfloat16"}, {}, "the same under bf16 autocast"),
     ("lr30-summed", K.LR30, {"sum_losses": True}, "the same with the micro-batch losses summed"),
+    ("lr5-fp16", {**K.LR30, "learning_rate": 5.0, "dtype": "float16"}, {},
+     "a learning rate too large (5) under float16 autocast and the loop's GradScaler, skipping overflowed steps"),
     ("naive-log-softmax", {"learning_rate": 1.5, "naive_loss": True}, {},
      "a code bug: log(softmax) underflows to log(0); with F.cross_entropy the same rate trains"),
 )
