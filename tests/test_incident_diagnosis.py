@@ -121,6 +121,9 @@ def test_an_fp16_run_under_a_gradscaler_is_diagnosed_with_its_scaling_and_the_fi
     window = diagnosis.ablation.baseline.window
     assert window.reproduced and window.first_departure is None, window.departure_text()
     assert any(s.skipped for s in window.steps)
+    # the failing step alone, rerun at the scale the run's check recorded for it
+    recorded = load_bundle(run.bundle, whole_set=False).window_records()[-1].loss_scale
+    assert run.monitor.rerun.grad_scale == recorded and recorded > 1 and run.monitor.rerun.reproduced
     lrs = [key for key in diagnosis.fixes if key.startswith("lr-")]
     assert lrs and not set(diagnosis.fixes) & set(PRECISIONS), diagnosis.headline()
     scale = float(lrs[0].removeprefix("lr-x"))

@@ -173,6 +173,10 @@ class TensorSource(Protocol):
       - `state(model, optimizer)`: (model state, optimizer state) as a bundle stores them: trees of tensors;
         optionally `frozen_keys(model)`: the keys of that model state a bundle may hold by reference
         (nanscan.bundle.frozen NOTE: [frozen references]); a source without it has every tensor copied;
+      - optionally `load_state(model, optimizer, model_state, optimizer_state)`: what state() gave (a kept copy of
+        it) loaded back in place, and `step_driver()`: how a rerun steps the framework's engine (NOTE: [step
+        driver] in nanscan/runtime/rerun.py); a source with both keeps a window (NOTE: [run window]) and its
+        incidents are diagnosed in the process (NOTE: [zero window]);
       - `rebuilds` (how often it prepared everything again) and `no_gradients` (it found no gradient where
         parameters train: the check is in the wrong place).
     """

@@ -38,6 +38,25 @@ agreement="async" a rank writes its part alone): under ZeRO-1/2 the whole low-pr
 state_dict()); under ZeRO-3 their local shards; and always the fp32 master and optimizer-state fragments, keyed by
 the scanned names. The inner optimizer's own state_dict() is not called: under ZeRO-3 it raised KeyError.
 
+NOTE: [zero window]
+DeepSpeed keeps a window of its partitions (nanscan.runtime.window NOTE: [run window]): what a bundle stores of a
+rank (ZeroSource.state: the low-precision weights, ZeRO-3's local shards, the fp32 master and optimizer-state
+fragments) plus the engine's counters, the things besides tensors that make the next step what it was: the engine's
+global_steps, global_samples, micro_steps and skipped_steps, the ZeRO optimizer's micro_step_id (a nonzero one makes
+the next backward accumulate into the partitions), the inner optimizer's per-state scalars (Adam's step), the fp16
+loss scaler's scale and hysteresis, and the lr scheduler's state_dict() where it is plain data. ZeroSource.load_state
+copies a kept state back into DeepSpeed's own buffers in place (the views state() took: no buffer is replaced, so
+the engine's references stay valid), drops an inner optimizer state the kept copy did not have yet, and under ZeRO-3
+gathers the persistent parameters again (a collective: every rank loads together, as the in-process diagnosis does).
+Verified bit for bit: three steps from a loaded state give the same losses as the first time, under ZeRO-1, 2 and 3
+in float32 and bf16, with and without clipping. The window's rerun then steps the engine itself (DeepSpeedDriver,
+nanscan.runtime.rerun NOTE: [step driver]): step_fn is given the engine, engine.backward scales the loss,
+engine.step clips by the config (the loop's clipping, declared; a clipping factor sets the threshold for its steps)
+and skips by its overflow check, and the precision is the engine's, which no factor changes. The live state is
+copied to the host before the diagnosis and loaded back after (tests/test_deepspeed.py compares the partitions and
+counters before and after). Not rerun: gradient_accumulation_steps > 1 (the window holds the boundary's batch only),
+and Rollback (engine.step() would apply the failing step's gradients to the state loaded back).
+
 Skipped steps. DeepSpeed skips an update itself when its overflow check finds a non-finite gradient (fp16 loss
 scaling, bf16 with `check_grad_overflow`), logging "OVERFLOW! Skipping step" on rank 0 without naming a tensor.
 Under bf16 and fp32 there is no loss scale to back off, so such a step is an incident here, caught at its check as
@@ -48,6 +67,8 @@ DeepSpeed skipped in a row (`engine.skipped_steps`) warns (DeepSpeedSkipWarning)
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import deepspeed
@@ -57,9 +78,10 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from nanscan.runtime.amp import MAX_SKIPS
 from nanscan.runtime.distributed import SHARD_SUFFIX
-from nanscan.incident import GradientWarning, tensor_name, warn_user
+from nanscan.incident import GradientWarning, is_kind, tensor_name, warn_user
 from nanscan.engine.inputs import ScanInputs, prepare
 from nanscan.runtime.monitor import Monitor
+from nanscan.runtime.rerun_inputs import ReplayError
 from nanscan.engine.plans import ModelScanPlan, StepInputs, as_step_inputs
 
 __all__ = ["DeepSpeedMonitor", "ZeroSource", "DeepSpeedSkipWarning", "DEFAULT_MAX_SKIPS", "zero_tensors"]
@@ -237,7 +259,8 @@ class ZeroSource:
         return self._plain.stable_tensors() if self._plain is not None else []
 
     def state(self, model: torch.nn.Module, optimizer: Any) -> tuple[Any, Any]:
-        """(model state, optimizer state) this rank holds, with no collective (see the module docstring)."""
+        """(model state, optimizer state) this rank holds, with no collective (see the module docstring), and the
+        engine's counters (NOTE: [zero window])."""
         if self._plain is not None:
             return self._plain.state(self.engine.module, self._plain_optimizer())
         tensors = zero_tensors(self.engine)
@@ -247,8 +270,180 @@ class ZeroSource:
         else:
             model_state = self.engine.module.state_dict()
         optimizer_state = {"zero_stage": self.engine.zero_optimization_stage(),
-                           "fragments": {name: t for kind, name, t in tensors if kind == "optimizer_state"}}
+                           "fragments": {name: t for kind, name, t in tensors if kind == "optimizer_state"},
+                           "counters": _counters(self.engine)}
         return model_state, optimizer_state
+
+    def load_state(self, model: torch.nn.Module, optimizer: Any, model_state: Any, optimizer_state: Any) -> None:
+        """Load a state that state() gave (a kept copy) back into the engine in place, counters included (NOTE:
+        [zero window]). Every rank of the data-parallel group calls it together: under ZeRO-3 the persistent
+        parameters are gathered again."""
+        engine = self.engine
+        counters = None
+        if self._plain is not None:  # a module and a torch optimizer (their state_dict()s)
+            engine.module.load_state_dict(model_state)
+            plain = self._plain_optimizer()
+            if plain is not None and optimizer_state is not None:
+                plain.load_state_dict(copy.deepcopy(optimizer_state))
+        else:
+            counters = (optimizer_state or {}).get("counters")
+            fragments = (optimizer_state or {}).get("fragments") or {}
+            stage3 = isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
+            if not stage3:
+                engine.module.load_state_dict(model_state)
+            held = {(kind, name): t for kind, name, t in zero_tensors(engine) if kind != "gradient"}
+            kept = {("parameter", name): t for name, t in model_state.items()} if stage3 else {}
+            kept.update({("optimizer_state", name): t for name, t in fragments.items()})
+            # an optimizer state the kept copy does not hold yet (before the first update) is dropped below
+            with torch.no_grad():
+                for key, view in held.items():
+                    if key in kept:
+                        view.copy_(kept[key])
+                    elif key[0] == "parameter" and stage3:
+                        raise ValueError(f"the kept state holds no {key[1]}: it is not this engine's")
+        if counters is not None:
+            _load_counters(engine, counters)
+        persistent = getattr(engine.optimizer, "persistent_parameters", None)
+        if persistent:  # ZeRO-3 keeps small parameters whole on every rank: gathered from the loaded partitions
+            persistent[0].all_gather(persistent)
+
+    def step_driver(self) -> "DeepSpeedDriver":
+        """How a rerun steps the engine (nanscan.runtime.rerun NOTE: [step driver]); a ReplayError where the window
+        cannot be rerun through it."""
+        accumulated = self.engine.gradient_accumulation_steps()
+        if accumulated > 1:
+            raise ReplayError(f"DeepSpeed accumulates {accumulated} micro-batches a step "
+                              "(gradient_accumulation_steps) and the window holds the batch of each step's check, "
+                              "the last micro-batch's (check() runs once, at the boundary): the window's steps "
+                              "cannot be rerun whole")
+        return DeepSpeedDriver(self.engine, self)
+
+
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _inner(engine: Any) -> Any:
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _counters(engine: Any) -> dict:
+    """What besides tensors makes the engine's next step what it was (NOTE: [zero window])."""
+    inner = _inner(engine)
+    steps = []
+    for group in getattr(inner, "param_groups", []):
+        for p in group["params"]:
+            state = inner.state.get(p)
+            # a step count as the optimizer keeps it (a tensor is copied with the state, never read here: no sync)
+            steps.append(None if not state else {k: v for k, v in state.items()
+                                                  if not isinstance(v, torch.Tensor) or v.numel() == 1})
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {"engine": {name: int(getattr(engine, name)) for name in _ENGINE_COUNTERS},
+            "micro_step_id": getattr(engine.optimizer, "micro_step_id", None),
+            "optimizer_scalars": steps,
+            "loss_scaler": {k: float(getattr(scaler, k)) for k in _SCALER_FIELDS if hasattr(scaler, k)},
+            "lr_scheduler": _plain_values(scheduler.state_dict()) if hasattr(scheduler, "state_dict") else None}
+
+
+def _plain_values(value: Any) -> Any:
+    """A scheduler's state_dict() with what a bundle stores as JSON (numbers, strings, lists, dicts); the rest
+    (a lambda's closure) left out."""
+    if isinstance(value, dict):
+        return {str(k): _plain_values(v) for k, v in value.items() if _plain_values(v) is not _LEFT_OUT}
+    if isinstance(value, (list, tuple)):
+        kept = [_plain_values(v) for v in value]
+        return _LEFT_OUT if any(v is _LEFT_OUT for v in kept) else kept
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _LEFT_OUT
+
+
+_LEFT_OUT = object()
+
+
+def _load_counters(engine: Any, counters: dict) -> None:
+    inner = _inner(engine)
+    for name, value in counters["engine"].items():
+        setattr(engine, name, int(value))
+    if counters.get("micro_step_id") is not None:
+        engine.optimizer.micro_step_id = int(counters["micro_step_id"])
+    params = [p for group in getattr(inner, "param_groups", []) for p in group["params"]]
+    for p, scalars in zip(params, counters["optimizer_scalars"]):
+        if scalars is None:  # no update yet when the state was kept: the first one creates it again
+            inner.state.pop(p, None)
+            continue
+        state = inner.state.setdefault(p, {})
+        for key, value in scalars.items():
+            if isinstance(state.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                state[key].copy_(value)
+            elif isinstance(value, torch.Tensor):
+                state[key] = value.clone()
+            else:
+                state[key] = value
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in counters["loss_scaler"].items():
+        setattr(scaler, key, type(getattr(scaler, key))(value))
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if counters.get("lr_scheduler") is not None and scheduler is not None:  # what it kept over what it has now
+        scheduler.load_state_dict({**scheduler.state_dict(), **counters["lr_scheduler"]})
+
+
+class DeepSpeedDriver:
+    """The engine's own training step for a rerun (nanscan.runtime.rerun NOTE: [step driver]): engine.backward(loss)
+    (its accumulation and loss scaling), the gradient partitions scanned through the ZeroSource, engine.step() (its
+    clipping, overflow check and update of the partitions), as the loop calls them."""
+
+    scales_loss = True
+    steps = True
+    calls = ("engine.backward(loss)", "engine.step()")
+
+    def __init__(self, engine: Any, source: ZeroSource):
+        self.engine, self.source = engine, source
+        self._clip: float | None = None
+        # the engine clips in engine.step() by its config: the loop's clipping, declared (0: none)
+        self.clip_grad_norm = float(engine.gradient_clipping()) or None
+        dtype = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+        self.fixed_precision = (f"DeepSpeed's engine sets the precision ({dtype}, from its config), which a rerun "
+                                "cannot change")
+
+    def _inputs(self, gradients: bool) -> list:
+        inputs = self.source.inputs(self.engine.module, _inner(self.engine))
+        return [i for i in inputs if is_kind(i.name, "gradient") == gradients]
+
+    def zero_grad(self) -> None:
+        self.engine.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        self.engine.backward(loss)
+        if not last:
+            self.engine.step()  # a micro-step: the engine counts it and updates nothing
+
+    def state(self) -> list:
+        return self._inputs(False)
+
+    def gradients(self) -> list:
+        return self._inputs(True)
+
+    def clip(self, max_norm: float) -> None:
+        self._clip = max_norm
+
+    def step(self, gradients_ok: bool) -> bool:
+        """engine.step(), clipping at a factor's threshold where one is given; True for fp16's expected overflow
+        skip (its dynamic loss scale backs off), as DeepSpeedMonitor counts them."""
+        optimizer, config = self.engine.optimizer, self.engine._config
+        saved = getattr(optimizer, "clip_grad", None), config.gradient_clipping
+        if self._clip is not None:
+            optimizer.clip_grad = config.gradient_clipping = self._clip
+        before = self.engine.skipped_steps
+        try:
+            self.engine.step()
+        finally:
+            self._clip = None
+            if saved[0] is not None:
+                optimizer.clip_grad = saved[0]
+            config.gradient_clipping = saved[1]
+        return self.engine.skipped_steps > before and self.engine.fp16_enabled() and not gradients_ok
 
 
 class DeepSpeedMonitor(Monitor):
@@ -305,6 +500,7 @@ class DeepSpeedMonitor(Monitor):
         super().__init__(engine.module, inner if isinstance(inner, torch.optim.Optimizer) else None,
                          source=source, **kwargs)
         self.engine = engine
+        self._given_ref = weakref.ref(engine)  # step_fn is given the engine, as the loop calls it (NOTE: [zero window])
         self.max_ds_skips = max_skips
         self._skips_seen = engine.skipped_steps
         self._skip_streak = 0

@@ -47,10 +47,16 @@ ranks agree that each can (a window, a state that fits, an optimizer it can rebu
 and every rank's part says why with the same words. The agreement's collectives are small (two all-reduces of two
 numbers a step, one gather a row). A step_fn that raises on one rank before its model's first collective leaves the
 others waiting until the process group's timeout; a step_fn that ran the run's steps does not.
+
+A framework that keeps the state itself (DeepSpeed ZeRO: NOTE: [zero window]) gives its TensorSource: each kept
+state is loaded back into the engine's own buffers, the rerun steps the engine (NOTE: [step driver]) with the live
+optimizer (its settings put back before each rerun) rather than a fresh one, and the live state is copied to the
+host first and loaded back after (ProcessSource.live_state_kept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -62,6 +68,7 @@ import torch.distributed as dist
 
 from nanscan.bundle import Bundle, load_bundle
 from nanscan.bundle.format import DIAGNOSIS_FINDING
+from nanscan.bundle.tree import map_tree
 from nanscan.engine.inputs import batch_size, named_parameters
 from nanscan.engine.targets import breaking_rows
 from nanscan.entry import ReplaySpec
@@ -245,23 +252,50 @@ class ProcessSource:
     diagnosis])."""
 
     def __init__(self, bundle: Bundle, model: torch.nn.Module, optimizer: Any, step_fn: Callable,
-                 forward: torch.nn.Module | None = None):
+                 forward: torch.nn.Module | None = None, tensor_source: Any = None):
         """`model`: the plain module (its states load into it); `forward`: the module step_fn is given, as the loop
-        wraps it (DistributedDataParallel), default `model`."""
+        wraps it (DistributedDataParallel, DeepSpeed's engine), default `model`; `tensor_source`: a framework's
+        TensorSource that loads its states back and drives its steps (NOTE: [tensor source]: DeepSpeed's)."""
         self.bundle, self.model, self.step_fn, self.live_optimizer = bundle, model, step_fn, optimizer
         self.forward = forward if forward is not None else model
         self.entry = function_name(step_fn)
         self.notes: list[str] = []
         self.optimizer_state = None  # a fresh optimizer already carries the run's param groups (their eps)
         self._dtypes = [(t, t.dtype) for t in [*model.parameters(), *model.buffers()]]
+        # NOTE: [step driver]: a framework's engine steps its own state in place: the live optimizer (its settings
+        # put back before each rerun), not a fresh one, and the engine's precision, which no factor changes
+        self.tensor_source = tensor_source if callable(getattr(tensor_source, "load_state", None)) else None
+        self.driver = self.tensor_source.step_driver() if self.tensor_source is not None else None
+        self.fixed_precision = getattr(self.driver, "fixed_precision", None)
+        self._settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
+            if self.driver is not None and optimizer is not None else []
         self._fresh_optimizer()  # refused now, with its reason, rather than at the first factor
+
+    @contextlib.contextmanager
+    def live_state_kept(self):
+        """The live state a framework's engine holds (a TensorSource's), copied to the host and loaded back after
+        the block; for a plain model, incident_rerun.set_aside keeps its weights."""
+        if self.tensor_source is None:
+            yield
+            return
+        live = map_tree(self.tensor_source.state(self.model, self.live_optimizer),
+                        lambda _, t: t.detach().to("cpu", copy=True))
+        try:
+            yield
+        finally:
+            self.tensor_source.load_state(self.model, self.live_optimizer, *live)
+            for group, settings in zip(self.live_optimizer.param_groups, self._settings):
+                group.update(settings)
 
     def spec(self) -> ReplaySpec:
         """The spec the ablation reads: the live model and step_fn; the clipping and loss scaling are observed."""
-        return ReplaySpec(self.forward, lambda _model: self._fresh_optimizer(), self.step_fn)
+        return ReplaySpec(self.forward, lambda _model: self._fresh_optimizer(), self.step_fn,
+                          clip_grad_norm=getattr(self.driver, "clip_grad_norm", None))
 
     def build_at(self, model_state: dict | None, optimizer_state: dict | None,
                  options: StepOptions = StepOptions()) -> tuple[ReplaySpec, torch.optim.Optimizer]:
+        if self.tensor_source is not None:
+            return self._engine_at(model_state, optimizer_state, options)
         with torch.no_grad():
             for t, dtype in self._dtypes:  # a precision factor's float32 weights, back to the run's dtypes
                 if t.dtype != dtype:
@@ -287,8 +321,25 @@ class ProcessSource:
                     group["eps"] = options.eps
         return self.spec(), optimizer
 
+    def _engine_at(self, model_state: dict | None, optimizer_state: dict | None,
+                   options: StepOptions) -> tuple[ReplaySpec, torch.optim.Optimizer]:
+        """A framework's engine with a kept state loaded in place (NOTE: [step driver]); the live optimizer with
+        the run's settings, and a factor's eps."""
+        optimizer = self.live_optimizer
+        for group, settings in zip(optimizer.param_groups, self._settings):
+            group.update(settings)
+        if model_state is not None:
+            self.tensor_source.load_state(self.model, optimizer, model_state, optimizer_state)
+        if options.eps is not None:
+            for group in optimizer.param_groups:
+                if "eps" in group:
+                    group["eps"] = options.eps
+        return self.spec(), optimizer
+
     def _fresh_optimizer(self) -> torch.optim.Optimizer:
         live = self.live_optimizer
+        if self.driver is not None:  # the engine's own, stepped in place and put back after (live_state_kept)
+            return live
         if not isinstance(live, torch.optim.Optimizer):
             raise ReplayError(f"the run's optimizer ({type(live).__name__}) is no torch.optim.Optimizer, so a fresh "
                               "copy of it cannot be built in the process")
@@ -303,16 +354,16 @@ class ProcessSource:
 
 def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any, *, step: int,
              timeout: float = DEFAULT_TIMEOUT_S, forward: torch.nn.Module | None = None, group: Any = None,
-             device: torch.device | None = None) -> Diagnosis:
+             device: torch.device | None = None, tensor_source: Any = None) -> Diagnosis:
     """Rerun the window of the bundle at `path` in the process and change one factor at a time over it (NOTE:
     [in-process diagnosis]). `forward`: the module step_fn is given (the loop's wrapper); `group` (with its
-    collective `device`): a process group whose ranks all call this together. Never raises: a failure is the
-    result's."""
+    collective `device`): a process group whose ranks all call this together; `tensor_source`: the Monitor's
+    framework source (NOTE: [tensor source]). Never raises: a failure is the result's."""
     began = time.monotonic()
     result = Diagnosis(step, function_name(step_fn), "not run", timeout=timeout)
     source, why = None, None
     try:
-        source, why = _prepare(model, optimizer, step_fn, path, forward)
+        source, why = _prepare(model, optimizer, step_fn, path, forward, tensor_source)
     except Exception as exc:  # noqa: BLE001 - said below, the same way on every rank
         why = f"{type(exc).__name__}: {exc}"
     lockstep: Lockstep = SOLO
@@ -333,7 +384,7 @@ def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: An
         result.seconds = time.monotonic() - began
         return result
     try:
-        with set_aside(model, None, None, weights=True):
+        with set_aside(model, None, None, weights=source.tensor_source is None), source.live_state_kept():
             result.ablation = ablate_over_window(source, source.spec(), [], suspicious=suspicious,
                                                  deadline=began + timeout, lockstep=lockstep)
         result.verdict = "done"
@@ -345,19 +396,20 @@ def diagnose(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: An
     return result
 
 
-def _prepare(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any,
-             forward: torch.nn.Module | None) -> tuple[ProcessSource | None, str | None]:
+def _prepare(model: torch.nn.Module, optimizer: Any, step_fn: Callable, path: Any, forward: torch.nn.Module | None,
+             tensor_source: Any) -> tuple[ProcessSource | None, str | None]:
     """The source to rerun the window from, or why there is none: checked before any rank runs a collective."""
     if path is None:
         return None, "the incident's bundle could not be written, and the window is read from it"
     bundle = load_bundle(path, whole_set=False)
     window = bundle.window
     if not window or not window.get("states"):
-        return None, ("the bundle holds no window of the run to rerun (Monitor(window=None), a tensor source such "
-                      "as DeepSpeed's, or a max_bytes that kept no state)")
+        return None, ("the bundle holds no window of the run to rerun (Monitor(window=None), a tensor source that "
+                      "cannot load its state back, or a max_bytes that kept no state)")
     try:
-        source = ProcessSource(bundle, model, optimizer, step_fn, forward)
-        with set_aside(model, None, None, weights=True):  # the first state loads, as every rerun will load one
+        source = ProcessSource(bundle, model, optimizer, step_fn, forward, tensor_source)
+        # the first state loads, as every rerun will load one
+        with set_aside(model, None, None, weights=source.tensor_source is None), source.live_state_kept():
             source.build_at(*bundle.window_state(window["states"][0]["step"]))
     except ReplayError as exc:
         return None, str(exc)

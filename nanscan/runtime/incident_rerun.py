@@ -98,6 +98,7 @@ class RerunResult:
     # Where the step's starting state came from: "live" (the model and optimizer, not updated yet) or "snapshot"
     # (snapshot="cpu"'s copy, loaded for the rerun: the verdict came after the update).
     state: str = "live"
+    grad_scale: float | None = None  # the run's GradScaler scale the step was rerun at (NOTE: [replayed scaling])
 
     @property
     def reproduced(self) -> bool:
@@ -165,7 +166,7 @@ class RerunResult:
                 "category": self.outcome.category if self.outcome is not None else None,
                 "localization": self.localization.to_dict() if self.localization else None,
                 "op": self.op.to_dict() if self.op else None, "cause": dict(self.cause) if self.cause else None,
-                "notes": list(self.notes), "bitwise": self.bitwise,
+                "notes": list(self.notes), "bitwise": self.bitwise, "grad_scale": self.grad_scale,
                 "unseen": [{"candidate": c, "tells_apart": t} for c, t in self.unseen()]}
 
     def unseen(self) -> list[tuple[str, str]]:
@@ -239,16 +240,22 @@ def set_aside(model: torch.nn.Module, optimizer: Any, state: tuple[dict, dict | 
 def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch: Any, *, step: int,
                rng: dict | None, autocast: Any, micro_batch: int | None, state: tuple[dict, dict | None] | None,
                timeout: float, in_group: bool = False, checked: Any = None,
-               gradients_comparable: bool = False) -> RerunResult:
+               gradients_comparable: bool = False, grad_scale: float | None = None) -> RerunResult:
     """Rerun the failing step in the process (NOTE: [in-process rerun]): the module pass, then the op pass within
     `timeout` seconds; `rng`: the step-start RNG states (None when not taken); `state`: the step's starting state
     to load first (a verdict read after the update), None when the live state is the step's own; `in_group`: one
     rank of a process group; `checked`: the check's ScanReport, compared bit for bit with the rerun (its gradients
-    only where `gradients_comparable`: a step checked once, unscaled)."""
+    only where `gradients_comparable`: a step checked once, unscaled); `grad_scale`: the run's GradScaler scale at
+    the step, under which the rerun scales its loss and unscales its gradients as the loop did (NOTE: [replayed
+    scaling]: in float16 the scale decides which gradients overflow)."""
     name = function_name(step_fn)
     began = time.monotonic()
-    result = RerunResult(step, name, "error", state="live" if state is None else "snapshot", in_group=in_group)
+    result = RerunResult(step, name, "error", state="live" if state is None else "snapshot", in_group=in_group,
+                         grad_scale=grad_scale)
     options = StepOptions(precision=recorded_precision(autocast))
+    if grad_scale is not None:
+        result.notes.append(f"rerun under the run's GradScaler at the step's scale, {grad_scale:g}: the loss scaled "
+                            "before its backward and the gradients unscaled, as the loop did")
     if rng is None:
         result.notes.append("the RNG states of the step's start were not taken (no training forward was seen): "
                             "random draws (dropout) differ from the failing forward's")
@@ -261,7 +268,8 @@ def rerun_step(model: torch.nn.Module, optimizer: Any, step_fn: Callable, batch:
         if rng is not None:  # the sources the step's start took (torch's, at least)
             restore_rng_sources(rng)
         return run_step(model, None, step_fn, batch, options=options, localize=not trace_ops,
-                        backward_module_hooks=backward_module_hooks, trace_ops=trace_ops, train=False)
+                        backward_module_hooks=backward_module_hooks, trace_ops=trace_ops, train=False,
+                        grad_scale=grad_scale)
 
     try:
         with set_aside(model, optimizer, state) as reset_buffers:

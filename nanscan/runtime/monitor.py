@@ -296,8 +296,8 @@ class Monitor(StepVerdicts):
         none). The default, Window(steps=32, every=32), copies the model's and optimizer's state every 32 steps into
         a ring of 2 host copies (6 times the trainable parameters' bytes under Adam; at most a quarter of the
         machine's memory, else fewer, said once) and holds every check's batch, sample ids, learning rates, loss
-        scale, precision and RNG state since the oldest; a bundle holds it. Not with a TensorSource (source=),
-        whose tensors are not the module's state.
+        scale, precision and RNG state since the oldest; a bundle holds it. With a TensorSource (source=), what
+        its `state` holds (DeepSpeed: this rank's partitions), where it can load that back (`load_state`).
     step_fn: the loop's forward, `step_fn(model, batch) -> loss` (a closure over the script's own objects; it must
         call the model it is given, and the loss it returns is the one backpropagated). At the first incident,
         once its bundle is written and before on_invalid acts, the Monitor reruns the failing step in the process
@@ -445,21 +445,27 @@ class Monitor(StepVerdicts):
         self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink),
                                                   ("wandb", wandb, wandb_export.as_sink)])
 
+        # NOTE: [tensor source]: a framework's source keeps a window where it can load its state back
+        reloads = source is None or callable(getattr(source, "load_state", None))
         if window == "default":
-            window = Window() if source is None else None
-        elif window is not None and source is not None:
-            raise ValueError("window= with a TensorSource (source=): the framework keeps the model's tensors outside "
-                             "the module's state, which the window copies; pass window=None")
+            window = Window() if reloads else None
+        elif window is not None and not reloads:
+            raise ValueError("window= with a TensorSource (source=) that cannot load a state back (no load_state): "
+                             "the framework keeps the model's tensors outside the module's state, which the window "
+                             "copies; pass window=None")
         setting = window_setting(window)
-        self._window = WindowKeeper(setting) if setting is not None else None
+        self._window = WindowKeeper(setting, state_of=source.state if source is not None else None) \
+            if setting is not None else None
         self._rollbacks: Rollbacks | None = None  # on_invalid=Rollback(...): NOTE: [rollback]
         self._dropped = DroppedUpdate()  # the step whose update skip or a rollback dropped: NOTE: [dropped update]
         if isinstance(on_invalid, Rollback):
+            if source is not None:  # its engine.step() would apply the failing step's gradients to the kept state
+                raise ValueError("on_invalid=Rollback(...) with a TensorSource (source=; DeepSpeed's ZeRO partitions): "
+                                 "the framework's step applies the gradients it holds, which a rollback cannot drop; "
+                                 "use on_invalid='raise' and resume from a checkpoint")
             if setting is None:
                 raise ValueError("on_invalid=Rollback(...) goes back to a state the window kept, and this Monitor keeps "
-                                 "no window" + (" (a TensorSource's tensors, such as DeepSpeed's ZeRO partitions, are "
-                                                "not the module's state the window copies)" if source is not None else
-                                                ": pass window=Window(...) (the default keeps one)"))
+                                 "no window: pass window=Window(...) (the default keeps one)")
             self._rollbacks = Rollbacks(on_invalid, self.bundle_dir / self.run_id, settle_default=setting.steps,
                                         history=self._history_entries,
                                         first_loss=lambda: read_scalar(self._ring.first_loss))

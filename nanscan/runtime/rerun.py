@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -180,7 +180,8 @@ def param_dtypes(model: torch.nn.Module) -> list[str]:
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step_fn: Callable, batch: Any, *,
              options: StepOptions = StepOptions(), localize: bool = False,
              backward_module_hooks: bool = True, trace_ops: bool = False, train: bool = True,
-             passed_losses: Sequence[float | None] | None = None, grad_scale: float | None = None) -> StepOutcome:
+             passed_losses: Sequence[float | None] | None = None, grad_scale: float | None = None,
+             driver: "StepDriver | None" = None) -> StepOutcome:
     """Run one training step (forward through step_fn, backward, optional clipping, optimizer.step()) and scan
     the batch, the starting state, the loss, the gradients and the updated state.
 
@@ -203,6 +204,9 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     skip, with the batch, state and loss finite, is the scaler's expected overflow skip (NOTE: [overflow skips] in
     nanscan/runtime/amp.py): the outcome is finite with `overflow_skip` set, and its gradient norm is over the
     finite values, as the Monitor records a skip's.
+
+    `driver`: how the step drives the loop's engine (NOTE: [step driver]); default a TorchDriver over `model` and
+    `optimizer` at `grad_scale`.
     """
     device_type = model_device(model).type
     notes: list[str] = []
@@ -241,17 +245,13 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
 
         if train:
             model.train()
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        if driver is None:
+            driver = TorchDriver(model, optimizer, grad_scale)
+        driver.zero_grad()
         parts = batch.batches if isinstance(batch, Accumulation) else [batch]
         shown = parts if isinstance(batch, Accumulation) else batch  # a step's micro-batches: input:<i>.<path>
         batch_report = scan([(tensor_name("input", path), t) for path, t in iter_batch_tensors(shown)])
-        # a sharded model's tensors as this rank holds them (FSDP2, TP: its shards; the in-process diagnosis under a
-        # process group, NOTE: [in-process diagnosis])
-        shard = local_shard if has_dtensors(model) else whole_tensor
-        state_report = scan_inputs(model_inputs(model, optimizer, shard=shard))
+        state_report = scan_inputs(driver.state())
         scans.update(inputs=batch_report, start=state_report)
         if not state_report.ok:
             bad = state_report.nonfinite
@@ -268,7 +268,6 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
 
         loss_value = 0.0
         scale = options.loss_scale
-        scaler = torch.amp.GradScaler(device_type, init_scale=grad_scale) if grad_scale is not None else None
         returned: list[float] = []
         # DistributedDataParallel all-reduces a step's gradients once, at its last micro-batch, as the loops that
         # accumulate under it do (no_sync, train.py's require_backward_grad_sync): a reduction per micro-batch would
@@ -294,34 +293,29 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
             if scale is None and index == 0 and passed_losses:
                 scale = observed_loss_scale(passed_losses[0], returned[0])
             factor = scale if scale is not None else 1.0 / len(parts)
-            if factor != 1.0:
-                loss = loss * factor
+            scaled = loss * factor if factor != 1.0 else loss
             if len(parts) == 1:
-                scans["loss_scan"] = scan([("loss", loss.detach())])
-            loss_value += float(loss.detach().float())
-            try:
-                (scaler.scale(loss) if scaler is not None else loss).backward()
+                scans["loss_scan"] = scan([("loss", scaled.detach())])
+            loss_value += float(scaled.detach().float())
+            try:  # an engine that scales the loss itself is given it as step_fn returned it (NOTE: [step driver])
+                driver.backward(loss if driver.scales_loss else scaled, last=index == len(parts) - 1)
             except Exception as exc:  # noqa: BLE001
-                return outcome("loss", [], loss_value, error=f"loss.backward() raised {type(exc).__name__}: {exc}")
+                return outcome("loss", [], loss_value, error=f"{driver.calls[0]} raised {type(exc).__name__}: {exc}")
         loss_ok = math.isfinite(loss_value)
-        if scaler is not None:
-            _unscale(scaler, optimizer, model, grad_scale)
         # before clipping, as the Monitor checks them: a clip over one NaN gradient makes every gradient NaN
-        grads = scan_inputs([i for i in model_inputs(model, shard=shard) if is_kind(i.name, "gradient")])
+        grads = scan_inputs(driver.gradients())
         if options.clip_grad_norm is not None:
-            clip_grad_norm(list(model.parameters()), options.clip_grad_norm)
+            driver.clip(options.clip_grad_norm)
         update_report = None
-        # the GradScaler skips an update whose unscaled gradients are not finite: an expected skip where nothing
-        # before the gradients went non-finite
-        skipped = scaler is not None and batch_report.ok and loss_ok and not grads.ok
-        if optimizer is not None:
+        skipped = False
+        if driver.steps:
             try:
-                scaler.step(optimizer) if scaler is not None else optimizer.step()
+                # an expected skip (a GradScaler's) only where nothing before the gradients went non-finite
+                skipped = driver.step(grads.ok) and batch_report.ok and loss_ok
             except Exception as exc:  # noqa: BLE001 - as for step_fn: the user's optimizer failing is a result
-                return outcome("update", [], loss_value, grads, error=f"optimizer.step() raised "
+                return outcome("update", [], loss_value, grads, error=f"{driver.calls[1]} raised "
                                                                       f"{type(exc).__name__}: {exc}")
-            update_report = scan_inputs([i for i in model_inputs(model, optimizer, shard=shard)
-                                         if not is_kind(i.name, "gradient")])
+            update_report = scan_inputs(driver.state())
 
     nonfinite = list(batch_report.nonfinite)
     nonfinite += [] if loss_ok else ["loss"]
@@ -354,17 +348,90 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, st
     return result
 
 
-def _unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module,
-             grad_scale: float) -> None:
-    """The gradients unscaled as the loop's scaler.unscale_(optimizer) does; without an optimizer (a step that ends
-    at its gradients), each divided by the scale."""
-    if optimizer is not None:
-        scaler.unscale_(optimizer)
-        return
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.div_(grad_scale)
+class StepDriver(Protocol):
+    """How a rerun step drives the loop's training engine (NOTE: [step driver]).
+
+    NOTE: [step driver]
+    run_step calls step_fn for the forward and leaves the rest of a training step to a driver: clear the gradients,
+    backpropagate each micro-batch's loss, give the gradients as the loop's clipping sees them, clip, update, and
+    give the state's tensors to scan, as the loop's engine does it. The default, TorchDriver, is the plain loop's:
+    loss.backward(), clip_grad_norm_, optimizer.step(), under a GradScaler where the run had one (NOTE: [replayed
+    scaling]). A framework whose engine keeps the gradients and state itself gives its own (DeepSpeed's
+    engine.backward/engine.step over its ZeRO partitions: nanscan.integrations.deepspeed.DeepSpeedDriver), so that
+    the window rerun and the in-process diagnosis run its steps as the loop did.
+      - `scales_loss`: the engine scales each loss itself (DeepSpeed divides by its accumulation steps and applies
+        its loss scale): backward() is given the loss as step_fn returned it;
+      - `steps`: whether step() updates anything (a rerun without an optimizer ends at the gradients);
+      - `calls`: what its backward and its update call, as an error names them;
+      - `state()`: the weights and optimizer state, `gradients()`: the gradients, as ScanInputs named as the
+        Monitor names them (NOTE: [tensor names]);
+      - `step(gradients_ok)`: the update; True where the engine skipped it as expected (a loss scale's overflow)."""
+
+    scales_loss: bool
+    steps: bool
+    calls: tuple[str, str]
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None: ...
+
+    def state(self) -> list: ...
+
+    def gradients(self) -> list: ...
+
+    def clip(self, max_norm: float) -> None: ...
+
+    def step(self, gradients_ok: bool) -> bool: ...
+
+
+class TorchDriver:
+    """The plain loop's step (NOTE: [step driver]): loss.backward(), clip_grad_norm_ and optimizer.step(), under
+    torch's GradScaler at `grad_scale` where the run had one (NOTE: [replayed scaling])."""
+
+    scales_loss = False
+    calls = ("loss.backward()", "optimizer.step()")
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, grad_scale: float | None):
+        self.model, self.optimizer, self.grad_scale = model, optimizer, grad_scale
+        self.steps = optimizer is not None
+        self.scaler = torch.amp.GradScaler(model_device(model).type, init_scale=grad_scale) \
+            if grad_scale is not None else None
+        # a sharded model's tensors as this rank holds them (FSDP2, TP: its shards; the in-process diagnosis under a
+        # process group, NOTE: [in-process diagnosis])
+        self.shard = local_shard if has_dtensors(model) else whole_tensor
+
+    def zero_grad(self) -> None:
+        (self.optimizer or self.model).zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def state(self) -> list:
+        return [i for i in model_inputs(self.model, self.optimizer, shard=self.shard)
+                if not is_kind(i.name, "gradient")]
+
+    def gradients(self) -> list:
+        """The gradients unscaled as the loop's scaler.unscale_(optimizer) does; without an optimizer (a step that
+        ends at its gradients), each divided by the scale."""
+        if self.scaler is not None and self.optimizer is not None:
+            self.scaler.unscale_(self.optimizer)
+        elif self.scaler is not None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.grad_scale)
+        return [i for i in model_inputs(self.model, shard=self.shard) if is_kind(i.name, "gradient")]
+
+    def clip(self, max_norm: float) -> None:
+        clip_grad_norm(list(self.model.parameters()), max_norm)
+
+    def step(self, gradients_ok: bool) -> bool:
+        """The GradScaler skips an update whose unscaled gradients are not finite."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            return not gradients_ok
+        self.optimizer.step()
+        return False
 
 
 def observed_loss_scale(passed: float | None, returned: float) -> float | None:

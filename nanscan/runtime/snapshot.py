@@ -8,6 +8,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+# (model, optimizer) -> (model state, optimizer state): what a snapshot copies
+StateOf = Callable[[torch.nn.Module, Any], "tuple[Mapping, Any]"]
+
+
+def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """The module's and the torch optimizer's state_dict()s."""
+    return model.state_dict(), optimizer.state_dict() if optimizer else None
+
 
 class CpuSnapshot:
     """Copies of the model and optimizer state in CPU buffers that are allocated once and overwritten each capture
@@ -59,15 +67,17 @@ class CpuSnapshot:
         return copy.deepcopy(value)
 
     def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                skip: frozenset[str] = frozenset()) -> None:
-        """Copy the state now; `skip`: model-state keys left out (the frozen parameters a window need not copy)."""
+                skip: frozenset[str] = frozenset(), state_of: StateOf | None = None) -> None:
+        """Copy the state now; `skip`: model-state keys left out (the frozen parameters a window need not copy);
+        `state_of(model, optimizer)`: the (model state, optimizer state) to copy, default their state_dict()s (a
+        framework's TensorSource gives what this rank holds: nanscan.engine.plans NOTE: [tensor source])."""
         self._sources = []
         with torch.no_grad():
-            state = model.state_dict()
+            model_state, optimizer_state = (state_of or module_state)(model, optimizer)
             if skip:
-                state = {key: value for key, value in state.items() if key not in skip}
-            self.model_state = self._copy_tree(state)
-            self.optimizer_state = self._copy_tree(optimizer.state_dict()) if optimizer else None
+                model_state = {key: value for key, value in model_state.items() if key not in skip}
+            self.model_state = self._copy_tree(model_state)
+            self.optimizer_state = self._copy_tree(optimizer_state) if optimizer_state is not None else None
             del self._buffers[len(self._sources):]  # e.g. optimizer state that was reset
             on_gpu = any(t.device.type == "cuda" for t in self._sources)
             if self._sources:

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from nanscan.bundle.write import save_state_files
-from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.snapshot import CpuSnapshot, StateOf
 
 
 @dataclass
@@ -72,13 +72,13 @@ class StateSpill:
         weakref.finalize(self, _remove, self.root, self._writer)
 
     def capture(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                skip: frozenset[str]) -> None:
+                skip: frozenset[str], state_of: StateOf | None = None) -> None:
         """Copy the state into the host buffers, once the previous state's write has read them."""
         if self._last is not None and not self._last.future.done():
             start = time.perf_counter()
             self._last.future.exception()
             self.waited += time.perf_counter() - start
-        self._staging.capture(model, optimizer, skip=skip)
+        self._staging.capture(model, optimizer, skip=skip, state_of=state_of)
 
     def write(self, step: int) -> SpilledState:
         """Write what capture() copied, as the state of `step`, in the background."""

@@ -212,7 +212,8 @@ class StepVerdicts:
             result = diagnose(self.model, self.optimizer, self.step_fn, path, step=step,
                               timeout=self.diagnose_timeout, forward=self._given_ref(),
                               group=group.group if group is not None else None,
-                              device=group.device if group is not None else None)
+                              device=group.device if group is not None else None,
+                              tensor_source=self.tensor_source)
         finally:
             self._armed = armed
         self.diagnosis = result
@@ -251,7 +252,8 @@ class StepVerdicts:
                                     micro_batch=self._deciding_micro, state=state, timeout=self.rerun_timeout,
                                     in_group=self._agreement is not None, checked=report,
                                     gradients_comparable=self._deciding_micro is None and not self._deciding_observed
-                                    and (report is None or report.scaling is None))
+                                    and (report is None or report.scaling is None),
+                                    grad_scale=report.scale if report is not None else None)
             finally:
                 self._armed = armed
         self.rerun = result

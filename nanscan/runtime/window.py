@@ -40,7 +40,7 @@ from nanscan.bundle.format import RunWindow, WindowState, WindowStep
 from nanscan.incident import warn_user
 from nanscan.runtime.history import kept_scalar, read_scalar
 from nanscan.runtime.loop_effects import UpdateFactorProbe
-from nanscan.runtime.snapshot import CpuSnapshot
+from nanscan.runtime.snapshot import CpuSnapshot, StateOf
 from nanscan.runtime.spill import SpilledState, StateSpill
 from nanscan.engine.inputs import named_parameters, plain_ids
 from nanscan.runtime.verdict import retained
@@ -246,9 +246,13 @@ class WindowKeeper:
     """The Monitor's window (NOTE: [run window]): `begin(model, optimizer)` at a step's start, `keep(...)` at each
     check (a stage of check(), nanscan.runtime.stages NOTE: [check stages]), `record(step)` at an incident."""
 
-    def __init__(self, window: Window, *, local: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, window: Window, *, local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 state_of: StateOf | None = None):
+        """`local`: what of a tensor this process copies (a DTensor's local shard); `state_of`: the state a kept
+        copy takes (a framework's TensorSource's `state`: NOTE: [tensor source]), default the state_dict()s."""
         self.window = window
         self._local = local
+        self._state_of = state_of
         self._states: deque[_Kept] = deque()
         self._capacity = window.states  # lowered where the states would not fit (NOTE: [run window])
         self._starting: _Kept | None = None  # taken at a step's start, not yet claimed by its check
@@ -274,13 +278,13 @@ class WindowKeeper:
         if self.spill is not None:  # NOTE: [spilled states]: the ring is on disk, bounded by R, not by memory
             if len(self._states) >= self._capacity:
                 self.spill.remove(self._states.popleft().spilled)
-            self.spill.capture(model, optimizer, skip=self._frozen_keys(model))
+            self.spill.capture(model, optimizer, skip=self._frozen_keys(model), state_of=self._state_of)
             return _Kept(None, None, pre_step)
         if len(self._states) >= self._capacity:
             snapshot = self._states.popleft().snapshot  # its buffers are reused
         else:
             snapshot = CpuSnapshot(self._local)
-        snapshot.capture(model, optimizer, skip=self._frozen_keys(model))
+        snapshot.capture(model, optimizer, skip=self._frozen_keys(model), state_of=self._state_of)
         self._fit(snapshot.nbytes())
         return _Kept(None, snapshot, pre_step) if self._capacity >= 2 else None
 

@@ -199,7 +199,8 @@ def _judge(replayer: WindowSource, evidence: WindowEvidence, factor: Factor, hel
         if held_out:
             batch = prepare_batch(batch, device, factor.options)
         outcome = lockstep.finite(run_step(model, optimizer, run.spec.step_fn, batch,
-                                           options=loop_options(run.spec, options), grad_scale=grad_scale))
+                                           options=loop_options(run.spec, options), grad_scale=grad_scale,
+                                           driver=run.driver))
         if outcome.overflow_skip:
             grad_scale *= evidence.backoff
         if not outcome.finite:
@@ -309,6 +310,10 @@ def ablate_over_window(replayer: WindowSource, spec: Any, held_out: list[Any], *
             how = "" if spec.clip_grad_norm is not None else " (observed: NOTE: [observed loop])"
             rows.append(WindowRow(factor, NOT_APPLIED, None, detail=f"the loop already clips the gradient norm at "
                                                                     f"{loop_clip:g}{how}"))
+            continue
+        fixed = getattr(replayer, "fixed_precision", None)  # an engine's (NOTE: [step driver])
+        if factor.options.precision is not None and fixed:
+            rows.append(WindowRow(factor, NOT_APPLIED, None, detail=fixed))
             continue
         if factor.options.precision is not None and spec.autocast == "entry":
             rows.append(WindowRow(factor, NOT_APPLIED, None, detail="the replay entry enters its own autocast "

@@ -233,6 +233,8 @@ class WindowSource(Protocol):
     entry: str  # how the model is built, as rows and findings name it
     notes: list[str]
     optimizer_state: dict | None  # the failing step's (its param groups carry the run's settings)
+    # optionally `driver`: how its steps drive the loop's engine (NOTE: [step driver] in nanscan/runtime/rerun.py),
+    # without one the plain loop's; and `fixed_precision`: why no precision factor applies (the engine sets it)
 
     def build_at(self, model_state: dict | None, optimizer_state: dict | None,
                  options: StepOptions = StepOptions()) -> tuple[ReplaySpec, torch.optim.Optimizer]: ...
@@ -251,6 +253,7 @@ class WindowRun:
     step_batches: list = field(default_factory=list)  # each rerun step's batch (an Accumulation of its micro-batches)
     cut: bool = False  # the deadline came before its last step: its steps so far, not the window
     grad_scale: float | None = None  # the GradScaler's scale for a step after its last (NOTE: [replayed scaling])
+    driver: Any = None  # the engine's StepDriver, None: the plain loop's (NOTE: [step driver])
 
 
 def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
@@ -270,6 +273,7 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
                           "lost batches the others kept, so they cannot rerun the window together")
     model_state, optimizer_state = target.window_state(start)
     spec, optimizer = replayer.build_at(model_state, optimizer_state, options)
+    driver = getattr(replayer, "driver", None)
     device = model_device(spec.model)
     # what the replayer says of the failing step's own state and RNG does not concern the window, which has its own
     notes = [note for note in replayer.notes if not note.startswith(("state:", "rng:", "optimizer:"))]
@@ -299,7 +303,7 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
             result = WindowReplay(bundle=str(target.path), step=target.step, bundle_category=target.category,
                                   entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
             return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, cut=True,
-                             grad_scale=grad_scale)
+                             grad_scale=grad_scale, driver=driver)
         record = parts[-1]  # the step's own check; its micro-batches' checks come before it
         grad_scale = None if scaler_off or record.loss_scale is None else float(record.loss_scale)
         lrs = record.lrs
@@ -316,7 +320,7 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
         passed = [part.loss for part in parts]
         outcome = run_step(spec.model, optimizer, spec.step_fn, batch,
                            options=loop_options(spec, run_options, record.autocast),
-                           passed_losses=passed, grad_scale=grad_scale)
+                           passed_losses=passed, grad_scale=grad_scale, driver=driver)
         if run_options.loss_scale is None and outcome.loss_scale is not None and passed[0] is not None:
             run_options = replace(run_options, loss_scale=outcome.loss_scale)  # as seen at the first step
             notes.append(_loss_scale_note(outcome.loss_scale, len(parts)))
@@ -345,7 +349,8 @@ def rerun_window(replayer: WindowSource, options: StepOptions = StepOptions(),
                           entry=replayer.entry, start=start, options=options, steps=results, notes=notes)
     if grad_scale is not None and results and results[-1].skipped:
         grad_scale *= evidence.backoff  # the scale a step after a skip takes
-    return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, grad_scale=grad_scale)
+    return WindowRun(result, spec, optimizer, list(lrs), run_options, step_batches, grad_scale=grad_scale,
+                     driver=driver)
 
 
 def _loss_scale_note(scale: float, parts: int) -> str:
