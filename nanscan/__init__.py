@@ -27,6 +27,7 @@ _HOMES = {
     "UnsupportedTensorError": "nanscan.engine.inputs",
     "Monitor": "nanscan.runtime.monitor",
     "Rollback": "nanscan.runtime.rollback", "RollbackWarning": "nanscan.runtime.rollback",
+    "Resume": "nanscan.runtime.resume", "ResumeExit": "nanscan.runtime.resume",
     "check": "nanscan.runtime.default", "first_invalid": "nanscan.runtime.default",
     "compare_state_dicts": "nanscan.engine.fingerprint", "StateDictComparison": "nanscan.engine.fingerprint",
     "scan": "nanscan.scan",
@@ -43,6 +44,7 @@ __all__ = [
     "Bundle", "BundleError", "HistoryEntry", "Monitor", "NonFiniteError", "NonFiniteWarning", "load_bundle",
     "GradientWarning", "ReplaySpec", "SnapshotWarning", "Spike", "SpikeRule", "SpikeWarning", "replay_entry",
     "QuarantinedDataset", "QuarantinedIterableDataset", "skip_quarantined", "Rollback", "RollbackWarning",
+    "Resume", "ResumeExit",
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ loads each name
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from nanscan.engine.inputs import UnsupportedTensorError
     from nanscan.runtime.default import check, first_invalid
     from nanscan.runtime.monitor import Monitor
+    from nanscan.runtime.resume import Resume, ResumeExit
     from nanscan.runtime.rollback import Rollback, RollbackWarning
     from nanscan.scan import scan
     from nanscan.engine.stats import PendingReport, ScanReport, TensorStats

@@ -169,6 +169,30 @@ def build_model(c: dict) -> GPT:
     return GPT(c)
 
 
+def load_checkpoint(path: Path, overrides: dict) -> tuple[GPT, torch.optim.Optimizer]:
+    """A fresh model and train.py's optimizer with a DCP checkpoint (nanscan.bundle.checkpoint) loaded by plain DCP
+    and set_state_dict, as a trainer resumes; the model alone where the checkpoint holds no optimizer state (kept
+    before the first update: a fresh optimizer is that state)."""
+    import json  # noqa: PLC0415 - only the checkpoint tests read one
+
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
+
+    c = full_config(overrides)
+    model = build_model(c)
+    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
+    if "optimizer" not in json.loads((Path(path) / "nanscan_resume.json").read_text())["keys"]:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        return model, optimizer
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return model, optimizer
+
+
 def forward_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """The loop's forward as step_fn: one micro-batch's loss as the model returns it (undivided)."""
     return model(batch["x"], batch["y"])[1]

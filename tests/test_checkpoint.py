@@ -12,9 +12,7 @@ import math
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import karpathy_train as K
 from nanscan import load_bundle
@@ -32,20 +30,8 @@ def run(tmp_path_factory):
     return K.train(K.LR30, tmp_path_factory.mktemp("run"), window=Window(steps=32, every=8))
 
 
-def _fresh():
-    c = K.full_config(K.LR30)
-    model = K.build_model(c)
-    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
-    return model, optimizer
-
-
 def _load(path):
-    model, optimizer = _fresh()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return model, optimizer
+    return K.load_checkpoint(path, K.LR30)
 
 
 def test_the_window_state_loads_by_plain_dcp_and_trains_on_as_the_run_did(run, tmp_path):

@@ -107,7 +107,10 @@ def write_checkpoint(bundle: Bundle, out: Path, *, step: int | None = None, over
     notes: list[str] = []
     state: dict[str, Any] = {"model": dict(model_state)}
     names = (bundle.manifest.get("state") or {}).get("optimizer_params")
-    if optimizer_state is not None and names:
+    if optimizer_state is not None and not optimizer_state.get("state"):
+        notes.append("the optimizer had no state yet at this step (before its first update): a fresh optimizer with "
+                     "the run's settings is that state, so the checkpoint holds the model alone")
+    elif optimizer_state is not None and names:
         state["optimizer"] = optimizer_by_name(optimizer_state, names)
     elif optimizer_state is not None:
         notes.append("the optimizer state is left out: the bundle does not record its parameters' names (written "

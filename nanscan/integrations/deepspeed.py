@@ -54,8 +54,12 @@ nanscan.runtime.rerun NOTE: [step driver]): step_fn is given the engine, engine.
 engine.step clips by the config (the loop's clipping, declared; a clipping factor sets the threshold for its steps)
 and skips by its overflow check, and the precision is the engine's, which no factor changes. The live state is
 copied to the host before the diagnosis and loaded back after (tests/test_deepspeed.py compares the partitions and
-counters before and after). Not rerun: gradient_accumulation_steps > 1 (the window holds the boundary's batch only),
-and Rollback (engine.step() would apply the failing step's gradients to the state loaded back).
+counters before and after). Not rerun: gradient_accumulation_steps > 1 (the window holds the boundary's batch only).
+on_invalid=Rollback loads a kept state the same way (progress=False: the engine's step counters and lr schedule go
+on from the live step) and drops the failing step's update as for a torch optimizer (NOTE: [dropped update]): the
+Monitor's optimizer is the inner torch optimizer, whose step pre-hook sets the flat fp32 masters' gradients to None,
+which DeepSpeed assigns inside engine.step() just before it, so the step changes no master and the low-precision
+weights copied from them are the kept ones again.
 
 Skipped steps. DeepSpeed skips an update itself when its overflow check finds a non-finite gradient (fp16 loss
 scaling, bf16 with `check_grad_overflow`), logging "OVERFLOW! Skipping step" on rank 0 without naming a tensor.
@@ -274,10 +278,12 @@ class ZeroSource:
                            "counters": _counters(self.engine)}
         return model_state, optimizer_state
 
-    def load_state(self, model: torch.nn.Module, optimizer: Any, model_state: Any, optimizer_state: Any) -> None:
+    def load_state(self, model: torch.nn.Module, optimizer: Any, model_state: Any, optimizer_state: Any, *,
+                   progress: bool = True) -> None:
         """Load a state that state() gave (a kept copy) back into the engine in place, counters included (NOTE:
-        [zero window]). Every rank of the data-parallel group calls it together: under ZeRO-3 the persistent
-        parameters are gathered again."""
+        [zero window]); progress=False keeps the engine's step counters, micro-step and lr schedule as they are (a
+        rollback goes on from the live step, as the loop's own counters do). Every rank of the data-parallel group
+        calls it together: under ZeRO-3 the persistent parameters are gathered again."""
         engine = self.engine
         counters = None
         if self._plain is not None:  # a module and a torch optimizer (their state_dict()s)
@@ -302,7 +308,7 @@ class ZeroSource:
                     elif key[0] == "parameter" and stage3:
                         raise ValueError(f"the kept state holds no {key[1]}: it is not this engine's")
         if counters is not None:
-            _load_counters(engine, counters)
+            _load_counters(engine, counters, progress=progress)
         persistent = getattr(engine.optimizer, "persistent_parameters", None)
         if persistent:  # ZeRO-3 keeps small parameters whole on every rank: gathered from the loaded partitions
             persistent[0].all_gather(persistent)
@@ -362,12 +368,16 @@ def _plain_values(value: Any) -> Any:
 _LEFT_OUT = object()
 
 
-def _load_counters(engine: Any, counters: dict) -> None:
+def _load_counters(engine: Any, counters: dict, *, progress: bool) -> None:
     inner = _inner(engine)
-    for name, value in counters["engine"].items():
-        setattr(engine, name, int(value))
-    if counters.get("micro_step_id") is not None:
-        engine.optimizer.micro_step_id = int(counters["micro_step_id"])
+    if progress:
+        for name, value in counters["engine"].items():
+            setattr(engine, name, int(value))
+        if counters.get("micro_step_id") is not None:
+            engine.optimizer.micro_step_id = int(counters["micro_step_id"])
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if counters.get("lr_scheduler") is not None and scheduler is not None:  # what it kept over what it has now
+            scheduler.load_state_dict({**scheduler.state_dict(), **counters["lr_scheduler"]})
     params = [p for group in getattr(inner, "param_groups", []) for p in group["params"]]
     for p, scalars in zip(params, counters["optimizer_scalars"]):
         if scalars is None:  # no update yet when the state was kept: the first one creates it again
@@ -381,12 +391,9 @@ def _load_counters(engine: Any, counters: dict) -> None:
                 state[key] = value.clone()
             else:
                 state[key] = value
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)  # fp16's scale, as a rollback restores a GradScaler's
     for key, value in counters["loss_scaler"].items():
         setattr(scaler, key, type(getattr(scaler, key))(value))
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if counters.get("lr_scheduler") is not None and scheduler is not None:  # what it kept over what it has now
-        scheduler.load_state_dict({**scheduler.state_dict(), **counters["lr_scheduler"]})
 
 
 class DeepSpeedDriver:

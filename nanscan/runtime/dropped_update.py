@@ -27,21 +27,35 @@ from typing import Any
 import torch
 
 
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Set the gradient of every parameter `optimizer` holds to None, never to 0 (NOTE: [dropped update])."""
+def drop_gradients(optimizer: torch.optim.Optimizer, held: list | None = None) -> None:
+    """Set the gradient of every parameter `optimizer` holds to None, never to 0 (NOTE: [dropped update]); `held`:
+    a list that keeps each gradient taken, for put_back after the step."""
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if held is not None and p.grad is not None:
+                held.append((p, p.grad))
             p.grad = None
+
+
+def put_back(held: list) -> None:
+    """The gradients drop_gradients took, back on their parameters (and `held` emptied)."""
+    for p, grad in held:
+        p.grad = grad
+    held.clear()
 
 
 class DroppedUpdate:
     """The Monitor's step whose update is dropped (NOTE: [dropped update]): `arm` at the decision, `seen` at every
-    check or observe (a check of another step disarms it)."""
+    check or observe (a check of another step disarms it). `keep_buffers`: the gradients are a framework's own
+    buffers, which it reuses from step to step (DeepSpeed ZeRO-Offload's fp32 gradient partition): each is taken
+    only for the optimizer's step and put back after it, its values never read."""
 
-    def __init__(self):
+    def __init__(self, keep_buffers: bool = False):
         self.step: int | None = None
         self.quarantined_steps: set[int] = set()  # steps whose batch held a quarantined record: no new incident
         self._handle: Any = None
+        self.keep_buffers = keep_buffers
+        self._held: list = []
 
     def arm(self, optimizer: torch.optim.Optimizer | None, step: int, *, quarantined: bool = False) -> None:
         if quarantined:
@@ -50,7 +64,9 @@ class DroppedUpdate:
             return
         self.step = step
         if self._handle is None:
-            self._handle = optimizer.register_step_pre_hook(self._pre_step)
+            self._handle = [optimizer.register_step_pre_hook(self._pre_step)]
+            if self.keep_buffers:
+                self._handle.append(optimizer.register_step_post_hook(lambda *_: put_back(self._held)))
 
     def covers(self, step: int) -> bool:
         """`step`'s update is already dropped: a later micro-batch's incident in it, or a batch holding a quarantined
@@ -65,8 +81,9 @@ class DroppedUpdate:
     def disarm(self) -> None:
         self.step = None
         if self._handle is not None:
-            self._handle.remove()
+            for handle in self._handle:
+                handle.remove()
             self._handle = None
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        drop_gradients(optimizer)
+        drop_gradients(optimizer, self._held if self.keep_buffers else None)

@@ -90,6 +90,7 @@ from nanscan.runtime.history import HistoryRing, kept_scalar, read_scalar
 from nanscan.runtime.incident_diagnosis import DEFAULT_TIMEOUT_S as DEFAULT_DIAGNOSE_TIMEOUT_S, Diagnosis
 from nanscan.runtime.incident_rerun import DEFAULT_TIMEOUT_S as DEFAULT_RERUN_TIMEOUT_S, RerunResult
 from nanscan.runtime.observed import ObservedMicroBatches
+from nanscan.runtime.resume import Resume
 from nanscan.runtime.rollback import Rollback, Rollbacks
 from nanscan.runtime.snapshot import CpuSnapshot
 from nanscan.runtime.spikes import POLICIES as SPIKE_POLICIES
@@ -205,8 +206,9 @@ class Monitor(StepVerdicts):
         changes nothing, then go on; zeroed gradients would not do, as Adam's momentum would still move the
         weights), a nanscan.Rollback(...) (go back to a state the window kept, skip what broke the run, optionally
         change one factor, and keep training; nanscan.runtime.rollback NOTE: [rollback]; "rollback" is
-        Rollback()), or a callable
-        `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
+        Rollback()), a nanscan.Resume(directory) (write the last good state the window kept as a checkpoint to
+        resume from and exit with a code a launcher acts on: nanscan.runtime.resume NOTE: [resume elsewhere]), or
+        a callable `on_invalid(report, bundle_path)`. In every non-raising mode check() returns a
         report whose `.ok` is False: the loop should `continue` (skip optimizer.step() and the scheduler) for
         that step.
         Later non-finite steps are counted in `invalid_steps`, not bundled again.
@@ -343,9 +345,10 @@ class Monitor(StepVerdicts):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if isinstance(on_invalid, str) and on_invalid == "rollback":
             on_invalid = Rollback()  # the string for the default policy
-        if not (callable(on_invalid) or on_invalid in ON_INVALID or isinstance(on_invalid, Rollback)):
+        if not (callable(on_invalid) or on_invalid in ON_INVALID or isinstance(on_invalid, (Rollback, Resume))):
             raise ValueError(f"on_invalid={on_invalid!r}: use one of {', '.join(ON_INVALID)}, 'rollback' (Rollback()), "
-                             "a nanscan.Rollback(...), or a callable f(report, bundle_path)")
+                             "a nanscan.Rollback(...), a nanscan.Resume(directory), or a callable "
+                             "f(report, bundle_path)")
         if not (spikes is None or callable(spikes) or spikes in SPIKE_POLICIES):
             raise ValueError(f"spikes={spikes!r}: use one of {', '.join(SPIKE_POLICIES)}, a callable f(spike, "
                              "bundle_path), or None to turn spike detection off")
@@ -456,19 +459,25 @@ class Monitor(StepVerdicts):
         setting = window_setting(window)
         self._window = WindowKeeper(setting, state_of=source.state if source is not None else None) \
             if setting is not None else None
+        if isinstance(on_invalid, Resume) and setting is None:  # NOTE: [resume elsewhere]
+            raise ValueError("on_invalid=Resume(...) writes a state the window kept, and this Monitor keeps no window: "
+                             "pass window=Window(...) (the default keeps one)")
         self._rollbacks: Rollbacks | None = None  # on_invalid=Rollback(...): NOTE: [rollback]
-        self._dropped = DroppedUpdate()  # the step whose update skip or a rollback dropped: NOTE: [dropped update]
+        # the step whose update skip or a rollback dropped (NOTE: [dropped update]); a TensorSource's optimizer
+        # steps over the framework's own gradient buffers, which are put back after the step
+        self._dropped = DroppedUpdate(keep_buffers=source is not None)
         if isinstance(on_invalid, Rollback):
-            if source is not None:  # its engine.step() would apply the failing step's gradients to the kept state
-                raise ValueError("on_invalid=Rollback(...) with a TensorSource (source=; DeepSpeed's ZeRO partitions): "
-                                 "the framework's step applies the gradients it holds, which a rollback cannot drop; "
-                                 "use on_invalid='raise' and resume from a checkpoint")
+            if not reloads:
+                raise ValueError("on_invalid=Rollback(...) with a TensorSource (source=) that cannot load a state back "
+                                 "(no load_state): a rollback loads a kept state into the framework's tensors; use "
+                                 "on_invalid='raise' and resume from a checkpoint")
             if setting is None:
                 raise ValueError("on_invalid=Rollback(...) goes back to a state the window kept, and this Monitor keeps "
                                  "no window: pass window=Window(...) (the default keeps one)")
             self._rollbacks = Rollbacks(on_invalid, self.bundle_dir / self.run_id, settle_default=setting.steps,
                                         history=self._history_entries,
-                                        first_loss=lambda: read_scalar(self._ring.first_loss))
+                                        first_loss=lambda: read_scalar(self._ring.first_loss),
+                                        keep_buffers=source is not None)
         self._plan: TensorSource = ModelScanPlan()  # prepares the model's tensors again only when they change
         self._batch_plan = BatchPlan()  # and the batch's, when its structure changes
         self._chosen_backends: dict[tuple[str, str | None, bool], Any] = {}  # see backend_for

@@ -66,7 +66,7 @@ from nanscan.engine.inputs import batch_size, plain_ids
 from nanscan.engine.targets import breaking_rows
 from nanscan.engine.record_digest import row_digests
 from nanscan.incident import warn_user
-from nanscan.runtime.dropped_update import drop_gradients
+from nanscan.runtime.dropped_update import drop_gradients, put_back
 from nanscan.runtime.recovery import judge
 
 log = logging.getLogger("nanscan")
@@ -140,8 +140,13 @@ class Rollbacks:
     Monitor restores the chosen state (StepVerdicts.roll_back)."""
 
     def __init__(self, policy: Rollback, run_dir: Path, settle_default: int, *,
-                 history: Callable[[], list] = list, first_loss: Callable[[], float | None] = lambda: None):
+                 history: Callable[[], list] = list, first_loss: Callable[[], float | None] = lambda: None,
+                 keep_buffers: bool = False):
+        """`keep_buffers`: a dropped update puts the framework's gradient buffers back after the step (as
+        nanscan.runtime.dropped_update.DroppedUpdate's)."""
         self.policy = policy
+        self.keep_buffers = keep_buffers
+        self._held: list = []
         self.run_dir = run_dir
         # the Monitor's history (entries with step, loss, grad_norm) and the run's first loss, read at a rollback
         # and once it settled, never per step (NOTE: [recovered])
@@ -280,13 +285,14 @@ class Rollbacks:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._skip_left > 0:  # dropped, never multiplied by 0 (NOTE: [rollback])
-            drop_gradients(optimizer)
+            drop_gradients(optimizer, self._held if self.keep_buffers else None)
         if self._factor_left > 0:
             self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * self.policy.lr_scale
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        put_back(self._held)  # a framework's gradient buffers (DroppedUpdate's keep_buffers)
         if self._saved_lrs is not None:
             for group, lr in zip(optimizer.param_groups, self._saved_lrs):
                 group["lr"] = lr

@@ -20,9 +20,10 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, write_bundle
-from nanscan.bundle.format import RERUN_FINDING
+from nanscan.bundle.format import RERUN_FINDING, BundleError
 from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
 from nanscan.engine.inputs import optimizer_param_names, plain_ids
@@ -31,9 +32,11 @@ from nanscan.engine.stats import PendingReport, ScanReport
 from nanscan.incident import (INPUT_OVERFLOW, NONFINITE, OPTIMIZER_UPDATE, SKIP_STREAK, SPIKE, UPDATE, NonFiniteError,
                               SpikeWarning, categorize, reason_title, shown_names, update_message, warn_user)
 from nanscan.runtime.amp import Streak, mixed_precision_record
+from nanscan.runtime.distributed import all_gather_json
 from nanscan.runtime.dropped_update import drop_gradients
 from nanscan.runtime.incident_diagnosis import diagnose, record_diagnosis
 from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
+from nanscan.runtime.resume import Resume, exit_for_restart, write_resume_checkpoint
 from nanscan.runtime.rollback import (Rollback, RollbackWarning, bad_row_ids, chosen_skip, describe,
                                       quarantine_rows)
 from nanscan.runtime.snapshot import CpuSnapshot
@@ -501,6 +504,15 @@ class StepVerdicts:
             self.roll_back(step, category, tensors, message, live_start=read_at is None and not update,
                            batch=batch, sample_ids=sample_ids)
             return
+        if isinstance(policy, Resume):
+            message = self._message(step, category, tensors, read_at, streak, update, why, seen_at)
+            try:
+                checkpoint, kept = self.resume_checkpoint(step)
+            except (ValueError, BundleError, OSError) as exc:
+                raise NonFiniteError(f"{message}; on_invalid=Resume: no checkpoint to resume from was written: {exc}",
+                                     bundle_path=self.bundle_path, step=step, category=category,
+                                     tensors=tensors) from self.bundle_error
+            exit_for_restart(message, policy, bundle_path=self.bundle_path, checkpoint=checkpoint, step=kept)
         if policy == "raise":
             raise NonFiniteError(self._message(step, category, tensors, read_at, streak, update, why, seen_at),
                                  bundle_path=self.bundle_path, step=step, category=category,
@@ -514,6 +526,28 @@ class StepVerdicts:
                 warn_user(self._message(step, category, tensors, read_at, streak, update, why, seen_at))
             return
         policy(report, self.bundle_path)
+
+    def resume_checkpoint(self, step: int, *, group: Any = None, device: Any = None) -> tuple[Path, int]:
+        """on_invalid=Resume: the checkpoint a restart of the incident of `step` begins from (NOTE: [resume
+        elsewhere]), written from this process's bundle, or under a process group by rank 0 from the whole set
+        once every rank wrote its part, the ranks agreeing on the result; ValueError (BundleError, OSError) with
+        why none was written."""
+        first = episode_start([s.step for s in self.spikes], step)
+        if group is None:
+            return write_resume_checkpoint(self.on_invalid, self.bundle_path, self.run_id, first)
+        dist.barrier(group=group)  # every rank's part is written
+        result: dict = {}
+        if dist.get_rank(group) == 0:
+            try:
+                path, kept = write_resume_checkpoint(self.on_invalid, self.bundle_path.parent
+                                                     if self.bundle_path is not None else None, self.run_id, first)
+                result = {"path": str(path), "step": kept}
+            except (ValueError, BundleError, OSError) as exc:
+                result = {"error": f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)}
+        agreed = all_gather_json(result, group, device)[0]
+        if "error" in agreed:
+            raise ValueError(agreed["error"])
+        return Path(agreed["path"]), int(agreed["step"])
 
     def roll_back(self, step: int, category: str, tensors: list[str], message: str, *, live_start: bool,
                   batch: Any = None, sample_ids: Any = None, ledger: bool = True, rows: list | None = None) -> None:
@@ -562,10 +596,12 @@ class StepVerdicts:
             restored_from = f"the window's state kept at step {restored_step}"
             skipped = self._window.steps_between(restored_step, step) or [{"step": step,
                                                                             "sample_ids": plain_ids(sample_ids)}]
-            # in place; frozen weights are not in it; a sharded model's kept local shards back into its DTensors
-            model.load_state_dict(placed_model_state(model, model_state), strict=False)
-            if optimizer is not None and optimizer_state is not None:
-                optimizer.load_state_dict(placed_optimizer_state(optimizer, copy.deepcopy(optimizer_state)))
+            if self.tensor_source is not None:  # a framework's buffers, in place; its step counters go on
+                self.tensor_source.load_state(model, optimizer, model_state, optimizer_state, progress=False)
+            else:  # in place; frozen weights are not in it; a sharded model's kept local shards back into its DTensors
+                model.load_state_dict(placed_model_state(model, model_state), strict=False)
+                if optimizer is not None and optimizer_state is not None:
+                    optimizer.load_state_dict(placed_optimizer_state(optimizer, copy.deepcopy(optimizer_state)))
             # No generator is rewound: torch's, numpy's and Python's drive the data as much as the model (train.py's
             # get_batch draws with torch.randint), so the skipped batches would be drawn again (NOTE: [rollback]).
             if scale is not None and self._scaler is not None and self._scaler.scaler.is_enabled():
@@ -623,7 +659,9 @@ class StepVerdicts:
         nothing (zeroed gradients would not do: Adam's momentum would still move the weights)."""
         for p in self.model.parameters():
             p.grad = None
-        if self.optimizer is not None:  # it may also update parameters outside the model
+        # it may also update parameters outside the model; a framework's optimizer (a TensorSource's) steps over
+        # its own gradient buffers, taken only at its step (NOTE: [dropped update])
+        if self.optimizer is not None and self.tensor_source is None:
             drop_gradients(self.optimizer)
 
     # -- spikes (nanscan.runtime.spikes NOTE: [spike statistic]) ------------------------------------------------------
