@@ -85,6 +85,30 @@ def test_a_bad_weight_gives_parameter(tmp_path):
     assert result.localization.label == "net.2"
 
 
+class NanHidden(pl.Callback):
+    """From the given optimizer step on, the hidden layer gives NaN (a broken kernel): a forward fault inside the
+    module."""
+
+    def __init__(self, step: int):
+        self.step, self.handle = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.handle is None:
+            self.handle = pl_module.net[0].register_forward_hook(lambda _m, _a, out: out * float("nan"))
+
+
+def test_with_no_step_fn_the_incident_is_rerun_in_the_process_and_names_the_module(tmp_path):
+    """The callback's default step_fn (issue 61 item 3): the module's own training_step over the recorded
+    micro-batches, as the zero-config replay runs it, so that the Monitor reruns the failing step in the process and
+    names the module with no code of the user's."""
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="blow-up", diagnose=False)
+    error = caught(TinyRegressor(), regression_rows(), callback, extra=[NanHidden(1)])
+    rerun = callback.monitor.rerun
+    assert error.step == 1 and rerun is not None and rerun.reproduced, (error.step, str(error))
+    assert rerun.step_fn.endswith("training_step") and "net.0" in rerun.headline(), rerun.headline()
+    assert "rerun in process: reproduced" in str(error)
+
+
 def test_a_fully_masked_step_gives_loss_and_replays_from_the_hyperparameters(tmp_path):
     callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="masked")
     error = caught(TinyRegressor(hidden=6), regression_rows(masked_rows=range(4, 8)), callback)

@@ -39,6 +39,18 @@ class PlantWeight(transformers.TrainerCallback):
             plant_bad_weight(model, self.name)
 
 
+class BlowUpMlp(transformers.TrainerCallback):
+    """From the given optimizer step on, block 0's MLP output is multiplied by 1e40 (inf in float32): a forward
+    fault inside the model, which the in-process rerun must find again and name."""
+
+    def __init__(self, step: int):
+        self.step, self.handle = step, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step and self.handle is None:
+            self.handle = model.transformer.h[0].mlp.register_forward_hook(lambda _m, _a, out: out * 1e40)
+
+
 class OwnLossTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return model(**inputs).loss * 2.0
@@ -168,6 +180,24 @@ def test_rollback_goes_back_to_the_window_and_training_goes_on(tmp_path):
     assert entry["outcome"] == {"status": "pending", "finite_steps": 3}
     last = [log for log in trainer.state.log_history if "nanscan/skipped_steps" in log][-1]
     assert last["nanscan/skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("trainer_class", [transformers.Trainer, OwnLossTrainer], ids=["model-loss", "own-loss"])
+def test_with_no_step_fn_the_incident_is_rerun_in_the_process_and_names_the_module(tmp_path, trainer_class):
+    """The callback's default step_fn (issue 61 item 3): the Trainer's own loss over the recorded micro-batches (a
+    compute_loss override, as TRL's SFTTrainer's, through trainer.compute_loss), so that the Monitor reruns the
+    failing step in the process and names the module with no code of the user's."""
+    callback = NanscanCallback(bundle_dir=tmp_path / "bundles", run_id="gpt2-mlp", diagnose=False)
+    trainer = make_trainer(tmp_path, tiny_gpt2(), TokenData(), PlantingCollator(), callback=callback,
+                           extra=[BlowUpMlp(1)], trainer_class=trainer_class)
+    error = caught(trainer)
+    assert error.step == 2 and error.category in ("loss", "gradient"), (error.step, error.category)
+    rerun = callback.monitor.rerun
+    assert rerun is not None and rerun.reproduced, rerun.headline() if rerun else None
+    assert rerun.step_fn.endswith("step" if trainer_class is transformers.Trainer else "trainer_loss"), rerun.step_fn
+    assert "transformer.h.0.mlp" in rerun.headline() and "rerun in process: reproduced" in str(error)
+    finding = next(f for f in load_bundle(error.bundle_path).findings() if f["key"] == "rerun")
+    assert finding["record"]["verdict"] == "reproduced"
 
 
 def test_a_custom_compute_loss_makes_replay_ask_for_an_entry(tmp_path):

@@ -24,7 +24,7 @@ except ImportError:  # the older package name, the same hooks
     import pytorch_lightning as pl
 
 from nanscan.integrations.rebuild import lightning_model, optimizer_recipe, unavailable
-from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid
+from nanscan.integrations.session import StepSession, autocast_region, check_on_invalid, with_step_fn
 
 __all__ = ["NanscanCallback"]
 
@@ -67,7 +67,7 @@ class NanscanCallback(pl.Callback):
         recipe = {"model": lightning_model(pl_module), "optimizer": optimizer_recipe(optimizer, pl_module),
                   "step": step_recipe(trainer, pl_module)}
         self.session = StepSession(pl_module, optimizer, recipe=recipe, scaler=scaler_of(trainer),
-                                   options=self.options)
+                                   options=with_step_fn(self.options, recipe["step"]))
         self._batch_indices = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -35,6 +35,7 @@ from nanscan.engine.inputs import batch_size, take_rows
 from nanscan.bundle.provenance import ConfigError, normalize_config
 
 __all__ = ["MICRO_BATCHES", "RECIPE_KEY", "REPLAY_ENTRY", "RebuildError", "class_path", "lightning_model",
+           "micro_batches", "step_function",
            "optimizer_recipe", "pretrained_model", "replay_entry", "select_rows", "step_loss", "unavailable",
            "with_recipe"]
 
@@ -245,7 +246,7 @@ def _optimizer_factory(recipe: dict) -> Callable[[torch.nn.Module], torch.optim.
     return build
 
 
-def _micro_batches(batch: Any) -> list:
+def micro_batches(batch: Any) -> list:
     if not isinstance(batch, Mapping) or not isinstance(batch.get(MICRO_BATCHES), list):
         raise RebuildError(f"the batch is not the {{'{MICRO_BATCHES}': [...]}} an integration records; this bundle "
                            "was not written by nanscan.integrations: pass --entry")
@@ -280,7 +281,7 @@ def select_rows(batch: Any, rows: Sequence[int]) -> dict:
     order (as nanscan.integrations.session records their ids). Each micro-batch keeps its selected rows, one left
     without any is dropped (with its Lightning batch index), and a recorded num_items_in_batch is counted again
     over what is kept, as the Trainer would have for those samples."""
-    micro = _micro_batches(batch)
+    micro = micro_batches(batch)
     wanted, kept, where, offset = sorted(set(int(r) for r in rows)), [], [], 0
     for index, inputs in enumerate(micro):
         size = batch_size(inputs)
@@ -308,13 +309,15 @@ def _model_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def _step_fn(recipe: dict) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+def step_function(recipe: dict) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """The step's loss as the recipe's trainer forms it, over the recorded micro-batches: the replay entry's step_fn,
+    and the integrations' default Monitor(step_fn=...) where the recipe says the loss is the model's own."""
     kind = recipe["kind"]
     if kind == "model_loss":
         scaled = recipe.get("loss_scaled_for_ga")
 
         def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-            micro = _micro_batches(batch)
+            micro = micro_batches(batch)
             divisor = trainer_divisor(micro, scaled)
             return sum(_model_loss(model(**inputs)) for inputs in micro) / divisor
 
@@ -323,7 +326,7 @@ def _step_fn(recipe: dict) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
     divide_by = int(recipe.get("divide_by") or 1)
 
     def training_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        micro = _micro_batches(batch)
+        micro = micro_batches(batch)
         indices = batch.get("batch_indices") or list(range(len(micro)))
         total = 0
         with warnings.catch_warnings():
@@ -352,4 +355,5 @@ def replay_entry(config: dict) -> ReplaySpec:
                            + "): pass --entry package.module:function (a function taking the config dict and "
                            "returning a nanscan.entry.ReplaySpec)")
     optimizer = _optimizer_factory(recipe["optimizer"])  # every class checked before any is called
-    return ReplaySpec(_build_model(recipe["model"]), optimizer, _step_fn(recipe["step"]), select_samples=select_rows)
+    return ReplaySpec(_build_model(recipe["model"]), optimizer, step_function(recipe["step"]),
+                      select_samples=select_rows)

@@ -25,7 +25,7 @@ from nanscan.bundle import load_bundle
 from nanscan.engine.headroom import overflowing_inputs, range_limit_text
 from nanscan.incident import NonFiniteError, tensor_name
 from nanscan.engine.inputs import batch_size, iter_batch_tensors
-from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_loss, with_recipe
+from nanscan.integrations.rebuild import MICRO_BATCHES, REPLAY_ENTRY, step_function, step_loss, with_recipe
 from nanscan.runtime.monitor import Monitor
 from nanscan.runtime.rollback import Rollback
 from nanscan.scan import scan
@@ -51,6 +51,25 @@ def autocast_region(precision: str | None, device_type: str) -> Any:
         return {"device_type": device_type, "dtype": dtype}
     full = (None, "no", "32", "32-true", "64", "64-true", "bf16-true", "16-true")
     return None if precision in full else "current"
+
+
+def with_step_fn(options: dict, step: Mapping, *, engine: Any = None,
+                 fallback: Callable[[], Callable | None] = lambda: None) -> dict:
+    """The Monitor's options with a step_fn where the user gave none, so that an incident is rerun and diagnosed in
+    the process with no code of the user's (nanscan.runtime.incident_rerun NOTE: [in-process rerun]): the step's
+    loss over its recorded micro-batches as the trainer forms it (nanscan.integrations.rebuild.step_function, as
+    the zero-config replay entry runs it), else `fallback()`'s (a trainer's own loss function). None under
+    DeepSpeed (its engine drives the step) or when more than one process trains: the rerun would run the module
+    outside the wrapper whose collectives it needs (DDP's all-reduce); pass step_fn= there."""
+    if "step_fn" in options or engine is not None or distributed_run():
+        return options
+    step_fn = step_function(dict(step)) if "unavailable" not in step else fallback()
+    return {**options, "step_fn": step_fn} if step_fn is not None else options
+
+
+def distributed_run() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
 
 
 def check_on_invalid(policy: Any) -> None:

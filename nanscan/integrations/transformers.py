@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from nanscan.integrations.rebuild import optimizer_recipe, pretrained_model, trainer_divisor, unavailable
-from nanscan.integrations.session import StepSession, autocast_region, call_before, check_on_invalid
+from nanscan.integrations.rebuild import (NUM_ITEMS, micro_batches, optimizer_recipe, pretrained_model, trainer_divisor,
+                                         unavailable)
+from nanscan.integrations.session import StepSession, autocast_region, call_before, check_on_invalid, with_step_fn
 
 __all__ = ["NanscanCallback"]
 
@@ -57,6 +58,33 @@ def step_recipe(trainer: Trainer | None) -> dict:
         return unavailable(f"the Trainer applies label smoothing (label_smoothing_factor="
                            f"{trainer.args.label_smoothing_factor}) to the model's outputs")
     return {"kind": "model_loss", "loss_scaled_for_ga": getattr(trainer, "loss_is_scaled_for_ga", None)}
+
+
+def trainer_loss_fn(trainer: Trainer) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """The callback's default Monitor(step_fn=...) where the Trainer forms the loss itself (a compute_loss override,
+    as TRL's SFTTrainer's; compute_loss_func; label smoothing): through trainer.compute_loss over the recorded
+    micro-batches ({"micro_batches": [...]}, each as the model received it), each given the tensors the collator
+    made and the step's token count as the Trainer passes them, then divided as Trainer.training_step divides
+    (nanscan.integrations.session.with_step_fn)."""
+
+    def trainer_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        micro = micro_batches(batch)
+        total = 0
+        for inputs in micro:
+            # the model's forward also got the token count (and may get flags): compute_loss takes it apart
+            tensors = {key: value for key, value in inputs.items()
+                       if key != NUM_ITEMS and isinstance(value, torch.Tensor)}
+            count = inputs.get(NUM_ITEMS)
+            loss = trainer.compute_loss(model, tensors, num_items_in_batch=count)
+            # Trainer.training_step's rule: the loss is scaled for accumulation where it was normalized by the
+            # token count (the model or compute_loss_func did), else divided by the micro-batch count
+            scaled = trainer.loss_is_scaled_for_ga if getattr(trainer, "loss_is_scaled_for_ga", None) is not None \
+                else (getattr(trainer, "model_accepts_loss_kwargs", False) and count is not None) or \
+                trainer.compute_loss_func is not None
+            total = total + (loss if scaled else loss / len(micro))
+        return total
+
+    return trainer_loss
 
 
 def model_recipe(model: torch.nn.Module) -> dict:
@@ -123,7 +151,9 @@ class NanscanCallback(TrainerCallback):
         step = step_recipe(trainer)
         recipe = {"model": model_recipe(model), "optimizer": optimizer_recipe(inner, model), "step": step}
         self._remove_hooks()
-        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=self.options,
+        options = with_step_fn(self.options, step, engine=engine,
+                               fallback=lambda: trainer_loss_fn(trainer) if trainer is not None else None)
+        self.session = StepSession(model, inner, recipe=recipe, scaler=scaler_of(optimizer), options=options,
                                    engine=engine)
         self._under_deepspeed = engine is not None
         self._optimizer = optimizer
