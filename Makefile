@@ -29,6 +29,11 @@ $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
 	# The frameworks of nanscan/integrations/, so their tests run (after torch: they must not replace the pin).
 	# DS_BUILD_OPS=0: DeepSpeed builds no native op at install (its tests need none on the CPU).
 	DS_BUILD_OPS=0 $(PY) -m pip install -q $(TORCH_PIN) $(FRAMEWORKS)
+	# torchtitan 0.3.0 requires a CUDA torch build and datasets<4.8: its wheel and the two packages its optimizer
+	# module imports go in without their dependencies (tests/test_optimizer_containers.py builds its real
+	# OptimizersContainer), tyro with its own.
+	$(PY) -m pip install -q $(TORCH_PIN) "tyro>=0.9"
+	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torch_checkpointing>=0.1"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(NATIVE_SOURCES)

@@ -99,7 +99,7 @@ from nanscan.runtime.stages import CheckPath, StepCheck
 from nanscan.runtime.update import UpdateContext, UpdateWatch
 from nanscan.runtime.verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
 from nanscan.runtime.window import Window, WindowKeeper, window_setting
-from nanscan.runtime.wrappers import COMPILED, DATA_PARALLEL, peel
+from nanscan.runtime.wrappers import COMPILED, DATA_PARALLEL, inner_optimizer, peel
 
 log = logging.getLogger("nanscan")
 
@@ -343,6 +343,8 @@ class Monitor(StepVerdicts):
                             "parameters: use nanscan.integrations.deepspeed.DeepSpeedMonitor(engine)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            optimizer = inner_optimizer(optimizer)  # a container's torch optimizer (torchtitan's)
         if isinstance(on_invalid, str) and on_invalid == "rollback":
             on_invalid = Rollback()  # the string for the default policy
         if not (callable(on_invalid) or on_invalid in ON_INVALID or isinstance(on_invalid, (Rollback, Resume))):

@@ -1,6 +1,7 @@
 """The wrappers a model comes in (DistributedDataParallel, DataParallel, torch.compile's OptimizedModule, Lightning
 Fabric's _FabricModule): one layer peeled at a time, so the Monitor scans and stores the plain model's tensors
-under the names replay builds, and finds whether the model is replicated. No framework is imported: a wrapper
+under the names replay builds, and finds whether the model is replicated; and the containers an optimizer comes in
+(torchtitan's OptimizersContainer), whose torch optimizer holds the state. No framework is imported: a wrapper
 class is looked up only among the modules already loaded (a model wrapped by Fabric has loaded it)."""
 
 from __future__ import annotations
@@ -30,3 +31,24 @@ def peel(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
         if fabric is not None and isinstance(model, fabric):
             return model._forward_module, FABRIC
     return None
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a container of optimizers, else `optimizer` itself.
+
+    A container (torchtitan's OptimizersContainer) is a torch.optim.Optimizer whose own state stays empty and whose
+    `optimizers` hold the state and the learning rates its step() and the lr schedulers update, one per model part
+    and optimizer type: scanned as it is, a check would see no optimizer state and no learning rate, without a word.
+    One inner optimizer is taken as the run's (its step runs inside the container's, so its hooks fire); several
+    are refused, naming the fix, as the Monitor keeps one optimizer."""
+    parts = getattr(optimizer, "optimizers", None)
+    if not isinstance(parts, (list, tuple)) or not parts or \
+            not all(isinstance(part, torch.optim.Optimizer) for part in parts) or optimizer.state:
+        return optimizer
+    if len(parts) == 1:
+        return parts[0]
+    kinds = ", ".join(type(part).__name__ for part in parts)
+    raise TypeError(f"optimizer is a {type(optimizer).__name__} of {len(parts)} optimizers ({kinds}: one per model "
+                    "part and optimizer type), whose own state is empty; a Monitor checks one optimizer: pass "
+                    f"optimizer={type(optimizer).__name__.lower()}.optimizers[i] with the model part it updates (one "
+                    "Monitor per part), or optimizer=None to check the model alone")
