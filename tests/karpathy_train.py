@@ -37,7 +37,7 @@ CONFIG = {"seed": 1337, "vocab_size": 64, "block_size": 16, "n_layer": 2, "n_hea
           "dropout": 0.0, "bias": True, "batch_size": 4, "gradient_accumulation_steps": 2, "learning_rate": 6e-4,
           "max_iters": 60, "weight_decay": 1e-1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "decay_lr": True,
           "warmup_iters": 10, "lr_decay_iters": 600, "min_lr": 6e-5, "eval_interval": 250, "eval_iters": 4,
-          "dtype": "float32"}
+          "dtype": "float32", "init_scale": 2.0 ** 16}  # init_scale: the float16 GradScaler's (its default)
 LR30 = {"learning_rate": 30.0}
 
 
@@ -289,7 +289,7 @@ def train(overrides: dict, bundle_dir: Path | None, *, monitor: bool = True, sum
 
     model = build_model(c)
     torch.manual_seed(c["seed"] + seed_offset)  # the data's draws do not depend on the model's build
-    scaler = torch.amp.GradScaler("cpu", enabled=(c["dtype"] == "float16"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=c["init_scale"], enabled=(c["dtype"] == "float16"))
     if parallel in ("fsdp", "hsdp", "tp"):
         _shard(model, parallel)
     raw_model = model

@@ -52,6 +52,7 @@ NATIVE_PASS_ONLY = {
     "test_rollback_sharded": "rollback of FSDP2 and HSDP shards: the window's loads back into the DTensors",
     "test_checkpoint": "a bundle's state written as a DCP checkpoint: reads bundles, scans nothing",
     "test_optimizer_containers": "which optimizer a Monitor checks when given a container of them",
+    "test_amp_ranks": "GradScaler overflow skips agreed across DDP ranks; the skip decision is test_amp's",
     "test_resume": "on_invalid=Resume: the incident decided as test_rollback's, then a DCP checkpoint and an exit",
     "test_replicas_mesh": "the replica sets of DTensors (HSDP, tensor parallelism); the fingerprints they compare are "
                           "test_replicas' subject in both passes",

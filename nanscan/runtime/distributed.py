@@ -95,7 +95,8 @@ NONFINITE_LISTED = 20  # non-finite tensors listed per rank in the index; every 
 # Payload slots of the per-step all-reduce (MAX); see the module docstring. With replicas compared, two more per
 # replica set and group of REPLICA_GROUPS: its combined fingerprint and that value's bitwise complement (NOTE:
 # [replica agreement] in nanscan/runtime/replicas.py).
-_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK, _HELD = range(5)  # _HELD: NOTE: [dropped update]
+# _HELD: NOTE: [dropped update]; _NOT_SKIP: a rank's failure is no GradScaler overflow skip (NOTE: [agreed skips])
+_FLAG, _STEP, _NEG_STEP, _NEG_BAD_RANK, _HELD, _NOT_SKIP = range(6)
 
 
 def _sharded(model: torch.nn.Module, source: Any = None, world_size: int = 2) -> str | None:
@@ -184,6 +185,7 @@ class Verdict:
     replica_groups: tuple[str, ...] = ()
     replicas: dict | None = None
     held: bool = False  # some rank's batch held a record a rollback quarantined: the step's update is dropped
+    overflow_skip: bool = False  # every rank's failure is its GradScaler's overflow skip (NOTE: [agreed skips])
 
     @property
     def replica_only(self) -> bool:
@@ -201,9 +203,9 @@ class AgreedScanReport(ScanReport):
     async mode the previous step's), None before any.
     """
 
-    def __init__(self, report: ScanReport, verdict: Verdict | None, *, ok: bool):
+    def __init__(self, report: ScanReport, verdict: Verdict | None, *, ok: bool, overflow_skip: bool = False):
         super().__init__(report.tensors, report.records, skipped=report.skipped, backend=report.backend,
-                         step=report.step)
+                         step=report.step, scaling=report.scaling, overflow_skip=overflow_skip)
         self.verdict = verdict
         self._agreed_ok = ok
 
@@ -286,6 +288,10 @@ class MonitorSide(Protocol):
     def attempt_of(self, step: int) -> int: ...
 
     def finite_step(self, step: int) -> None: ...
+
+    def is_overflow_skip(self, report: ScanReport) -> bool: ...
+
+    def agreed_overflow_skip(self, report: ScanReport, slot: int | None) -> bool: ...
 
     def quarantine_held(self, step: int) -> bool: ...
 
@@ -376,7 +382,9 @@ class Agreement:
     # -- every step ------------------------------------------------------------------------------------------------
     def _issue(self, monitor: MonitorSide, report: ScanReport, step: int):
         bad = not report.ok
-        values = [int(bad), step, -step, -(self.rank if bad else self.world_size), int(monitor.quarantine_held(step))]
+        values = [int(bad), step, -step, -(self.rank if bad else self.world_size), int(monitor.quarantine_held(step)),
+                  # every rank must record an agreed skip alike: one without a scale in effect vetoes it
+                  int(report.scaling is None or bad and not monitor.is_overflow_skip(report))]
         view = None
         if self._replicas is not None:  # NOTE: [replica agreement]; a micro-batch check leaves monitor.step at its step
             view = self._replicas.view(report, monitor.model, monitor.optimizer, gradients=monitor.step != step)
@@ -396,7 +404,7 @@ class Agreement:
         bad = values[_FLAG] > 0
         groups = self._replicas.differing(values) if self._replicas is not None else ()
         return Verdict(step, not bad and not groups, -values[_NEG_BAD_RANK] if bad else None, replica_groups=groups,
-                       held=values[_HELD] > 0)
+                       held=values[_HELD] > 0, overflow_skip=bad and not groups and values[_NOT_SKIP] == 0)
 
     @staticmethod
     def _held(monitor: MonitorSide, verdict: Verdict) -> bool:
@@ -407,8 +415,20 @@ class Agreement:
             monitor.drop_update(verdict.step)
         return not verdict.ok and monitor.update_dropped(verdict.step)
 
-    def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool) -> ScanReport:
-        """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise"."""
+    def decide(self, monitor: MonitorSide, report: ScanReport, step: int, batch: Any, sample_ids: Any, started: bool,
+               slot: int | None = None) -> ScanReport:
+        """Called by Monitor.check after the scan; returns what check returns, or raises for on_invalid="raise".
+        `slot`: the step's record in the history ring (an agreed overflow skip is marked there).
+
+        NOTE: [agreed skips]
+        Under a GradScaler a step whose gradients overflowed is the scaler's expected skip (NOTE: [overflow skips] in
+        nanscan/runtime/amp.py), and every rank skips it: DDP's all-reduce gives every rank the same gradients, and
+        FSDP's ShardedGradScaler all-reduces found_inf, so a shard that overflowed on one rank skips the update on
+        all. So the step's all-reduce carries one more slot, whether any rank failed otherwise (its batch, loss,
+        weights or optimizer state, or with no scaler to skip); where no rank did, every rank records the skip,
+        and the streak it counts (the same on every rank, as the skips are agreed) becomes an incident of the group
+        only at max_skips in a row or the scale's floor. Before, the first overflow of every fp16 run under a
+        process group (the scale calibrating, at its start) was an incident."""
         if self.mode == "sync":
             work, payload, view = self._issue(monitor, report, step)
             verdict = self._read(work, payload, step)
@@ -418,6 +438,8 @@ class Agreement:
             if verdict.ok:
                 monitor.finite_step(step)
                 return report
+            if verdict.overflow_skip and monitor.agreed_overflow_skip(report, slot):
+                return AgreedScanReport(report, verdict, ok=False, overflow_skip=True)
             verdict = self._failed(monitor, verdict, report, batch, sample_ids, started, view, late=False)
             return self._apply_policy(monitor, verdict, report, report, late=False, batch=batch,
                                       sample_ids=sample_ids)
@@ -430,6 +452,8 @@ class Agreement:
             dropped = self._held(monitor, verdict)  # failed in a dropped step: no new incident
             if verdict.ok:
                 monitor.finite_step(pending.step)
+            elif verdict.overflow_skip and monitor.agreed_overflow_skip(pending.report, None):
+                pass  # the scaler skipped that update on every rank, as expected (NOTE: [agreed skips])
             elif not dropped:
                 verdict = self._failed(monitor, verdict, pending.report, pending.batch, pending.sample_ids,
                                        pending.started, pending.view, late=True)

@@ -498,10 +498,6 @@ class Monitor(StepVerdicts):
         if process_group is not False and (process_group is not None or _distributed_ready()):
             from nanscan.runtime.distributed import Agreement, is_replicated  # noqa: PLC0415
 
-            if scaler is not None:
-                raise ValueError("scaler= with a process group: overflow skips are decided per process, the ranks' "
-                                 "agreement does not know them yet; use a Monitor without a process group "
-                                 "(process_group=False) on each rank")
             if mode == "async":
                 raise ValueError("mode='async' with a process group: the ranks' agreement reads every rank's scan at "
                                  "its check; pass agreement='async' (the verdict arrives one step later) and leave "
@@ -785,7 +781,8 @@ class Monitor(StepVerdicts):
         on a non-finite one (nanscan.runtime.verdict: the bundle, then on_invalid's raise, skip or warn)."""
         report, step = check.report, check.step
         if self._agreement is not None:
-            return self._agreement.decide(self, report, step, check.batch, check.sample_ids, check.started)
+            return self._agreement.decide(self, report, step, check.batch, check.sample_ids, check.started,
+                                          slot=check.slot)
         if report.ok:
             self.finite_step(step)
             if self._updates is not None:

@@ -52,7 +52,7 @@ from nanscan.runtime.wrappers import DDP, peel
 #    update on that rank). A step that is non-finite too keeps its non-finite category; the replica verdict is
 #    recorded beside it.
 
-_REPLICA_SLOT = 5  # the first replica slot of the agreement's payload (nanscan.runtime.distributed)
+_REPLICA_SLOT = 6  # the first replica slot of the agreement's payload (nanscan.runtime.distributed)
 REPLICA_GROUPS = ("parameter", "optimizer_state", "gradient")  # kinds of tensor (nanscan.incident), in slot order
 REPLICA_LISTED = 20  # differing tensors listed in the replica verdict (and the incident's category tensors)
 _ABSENT = int(np.iinfo(np.int64).min)  # a rank outside a set: the identity of MAX

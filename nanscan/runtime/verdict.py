@@ -358,6 +358,19 @@ class StepVerdicts:
         if self._rollbacks is not None:
             self._rollbacks.after_check(step)
 
+    def is_overflow_skip(self, report: ScanReport) -> bool:
+        """Whether a non-finite step is this Monitor's GradScaler's expected overflow skip."""
+        return self._scaler is not None and self._scaler.is_skip(report)
+
+    def agreed_overflow_skip(self, report: ScanReport, slot: int | None) -> bool:
+        """Under a process group, a step every rank's scaler skipped (nanscan.runtime.distributed NOTE: [agreed
+        skips]): record the skip (`slot`: the step's record in the history ring); False where the streak has
+        become an incident, which the group then decides as one (every rank counts the same skips)."""
+        report.overflow_skip = True
+        if slot is not None:
+            self._ring.mark_overflow_skip(slot)
+        return self._scaler.record_skip(report, None) is None
+
     def _overflow_skip(self, report: ScanReport, batch: Any, sample_ids: Any, started: bool, *,
                        start: StepStart | None, read_at: str | None, slot: int | None) -> ScanReport:
         """Record an expected overflow skip; bundle its streak, from the streak's first step, once the streak has
