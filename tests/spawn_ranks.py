@@ -4,13 +4,17 @@ Used by tests/test_distributed.py and tests/test_deepspeed.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
+import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -55,3 +59,22 @@ def spawn(worker: Callable[[int, Any, str, str], None], arg: Any, world: int, ou
             if process.is_alive():
                 process.kill()
                 process.join(5)
+
+
+def gloo_rank(rank: int, store: str, world: int, *, timeout_s: float = 120) -> None:
+    """A spawned rank's process group: gloo over the file store, one torch thread (the ranks share 2 cores)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def write_result(out: str, rank: int, run: Callable[[], dict]) -> None:
+    """`run()`'s dict as rank<r>.json under `out`, or what it raised (with its traceback), for the test to show; its
+    warnings silenced (the test asserts on what it returns)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = run()
+    except Exception as exc:  # noqa: BLE001 - written for the test to show
+        result = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))

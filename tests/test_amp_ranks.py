@@ -7,43 +7,33 @@ same fp16 run is still an incident at its step, on every rank."""
 from __future__ import annotations
 
 import json
-import traceback
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import karpathy_train as K
-from spawn_ranks import spawn
+from spawn_ranks import gloo_rank, spawn, write_result
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FP16 = {"dtype": "float16", "max_iters": 24, "init_scale": 2.0 ** 24}
 FAULT = 14
 
 
+def _runs(out: str) -> dict:
+    healthy = K.train(FP16, Path(out) / "healthy", parallel="ddp", run_id="fp16")
+    watch = healthy.monitor._scaler
+    faulty = K.train(FP16, Path(out) / "faulty", parallel="ddp", run_id="fp16-nan", fault=(FAULT, 1))
+    return {"healthy": {"error": str(healthy.error) if healthy.error else None,
+                        "skips": [s.step for s in watch.recent], "skips_total": watch.skips_total,
+                        "history_skips": [e.step for e in healthy.monitor.history if e.report.overflow_skip],
+                        "bundles": sorted(p.name for p in (Path(out) / "healthy").rglob("step-*"))},
+            "faulty": {"step": faulty.nonfinite_step, "category": getattr(faulty.error, "category", None),
+                       "first_bad_ranks": list(getattr(faulty.error, "first_bad_ranks", None) or [])}}
+
+
 def _worker(rank: int, _arg: None, store: str, out: str) -> None:
-    torch.set_num_threads(1)  # the processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    result: dict = {}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            healthy = K.train(FP16, Path(out) / "healthy", parallel="ddp", run_id="fp16")
-            watch = healthy.monitor._scaler
-            result["healthy"] = {"error": str(healthy.error) if healthy.error else None,
-                                 "skips": [s.step for s in watch.recent], "skips_total": watch.skips_total,
-                                 "history_skips": [e.step for e in healthy.monitor.history if e.report.overflow_skip],
-                                 "bundles": sorted(p.name for p in (Path(out) / "healthy").rglob("step-*"))}
-            faulty = K.train(FP16, Path(out) / "faulty", parallel="ddp", run_id="fp16-nan", fault=(FAULT, 1))
-            result["faulty"] = {"step": faulty.nonfinite_step, "category": getattr(faulty.error, "category", None),
-                                "first_bad_ranks": list(getattr(faulty.error, "first_bad_ranks", None) or [])}
-    except Exception as exc:  # noqa: BLE001 - written for the test to show
-        result = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    gloo_rank(rank, store, 2)
+    write_result(out, rank, lambda: _runs(out))
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import traceback
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import karpathy_train as K
 from nanscan import Monitor, Resume, ResumeExit, load_bundle
@@ -25,7 +21,7 @@ from nanscan.bundle.checkpoint import RESUME_FILE
 from nanscan.runtime.resume import RESUME_EXIT_CODE, resume_state_step, write_resume_checkpoint
 from nanscan.runtime.spikes import episode_start
 from nanscan.runtime.window import Window
-from spawn_ranks import spawn
+from spawn_ranks import gloo_rank, spawn, write_result
 
 pytestmark = pytest.mark.filterwarnings("ignore::nanscan.incident.SpikeWarning")
 WINDOW = Window(steps=32, every=8)
@@ -105,31 +101,27 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         Monitor(model, optimizer, bundle_dir=tmp_path, on_invalid=Resume(tmp_path), window=None)
 
 
-def test_with_no_state_before_the_fault_it_raises_the_incident_with_the_reason(tmp_path):
-    """A NaN at step 0 of a window that keeps its first state at the check (no step start seen): nothing to resume
-    from before it; the incident is raised, with why no checkpoint was written."""
+def test_without_a_bundle_no_checkpoint_is_written_and_the_reason_says_why(tmp_path):
+    """The incident's bundle could not be written (a full disk): the checkpoint, written from it, cannot be; the
+    reason goes into the NonFiniteError the policy raises instead of exiting."""
     with pytest.raises(Exception) as caught:
         write_resume_checkpoint(Resume(tmp_path), None, "run", 0)
     assert "bundle could not be written" in str(caught.value)
 
 
-def _worker(rank: int, _arg: None, store: str, out: str) -> None:
-    torch.set_num_threads(1)  # the processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    result: dict = {}
+def _stopped(out: str) -> dict:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            K.train(K.LR30, Path(out) / "bundles", parallel="ddp", window=WINDOW,
-                    on_invalid=Resume(Path(out) / "checkpoints"), run_id="ddp")
-        result["finished"] = True
+        K.train(K.LR30, Path(out) / "bundles", parallel="ddp", window=WINDOW,
+                on_invalid=Resume(Path(out) / "checkpoints"), run_id="ddp")
     except ResumeExit as exc:
-        result = {"code": exc.code, "checkpoint": str(exc.checkpoint), "step": exc.step, "message": str(exc),
-                  "bundle": str(exc.bundle_path)}
-    except Exception as exc:  # noqa: BLE001 - written for the test to show
-        result = {"exception": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+        return {"code": exc.code, "checkpoint": str(exc.checkpoint), "step": exc.step, "message": str(exc),
+                "bundle": str(exc.bundle_path)}
+    return {"finished": True}
+
+
+def _worker(rank: int, _arg: None, store: str, out: str) -> None:
+    gloo_rank(rank, store, 2)
+    write_result(out, rank, lambda: _stopped(out))
 
 
 @pytest.mark.slow
