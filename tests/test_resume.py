@@ -2,8 +2,8 @@
 loop at learning rate 30 stops at its NaN with ResumeExit (a SystemExit whose code a launcher reads), its message
 naming the bundle and the checkpoint; the checkpoint is the newest state the window kept from before the episode's
 first warning, loaded by plain DCP into a fresh model and optimizer bit for bit, and it trains on from there at a
-lower rate; written again, the same files. On 2 gloo ranks under DDP every rank exits with the same code and one
-checkpoint is written. Bad settings are refused by name."""
+lower rate; written again, the same files. On 2 gloo ranks under DDP and FSDP2 every rank exits with the same code
+and one checkpoint of the whole state is written. Bad settings are refused by name."""
 
 from __future__ import annotations
 
@@ -109,25 +109,28 @@ def test_without_a_bundle_no_checkpoint_is_written_and_the_reason_says_why(tmp_p
     assert "bundle could not be written" in str(caught.value)
 
 
-def _stopped(out: str) -> dict:
+def _stopped(out: str, parallel: str) -> dict:
     try:
-        K.train(K.LR30, Path(out) / "bundles", parallel="ddp", window=WINDOW,
-                on_invalid=Resume(Path(out) / "checkpoints"), run_id="ddp")
+        K.train(K.LR30, Path(out) / "bundles", parallel=parallel, window=WINDOW,
+                on_invalid=Resume(Path(out) / "checkpoints"), run_id=parallel)
     except ResumeExit as exc:
         return {"code": exc.code, "checkpoint": str(exc.checkpoint), "step": exc.step, "message": str(exc),
                 "bundle": str(exc.bundle_path)}
     return {"finished": True}
 
 
-def _worker(rank: int, _arg: None, store: str, out: str) -> None:
+def _worker(rank: int, parallel: str, store: str, out: str) -> None:
     gloo_rank(rank, store, 2)
-    write_result(out, rank, lambda: _stopped(out))
+    write_result(out, rank, lambda: _stopped(out, parallel))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_every_rank_of_a_ddp_run_exits_with_the_code_and_one_checkpoint_is_written(tmp_path):
-    spawn(_worker, None, 2, tmp_path, timeout_s=240, label="train.py under DDP with Resume")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_every_rank_exits_with_the_code_and_one_checkpoint_of_the_whole_state_is_written(tmp_path, parallel):
+    """Under DDP and FSDP2 (each rank's kept state its shards, joined by rank 0 from the set): every rank exits with
+    the code, and the one checkpoint loads in one process as the set's kept state."""
+    spawn(_worker, parallel, 2, tmp_path, timeout_s=240, label=f"train.py under {parallel} with Resume")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("code" in r for r in results), results
     assert {r["code"] for r in results} == {RESUME_EXIT_CODE}
