@@ -95,6 +95,7 @@ def test_nothing_of_the_run_changes(diagnosed, tmp_path):
     assert DIAGNOSIS_FINDING not in keys and "diagnosis over the window" not in str(plain.error)
 
 
+@pytest.mark.slow  # a long run (17 s): make test-slow
 def test_an_rnn_without_clipping_has_clipping_confirmed_and_each_fix_holds_in_the_real_loop(tmp_path):
     run = R.train({}, tmp_path, window=WINDOW, step_fn=R.forward_loss)
     diagnosis = run.monitor.diagnosis

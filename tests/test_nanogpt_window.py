@@ -45,7 +45,8 @@ def first_nonfinite_without_nanscan(config: dict, iters: int) -> int | None:
     return None
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# bfloat16's run under make test-slow only (make test within its 15 minutes); float32's in both
+@pytest.fixture(scope="module", params=[pytest.param("bfloat16", marks=pytest.mark.slow), "float32"])
 def diverged(request, tmp_path_factory):
     config = {**N.DIVERGING, "dtype": request.param}
     run = N.train(config, tmp_path_factory.mktemp(request.param), iters=60, window=WINDOW)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from nanscan import Rollback
@@ -17,6 +18,7 @@ from nanogpt_runs import DIVERGING, train
 from test_rollback import finding, rollbacks
 
 
+@pytest.mark.slow  # three long runs (11 s): make test-slow
 def test_an_lr_far_too_large_is_not_called_recovered_at_half_of_it_and_is_at_a_sane_one(tmp_path):
     """nanoGPT's loop with lr 30 goes non-finite at step 29 (tests/nanogpt_runs.py). Rolled back to the window's
     state with the learning rate x0.5 it runs its 70 steps finite, but its loss stays hundreds of times its first:
