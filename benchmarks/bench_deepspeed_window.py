@@ -36,21 +36,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench_window import model_arguments, timed  # noqa: E402
 from nanscan import demo as D  # noqa: E402
 from nanscan._atomic import write_results_json  # noqa: E402
 from nanscan.bench_scan import cpu_model  # noqa: E402
 
 WORLD = 2
-
-
-def _timed(seconds: list[float], call):
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-    return timed
 
 
 def _stage(stage: int, args: argparse.Namespace, tmp: str) -> dict:
@@ -79,7 +70,7 @@ def _stage(stage: int, args: argparse.Namespace, tmp: str) -> dict:
                                            spikes=None)}
     keeper = monitors["window"]._window
     keep_seconds: list[float] = []
-    keeper.keep = _timed(keep_seconds, keeper.keep)
+    keeper.keep = timed(keep_seconds, keeper.keep)
     step_seconds: dict[str, list[float]] = {name: [] for name in monitors}
     for i in range(2 * args.steps + 2):
         name = ("plain", "window")[i % 2]
@@ -130,14 +121,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (default 6)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    model_arguments(parser, steps=6, layers=4, d_model=256, heads=4, vocab=4096, batch=4)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="nanscan-bench-dswindow-") as out:
         mp.spawn(_worker, args=(args, str(Path(out) / "store"), out), nprocs=WORLD, join=True)

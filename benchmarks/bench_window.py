@@ -38,7 +38,8 @@ from nanscan.runtime.spill import StateSpill
 from nanscan.runtime.window import Window
 
 
-def _timed(seconds: list[float], call):
+def timed(seconds: list[float], call):
+    """`call`, appending each call's seconds to `seconds`."""
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -95,8 +96,8 @@ def run(steps: int, layers: int, d_model: int, heads: int, vocab: int, seq_len: 
         keeper = monitors["window"]._window
         begin_seconds: list[float] = []
         keep_seconds: list[float] = []
-        keeper.begin = _timed(begin_seconds, keeper.begin)
-        keeper.keep = _timed(keep_seconds, keeper.keep)
+        keeper.begin = timed(begin_seconds, keeper.begin)
+        keeper.keep = timed(keep_seconds, keeper.keep)
         step_seconds: dict[str, list[float]] = {name: [] for name in monitors}
         for i in range(2 * steps + 2):
             name = ("plain", "window")[i % 2]
@@ -148,16 +149,22 @@ def run(steps: int, layers: int, d_model: int, heads: int, vocab: int, seq_len: 
     }
 
 
+def model_arguments(parser: argparse.ArgumentParser, *, steps: int, layers: int, d_model: int, heads: int,
+                    vocab: int, batch: int, seq_len: int = 64) -> None:
+    """The demo transformer's sizes, the timed steps and --json, with these defaults."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per variant (default {steps})")
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--d-model", type=int, default=d_model)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant (default 4)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--d-model", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--json", type=Path, help="write the results as JSON to this file")
+    model_arguments(parser, steps=4, layers=12, d_model=768, heads=12, vocab=50257, batch=2)
     args = parser.parse_args(argv)
     result = run(args.steps, args.layers, args.d_model, args.heads, args.vocab, args.seq_len, args.batch)
     cost, window = result["window_cost_pct"], result["window"]

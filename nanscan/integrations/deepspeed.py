@@ -356,7 +356,8 @@ def _plain_values(value: Any) -> Any:
     """A scheduler's state_dict() with what a bundle stores as JSON (numbers, strings, lists, dicts); the rest
     (a lambda's closure) left out."""
     if isinstance(value, dict):
-        return {str(k): _plain_values(v) for k, v in value.items() if _plain_values(v) is not _LEFT_OUT}
+        kept = {str(k): _plain_values(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v is not _LEFT_OUT}
     if isinstance(value, (list, tuple)):
         kept = [_plain_values(v) for v in value]
         return _LEFT_OUT if any(v is _LEFT_OUT for v in kept) else kept

@@ -75,7 +75,7 @@ from nanscan.incident import (OTHER_RANK, REPLICA_MISMATCH, NonFiniteError, cate
 from nanscan.engine.stats import ScanReport
 from nanscan.runtime.replicas import (ReplicaSets, ReplicaView, hex_fingerprints, is_replicated,
                                       replica_verdict, replicated_dtensors)
-from nanscan.runtime.resume import Resume, exit_for_restart
+from nanscan.runtime.resume import CHECKPOINT_ERRORS, Resume, exit_for_restart
 from nanscan.runtime.rollback import Rollback, bad_row_ids
 from nanscan.runtime.shards import (SHARD_SUFFIX, has_dtensors, local_scan_plan, local_shard, local_tensor,
                                     localize_state, shard_layout, shard_suffix)
@@ -664,7 +664,7 @@ class Agreement:
         if isinstance(policy, Resume):  # every rank, at the same step; rank 0 writes the checkpoint
             try:
                 checkpoint, kept = monitor.resume_checkpoint(verdict.step, group=self.group, device=self.device)
-            except (ValueError, BundleError, OSError) as exc:
+            except CHECKPOINT_ERRORS as exc:
                 error = ReplicaMismatchError if verdict.replica_only else DistributedNonFiniteError
                 raise error(f"{message}; on_invalid=Resume: no checkpoint to resume from was written: {exc}",
                             rank=self.rank, local_category=local_category, verdict=verdict,

@@ -98,7 +98,7 @@ from nanscan.runtime.spikes import Spike, SpikeRule, SpikeWatch
 from nanscan.runtime.stages import CheckPath, StepCheck
 from nanscan.runtime.update import UpdateContext, UpdateWatch
 from nanscan.runtime.verdict import PendingStep, StepStart, StepVerdicts, retained, scanned_report
-from nanscan.runtime.window import Window, WindowKeeper, window_setting
+from nanscan.runtime.window import Window, WindowKeeper, reloads, window_setting
 from nanscan.runtime.wrappers import COMPILED, DATA_PARALLEL, inner_optimizer, peel
 
 log = logging.getLogger("nanscan")
@@ -450,15 +450,7 @@ class Monitor(StepVerdicts):
         self._export = monitor_export(log_every, [("tensorboard", tensorboard, tensorboard_export.as_sink),
                                                   ("wandb", wandb, wandb_export.as_sink)])
 
-        # NOTE: [tensor source]: a framework's source keeps a window where it can load its state back
-        reloads = source is None or callable(getattr(source, "load_state", None))
-        if window == "default":
-            window = Window() if reloads else None
-        elif window is not None and not reloads:
-            raise ValueError("window= with a TensorSource (source=) that cannot load a state back (no load_state): "
-                             "the framework keeps the model's tensors outside the module's state, which the window "
-                             "copies; pass window=None")
-        setting = window_setting(window)
+        setting = window_setting(window, source)  # NOTE: [tensor source]: a framework's where it loads states back
         self._window = WindowKeeper(setting, state_of=source.state if source is not None else None) \
             if setting is not None else None
         if isinstance(on_invalid, Resume) and setting is None:  # NOTE: [resume elsewhere]
@@ -469,7 +461,7 @@ class Monitor(StepVerdicts):
         # steps over the framework's own gradient buffers, which are put back after the step
         self._dropped = DroppedUpdate(keep_buffers=source is not None)
         if isinstance(on_invalid, Rollback):
-            if not reloads:
+            if not reloads(source):
                 raise ValueError("on_invalid=Rollback(...) with a TensorSource (source=) that cannot load a state back "
                                  "(no load_state): a rollback loads a kept state into the framework's tensors; use "
                                  "on_invalid='raise' and resume from a checkpoint")

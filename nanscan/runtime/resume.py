@@ -32,6 +32,9 @@ from nanscan.bundle.checkpoint import write_checkpoint
 log = logging.getLogger("nanscan")
 
 RESUME_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, the job may be tried again
+# what a checkpoint that could not be written raises: ValueError (nanscan's BundleError is one) with the reason, or
+# the OSError of a directory it could not write
+CHECKPOINT_ERRORS = (ValueError, OSError)
 
 
 @dataclasses.dataclass(frozen=True)

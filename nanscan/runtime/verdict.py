@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanscan.bundle import Incident, load_bundle, read_log_tail, unsaved_parts, write_bundle
-from nanscan.bundle.format import RERUN_FINDING, BundleError
+from nanscan.bundle.format import RERUN_FINDING
 from nanscan.bundle.provenance import RNG_SOURCES, capture_rng, environment
 from nanscan.engine.headroom import overflowing_inputs
 from nanscan.engine.inputs import optimizer_param_names, plain_ids
@@ -36,7 +36,7 @@ from nanscan.runtime.distributed import all_gather_json
 from nanscan.runtime.dropped_update import drop_gradients
 from nanscan.runtime.incident_diagnosis import diagnose, record_diagnosis
 from nanscan.runtime.incident_rerun import RerunResult, function_name, rerun_step
-from nanscan.runtime.resume import Resume, exit_for_restart, write_resume_checkpoint
+from nanscan.runtime.resume import CHECKPOINT_ERRORS, Resume, exit_for_restart, write_resume_checkpoint
 from nanscan.runtime.rollback import (Rollback, RollbackWarning, bad_row_ids, chosen_skip, describe,
                                       quarantine_rows)
 from nanscan.runtime.snapshot import CpuSnapshot
@@ -142,7 +142,7 @@ class StepVerdicts:
         if self._dropped.covers(step):  # NOTE: [dropped update]: a step already dropped is no new incident
             self._drop_gradients()
             return report
-        if self._scaler is not None and self._scaler.is_skip(report):
+        if self.is_overflow_skip(report):
             return self._overflow_skip(report, batch, sample_ids, started, start=start, read_at=read_at, slot=slot)
         category, tensors = categorize(report)
         deciding = self._deciding_micro
@@ -342,7 +342,7 @@ class StepVerdicts:
         try:
             if self._agreement is not None:
                 return self._agreement.decide(self, report, step, batch, sample_ids, started)
-            if report.ok or (self._scaler is not None and self._scaler.is_skip(report)):
+            if report.ok or self.is_overflow_skip(report):
                 return report
             if check.dated is not None and self._dated_incident(report, check.dated, step):
                 return report
@@ -521,7 +521,7 @@ class StepVerdicts:
             message = self._message(step, category, tensors, read_at, streak, update, why, seen_at)
             try:
                 checkpoint, kept = self.resume_checkpoint(step)
-            except (ValueError, BundleError, OSError) as exc:
+            except CHECKPOINT_ERRORS as exc:
                 raise NonFiniteError(f"{message}; on_invalid=Resume: no checkpoint to resume from was written: {exc}",
                                      bundle_path=self.bundle_path, step=step, category=category,
                                      tensors=tensors) from self.bundle_error
@@ -543,8 +543,8 @@ class StepVerdicts:
     def resume_checkpoint(self, step: int, *, group: Any = None, device: Any = None) -> tuple[Path, int]:
         """on_invalid=Resume: the checkpoint a restart of the incident of `step` begins from (NOTE: [resume
         elsewhere]), written from this process's bundle, or under a process group by rank 0 from the whole set
-        once every rank wrote its part, the ranks agreeing on the result; ValueError (BundleError, OSError) with
-        why none was written."""
+        once every rank wrote its part, the ranks agreeing on the result; CHECKPOINT_ERRORS with why none was
+        written."""
         first = episode_start([s.step for s in self.spikes], step)
         if group is None:
             return write_resume_checkpoint(self.on_invalid, self.bundle_path, self.run_id, first)
@@ -555,7 +555,7 @@ class StepVerdicts:
                 path, kept = write_resume_checkpoint(self.on_invalid, self.bundle_path.parent
                                                      if self.bundle_path is not None else None, self.run_id, first)
                 result = {"path": str(path), "step": kept}
-            except (ValueError, BundleError, OSError) as exc:
+            except CHECKPOINT_ERRORS as exc:
                 result = {"error": f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)}
         agreed = all_gather_json(result, group, device)[0]
         if "error" in agreed:

@@ -95,8 +95,21 @@ class Window:
             return 1 << 62
 
 
-def window_setting(window: Any) -> Window | None:
-    """Monitor(window=...) as a Window: a Window, an int (steps, the default spacing), or None (off)."""
+def reloads(source: Any) -> bool:
+    """Whether a Monitor's TensorSource (None: the module's own) can load a kept state back (NOTE: [tensor
+    source]): the window keeps states only then."""
+    return source is None or callable(getattr(source, "load_state", None))
+
+
+def window_setting(window: Any, source: Any = None) -> Window | None:
+    """Monitor(window=...) as a Window: "default" (Window(), or None for a `source` that cannot load a state back),
+    a Window, an int (steps, the default spacing), or None (off)."""
+    if window == "default":
+        return Window() if reloads(source) else None
+    if window is not None and not reloads(source):
+        raise ValueError("window= with a TensorSource (source=) that cannot load a state back (no load_state): "
+                         "the framework keeps the model's tensors outside the module's state, which the window "
+                         "copies; pass window=None")
     if window is None or isinstance(window, Window):
         return window
     if isinstance(window, int) and not isinstance(window, bool):
